@@ -1,0 +1,113 @@
+"""The configuration schema: one dataclass per component, one TOML section per dataclass.
+
+Every field carries its documentation (``doc``) and, where the set of good values is small, the allowed
+values (``choices``) or bounds (``min``). ``clockwork config show`` and ``etc/clockwork.toml`` are both
+generated from, and tested against, this single source so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, min: float | None = None) -> Any:
+    """A documented dataclass field; ``choices``/``min`` are enforced by the loader."""
+    meta: dict[str, Any] = {"doc": doc}
+    if choices is not None:
+        meta["choices"] = choices
+    if min is not None:
+        meta["min"] = min
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """How Clockwork's own programs log (the CLI, the node daemon, the Slurm hooks)."""
+
+    level: str = setting(
+        "info", "Lowest level written to the log.", choices=("debug", "info", "warning", "error")
+    )
+    file: str = setting("", "Log file for the daemon and the hooks; empty = standard error.")
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """How Clockwork reaches Slurm."""
+
+    backend: str = setting(
+        "auto",
+        "Slurm access backend: 'cli' runs the Slurm commands (any Slurm >= 22.05); 'pyslurm' uses pyslurm, "
+        "which must match the site's libslurm; 'auto' takes pyslurm when it matches, the CLI otherwise.",
+        choices=("auto", "cli", "pyslurm"),
+    )
+    conf: str = setting(
+        "/etc/slurm/slurm.conf",
+        "slurm.conf given to every Slurm command as SLURM_CONF (without it clients try a DNS SRV lookup).",
+    )
+    bin_dir: str = setting("", "Folder holding sbatch, scontrol, ...; empty = search PATH.")
+    timeout_s: float = setting(
+        30.0, "Seconds a Slurm command may take before it counts as failed (clients hang when "
+        "slurmctld is down).", min=1.0,
+    )
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    """The Prolog/Epilog programs Slurm runs (root, no PATH)."""
+
+    spool_dir: str = setting(
+        "/var/spool/clockwork",
+        "Where the hooks record each job's events (jobs/JOBID/NODE.jsonl) and failure reports.",
+    )
+    timeout_s: float = setting(
+        10.0, "Longest a hook waits on anything it calls; a hook never blocks a job for long.", min=0.1
+    )
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """The embedded sandbox cluster: a real Slurm on network namespaces, for demos and tests only."""
+
+    state_dir: str = setting(
+        "/run/clockwork-sandbox",
+        "Folder holding everything the sandbox makes: configs, sockets, logs, databases, spool.",
+    )
+    nodes: int = setting(3, "Number of nodes (node1..nodeN), each a network + UTS namespace.", min=1)
+    nics: int = setting(2, "NICs per node, one per rail (nic0 on rail 0, nic1 on rail 1, ...).", min=1)
+    cpus_per_node: int = setting(2, "CPUs each sandbox node offers to Slurm.", min=1)
+    accounting: bool = setting(False, "Start MariaDB + slurmdbd so that sacct works.")
+    node_net: str = setting(
+        "198.18.0.0/24", "Stable node addresses (/32 each; node i gets host i). RFC 2544 test range."
+    )
+    rail_net: str = setting(
+        "198.18.{rail}.0/24",
+        "Per-rail subnets; '{rail}' is replaced by rail number + 1 (rail 0 -> 198.18.1.0/24).",
+    )
+    mgmt_net: str = setting(
+        "198.19.0.0/24",
+        "Management network that carries Slurm's own traffic; the controller (root namespace) gets "
+        "the last host address, node i gets host i.",
+    )
+    port_base: int = setting(
+        16817,
+        "First of four private TCP ports: slurmctld, slurmd, slurmdbd, MariaDB (base .. base+3).",
+        min=1024,
+    )
+
+
+@dataclass(frozen=True)
+class ClockworkConfig:
+    """The whole configuration; attribute names are the TOML section names."""
+
+    log: LogConfig = field(default_factory=LogConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+def sections() -> dict[str, type]:
+    """Section name -> dataclass, in the order they appear in the file."""
+    return {f.name: f.default_factory for f in fields(ClockworkConfig)}  # type: ignore[misc]

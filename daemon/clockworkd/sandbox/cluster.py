@@ -1,0 +1,315 @@
+"""The sandbox cluster as one object: bring up, inspect, enter, tear down.
+
+``up`` builds in this order, each step waiting only as long as it must: files and munge key ->
+network fabric -> munged -> (MariaDB -> slurmdbd -> cluster record) -> slurmctld -> one slurmd per
+node -> every node idle. Any failure tears down what was built and re-raises, leaving the logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from clockworkd.config.schema import SandboxConfig
+from clockworkd.errors import NeedRootError, SandboxError
+from clockworkd.sandbox import fabric, processes, slurm_files
+from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, FABRIC_NS, Layout, build_layout
+from clockworkd.sandbox.paths import StatePaths
+from clockworkd.sandbox.shell import missing_programs, netns_path, run
+from clockworkd.sandbox.state import SandboxState
+
+log = logging.getLogger("clockwork.sandbox")
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+SPANK_SO = REPO_ROOT / "spank" / "clockwork.so"
+
+
+def require_root(what: str) -> None:
+    if os.geteuid() != 0:
+        raise NeedRootError(
+            f"{what} needs root: it creates network namespaces, veths, bridges and mounts and starts "
+            f"munged and the Slurm daemons (you are uid {os.geteuid()}; run it with sudo)"
+        )
+
+
+def node_prefix(paths: StatePaths, node: str) -> list[str]:
+    """Argv prefix that runs a command "on" a sandbox node.
+
+    Enters the node's network namespace, then new UTS and mount namespaces: hostname = node name,
+    a fresh /sys for this namespace's devices, a private cgroup mount (slurmd 22.05 needs a cgroup
+    hierarchy it may touch; the host's stays untouched) and the sandbox's /etc/hosts.
+    """
+    setup = (
+        "mount -t sysfs sysfs /sys && "
+        "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/systemd && "
+        "mount -t cgroup -o none,name=clockwork-sandbox cgroup /sys/fs/cgroup/systemd && "
+        f"mount --bind {paths.hosts} /etc/hosts && hostname {node} && exec \"$@\""
+    )
+    return [
+        "nsenter", f"--net={netns_path(node)}", "unshare", "--uts", "--mount", "--propagation", "private",
+        "--", "/bin/sh", "-c", setup, "sh",
+    ]
+
+
+class Sandbox:
+    """One sandbox cluster, identified by its state folder."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        self.config = config
+        self.paths = StatePaths(Path(config.state_dir).resolve())
+        self._progress: Callable[[str], None] = lambda msg: None
+
+    # ----- inspection -----------------------------------------------------------------------
+    def state(self) -> SandboxState | None:
+        return SandboxState.load(self.paths.state_file)
+
+    def layout(self) -> Layout:
+        st = self.state()
+        return build_layout(st.config if st else self.config)
+
+    def running(self) -> bool:
+        st = self.state()
+        return st is not None and st.phase == "up" and any(processes.alive(p) for p in st.pids.values())
+
+    def require_up(self) -> SandboxState:
+        st = self.state()
+        if st is None or st.phase != "up":
+            raise SandboxError(f"no sandbox is running at {self.paths.root} (start one with `clockwork sandbox up`)")
+        return st
+
+    def slurm_env(self) -> dict[str, str]:
+        """Environment for Slurm client commands aimed at this sandbox."""
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.paths.slurm_conf)
+        return env
+
+    def env_exports(self) -> str:
+        """Shell lines that point a shell at the sandbox (for ``eval "$(clockwork sandbox env)"``)."""
+        st = self.require_up()
+        bindir = str(Path(st.python).parent)
+        return "\n".join([
+            f"export SLURM_CONF={self.paths.slurm_conf}",
+            f"export CLOCKWORK_CONFIG={self.paths.clockwork_toml}",
+            f'export PATH={bindir}:/usr/sbin:/usr/bin:$PATH',
+        ]) + "\n"
+
+    # ----- bring-up -------------------------------------------------------------------------
+    def up(self, progress: Callable[[str], None] | None = None) -> float:
+        """Build and start the whole cluster; returns the seconds it took."""
+        self._progress = progress or (lambda msg: None)
+        require_root("clockwork sandbox up")
+        missing = missing_programs(self.config.accounting)
+        if missing:
+            raise SandboxError(
+                "missing system programs: " + ", ".join(missing) + " (install them with `make venv`, "
+                "which runs apt-get for you)"
+            )
+        layout = build_layout(self.config)
+        self._claim_state_dir(layout)
+        t0 = time.monotonic()
+        st = SandboxState(config=replace(self.config, state_dir=str(self.paths.root)), python=sys.executable)
+        st.save(self.paths.state_file)
+        try:
+            self._build(st, layout)
+        except BaseException:
+            self._progress("bring-up failed; tearing down what was built")
+            self.down()
+            raise
+        st.phase = "up"
+        st.save(self.paths.state_file)
+        return time.monotonic() - t0
+
+    def _claim_state_dir(self, layout: Layout) -> None:
+        root = self.paths.root
+        if self.running():
+            raise SandboxError(
+                f"a sandbox is already running at {root} ({len(self.layout().nodes)} nodes); "
+                "use it, or stop it first with `clockwork sandbox down`"
+            )
+        clash = fabric.existing_namespaces() & set(fabric.namespaces(layout))
+        if clash or processes.marked(root):
+            self._progress("found leftovers of an earlier sandbox; cleaning them up")
+            self.down()
+            clash = fabric.existing_namespaces() & set(fabric.namespaces(layout))
+            if clash:
+                raise SandboxError(
+                    f"network namespaces {', '.join(sorted(clash))} exist but do not belong to the sandbox at "
+                    f"{root}; another sandbox (other --state) or another tool owns them"
+                )
+        if root.exists() and any(root.iterdir()) and not self.paths.state_file.exists():
+            raise SandboxError(f"{root} exists, is not empty and is not a sandbox state folder; choose another --state")
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True, mode=0o755)
+        os.chmod(root, 0o755)
+
+    def _start(self, st: SandboxState, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
+        pid = processes.start(argv, log_file=self.paths.logs / f"{name}.log", state_dir=self.paths.root, env=env)
+        st.pids[name] = pid
+        st.save(self.paths.state_file)
+        return pid
+
+    def _build(self, st: SandboxState, layout: Layout) -> None:
+        p = self.paths
+        accounting = self.config.accounting
+        slurm_env = {"SLURM_CONF": str(p.slurm_conf)}
+        slurm_files.write_all(
+            p, layout, accounting=accounting, cpus_per_node=self.config.cpus_per_node,
+            python=sys.executable, spank_so=SPANK_SO,
+        )
+        p.munge.chmod(0o755)
+        p.munge_key.write_bytes(os.urandom(1024))
+        p.munge_key.chmod(0o600)
+
+        self._progress(f"building the fabric: {len(layout.nodes)} nodes x {layout.rails} NICs on {layout.rails} rails")
+        fabric.build(layout)
+
+        self._progress("starting munged (authentication)")
+        pid = self._start(st, "munged", [
+            "munged", "--foreground", "--force", f"--socket={p.munge_socket}", f"--key-file={p.munge_key}",
+            f"--pid-file={p.munge / 'munged.pid'}", f"--seed-file={p.munge / 'seed'}",
+            f"--log-file={p.logs / 'munged.log'}", "--num-threads=4",
+        ])
+        processes.wait_until("munged", p.munge_socket.exists, timeout_s=10, pid=pid, log_file=p.logs / "munged.log")
+
+        if accounting:
+            self._start_accounting(st, layout, slurm_env)
+
+        self._progress(f"starting slurmctld on host '{CONTROLLER}' ({layout.ctl_ip})")
+        pid = self._start(st, "slurmctld", [
+            "unshare", "--uts", "--", "/bin/sh", "-c",
+            f'hostname {CONTROLLER} && exec slurmctld -D -c -f "$0"', str(p.slurm_conf),
+        ], env=slurm_env)
+        processes.wait_until(
+            "slurmctld", processes.port_open(layout.ctl_ip, layout.slurmctld_port), timeout_s=20, pid=pid,
+            log_file=p.logs / "slurmctld.log",
+        )
+
+        self._progress("starting one slurmd per node")
+        for node in layout.nodes:
+            self._start(st, f"slurmd-{node.name}", [
+                *node_prefix(p, node.name), "slurmd", "-D", "-N", node.name, "-f", str(p.slurm_conf),
+            ], env=slurm_env)
+        names = [n.name for n in layout.nodes]
+
+        def all_idle() -> bool:
+            dead = [n for n in names if not processes.alive(st.pids[f"slurmd-{n}"])]
+            if dead:
+                raise SandboxError(f"slurmd on {', '.join(dead)} exited (see {p.logs}/slurmd-{dead[0]}.log)")
+            states = self.node_states()
+            return all(states.get(n, "").startswith("idle") for n in names)
+
+        processes.wait_until("the sandbox nodes", all_idle, timeout_s=30)
+        self._progress("all nodes idle: the cluster is ready")
+
+    def _start_accounting(self, st: SandboxState, layout: Layout, slurm_env: dict[str, str]) -> None:
+        p = self.paths
+        self._progress("starting MariaDB and slurmdbd (accounting, for sacct)")
+        run([
+            "mariadb-install-db", "--no-defaults", f"--datadir={p.db}", "--user=root",
+            "--auth-root-authentication-method=normal", "--skip-test-db", "--skip-name-resolve",
+        ], timeout=60)
+        init = p.etc / "mariadb-init.sql"
+        init.write_text(
+            "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1';\n"
+            "GRANT ALL PRIVILEGES ON *.* TO 'slurm'@'127.0.0.1';\n"
+        )
+        pid = self._start(st, "mariadb", [
+            "mariadbd", "--no-defaults", f"--datadir={p.db}", f"--socket={p.db_socket}",
+            f"--port={layout.mariadb_port}", "--bind-address=127.0.0.1", "--user=root", "--skip-name-resolve",
+            "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M", f"--init-file={init}",
+            f"--pid-file={p.root / 'mariadb.pid'}", "--skip-log-bin",
+        ])
+        processes.wait_until(
+            "MariaDB", processes.port_open("127.0.0.1", layout.mariadb_port), timeout_s=30, pid=pid,
+            log_file=p.logs / "mariadb.log",
+        )
+        pid = self._start(st, "slurmdbd", ["slurmdbd", "-D"], env=slurm_env)
+        processes.wait_until(
+            "slurmdbd", processes.port_open("127.0.0.1", layout.slurmdbd_port), timeout_s=30, pid=pid,
+            log_file=p.logs / "slurmdbd.log",
+        )
+        run(["sacctmgr", "-i", "add", "cluster", CLUSTER], env={**self.slurm_env(), **slurm_env}, timeout=30)
+
+    def node_states(self) -> dict[str, str]:
+        """Slurm's state of each node (``idle``, ``alloc``, ``down*`` ...); empty if slurmctld is unreachable."""
+        out = run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.slurm_env(), check=False, timeout=10).stdout
+        return dict(line.split(None, 1) for line in out.splitlines() if " " in line)
+
+    # ----- tear-down ------------------------------------------------------------------------
+    def down(self) -> list[str]:
+        """Stop every process and remove every namespace, bridge and veth; safe on any partial state."""
+        require_root("clockwork sandbox down")
+        st = self.state()
+        if st is not None:
+            node_names = [n.name for n in build_layout(st.config).nodes]
+        elif FABRIC_NS in fabric.existing_namespaces():
+            node_names = sorted(ns for ns in fabric.existing_namespaces() if re.fullmatch(r"node\d+", ns))
+        else:
+            node_names = []
+        namespaces = [FABRIC_NS, *node_names]
+        present = fabric.existing_namespaces()
+        pids = processes.marked(self.paths.root) | processes.netns_pids(ns for ns in namespaces if ns in present)
+        if st is not None:
+            pids |= {pid for pid in st.pids.values() if pid in processes.marked(self.paths.root)}
+        stopped = processes.stop(pids)
+        removed = [f"{len(stopped)} processes"] if stopped else []
+        removed += fabric.teardown(node_names)
+        if st is not None:
+            st.phase = "down"
+            st.pids = {}
+            st.faults = {}
+            st.save(self.paths.state_file)
+        return removed
+
+    # ----- status and exec ------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        st = self.state()
+        if st is None:
+            return {"state_dir": str(self.paths.root), "phase": "absent", "running": False}
+        layout = build_layout(st.config)
+        states = self.node_states() if st.phase == "up" else {}
+        nodes = []
+        for node in layout.nodes:
+            pid = st.pids.get(f"slurmd-{node.name}")
+            nodes.append({
+                "name": node.name,
+                "node_addr": node.node_addr,
+                "mgmt_addr": node.mgmt_ip,
+                "slurm_state": states.get(node.name, "unknown"),
+                "slurmd_pid": pid,
+                "slurmd_alive": bool(pid and processes.alive(pid)),
+                "nics": [
+                    {"nic": nic.name, "device": nic.name, "rail": nic.rail, "addr": nic.cidr,
+                     "switch": f"{FABRIC_NS}/{nic.bridge}", "switch_port": nic.port}
+                    for nic in node.nics
+                ],
+            })
+        return {
+            "state_dir": str(self.paths.root),
+            "phase": st.phase,
+            "running": self.running(),
+            "accounting": st.config.accounting,
+            "controller": {"host": CONTROLLER, "addr": layout.ctl_ip, "port": layout.slurmctld_port},
+            "slurm_conf": str(self.paths.slurm_conf),
+            "munge_socket": str(self.paths.munge_socket),
+            "clockwork_config": str(self.paths.clockwork_toml),
+            "logs": str(self.paths.logs),
+            "services": {name: {"pid": pid, "alive": processes.alive(pid)} for name, pid in st.pids.items()},
+            "faults": st.faults,
+            "nodes": nodes,
+        }
+
+    def exec_argv(self, node: str, argv: Sequence[str]) -> list[str]:
+        """The full argv that runs ``argv`` on ``node`` (namespaces as the node's slurmd sees them)."""
+        self.require_up()
+        self.layout().node(node)
+        return [*node_prefix(self.paths, node), *argv]

@@ -1,0 +1,125 @@
+"""The emulated network: namespaces, veth NICs, rail bridges, node addresses and routes.
+
+Commands go to iproute2 in batches (one ``ip -batch`` process per namespace), which keeps bring-up of a
+few nodes well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from clockworkd.errors import SandboxError
+from clockworkd.sandbox.layout import FABRIC_NS, MGMT_BRIDGE, MGMT_DEV, ROOT_DEV, ROOT_PEER, Layout
+from clockworkd.sandbox.shell import in_netns, run
+
+# Sysctls every node needs for routed, multi-rail addressing (see docs/sandbox.md):
+# rp_filter 0 accepts replies that arrive on another rail than the one we sent on; arp_ignore 1 /
+# arp_announce 2 stop a node answering ARP for one rail's address on another rail.
+NODE_SYSCTLS = {
+    "net.ipv4.conf.all.rp_filter": "0",
+    "net.ipv4.conf.default.rp_filter": "0",
+    "net.ipv4.conf.all.arp_ignore": "1",
+    "net.ipv4.conf.all.arp_announce": "2",
+    "net.ipv6.conf.all.disable_ipv6": "1",
+    "net.ipv6.conf.default.disable_ipv6": "1",
+}
+FABRIC_SYSCTLS = {
+    "net.ipv6.conf.all.disable_ipv6": "1",
+    "net.ipv6.conf.default.disable_ipv6": "1",
+}
+
+
+def namespaces(layout: Layout) -> list[str]:
+    return [FABRIC_NS, *(n.name for n in layout.nodes)]
+
+
+def existing_namespaces() -> set[str]:
+    try:
+        return set(os.listdir("/run/netns"))
+    except FileNotFoundError:
+        return set()
+
+
+def _batch(lines: list[str], ns: str | None = None) -> None:
+    argv = ["ip", "-batch", "-"] if ns is None else ["ip", "-n", ns, "-batch", "-"]
+    run(argv, input="\n".join(lines) + "\n")
+
+
+def _sysctls(namespaces_and_values: list[tuple[str, dict[str, str]]]) -> None:
+    """Set sysctls in several namespaces concurrently (each nsenter costs a few ms)."""
+    procs = []
+    for ns, values in namespaces_and_values:
+        argv = [*in_netns(ns), "sysctl", "-q", "-w", *(f"{k}={v}" for k, v in values.items())]
+        procs.append((argv, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    errors = []
+    for argv, proc in procs:
+        _, err = proc.communicate(timeout=30)
+        if proc.returncode != 0:
+            errors.append(f"{' '.join(argv)}: {err.strip()}")
+    if errors:
+        raise SandboxError("; ".join(errors))
+
+
+def build(layout: Layout) -> None:
+    """Create the whole fabric; the caller tears it down with :func:`teardown` if this raises."""
+    _batch([f"netns add {ns}" for ns in namespaces(layout)])
+    _sysctls([(FABRIC_NS, FABRIC_SYSCTLS)] + [(n.name, NODE_SYSCTLS) for n in layout.nodes])
+
+    links = [f"link add {ROOT_DEV} type veth peer name {ROOT_PEER} netns {FABRIC_NS}"]
+    for node in layout.nodes:
+        links.append(f"link add {node.mgmt_port} netns {FABRIC_NS} type veth peer name {MGMT_DEV} netns {node.name}")
+        for nic in node.nics:
+            links.append(f"link add {nic.port} netns {FABRIC_NS} type veth peer name {nic.name} netns {node.name}")
+    _batch(links)
+
+    bridges = [MGMT_BRIDGE, *(f"rail{r}" for r in range(layout.rails))]
+    fabric = ["link set lo up"]
+    for br in bridges:
+        fabric += [f"link add {br} type bridge stp_state 0 mcast_snooping 0", f"link set {br} up"]
+    fabric.append(f"link set {ROOT_PEER} master {MGMT_BRIDGE} up")
+    for node in layout.nodes:
+        fabric.append(f"link set {node.mgmt_port} master {MGMT_BRIDGE} up")
+        fabric += [f"link set {nic.port} master {nic.bridge} up" for nic in node.nics]
+    _batch(fabric, FABRIC_NS)
+
+    for node in layout.nodes:
+        cmds = [
+            "link set lo up",
+            f"addr add {node.node_addr}/32 dev lo",
+            f"addr add {node.mgmt_ip}/{node.mgmt_prefixlen} dev {MGMT_DEV}",
+            f"link set {MGMT_DEV} up",
+        ]
+        for nic in node.nics:
+            cmds += [f"addr add {nic.cidr} dev {nic.name}", f"link set {nic.name} up"]
+        for peer in layout.nodes:
+            if peer is not node:
+                via = peer.nics[0]
+                cmds.append(f"route add {peer.node_addr}/32 via {via.ip} dev {node.nics[0].name} src {node.node_addr}")
+        _batch(cmds, node.name)
+
+    run(["sysctl", "-q", "-w", f"net.ipv6.conf.{ROOT_DEV}.disable_ipv6=1"], check=False)
+    _batch([f"addr add {layout.ctl_ip}/{layout.mgmt_prefixlen} dev {ROOT_DEV}", f"link set {ROOT_DEV} up"])
+
+
+def teardown(layout_nodes: list[str]) -> list[str]:
+    """Remove every namespace, veth and bridge the sandbox made; tolerant of a half-built fabric.
+
+    Deleting the veths explicitly (not just the namespaces) matters: a namespace is freed
+    asynchronously and a quick re-``up`` would otherwise meet its devices. Returns what was removed.
+    """
+    removed = []
+    present = existing_namespaces()
+    for ns in [FABRIC_NS, *layout_nodes]:
+        if ns in present:
+            links = run(["ip", "-n", ns, "-o", "link", "show"], check=False).stdout
+            devs = [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ":" in line]
+            dels = [f"link del {d}" for d in devs if d != "lo"]
+            if dels:
+                run(["ip", "-n", ns, "-force", "-batch", "-"], input="\n".join(dels) + "\n", check=False)
+            run(["ip", "netns", "del", ns], check=False)
+            removed.append(f"namespace {ns}")
+    if run(["ip", "link", "show", ROOT_DEV], check=False).returncode == 0:
+        run(["ip", "link", "del", ROOT_DEV], check=False)
+        removed.append(f"veth {ROOT_DEV}")
+    return removed

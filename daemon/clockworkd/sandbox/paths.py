@@ -1,0 +1,88 @@
+"""Where each file of a sandbox lives under its state folder (one place, so nothing hard-codes paths)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class StatePaths:
+    """Every path under one sandbox state folder."""
+
+    root: Path
+
+    @property
+    def state_file(self) -> Path:
+        return self.root / "sandbox.json"
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.etc / "slurm.conf"
+
+    @property
+    def slurmdbd_conf(self) -> Path:
+        return self.etc / "slurmdbd.conf"
+
+    @property
+    def cgroup_conf(self) -> Path:
+        return self.etc / "cgroup.conf"
+
+    @property
+    def plugstack_conf(self) -> Path:
+        return self.etc / "plugstack.conf"
+
+    @property
+    def hosts(self) -> Path:
+        return self.etc / "hosts"
+
+    @property
+    def clockwork_toml(self) -> Path:
+        return self.etc / "clockwork.toml"
+
+    @property
+    def hooks(self) -> Path:
+        return self.root / "hooks"
+
+    @property
+    def munge(self) -> Path:
+        return self.root / "munge"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.munge / "munge.socket"
+
+    @property
+    def munge_key(self) -> Path:
+        return self.munge / "munge.key"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "log"
+
+    @property
+    def ctld_state(self) -> Path:
+        return self.root / "slurmctld"
+
+    @property
+    def db(self) -> Path:
+        return self.root / "mariadb"
+
+    @property
+    def db_socket(self) -> Path:
+        return self.root / "mariadb.sock"
+
+    @property
+    def spool(self) -> Path:
+        """Clockwork's own spool (what the hooks write)."""
+        return self.root / "spool"
+
+    def node_dir(self, node: str) -> Path:
+        return self.root / "nodes" / node
+
+    def all_dirs(self) -> list[Path]:
+        return [self.etc, self.hooks, self.munge, self.logs, self.ctld_state, self.spool, self.root / "nodes"]

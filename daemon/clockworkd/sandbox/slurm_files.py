@@ -1,0 +1,166 @@
+"""The files a sandbox cluster runs on: slurm.conf, slurmdbd.conf, plugstack, hosts, hook wrappers.
+
+Settings follow what was measured to work and be fast on these machines (shared/TESTBED.md): SlurmUser
+root, linuxproc process tracking, no task plugin, a 5 s credential lifetime so requeued jobs start
+at once, and a scheduler that looks at the queue every 2 s.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, Layout
+from clockworkd.sandbox.paths import StatePaths
+
+#: Slurm script contexts and the wrapper file each slurm.conf parameter points at.
+HOOKS = {
+    "Prolog": "prolog",
+    "Epilog": "epilog",
+    "PrologSlurmctld": "prolog_slurmctld",
+    "EpilogSlurmctld": "epilog_slurmctld",
+}
+
+
+def slurm_conf(paths: StatePaths, layout: Layout, accounting: bool, cpus_per_node: int) -> str:
+    p = paths
+    lines = [
+        "# Written by `clockwork sandbox up`; every path lies under the sandbox state folder.",
+        f"ClusterName={CLUSTER}",
+        f"SlurmctldHost={CONTROLLER}({layout.ctl_ip})",
+        f"SlurmctldPort={layout.slurmctld_port}",
+        f"SlurmdPort={layout.slurmd_port}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={p.munge_socket},cred_expire=5",
+        f"StateSaveLocation={p.ctld_state}",
+        f"SlurmdSpoolDir={p.root}/nodes/%n/spool",
+        f"SlurmctldPidFile={p.root}/slurmctld.pid",
+        f"SlurmdPidFile={p.root}/nodes/%n/slurmd.pid",
+        f"SlurmctldLogFile={p.logs}/slurmctld.log",
+        f"SlurmdLogFile={p.logs}/slurmd-%n.log",
+        f"PlugStackConfig={p.plugstack_conf}",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "JobAcctGatherType=jobacct_gather/none",
+        "SlurmdParameters=config_overrides",
+        "ReturnToService=2",
+        "SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=1",
+        "MessageTimeout=10",
+        "KillWait=5",
+        "MinJobAge=300",
+        "MpiDefault=none",
+        "PrologFlags=Alloc",
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
+        *(f"{param}={p.hooks / name}" for param, name in HOOKS.items()),
+    ]
+    if accounting:
+        lines += [
+            "AccountingStorageType=accounting_storage/slurmdbd",
+            "AccountingStorageHost=127.0.0.1",
+            f"AccountingStoragePort={layout.slurmdbd_port}",
+            f"AccountingStoragePass={p.munge_socket}",
+            "JobCompType=jobcomp/none",
+        ]
+    else:
+        lines.append("AccountingStorageType=accounting_storage/none")
+    for node in layout.nodes:
+        lines.append(
+            f"NodeName={node.name} NodeAddr={node.mgmt_ip} NodeHostname={node.name} "
+            f"CPUs={cpus_per_node} RealMemory=1024 State=UNKNOWN"
+        )
+    names = ",".join(n.name for n in layout.nodes)
+    lines += [
+        f"PartitionName=low Nodes={names} Default=YES PriorityTier=1 PreemptMode=REQUEUE MaxTime=INFINITE State=UP",
+        f"PartitionName=high Nodes={names} PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def slurmdbd_conf(paths: StatePaths, layout: Layout) -> str:
+    return "\n".join([
+        "AuthType=auth/munge",
+        f"AuthInfo=socket={paths.munge_socket}",
+        "DbdHost=localhost",
+        "DbdAddr=127.0.0.1",
+        f"DbdPort={layout.slurmdbd_port}",
+        "SlurmUser=root",
+        f"LogFile={paths.logs}/slurmdbd.log",
+        f"PidFile={paths.root}/slurmdbd.pid",
+        "StorageType=accounting_storage/mysql",
+        "StorageHost=127.0.0.1",
+        f"StoragePort={layout.mariadb_port}",
+        "StorageUser=slurm",
+        "StorageLoc=slurm_acct_db",
+    ]) + "\n"
+
+
+def hosts(layout: Layout) -> str:
+    """/etc/hosts inside every node: hostnames resolve to the stable node addresses.
+
+    So a process's own hostname is its node address, which is what gloo, TCPStore and peers bind
+    and connect to: traffic then follows the routed node address that LinkPass can move.
+    """
+    lines = ["127.0.0.1\tlocalhost", f"{layout.ctl_ip}\t{CONTROLLER}"]
+    lines += [f"{n.node_addr}\t{n.name}" for n in layout.nodes]
+    return "\n".join(lines) + "\n"
+
+
+def plugstack(spank_so: Path | None) -> str:
+    """Load the Clockwork SPANK plugin once it has been built (spank/clockwork.so)."""
+    if spank_so is None or not spank_so.exists():
+        return "# spank/clockwork.so is not built yet; nothing to load.\n"
+    return f"optional {spank_so}\n"
+
+
+def clockwork_toml(paths: StatePaths, state_dir: Path) -> str:
+    """The configuration the hooks (and `clockwork` inside jobs) read on the sandbox."""
+    return "\n".join([
+        "# Written by `clockwork sandbox up`.",
+        "[log]",
+        f'file = "{paths.logs / "clockwork.log"}"',
+        "[slurm]",
+        'backend = "cli"',
+        f'conf = "{paths.slurm_conf}"',
+        "[hooks]",
+        f'spool_dir = "{paths.spool}"',
+        "[sandbox]",
+        f'state_dir = "{state_dir}"',
+    ]) + "\n"
+
+
+def hook_wrapper(python: str, config: Path, context: str) -> str:
+    """Slurm runs hooks as root with no PATH: an absolute interpreter and config are mandatory."""
+    return (
+        "#!/bin/sh\n"
+        f"# Slurm {context} hook for the Clockwork sandbox.\n"
+        f"CLOCKWORK_CONFIG={shlex.quote(str(config))} exec {shlex.quote(python)} -m slurm_hooks {context}\n"
+    )
+
+
+def write_all(
+    paths: StatePaths, layout: Layout, *, accounting: bool, cpus_per_node: int, python: str, spank_so: Path | None
+) -> None:
+    """Write every file the sandbox's daemons read."""
+    for d in paths.all_dirs():
+        d.mkdir(parents=True, exist_ok=True)
+    paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node))
+    paths.cgroup_conf.write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
+    paths.plugstack_conf.write_text(plugstack(spank_so))
+    paths.hosts.write_text(hosts(layout))
+    paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root))
+    if accounting:
+        paths.slurmdbd_conf.write_text(slurmdbd_conf(paths, layout))
+        os.chmod(paths.slurmdbd_conf, 0o600)  # slurmdbd refuses a readable file
+    for name in HOOKS.values():
+        wrapper = paths.hooks / name
+        wrapper.write_text(hook_wrapper(python, paths.clockwork_toml, name))
+        wrapper.chmod(0o755)
+    for node in layout.nodes:
+        (paths.node_dir(node.name) / "spool").mkdir(parents=True, exist_ok=True)
