@@ -224,9 +224,7 @@ def make_deterministic(seed: int) -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def endless_batches(
-    loader: DataLoader, sampler: DistributedSampler[int]
-) -> Iterator[tuple[torch.Tensor, ...]]:
+def endless_batches(loader: DataLoader, sampler: DistributedSampler[int]) -> Iterator[tuple[torch.Tensor, ...]]:
     """Cycle over epochs; set_epoch gives each epoch a new (still seeded) shuffle of this rank's shard."""
     epoch = 0
     while True:
@@ -259,8 +257,7 @@ def loss_plot(losses: Sequence[float], rows: int = PLOT_ROWS, max_columns: int =
     columns = min(len(losses), max_columns)
     # Each column shows the mean loss of its share of the steps.
     buckets = [
-        losses[column * len(losses) // columns : (column + 1) * len(losses) // columns]
-        for column in range(columns)
+        losses[column * len(losses) // columns : (column + 1) * len(losses) // columns] for column in range(columns)
     ]
     values = [sum(bucket) / len(bucket) for bucket in buckets]
     top, bottom = max(values), min(values)

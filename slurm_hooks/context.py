@@ -48,9 +48,7 @@ def resolve_context(name: str | None, env: Mapping[str, str]) -> str:
     """The hook context from the command line, else from SLURM_SCRIPT_CONTEXT."""
     context = ALIASES.get(name or "", name) or env.get("SLURM_SCRIPT_CONTEXT", "")
     if context not in CONTEXTS:
-        raise ValueError(
-            f"unknown hook context {context!r} (expected one of {', '.join((*ALIASES, *CONTEXTS))})"
-        )
+        raise ValueError(f"unknown hook context {context!r} (expected one of {', '.join((*ALIASES, *CONTEXTS))})")
     return context
 
 
@@ -71,5 +69,5 @@ def from_env(context: str, env: Mapping[str, str]) -> HookContext:
         partition=env.get("SLURM_JOB_PARTITION", ""),
         restart_count=_int(env.get("SLURM_JOB_RESTART_COUNT")) or 0,
         exit_code=_int(env.get("SLURM_JOB_EXIT_CODE2", "").split(":")[0]) if "epilog" in context else None,
-        options={k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)},
+        options={k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)},
     )

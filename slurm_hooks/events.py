@@ -37,7 +37,9 @@ def read(spool: Path, job_id: int) -> list[dict[str, Any]]:
     for path in sorted(job_dir(spool, job_id).glob("*.jsonl")):
         for line in path.read_text().splitlines():
             try:
-                events.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(record, dict) and isinstance(record.get("time", 0), int | float):
+                events.append(record)
     return sorted(events, key=lambda e: e.get("time", 0))

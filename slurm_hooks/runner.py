@@ -30,8 +30,12 @@ EVENT_OF = {
 def handle(ctx: HookContext, spool: Path) -> None:
     """Record the hook's event for the job (the daemon registration builds on this)."""
     fields: dict[str, object] = {
-        "uid": ctx.uid, "user": ctx.user, "nodelist": ctx.nodelist, "partition": ctx.partition,
-        "restart_count": ctx.restart_count, "options": ctx.options,
+        "uid": ctx.uid,
+        "user": ctx.user,
+        "nodelist": ctx.nodelist,
+        "partition": ctx.partition,
+        "restart_count": ctx.restart_count,
+        "options": ctx.options,
     }
     if ctx.exit_code is not None:
         fields["exit_code"] = ctx.exit_code

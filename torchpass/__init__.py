@@ -1,0 +1,1 @@
+"""TorchPass: the training-side fault-tolerance library (planned: issue 6); nothing is implemented here yet."""

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
 from clockworkd.errors import ConfigError, SlurmError
 from clockworkd.slurm import (
     CliBackend,
@@ -35,9 +36,7 @@ class FakeRPCError(Exception):
         self.errno = errno
 
 
-def fake_pyslurm(
-    version: str, jobs: dict[int, Any] | None = None, nodes: dict[str, Any] | None = None
-) -> Any:
+def fake_pyslurm(version: str, jobs: dict[int, Any] | None = None, nodes: dict[str, Any] | None = None) -> Any:
     """A stand-in for the pyslurm module with the 25.11 API surface that Clockwork touches."""
     mod: Any = types.ModuleType("pyslurm")
     mod.__spec__ = importlib.machinery.ModuleSpec("pyslurm", loader=None)
@@ -144,9 +143,7 @@ def test_matching_pyslurm_is_chosen(site: tuple[Path, Path], monkeypatch: pytest
     assert auto.version() == (22, 5, 8)
 
 
-def test_pyslurm_loaded_for_another_conf_is_not_used(
-    site: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_pyslurm_loaded_for_another_conf_is_not_used(site: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     conf, bin_dir = site
     install_fake(monkeypatch, fake_pyslurm("22.05.0"), conf)
     monkeypatch.setenv("SLURM_CONF", "/etc/slurm/other.conf")
@@ -195,9 +192,7 @@ def test_pyslurm_backend_maps_jobs_and_nodes(site: tuple[Path, Path]) -> None:
     node = SimpleNamespace(
         name="n02", state="IDLE+DRAIN", address="10.10.0.2", partitions=["main"], reason="NIC0 flapping"
     )
-    backend = PyslurmBackend(
-        fake_pyslurm("22.05.0", jobs={4242: job}, nodes={"n02": node}), CliBackend(conf, bin_dir)
-    )
+    backend = PyslurmBackend(fake_pyslurm("22.05.0", jobs={4242: job}, nodes={"n02": node}), CliBackend(conf, bin_dir))
     assert backend.job(4242) == JobInfo(
         job_id=4242,
         name="train-ft",

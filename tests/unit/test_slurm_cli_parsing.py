@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from clockworkd.errors import SlurmError
 from clockworkd.slurm import SlurmBackend
 from clockworkd.slurm.backend import AcctRecord, JobInfo, NodeInfo, node_state
@@ -264,9 +265,7 @@ class FakeSlurm:
     def add(self, name: str, body: str) -> None:
         script = self.bin_dir / name
         script.write_text(
-            "#!/bin/sh\n"
-            f'printf "%s|%s\\n" "{name} $*" "$SLURM_CONF" >> {shlex.quote(str(self.log))}\n'
-            f"{body}\n"
+            f'#!/bin/sh\nprintf "%s|%s\\n" "{name} $*" "$SLURM_CONF" >> {shlex.quote(str(self.log))}\n{body}\n'
         )
         script.chmod(0o755)
 

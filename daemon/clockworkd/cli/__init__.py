@@ -1,0 +1,1 @@
+"""The `clockwork` command line: one module per command group."""

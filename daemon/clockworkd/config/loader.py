@@ -8,6 +8,7 @@ value came from, the key and what would have been accepted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -40,8 +41,9 @@ class LoadedConfig:
         for name, cls in sections().items():
             section = getattr(self.config, name)
             for f in dataclasses.fields(cls):
-                rows.append((name, f.name, getattr(section, f.name), self.sources[f"{name}.{f.name}"],
-                             f.metadata["doc"]))
+                rows.append(
+                    (name, f.name, getattr(section, f.name), self.sources[f"{name}.{f.name}"], f.metadata["doc"])
+                )
         return rows
 
 
@@ -49,20 +51,22 @@ def _expected(f: dataclasses.Field[Any]) -> str:
     choices = f.metadata.get("choices")
     if choices:
         return "one of " + ", ".join(choices)
-    kind = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}[
-        str(f.type)
-    ]
+    kind = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}[str(f.type)]
     if "min" in f.metadata:
         kind += f" >= {f.metadata['min']:g}"
     return kind
 
 
-def _coerce(f: dataclasses.Field[Any], raw: Any, origin: str, section: str) -> Any:
-    """Turn ``raw`` (TOML value or environment string) into the field's type, or raise ConfigError."""
+def _coerce(f: dataclasses.Field[Any], raw: Any, origin: str, section: str, *, text_ok: bool = True) -> Any:
+    """Turn ``raw`` into the field's type, or raise ConfigError.
+
+    ``text_ok``: the value may be text to parse (environment, command line); a TOML file has types of
+    its own, so there ``nodes = "3"`` is an error rather than a guess.
+    """
     kind = str(f.type)
     value: Any = raw
     ok = True
-    if isinstance(raw, str) and kind != "str":
+    if isinstance(raw, str) and kind != "str" and text_ok:
         text = raw.strip().lower()
         try:
             if kind == "bool":
@@ -85,6 +89,8 @@ def _coerce(f: dataclasses.Field[Any], raw: Any, origin: str, section: str) -> A
         ok = isinstance(raw, str)
     if ok and "choices" in f.metadata:
         ok = value in f.metadata["choices"]
+    if ok and kind == "float":
+        ok = math.isfinite(value)
     if ok and "min" in f.metadata:
         ok = value >= f.metadata["min"]
     if not ok:
@@ -101,9 +107,7 @@ def _check_known(origin: str, section: str, key: str | None = None) -> None:
     if section not in known:
         raise ConfigError(f"{origin}: unknown section [{section}] (known sections: {', '.join(known)})")
     if key is not None and key not in _fields(section):
-        raise ConfigError(
-            f"{origin}: unknown key '{key}' in [{section}] (known keys: {', '.join(_fields(section))})"
-        )
+        raise ConfigError(f"{origin}: unknown key '{key}' in [{section}] (known keys: {', '.join(_fields(section))})")
 
 
 def parse_assignment(text: str) -> tuple[str, str, str]:
@@ -155,8 +159,8 @@ def load_config(
             _check_known(str(path), section, key)
 
     for var in env:
-        if var.startswith(ENV_PREFIX) and var != CONFIG_ENV:
-            head, _, rest = var[len(ENV_PREFIX):].lower().partition("_")
+        if var.startswith(ENV_PREFIX) and var != CONFIG_ENV and var.isupper():
+            head, _, rest = var[len(ENV_PREFIX) :].lower().partition("_")
             if head in sections() and rest:
                 _check_known(f"environment {var}", head, rest)
 
@@ -179,7 +183,7 @@ def load_config(
                 values[key] = _coerce(f, env[var], origin, section)
             elif key in file_values.get(section, {}):
                 origin = f"file {path}"
-                values[key] = _coerce(f, file_values[section][key], str(path), section)
+                values[key] = _coerce(f, file_values[section][key], str(path), section, text_ok=False)
             else:
                 origin = "default"
             sources[f"{section}.{key}"] = origin

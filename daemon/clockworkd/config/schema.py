@@ -27,9 +27,7 @@ def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, m
 class LogConfig:
     """How Clockwork's own programs log (the CLI, the node daemon, the Slurm hooks)."""
 
-    level: str = setting(
-        "info", "Lowest level written to the log.", choices=("debug", "info", "warning", "error")
-    )
+    level: str = setting("info", "Lowest level written to the log.", choices=("debug", "info", "warning", "error"))
     file: str = setting("", "Log file for the daemon and the hooks; empty = standard error.")
 
 
@@ -49,8 +47,9 @@ class SlurmConfig:
     )
     bin_dir: str = setting("", "Folder holding sbatch, scontrol, ...; empty = search PATH.")
     timeout_s: float = setting(
-        30.0, "Seconds a Slurm command may take before it counts as failed (clients hang when "
-        "slurmctld is down).", min=1.0,
+        30.0,
+        "Seconds a Slurm command may take before it counts as failed (clients hang when slurmctld is down).",
+        min=1.0,
     )
 
 
@@ -61,9 +60,6 @@ class HooksConfig:
     spool_dir: str = setting(
         "/var/spool/clockwork",
         "Where the hooks record each job's events (jobs/JOBID/NODE.jsonl) and failure reports.",
-    )
-    timeout_s: float = setting(
-        10.0, "Longest a hook waits on anything it calls; a hook never blocks a job for long.", min=0.1
     )
 
 

@@ -19,17 +19,19 @@ from pathlib import Path
 from typing import Any
 
 from clockworkd.config.schema import SandboxConfig
-from clockworkd.errors import NeedRootError, SandboxError
-from clockworkd.sandbox import fabric, processes, slurm_files
+from clockworkd.errors import NeedRootError, SandboxError, SlurmError
+from clockworkd.sandbox import fabric, faults, processes, slurm_files
 from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, FABRIC_NS, Layout, build_layout
 from clockworkd.sandbox.paths import StatePaths
 from clockworkd.sandbox.shell import missing_programs, netns_path, run
 from clockworkd.sandbox.state import SandboxState
+from clockworkd.slurm.cli_backend import CliBackend
 
 log = logging.getLogger("clockwork.sandbox")
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SPANK_SO = REPO_ROOT / "spank" / "clockwork.so"
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
 
 def require_root(what: str) -> None:
@@ -51,11 +53,21 @@ def node_prefix(paths: StatePaths, node: str) -> list[str]:
         "mount -t sysfs sysfs /sys && "
         "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/systemd && "
         "mount -t cgroup -o none,name=clockwork-sandbox cgroup /sys/fs/cgroup/systemd && "
-        f"mount --bind {paths.hosts} /etc/hosts && hostname {node} && exec \"$@\""
+        f'mount --bind {paths.hosts} /etc/hosts && hostname {node} && exec "$@"'
     )
     return [
-        "nsenter", f"--net={netns_path(node)}", "unshare", "--uts", "--mount", "--propagation", "private",
-        "--", "/bin/sh", "-c", setup, "sh",
+        "nsenter",
+        f"--net={netns_path(node)}",
+        "unshare",
+        "--uts",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "/bin/sh",
+        "-c",
+        setup,
+        "sh",
     ]
 
 
@@ -95,11 +107,16 @@ class Sandbox:
         """Shell lines that point a shell at the sandbox (for ``eval "$(clockwork sandbox env)"``)."""
         st = self.require_up()
         bindir = str(Path(st.python).parent)
-        return "\n".join([
-            f"export SLURM_CONF={self.paths.slurm_conf}",
-            f"export CLOCKWORK_CONFIG={self.paths.clockwork_toml}",
-            f'export PATH={bindir}:/usr/sbin:/usr/bin:$PATH',
-        ]) + "\n"
+        return (
+            "\n".join(
+                [
+                    f"export SLURM_CONF={self.paths.slurm_conf}",
+                    f"export CLOCKWORK_CONFIG={self.paths.clockwork_toml}",
+                    f"export PATH={bindir}:/usr/sbin:/usr/bin:$PATH",
+                ]
+            )
+            + "\n"
+        )
 
     # ----- bring-up -------------------------------------------------------------------------
     def up(self, progress: Callable[[str], None] | None = None) -> float:
@@ -113,6 +130,7 @@ class Sandbox:
                 "which runs apt-get for you)"
             )
         layout = build_layout(self.config)
+        self._check_socket_paths(layout)
         self._claim_state_dir(layout)
         t0 = time.monotonic()
         st = SandboxState(config=replace(self.config, state_dir=str(self.paths.root)), python=sys.executable)
@@ -127,6 +145,16 @@ class Sandbox:
         st.save(self.paths.state_file)
         return time.monotonic() - t0
 
+    def _check_socket_paths(self, layout: Layout) -> None:
+        """slurmstepd's sockets (SPOOL/NODE_JOBID.STEPID) must fit a unix socket path (107 bytes)."""
+        node = max((n.name for n in layout.nodes), key=len)
+        longest = len(f"{self.paths.node_dir(node)}/spool/{node}_{'9' * 10}.{'9' * 10}")
+        if longest > UNIX_PATH_MAX:
+            raise SandboxError(
+                f"state folder {self.paths.root} is {longest - UNIX_PATH_MAX} characters too long: Slurm's step "
+                f"sockets under it would exceed the {UNIX_PATH_MAX}-byte unix socket limit; choose a shorter --state"
+            )
+
     def _claim_state_dir(self, layout: Layout) -> None:
         root = self.paths.root
         if self.running():
@@ -134,16 +162,15 @@ class Sandbox:
                 f"a sandbox is already running at {root} ({len(self.layout().nodes)} nodes); "
                 "use it, or stop it first with `clockwork sandbox down`"
             )
-        clash = fabric.existing_namespaces() & set(fabric.namespaces(layout))
-        if clash or processes.marked(root):
-            self._progress("found leftovers of an earlier sandbox; cleaning them up")
+        if processes.marked(root) or self._owned_namespaces():
+            self._progress("found leftovers of an earlier sandbox at this state folder; cleaning them up")
             self.down()
-            clash = fabric.existing_namespaces() & set(fabric.namespaces(layout))
-            if clash:
-                raise SandboxError(
-                    f"network namespaces {', '.join(sorted(clash))} exist but do not belong to the sandbox at "
-                    f"{root}; another sandbox (other --state) or another tool owns them"
-                )
+        clash = fabric.existing_namespaces() & set(fabric.namespaces(layout))
+        if clash:
+            raise SandboxError(
+                f"network namespaces {', '.join(sorted(clash))} exist but do not belong to the sandbox at "
+                f"{root}; another sandbox (other --state) or another tool owns them"
+            )
         if root.exists() and any(root.iterdir()) and not self.paths.state_file.exists():
             raise SandboxError(f"{root} exists, is not empty and is not a sandbox state folder; choose another --state")
         if root.exists():
@@ -162,107 +189,184 @@ class Sandbox:
         accounting = self.config.accounting
         slurm_env = {"SLURM_CONF": str(p.slurm_conf)}
         slurm_files.write_all(
-            p, layout, accounting=accounting, cpus_per_node=self.config.cpus_per_node,
-            python=sys.executable, spank_so=SPANK_SO,
+            p,
+            layout,
+            accounting=accounting,
+            cpus_per_node=self.config.cpus_per_node,
+            python=sys.executable,
+            spank_so=SPANK_SO,
         )
         p.munge.chmod(0o755)
         p.munge_key.write_bytes(os.urandom(1024))
         p.munge_key.chmod(0o600)
 
         self._progress(f"building the fabric: {len(layout.nodes)} nodes x {layout.rails} NICs on {layout.rails} rails")
-        fabric.build(layout)
+        fabric.build(layout, owner_mark=str(self.paths.root))
 
         self._progress("starting munged (authentication)")
-        pid = self._start(st, "munged", [
-            "munged", "--foreground", "--force", f"--socket={p.munge_socket}", f"--key-file={p.munge_key}",
-            f"--pid-file={p.munge / 'munged.pid'}", f"--seed-file={p.munge / 'seed'}",
-            f"--log-file={p.logs / 'munged.log'}", "--num-threads=4",
-        ])
+        pid = self._start(
+            st,
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={p.munge_socket}",
+                f"--key-file={p.munge_key}",
+                f"--pid-file={p.munge / 'munged.pid'}",
+                f"--seed-file={p.munge / 'seed'}",
+                f"--log-file={p.logs / 'munged.log'}",
+                "--num-threads=4",
+            ],
+        )
         processes.wait_until("munged", p.munge_socket.exists, timeout_s=10, pid=pid, log_file=p.logs / "munged.log")
 
         if accounting:
             self._start_accounting(st, layout, slurm_env)
 
         self._progress(f"starting slurmctld on host '{CONTROLLER}' ({layout.ctl_ip})")
-        pid = self._start(st, "slurmctld", [
-            "unshare", "--uts", "--", "/bin/sh", "-c",
-            f'hostname {CONTROLLER} && exec slurmctld -D -c -f "$0"', str(p.slurm_conf),
-        ], env=slurm_env)
+        pid = self._start(
+            st,
+            "slurmctld",
+            [
+                "unshare",
+                "--uts",
+                "--",
+                "/bin/sh",
+                "-c",
+                f'hostname {CONTROLLER} && exec slurmctld -D -c -f "$0"',
+                str(p.slurm_conf),
+            ],
+            env=slurm_env,
+        )
+        slurm = self.slurm()
         processes.wait_until(
-            "slurmctld", processes.port_open(layout.ctl_ip, layout.slurmctld_port), timeout_s=20, pid=pid,
-            log_file=p.logs / "slurmctld.log",
+            "slurmctld", slurm.ping, timeout_s=20, pid=pid, log_file=p.logs / "slurmctld.log", interval_s=0.05
         )
 
         self._progress("starting one slurmd per node")
         for node in layout.nodes:
-            self._start(st, f"slurmd-{node.name}", [
-                *node_prefix(p, node.name), "slurmd", "-D", "-N", node.name, "-f", str(p.slurm_conf),
-            ], env=slurm_env)
+            self._start(
+                st,
+                f"slurmd-{node.name}",
+                [
+                    *node_prefix(p, node.name),
+                    "slurmd",
+                    "-D",
+                    "-N",
+                    node.name,
+                    "-f",
+                    str(p.slurm_conf),
+                ],
+                env=slurm_env,
+            )
         names = [n.name for n in layout.nodes]
 
         def all_idle() -> bool:
-            dead = [n for n in names if not processes.alive(st.pids[f"slurmd-{n}"])]
+            dead = [name for name, pid in st.pids.items() if not processes.alive(pid)]
             if dead:
-                raise SandboxError(f"slurmd on {', '.join(dead)} exited (see {p.logs}/slurmd-{dead[0]}.log)")
+                raise SandboxError(f"{', '.join(dead)} exited during start-up (see {p.logs}/{dead[0]}.log)")
             states = self.node_states()
-            return all(states.get(n, "").startswith("idle") for n in names)
+            return all(states.get(n, "").startswith("IDLE") for n in names)
 
-        processes.wait_until("the sandbox nodes", all_idle, timeout_s=30)
+        processes.wait_until("the sandbox nodes", all_idle, timeout_s=30, interval_s=0.1)
         self._progress("all nodes idle: the cluster is ready")
 
     def _start_accounting(self, st: SandboxState, layout: Layout, slurm_env: dict[str, str]) -> None:
         p = self.paths
         self._progress("starting MariaDB and slurmdbd (accounting, for sacct)")
-        run([
-            "mariadb-install-db", "--no-defaults", f"--datadir={p.db}", "--user=root",
-            "--auth-root-authentication-method=normal", "--skip-test-db", "--skip-name-resolve",
-        ], timeout=60)
+        run(
+            [
+                "mariadb-install-db",
+                "--no-defaults",
+                f"--datadir={p.db}",
+                "--user=root",
+                "--auth-root-authentication-method=normal",
+                "--skip-test-db",
+                "--skip-name-resolve",
+            ],
+            timeout=60,
+        )
         init = p.etc / "mariadb-init.sql"
         init.write_text(
-            "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1';\n"
-            "GRANT ALL PRIVILEGES ON *.* TO 'slurm'@'127.0.0.1';\n"
+            "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1';\nGRANT ALL PRIVILEGES ON *.* TO 'slurm'@'127.0.0.1';\n"
         )
-        pid = self._start(st, "mariadb", [
-            "mariadbd", "--no-defaults", f"--datadir={p.db}", f"--socket={p.db_socket}",
-            f"--port={layout.mariadb_port}", "--bind-address=127.0.0.1", "--user=root", "--skip-name-resolve",
-            "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=8M", f"--init-file={init}",
-            f"--pid-file={p.root / 'mariadb.pid'}", "--skip-log-bin",
-        ])
+        pid = self._start(
+            st,
+            "mariadb",
+            [
+                "mariadbd",
+                "--no-defaults",
+                f"--datadir={p.db}",
+                f"--socket={p.db_socket}",
+                f"--port={layout.mariadb_port}",
+                "--bind-address=127.0.0.1",
+                "--user=root",
+                "--skip-name-resolve",
+                "--innodb-buffer-pool-size=32M",
+                "--innodb-log-file-size=8M",
+                f"--init-file={init}",
+                f"--pid-file={p.root / 'mariadb.pid'}",
+                "--skip-log-bin",
+            ],
+        )
         processes.wait_until(
-            "MariaDB", processes.port_open("127.0.0.1", layout.mariadb_port), timeout_s=30, pid=pid,
+            "MariaDB",
+            processes.port_open("127.0.0.1", layout.mariadb_port),
+            timeout_s=30,
+            pid=pid,
             log_file=p.logs / "mariadb.log",
         )
         pid = self._start(st, "slurmdbd", ["slurmdbd", "-D"], env=slurm_env)
         processes.wait_until(
-            "slurmdbd", processes.port_open("127.0.0.1", layout.slurmdbd_port), timeout_s=30, pid=pid,
+            "slurmdbd",
+            processes.port_open("127.0.0.1", layout.slurmdbd_port),
+            timeout_s=30,
+            pid=pid,
             log_file=p.logs / "slurmdbd.log",
         )
         run(["sacctmgr", "-i", "add", "cluster", CLUSTER], env={**self.slurm_env(), **slurm_env}, timeout=30)
 
+    def slurm(self) -> CliBackend:
+        """The Slurm CLI backend aimed at this sandbox (tests use exactly what users' tools use)."""
+        return CliBackend(self.paths.slurm_conf, timeout_s=10.0)
+
     def node_states(self) -> dict[str, str]:
-        """Slurm's state of each node (``idle``, ``alloc``, ``down*`` ...); empty if slurmctld is unreachable."""
-        out = run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.slurm_env(), check=False, timeout=10).stdout
-        return dict(line.split(None, 1) for line in out.splitlines() if " " in line)
+        """Slurm's state of each node (``IDLE``, ``ALLOCATED+DRAIN`` ...); empty if slurmctld is unreachable."""
+        try:
+            return {n.name: "+".join(n.state) for n in self.slurm().nodes()}
+        except SlurmError:
+            return {}
 
     # ----- tear-down ------------------------------------------------------------------------
+    def _owned_namespaces(self) -> list[str]:
+        """Sandbox namespaces that belong to this state folder.
+
+        A namespace marked with another state folder is never ours. An unmarked one is ours only while
+        our record says a bring-up was under way (it died before marking), so ``down`` never touches
+        another sandbox's or another tool's namespaces.
+        """
+        st = self.state()
+        building = st is not None and st.phase in ("building", "up")
+        expected = set(fabric.namespaces(build_layout(st.config))) if st else set()
+        owned = []
+        for ns in sorted(fabric.existing_namespaces()):
+            if ns != FABRIC_NS and not re.fullmatch(r"node\d+", ns):
+                continue
+            mark = fabric.owner(ns)
+            if mark == str(self.paths.root) or (mark is None and building and ns in expected):
+                owned.append(ns)
+        return owned
+
     def down(self) -> list[str]:
         """Stop every process and remove every namespace, bridge and veth; safe on any partial state."""
         require_root("clockwork sandbox down")
         st = self.state()
-        if st is not None:
-            node_names = [n.name for n in build_layout(st.config).nodes]
-        elif FABRIC_NS in fabric.existing_namespaces():
-            node_names = sorted(ns for ns in fabric.existing_namespaces() if re.fullmatch(r"node\d+", ns))
-        else:
-            node_names = []
-        namespaces = [FABRIC_NS, *node_names]
-        present = fabric.existing_namespaces()
-        pids = processes.marked(self.paths.root) | processes.netns_pids(ns for ns in namespaces if ns in present)
-        if st is not None:
-            pids |= {pid for pid in st.pids.values() if pid in processes.marked(self.paths.root)}
-        stopped = processes.stop(pids)
+        namespaces = self._owned_namespaces()
+        pids = processes.marked(self.paths.root) | processes.netns_pids(namespaces)
+        stopped = processes.stop(pids, grace_s=0.5)  # nothing is kept: no need to wait for a clean exit
         removed = [f"{len(stopped)} processes"] if stopped else []
-        removed += fabric.teardown(node_names)
+        removed += fabric.teardown(namespaces)
         if st is not None:
             st.phase = "down"
             st.pids = {}
@@ -280,19 +384,27 @@ class Sandbox:
         nodes = []
         for node in layout.nodes:
             pid = st.pids.get(f"slurmd-{node.name}")
-            nodes.append({
-                "name": node.name,
-                "node_addr": node.node_addr,
-                "mgmt_addr": node.mgmt_ip,
-                "slurm_state": states.get(node.name, "unknown"),
-                "slurmd_pid": pid,
-                "slurmd_alive": bool(pid and processes.alive(pid)),
-                "nics": [
-                    {"nic": nic.name, "device": nic.name, "rail": nic.rail, "addr": nic.cidr,
-                     "switch": f"{FABRIC_NS}/{nic.bridge}", "switch_port": nic.port}
-                    for nic in node.nics
-                ],
-            })
+            nodes.append(
+                {
+                    "name": node.name,
+                    "node_addr": node.node_addr,
+                    "mgmt_addr": node.mgmt_ip,
+                    "slurm_state": states.get(node.name, "unknown"),
+                    "slurmd_pid": pid,
+                    "slurmd_alive": bool(pid and processes.alive(pid)),
+                    "nics": [
+                        {
+                            "nic": nic.name,
+                            "device": nic.name,
+                            "rail": nic.rail,
+                            "addr": nic.cidr,
+                            "switch": f"{FABRIC_NS}/{nic.bridge}",
+                            "switch_port": nic.port,
+                        }
+                        for nic in node.nics
+                    ],
+                }
+            )
         return {
             "state_dir": str(self.paths.root),
             "phase": st.phase,
@@ -307,6 +419,21 @@ class Sandbox:
             "faults": st.faults,
             "nodes": nodes,
         }
+
+    def fault(self, kind: str, node: str, nic: str, value: str) -> faults.Fault:
+        """Inject (or lift) one fault and record it in the sandbox state."""
+        require_root("clockwork sandbox fault")
+        st = self.require_up()
+        fault = faults.validate(build_layout(st.config), kind, node, nic, value)
+        faults.apply(build_layout(st.config), fault, st.faults)
+        st.save(self.paths.state_file)
+        return fault
+
+    def clear_faults(self) -> None:
+        require_root("clockwork sandbox fault clear")
+        st = self.require_up()
+        faults.clear(build_layout(st.config), st.faults)
+        st.save(self.paths.state_file)
 
     def exec_argv(self, node: str, argv: Sequence[str]) -> list[str]:
         """The full argv that runs ``argv`` on ``node`` (namespaces as the node's slurmd sees them)."""

@@ -6,11 +6,12 @@ few nodes well under a second.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
 from clockworkd.errors import SandboxError
-from clockworkd.sandbox.layout import FABRIC_NS, MGMT_BRIDGE, MGMT_DEV, ROOT_DEV, ROOT_PEER, Layout
+from clockworkd.sandbox.layout import FABRIC_NS, MGMT_BRIDGE, MGMT_DEV, ROOT_DEV, ROOT_PEER, Layout, NodeSpec
 from clockworkd.sandbox.shell import in_netns, run
 
 # Sysctls every node needs for routed, multi-rail addressing (see docs/sandbox.md):
@@ -32,6 +33,19 @@ FABRIC_SYSCTLS = {
 
 def namespaces(layout: Layout) -> list[str]:
     return [FABRIC_NS, *(n.name for n in layout.nodes)]
+
+
+def owner(ns: str) -> str | None:
+    """The state folder that built namespace ``ns`` (stored as the alias of its management device).
+
+    ``None`` when the namespace carries no mark yet (a bring-up that died early) or cannot be read.
+    """
+    dev = MGMT_BRIDGE if ns == FABRIC_NS else MGMT_DEV
+    out = run(["ip", "-n", ns, "-j", "link", "show", "dev", dev], check=False).stdout
+    try:
+        return json.loads(out)[0].get("ifalias") or None
+    except (ValueError, IndexError, AttributeError):
+        return None
 
 
 def existing_namespaces() -> set[str]:
@@ -61,8 +75,20 @@ def _sysctls(namespaces_and_values: list[tuple[str, dict[str, str]]]) -> None:
         raise SandboxError("; ".join(errors))
 
 
-def build(layout: Layout) -> None:
-    """Create the whole fabric; the caller tears it down with :func:`teardown` if this raises."""
+def baseline_routes(layout: Layout, node: NodeSpec) -> list[str]:
+    """The routes ``sandbox up`` gives a node: every peer's node address via rail 0, src = own address."""
+    return [
+        f"route replace {peer.node_addr}/32 via {peer.nics[0].ip} dev {node.nics[0].name} src {node.node_addr}"
+        for peer in layout.nodes
+        if peer is not node
+    ]
+
+
+def build(layout: Layout, owner_mark: str) -> None:
+    """Create the whole fabric, marking each namespace with ``owner_mark`` (see :func:`owner`).
+
+    The caller tears it down with :func:`teardown` if this raises.
+    """
     _batch([f"netns add {ns}" for ns in namespaces(layout)])
     _sysctls([(FABRIC_NS, FABRIC_SYSCTLS)] + [(n.name, NODE_SYSCTLS) for n in layout.nodes])
 
@@ -77,6 +103,7 @@ def build(layout: Layout) -> None:
     fabric = ["link set lo up"]
     for br in bridges:
         fabric += [f"link add {br} type bridge stp_state 0 mcast_snooping 0", f"link set {br} up"]
+    fabric.append(f"link set {MGMT_BRIDGE} alias {owner_mark}")
     fabric.append(f"link set {ROOT_PEER} master {MGMT_BRIDGE} up")
     for node in layout.nodes:
         fabric.append(f"link set {node.mgmt_port} master {MGMT_BRIDGE} up")
@@ -88,21 +115,18 @@ def build(layout: Layout) -> None:
             "link set lo up",
             f"addr add {node.node_addr}/32 dev lo",
             f"addr add {node.mgmt_ip}/{node.mgmt_prefixlen} dev {MGMT_DEV}",
+            f"link set {MGMT_DEV} alias {owner_mark}",
             f"link set {MGMT_DEV} up",
         ]
         for nic in node.nics:
             cmds += [f"addr add {nic.cidr} dev {nic.name}", f"link set {nic.name} up"]
-        for peer in layout.nodes:
-            if peer is not node:
-                via = peer.nics[0]
-                cmds.append(f"route add {peer.node_addr}/32 via {via.ip} dev {node.nics[0].name} src {node.node_addr}")
-        _batch(cmds, node.name)
+        _batch(cmds + baseline_routes(layout, node), node.name)
 
     run(["sysctl", "-q", "-w", f"net.ipv6.conf.{ROOT_DEV}.disable_ipv6=1"], check=False)
     _batch([f"addr add {layout.ctl_ip}/{layout.mgmt_prefixlen} dev {ROOT_DEV}", f"link set {ROOT_DEV} up"])
 
 
-def teardown(layout_nodes: list[str]) -> list[str]:
+def teardown(namespaces: list[str]) -> list[str]:
     """Remove every namespace, veth and bridge the sandbox made; tolerant of a half-built fabric.
 
     Deleting the veths explicitly (not just the namespaces) matters: a namespace is freed
@@ -110,7 +134,7 @@ def teardown(layout_nodes: list[str]) -> list[str]:
     """
     removed = []
     present = existing_namespaces()
-    for ns in [FABRIC_NS, *layout_nodes]:
+    for ns in namespaces:
         if ns in present:
             links = run(["ip", "-n", ns, "-o", "link", "show"], check=False).stdout
             devs = [line.split(":")[1].strip().split("@")[0] for line in links.splitlines() if ":" in line]
@@ -119,7 +143,8 @@ def teardown(layout_nodes: list[str]) -> list[str]:
                 run(["ip", "-n", ns, "-force", "-batch", "-"], input="\n".join(dels) + "\n", check=False)
             run(["ip", "netns", "del", ns], check=False)
             removed.append(f"namespace {ns}")
-    if run(["ip", "link", "show", ROOT_DEV], check=False).returncode == 0:
+    # The controller's veth pairs with a port in FABRIC_NS: ours exactly when that namespace is.
+    if FABRIC_NS in namespaces and run(["ip", "link", "show", ROOT_DEV], check=False).returncode == 0:
         run(["ip", "link", "del", ROOT_DEV], check=False)
         removed.append(f"veth {ROOT_DEV}")
     return removed

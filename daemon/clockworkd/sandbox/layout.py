@@ -62,9 +62,7 @@ class NodeSpec:
         for nic in self.nics:
             if nic.name == name:
                 return nic
-        raise ConfigError(
-            f"{self.name} has no NIC {name!r} (NICs: {', '.join(n.name for n in self.nics)})"
-        )
+        raise ConfigError(f"{self.name} has no NIC {name!r} (NICs: {', '.join(n.name for n in self.nics)})")
 
 
 @dataclass(frozen=True)
@@ -100,9 +98,7 @@ class Layout:
         for node in self.nodes:
             if node.name == name:
                 return node
-        raise ConfigError(
-            f"no sandbox node {name!r} (nodes: {', '.join(n.name for n in self.nodes)})"
-        )
+        raise ConfigError(f"no sandbox node {name!r} (nodes: {', '.join(n.name for n in self.nodes)})")
 
 
 def _network(text: str, key: str) -> ipaddress.IPv4Network:
@@ -124,7 +120,7 @@ def build_layout(cfg: SandboxConfig) -> Layout:
     mgmt_net = _network(cfg.mgmt_net, "mgmt_net")
     if "{rail}" not in cfg.rail_net:
         raise ConfigError(f"[sandbox] rail_net: invalid value {cfg.rail_net!r} (expected a '{{rail}}' field)")
-    rail_nets = [_network(cfg.rail_net.format(rail=r + 1), "rail_net") for r in range(cfg.nics)]
+    rail_nets = [_network(cfg.rail_net.replace("{rail}", str(r + 1)), "rail_net") for r in range(cfg.nics)]
     ctl_ip = str(mgmt_net.broadcast_address - 1)
     if cfg.nodes >= mgmt_net.num_addresses - 2:
         raise ConfigError(f"[sandbox] mgmt_net: {mgmt_net} has no room for {cfg.nodes} nodes and the controller")
@@ -132,14 +128,24 @@ def build_layout(cfg: SandboxConfig) -> Layout:
     for i in range(1, cfg.nodes + 1):
         nics = tuple(
             NicSpec(
-                name=f"nic{r}", rail=r, ip=_host(rail_nets[r], i, "rail_net"),
-                prefixlen=rail_nets[r].prefixlen, port=f"n{i}-nic{r}", bridge=f"rail{r}",
+                name=f"nic{r}",
+                rail=r,
+                ip=_host(rail_nets[r], i, "rail_net"),
+                prefixlen=rail_nets[r].prefixlen,
+                port=f"n{i}-nic{r}",
+                bridge=f"rail{r}",
             )
             for r in range(cfg.nics)
         )
-        nodes.append(NodeSpec(
-            name=f"node{i}", index=i, node_addr=_host(node_net, i, "node_net"),
-            mgmt_ip=_host(mgmt_net, i, "mgmt_net"), mgmt_prefixlen=mgmt_net.prefixlen,
-            mgmt_port=f"n{i}-mgmt", nics=nics,
-        ))
+        nodes.append(
+            NodeSpec(
+                name=f"node{i}",
+                index=i,
+                node_addr=_host(node_net, i, "node_net"),
+                mgmt_ip=_host(mgmt_net, i, "mgmt_net"),
+                mgmt_prefixlen=mgmt_net.prefixlen,
+                mgmt_port=f"n{i}-mgmt",
+                nics=nics,
+            )
+        )
     return Layout(tuple(nodes), ctl_ip, mgmt_net.prefixlen, cfg.port_base)

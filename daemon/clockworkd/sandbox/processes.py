@@ -25,16 +25,19 @@ log = logging.getLogger("clockwork.sandbox")
 MARKER = "_CLOCKWORK_SANDBOX"
 
 
-def start(
-    argv: Sequence[str], *, log_file: Path, state_dir: Path, env: Mapping[str, str] | None = None
-) -> int:
+def start(argv: Sequence[str], *, log_file: Path, state_dir: Path, env: Mapping[str, str] | None = None) -> int:
     """Start a daemon in its own session, output to ``log_file``; returns its pid."""
     full_env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", MARKER: str(state_dir)}
     full_env.update(env or {})
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            env=full_env, start_new_session=True, close_fds=True,
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            close_fds=True,
         )
     log.debug("started pid %d: %s", proc.pid, " ".join(argv))
     return proc.pid
@@ -122,7 +125,13 @@ def stop(pids: Iterable[int], grace_s: float = 2.0) -> set[int]:
 
 
 def wait_until(
-    what: str, ready: Callable[[], bool], *, timeout_s: float, pid: int | None = None, log_file: Path | None = None
+    what: str,
+    ready: Callable[[], bool],
+    *,
+    timeout_s: float,
+    pid: int | None = None,
+    log_file: Path | None = None,
+    interval_s: float = 0.02,
 ) -> None:
     """Poll ``ready`` until true; fail early if ``pid`` died, naming the log to read."""
     deadline = time.monotonic() + timeout_s
@@ -137,7 +146,7 @@ def wait_until(
             raise SandboxError(f"{what} exited during start-up{where}{tail}")
         if time.monotonic() > deadline:
             raise SandboxError(f"{what} not ready after {timeout_s:g} s{where}")
-        time.sleep(0.02)
+        time.sleep(interval_s)
 
 
 def port_open(host: str, port: int) -> Callable[[], bool]:

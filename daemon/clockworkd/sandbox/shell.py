@@ -57,8 +57,13 @@ def run(
     log.debug("run %s", " ".join(argv))
     try:
         proc = subprocess.run(
-            list(argv), input=input, capture_output=True, text=True, timeout=timeout,
-            env=dict(env) if env is not None else None, check=False,
+            list(argv),
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(env) if env is not None else None,
+            check=False,
         )
     except FileNotFoundError:
         raise SandboxError(f"{argv[0]}: not installed (run `make venv` to install the system packages)") from None

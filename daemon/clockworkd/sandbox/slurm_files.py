@@ -7,6 +7,7 @@ at once, and a scheduler that looks at the queue every 2 s.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
@@ -84,21 +85,26 @@ def slurm_conf(paths: StatePaths, layout: Layout, accounting: bool, cpus_per_nod
 
 
 def slurmdbd_conf(paths: StatePaths, layout: Layout) -> str:
-    return "\n".join([
-        "AuthType=auth/munge",
-        f"AuthInfo=socket={paths.munge_socket}",
-        "DbdHost=localhost",
-        "DbdAddr=127.0.0.1",
-        f"DbdPort={layout.slurmdbd_port}",
-        "SlurmUser=root",
-        f"LogFile={paths.logs}/slurmdbd.log",
-        f"PidFile={paths.root}/slurmdbd.pid",
-        "StorageType=accounting_storage/mysql",
-        "StorageHost=127.0.0.1",
-        f"StoragePort={layout.mariadb_port}",
-        "StorageUser=slurm",
-        "StorageLoc=slurm_acct_db",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                "AuthType=auth/munge",
+                f"AuthInfo=socket={paths.munge_socket}",
+                "DbdHost=localhost",
+                "DbdAddr=127.0.0.1",
+                f"DbdPort={layout.slurmdbd_port}",
+                "SlurmUser=root",
+                f"LogFile={paths.logs}/slurmdbd.log",
+                f"PidFile={paths.root}/slurmdbd.pid",
+                "StorageType=accounting_storage/mysql",
+                "StorageHost=127.0.0.1",
+                f"StoragePort={layout.mariadb_port}",
+                "StorageUser=slurm",
+                "StorageLoc=slurm_acct_db",
+            ]
+        )
+        + "\n"
+    )
 
 
 def hosts(layout: Layout) -> str:
@@ -121,18 +127,18 @@ def plugstack(spank_so: Path | None) -> str:
 
 def clockwork_toml(paths: StatePaths, state_dir: Path) -> str:
     """The configuration the hooks (and `clockwork` inside jobs) read on the sandbox."""
-    return "\n".join([
-        "# Written by `clockwork sandbox up`.",
-        "[log]",
-        f'file = "{paths.logs / "clockwork.log"}"',
-        "[slurm]",
-        'backend = "cli"',
-        f'conf = "{paths.slurm_conf}"',
-        "[hooks]",
-        f'spool_dir = "{paths.spool}"',
-        "[sandbox]",
-        f'state_dir = "{state_dir}"',
-    ]) + "\n"
+    settings = {
+        "log": {"file": str(paths.logs / "clockwork.log")},
+        "slurm": {"backend": "cli", "conf": str(paths.slurm_conf)},
+        "hooks": {"spool_dir": str(paths.spool)},
+        "sandbox": {"state_dir": str(state_dir)},
+    }
+    lines = ["# Written by `clockwork sandbox up`."]
+    for section, values in settings.items():
+        lines.append(f"[{section}]")
+        # JSON string escapes are valid TOML basic-string escapes.
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
 
 
 def hook_wrapper(python: str, config: Path, context: str) -> str:

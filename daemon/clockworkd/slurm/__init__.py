@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from clockworkd.config.schema import SlurmConfig
 from clockworkd.errors import ConfigError, SlurmError
 from clockworkd.slurm.backend import (
     FINISHED_JOB_STATES,
@@ -116,3 +117,8 @@ def _usable_pyslurm(cli: CliBackend) -> tuple[ModuleType | None, str]:
             f"but the site's libslurm is {site[0]}.{site[1]:02d}.{site[2]}"
         )
     return module, f"built for Slurm {built_for[0]}.{built_for[1]:02d}, matching the site"
+
+
+def from_config(cfg: SlurmConfig) -> SlurmBackend:
+    """The backend the ``[slurm]`` section asks for."""
+    return make_backend(cfg.backend, Path(cfg.conf), Path(cfg.bin_dir) if cfg.bin_dir else None, cfg.timeout_s)

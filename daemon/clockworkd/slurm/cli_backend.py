@@ -239,11 +239,7 @@ class CliBackend:
     # ------------------------------------------------------------------ plumbing
 
     def _env(self) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(_DROPPED_ENV_PREFIXES) and k not in _DROPPED_ENV
-        }
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_DROPPED_ENV_PREFIXES) and k not in _DROPPED_ENV}
         env["SLURM_CONF"] = str(self.slurm_conf)
         env["SLURM_TIME_FORMAT"] = "standard"
         return env
@@ -495,9 +491,7 @@ def format_wait_status(status: int) -> str:
 
 def _check_comment(text: str) -> None:
     if _COMMENT_FORBIDDEN.search(text):
-        raise ValueError(
-            "AdminComment must not contain quotes or newlines (sacctmgr rewrites quotes as backticks)"
-        )
+        raise ValueError("AdminComment must not contain quotes or newlines (sacctmgr rewrites quotes as backticks)")
 
 
 def _as_int(value: Any) -> int | None:

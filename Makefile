@@ -1,0 +1,51 @@
+# Two commands for a fresh machine (as root): `make demo` and `make test`. Both start with `make venv`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed
+# Debian packages the sandbox cluster and the SPANK build need.
+APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
+	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping
+
+.PHONY: help venv system-packages demo test lint clean sandbox-down
+
+help:
+	@echo "make demo   - set up (if needed), then run the demo on the embedded sandbox cluster"
+	@echo "make test   - set up (if needed), then run the whole test suite (root runs the integration tests)"
+	@echo "make venv   - the idempotent set-up both use: system packages + .venv"
+
+venv: system-packages $(STAMP)
+
+system-packages:
+	@missing=$$(for p in $(APT_PACKAGES); do \
+		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then echo "make venv: installing $$missing needs root"; exit 1; fi; \
+		echo "make venv: installing system packages:" $$missing; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# torch is pinned to the CPU build that lies on local disk; it is installed first so that the
+# project's `torch>=2.4` range is already satisfied and nothing newer (or CUDA) is pulled.
+$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[torch,dev]'
+	@touch $@
+
+demo: venv
+	$(VENV)/bin/clockwork demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(VENV)/bin/python -m pytest tests
+
+sandbox-down: venv
+	$(VENV)/bin/clockwork sandbox down
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

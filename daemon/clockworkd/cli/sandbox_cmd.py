@@ -1,0 +1,153 @@
+"""``clockwork sandbox``: a real multi-node Slurm cluster with a two-rail fabric, on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from clockworkd.cli.context import CliContext, pass_ctx
+from clockworkd.errors import SandboxError
+from clockworkd.sandbox.cluster import Sandbox
+from clockworkd.sandbox.faults import KINDS
+
+
+def _sandbox(state: CliContext) -> Sandbox:
+    return Sandbox(state.load().config.sandbox)
+
+
+def _say(msg: str) -> None:
+    click.echo(f"  - {msg}", err=True)
+
+
+@click.group()
+@click.option(
+    "--state", "state_dir", metavar="DIR", help="State folder of the sandbox (default /run/clockwork-sandbox)."
+)
+@pass_ctx
+def sandbox(state: CliContext, state_dir: str | None) -> None:
+    """The embedded sandbox cluster (needs root).
+
+    \b
+    Nodes node1..nodeN are network + UTS namespaces, each with NICs nic0, nic1 (one per rail; the
+    switch-side ports are nI-nicR on bridge railR in namespace cw-fabric) and a stable node address.
+    Slurm (munge, slurmctld, one slurmd per node, optionally slurmdbd + MariaDB) runs for real.
+    """
+    state.set("sandbox.state_dir", state_dir)
+
+
+@sandbox.command()
+@click.option("--nodes", type=int, help="Number of nodes (default 3).")
+@click.option("--nics", type=int, help="NICs (rails) per node (default 2).")
+@click.option("--accounting/--no-accounting", default=None, help="Start slurmdbd + MariaDB so sacct works.")
+@click.option("--state", "state_dir", metavar="DIR", help="State folder (same as `sandbox --state`).")
+@pass_ctx
+def up(state: CliContext, nodes: int | None, nics: int | None, accounting: bool | None, state_dir: str | None) -> None:
+    """Build the cluster and wait until every node is idle."""
+    state.set("sandbox.nodes", nodes)
+    state.set("sandbox.nics", nics)
+    state.set("sandbox.accounting", accounting)
+    state.set("sandbox.state_dir", state_dir)
+    box = _sandbox(state)
+    seconds = box.up(progress=_say)
+    cfg = box.config
+    click.echo(
+        f"sandbox up in {seconds:.1f} s: {cfg.nodes} nodes x {cfg.nics} NICs, accounting "
+        f"{'on' if cfg.accounting else 'off'}, state {box.paths.root}\n"
+        f'use it with: eval "$(clockwork sandbox env)"'
+    )
+
+
+@sandbox.command()
+@pass_ctx
+def down(state: CliContext) -> None:
+    """Stop every sandbox process; remove its namespaces, bridges, veths and mounts (also after a crash)."""
+    removed = _sandbox(state).down()
+    click.echo("sandbox down: removed " + (", ".join(removed) if removed else "nothing (none was running)"))
+
+
+@sandbox.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_ctx
+def status(state: CliContext, as_json: bool) -> None:
+    """Show nodes, addresses, NICs, Slurm states, services and active faults."""
+    info = _sandbox(state).status()
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    if info["phase"] != "up":
+        click.echo(f"no sandbox running at {info['state_dir']} (phase: {info['phase']})")
+        return
+    table = Table(title=f"sandbox at {info['state_dir']} (slurm.conf {info['slurm_conf']})", title_justify="left")
+    for col in ("node", "node addr", "mgmt addr", "slurm", "NICs (addr -> switch port)"):
+        table.add_column(col)
+    for node in info["nodes"]:
+        nics = ", ".join(f"{n['nic']} {n['addr']} -> {n['switch_port']}" for n in node["nics"])
+        table.add_row(node["name"], node["node_addr"], node["mgmt_addr"], node["slurm_state"], nics)
+    console = Console(width=max(120, Console().width))
+    console.print(table)
+    dead = [name for name, svc in info["services"].items() if not svc["alive"]]
+    console.print(f"services: {len(info['services'])} running" + (f", DEAD: {', '.join(dead)}" if dead else ""))
+    console.print("faults: " + (", ".join(f"{k}={v}" for k, v in info["faults"].items()) or "none"))
+
+
+@sandbox.command()
+@pass_ctx
+def env(state: CliContext) -> None:
+    """Print shell exports for the sandbox: eval "$(clockwork sandbox env)"."""
+    click.echo(_sandbox(state).env_exports(), nl=False)
+
+
+@sandbox.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("node")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@pass_ctx
+def exec(state: CliContext, node: str, command: tuple[str, ...]) -> None:
+    """Run COMMAND on NODE (its network, hostname and /etc/hosts): sandbox exec node1 -- ip addr."""
+    argv = list(command[1:] if command[0] == "--" else command)
+    if not argv:
+        raise click.UsageError("no command given: clockwork sandbox exec NODE -- CMD...")
+    argv = _sandbox(state).exec_argv(node, argv)
+    sys.stdout.flush()
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        raise SandboxError(f"cannot run {argv[0]}: {exc}") from None
+
+
+@sandbox.command(
+    epilog="\b\nExamples:\n  clockwork sandbox fault link node2 nic0 down\n"
+    "  clockwork sandbox fault loss node1 nic1 1\n"
+    "  clockwork sandbox fault rate node3 nic0 100mbit\n  clockwork sandbox fault clear"
+)
+@click.argument("kind", type=click.Choice([*KINDS, "clear"]))
+@click.argument("node", required=False)
+@click.argument("nic", required=False)
+@click.argument("value", required=False)
+@pass_ctx
+def fault(state: CliContext, kind: str, node: str | None, nic: str | None, value: str | None) -> None:
+    """Inject a fault on one NIC, or clear all faults.
+
+    \b
+    link NODE NIC down|up        the node's own NIC, admin down (kernel drops its routes)
+    port NODE NIC down|up        the switch-side port (node sees carrier loss)
+    blackhole NODE NIC on|off    switch port stops forwarding, carrier stays up (gray failure)
+    loss NODE NIC PERCENT        random drops both ways (0 = none)
+    rate NODE NIC RATE|off       token-bucket limit both ways, e.g. 100mbit
+    clear                        undo every fault, restore the baseline routes
+    """
+    box = _sandbox(state)
+    if kind == "clear":
+        if node or nic or value:
+            raise click.UsageError("`fault clear` takes no further arguments")
+        box.clear_faults()
+        click.echo("all faults cleared")
+        return
+    if not (node and nic and value):
+        raise click.UsageError(f"`fault {kind}` needs NODE NIC VALUE, e.g. fault {kind} node1 nic0 ...")
+    result = box.fault(kind, node, nic, value)
+    click.echo(f"fault {result.kind} {result.node} {result.nic} = {result.value}")

@@ -1,0 +1,40 @@
+"""Test-suite rules shared by unit and integration tests.
+
+Integration tests (marker ``integration``) need root and a real Slurm. In CI (``CI`` set; CI runs as
+root) a missing prerequisite is a failure, never a skip; only on a developer laptop without root are
+they skipped, with the reason shown.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+
+def require_root_and_slurm() -> None:
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("root")
+    if shutil.which("slurmctld", path="/usr/sbin:/usr/bin") is None:
+        problems.append("Slurm (make venv installs it)")
+    if not problems:
+        return
+    message = "integration test needs " + " and ".join(problems)
+    if os.environ.get("CI"):
+        pytest.fail(message + " (CI must run everything)")
+    pytest.skip(message + " (skipped on a developer machine only)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/integration is an integration test."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _integration_prerequisites(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("integration"):
+        require_root_and_slurm()

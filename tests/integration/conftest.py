@@ -1,0 +1,90 @@
+"""The session's sandbox cluster: built once, shared, rebuilt by tests that need it down or different."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from clockworkd.config.schema import SandboxConfig
+from clockworkd.sandbox.cluster import Sandbox
+
+CLOCKWORK = str(Path(sys.executable).parent / "clockwork")
+
+
+@dataclass
+class SandboxManager:
+    """Keeps at most one sandbox up; tests ask for the shape they need."""
+
+    state_dir: Path
+    current: Sandbox | None = None
+
+    def ensure_up(self, nodes: int = 4, accounting: bool = True) -> Sandbox:
+        cfg = replace(SandboxConfig(), state_dir=str(self.state_dir), nodes=nodes, accounting=accounting)
+        if self.current is not None and self.current.running() and self.current.config == cfg:
+            return self.current
+        self.ensure_down()
+        box = Sandbox(cfg)
+        box.up()
+        self.current = box
+        return box
+
+    def ensure_down(self) -> None:
+        if self.current is not None:
+            self.current.down()
+            self.current = None
+
+
+@pytest.fixture(scope="session")
+def sandbox_manager() -> Iterator[SandboxManager]:
+    from tests.conftest import require_root_and_slurm
+
+    require_root_and_slurm()
+    with tempfile.TemporaryDirectory(prefix="cw-", dir="/tmp") as tmp:
+        manager = SandboxManager(Path(tmp) / "state")
+        yield manager
+        manager.ensure_down()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temporary folder with a short path: Slurm's unix sockets under a state folder must fit 107 bytes."""
+    with tempfile.TemporaryDirectory(prefix="cw-", dir="/tmp") as tmp:
+        yield Path(tmp)
+
+
+@pytest.fixture
+def sandbox(sandbox_manager: SandboxManager) -> Sandbox:
+    """A running 4-node sandbox with accounting (shared across tests; faults cleared before each)."""
+    box = sandbox_manager.ensure_up()
+    box.clear_faults()
+    return box
+
+
+def slurm_env(box: Sandbox) -> dict[str, str]:
+    env = box.slurm_env()
+    env["PATH"] = f"{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin"
+    return env
+
+
+def on_node(box: Sandbox, node: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run a command on a sandbox node, the way `clockwork sandbox exec` does."""
+    return subprocess.run(box.exec_argv(node, list(argv)), capture_output=True, text=True, timeout=timeout)
+
+
+def wait_job(box: Sandbox, job_id: int, timeout_s: float = 120) -> str:
+    """Wait for a job to reach a terminal state; return that state."""
+    slurm = box.slurm()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = slurm.job(job_id)
+        if info is not None and info.finished:
+            return info.state
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} did not finish within {timeout_s} s: {slurm.job(job_id)}")

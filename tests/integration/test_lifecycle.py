@@ -1,0 +1,116 @@
+"""Bring-up and tear-down: `up` refuses a second cluster, `down` leaves nothing behind, whatever the state."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from clockworkd.config.schema import SandboxConfig
+from clockworkd.errors import SandboxError
+from clockworkd.sandbox import processes
+from clockworkd.sandbox.cluster import Sandbox
+from clockworkd.sandbox.layout import ROOT_DEV
+from tests.integration.conftest import CLOCKWORK, SandboxManager
+
+
+def sandbox_namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n == "cw-fabric" or n.startswith("node")]
+
+
+def slurm_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "stat=,comm="], capture_output=True, text=True).stdout
+    return [
+        line
+        for line in out.splitlines()
+        if line.split()[1] in ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "slurmstepd")
+        and not line.startswith("Z")
+    ]
+
+
+def assert_nothing_left(state_dir: Path) -> None:
+    assert sandbox_namespaces() == []
+    assert processes.marked(state_dir) == set()
+    assert slurm_processes() == []
+    assert subprocess.run(["ip", "link", "show", ROOT_DEV], capture_output=True).returncode != 0
+
+
+def test_up_twice_says_so_and_down_removes_everything(sandbox_manager: SandboxManager) -> None:
+    box = sandbox_manager.ensure_up(nodes=2, accounting=False)
+    state = str(box.paths.root)
+    again = subprocess.run(
+        [CLOCKWORK, "sandbox", "up", "--nodes", "2", "--state", state], capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 3
+    assert "a sandbox is already running at" in again.stderr and "sandbox down" in again.stderr
+    assert box.running()  # the refused second `up` did not disturb the first
+
+    down = subprocess.run([CLOCKWORK, "sandbox", "down", "--help"], capture_output=True, text=True)
+    assert down.returncode == 0
+    result = subprocess.run(
+        [CLOCKWORK, "sandbox", "--state", state, "down"], capture_output=True, text=True, timeout=120
+    )
+    sandbox_manager.current = None
+    assert result.returncode == 0, result.stderr
+    assert "namespace node1" in result.stdout
+    assert_nothing_left(box.paths.root)
+    status = json.loads(
+        subprocess.run(
+            [CLOCKWORK, "sandbox", "--state", state, "status", "--json"], capture_output=True, text=True
+        ).stdout
+    )
+    assert status["running"] is False and status["phase"] == "down"
+
+
+def test_down_cleans_a_crashed_sandbox_whose_record_is_lost(sandbox_manager: SandboxManager) -> None:
+    box = sandbox_manager.ensure_up(nodes=2, accounting=True)
+    job_id = box.slurm().submit("srun sleep 300", ["-N2", "-o", "/dev/null"])
+    st = box.state()
+    assert st is not None
+    # A crash: the controller and munge die hard, and the record of what was started is gone.
+    for name in ("slurmctld", "munged"):
+        os.kill(st.pids[name], signal.SIGKILL)
+    box.paths.state_file.unlink()
+    sandbox_manager.current = None
+    assert job_id > 0 and sandbox_namespaces() != []
+    removed = Sandbox(box.config).down()
+    assert "namespace cw-fabric" in removed
+    assert_nothing_left(box.paths.root)
+
+
+def test_failed_bring_up_tears_down_what_it_built(sandbox_manager: SandboxManager, short_tmp: Path) -> None:
+    sandbox_manager.ensure_down()
+    cfg = replace(SandboxConfig(), state_dir=str(short_tmp / "state"), nodes=2)
+    # Occupy slurmctld's port so that the controller cannot start.
+    blocker = socket.create_server(("0.0.0.0", cfg.port_base))
+    try:
+        with pytest.raises(SandboxError, match="slurmctld"):
+            Sandbox(cfg).up()
+    finally:
+        blocker.close()
+    assert_nothing_left(Path(cfg.state_dir))
+    assert (Path(cfg.state_dir) / "log" / "slurmctld.log").exists()  # the logs stay for the post-mortem
+
+
+def test_state_folder_that_is_not_a_sandbox_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "precious.txt").write_text("do not delete")
+    result = subprocess.run([CLOCKWORK, "sandbox", "up", "--state", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 3
+    assert "is not a sandbox state folder" in result.stderr
+    assert (tmp_path / "precious.txt").read_text() == "do not delete"
+
+
+def test_state_folder_too_long_for_slurm_sockets_is_refused(tmp_path: Path) -> None:
+    deep = tmp_path / ("x" * 60) / "state"
+    result = subprocess.run([CLOCKWORK, "sandbox", "up", "--state", str(deep)], capture_output=True, text=True)
+    assert result.returncode == 3
+    assert "unix socket limit; choose a shorter --state" in result.stderr
+    assert sandbox_namespaces() == []

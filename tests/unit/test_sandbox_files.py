@@ -1,0 +1,226 @@
+"""The files a sandbox runs on: slurm.conf, slurmdbd.conf, hosts, plugstack and the hook wrappers.
+
+The wrappers are executed for real (they only need a python and a spool folder), which proves that a
+hook Slurm runs as root without PATH finds its interpreter, its configuration and the hook code.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clockworkd.config import load_config
+from clockworkd.config.schema import SandboxConfig
+from clockworkd.sandbox.layout import Layout, build_layout
+from clockworkd.sandbox.paths import StatePaths
+from clockworkd.sandbox.slurm_files import (
+    HOOKS,
+    hook_wrapper,
+    hosts,
+    plugstack,
+    slurm_conf,
+    slurmdbd_conf,
+    write_all,
+)
+from slurm_hooks import events
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> StatePaths:
+    return StatePaths(tmp_path / "state")
+
+
+@pytest.fixture
+def layout() -> Layout:
+    return build_layout(SandboxConfig(nodes=3))
+
+
+def _settings(text: str) -> dict[str, str]:
+    """Single-valued ``Key=Value`` lines of a Slurm config (node and partition lines excluded)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or line.startswith(("NodeName=", "PartitionName=")):
+            continue
+        key, sep, value = line.partition("=")
+        assert sep, line
+        assert key not in out, f"{key} set twice"
+        out[key] = value
+    return out
+
+
+def _records(text: str, kind: str) -> dict[str, dict[str, str]]:
+    """``NodeName=...``/``PartitionName=...`` lines as name -> {key: value}."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(f"{kind}="):
+            fields = dict(token.split("=", 1) for token in line.split())
+            out[fields[kind]] = fields
+    return out
+
+
+def test_slurm_conf_without_accounting(paths: StatePaths, layout: Layout) -> None:
+    conf = _settings(slurm_conf(paths, layout, accounting=False, cpus_per_node=2))
+    assert conf["AccountingStorageType"] == "accounting_storage/none"
+    assert "AccountingStorageHost" not in conf
+    assert "AccountingStoragePass" not in conf
+
+
+def test_slurm_conf_with_accounting(paths: StatePaths, layout: Layout) -> None:
+    conf = _settings(slurm_conf(paths, layout, accounting=True, cpus_per_node=2))
+    assert conf["AccountingStorageType"] == "accounting_storage/slurmdbd"
+    assert conf["AccountingStorageHost"] == "127.0.0.1"
+    assert conf["AccountingStoragePort"] == str(layout.slurmdbd_port)
+    assert conf["AccountingStoragePass"] == str(paths.munge_socket)
+
+
+def test_slurm_conf_core_settings(paths: StatePaths, layout: Layout) -> None:
+    conf = _settings(slurm_conf(paths, layout, accounting=False, cpus_per_node=2))
+    assert conf["ClusterName"] == "clockwork"
+    assert conf["SlurmctldHost"] == f"ctl({layout.ctl_ip})"
+    assert conf["SlurmctldPort"] == str(layout.slurmctld_port)
+    assert conf["SlurmdPort"] == str(layout.slurmd_port)
+    assert conf["PrologFlags"] == "Alloc"
+    assert conf["PreemptType"] == "preempt/partition_prio"
+    assert conf["PreemptMode"] == "REQUEUE"
+    assert conf["AuthInfo"] == f"socket={paths.munge_socket},cred_expire=5"
+    assert conf["PlugStackConfig"] == str(paths.plugstack_conf)
+    assert conf["StateSaveLocation"] == str(paths.ctld_state)
+
+
+def test_slurm_conf_hooks_are_absolute_paths_under_state_hooks(paths: StatePaths, layout: Layout) -> None:
+    conf = _settings(slurm_conf(paths, layout, accounting=False, cpus_per_node=2))
+    assert set(HOOKS) == {"Prolog", "Epilog", "PrologSlurmctld", "EpilogSlurmctld"}
+    for param, name in HOOKS.items():
+        path = Path(conf[param])
+        assert path.is_absolute(), param
+        assert path == paths.root / "hooks" / name
+    assert conf["Prolog"].endswith("/hooks/prolog")
+    assert conf["EpilogSlurmctld"].endswith("/hooks/epilog_slurmctld")
+
+
+def test_slurm_conf_nodes(paths: StatePaths, layout: Layout) -> None:
+    nodes = _records(slurm_conf(paths, layout, accounting=False, cpus_per_node=4), "NodeName")
+    assert list(nodes) == ["node1", "node2", "node3"]
+    for node in layout.nodes:
+        line = nodes[node.name]
+        assert line["NodeAddr"] == node.mgmt_ip
+        assert line["NodeHostname"] == node.name
+        assert line["CPUs"] == "4"
+
+
+def test_slurm_conf_partitions(paths: StatePaths, layout: Layout) -> None:
+    parts = _records(slurm_conf(paths, layout, accounting=False, cpus_per_node=2), "PartitionName")
+    assert set(parts) == {"low", "high"}
+    low, high = parts["low"], parts["high"]
+    assert low["Default"] == "YES"
+    assert low["PreemptMode"] == "REQUEUE"
+    assert low["PriorityTier"] == "1"
+    assert high["PriorityTier"] == "10"
+    assert "Default" not in high
+    assert int(high["PriorityTier"]) > int(low["PriorityTier"])
+    assert low["Nodes"] == high["Nodes"] == "node1,node2,node3"
+
+
+def test_slurmdbd_conf(paths: StatePaths, layout: Layout) -> None:
+    conf = _settings(slurmdbd_conf(paths, layout))
+    assert conf["AuthInfo"] == f"socket={paths.munge_socket}"
+    assert conf["DbdPort"] == str(layout.slurmdbd_port)
+    assert conf["StoragePort"] == str(layout.mariadb_port)
+    assert conf["StorageType"] == "accounting_storage/mysql"
+
+
+def test_hosts(layout: Layout) -> None:
+    entries = [line.split("\t") for line in hosts(layout).splitlines()]
+    table = {name: addr for addr, name in entries}
+    assert table["localhost"] == "127.0.0.1"
+    assert table["ctl"] == layout.ctl_ip
+    for node in layout.nodes:
+        assert table[node.name] == node.node_addr
+    assert len(entries) == 2 + len(layout.nodes)
+
+
+def test_hook_wrapper() -> None:
+    text = hook_wrapper("/opt/py env/bin/python3", Path("/run/cw sandbox/etc/clockwork.toml"), "prolog")
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/sh"
+    assert shlex.split(lines[-1]) == [
+        "CLOCKWORK_CONFIG=/run/cw sandbox/etc/clockwork.toml",
+        "exec",
+        "/opt/py env/bin/python3",
+        "-m",
+        "slurm_hooks",
+        "prolog",
+    ]
+
+
+def test_plugstack(tmp_path: Path) -> None:
+    so = tmp_path / "clockwork.so"
+    assert plugstack(None).startswith("#")
+    assert plugstack(so).startswith("#")
+    so.write_bytes(b"")
+    assert plugstack(so) == f"optional {so}\n"
+
+
+@pytest.mark.parametrize("accounting", [False, True])
+def test_write_all(paths: StatePaths, layout: Layout, accounting: bool) -> None:
+    write_all(paths, layout, accounting=accounting, cpus_per_node=2, python=sys.executable, spank_so=None)
+    for d in paths.all_dirs():
+        assert d.is_dir(), d
+    for f in (paths.slurm_conf, paths.cgroup_conf, paths.plugstack_conf, paths.hosts, paths.clockwork_toml):
+        assert f.is_file(), f
+    assert paths.slurm_conf.read_text() == slurm_conf(paths, layout, accounting, 2)
+    assert paths.hosts.read_text() == hosts(layout)
+    if accounting:
+        assert stat.S_IMODE(paths.slurmdbd_conf.stat().st_mode) == 0o600
+        assert paths.slurmdbd_conf.read_text() == slurmdbd_conf(paths, layout)
+    else:
+        assert not paths.slurmdbd_conf.exists()
+    for name in HOOKS.values():
+        wrapper = paths.hooks / name
+        assert wrapper.read_text() == hook_wrapper(sys.executable, paths.clockwork_toml, name)
+        assert os.access(wrapper, os.X_OK)
+        assert stat.S_IMODE(wrapper.stat().st_mode) == 0o755
+    for node in layout.nodes:
+        assert (paths.node_dir(node.name) / "spool").is_dir()
+
+
+def test_written_clockwork_toml_is_a_valid_configuration(paths: StatePaths, layout: Layout) -> None:
+    write_all(paths, layout, accounting=False, cpus_per_node=2, python=sys.executable, spank_so=None)
+    cfg = load_config(paths.clockwork_toml, env={}).config
+    assert cfg.log.file == str(paths.logs / "clockwork.log")
+    assert cfg.slurm.backend == "cli"
+    assert cfg.slurm.conf == str(paths.slurm_conf)
+    assert cfg.hooks.spool_dir == str(paths.spool)
+    assert cfg.sandbox.state_dir == str(paths.root)
+
+
+def test_prolog_wrapper_runs_and_records_the_event(paths: StatePaths, layout: Layout, tmp_path: Path) -> None:
+    write_all(paths, layout, accounting=False, cpus_per_node=2, python=sys.executable, spank_so=None)
+    env = {  # what slurmd gives a Prolog: no PATH, no HOME
+        "SLURM_JOB_ID": "42",
+        "SLURMD_NODENAME": "node1",
+        "SLURM_JOB_UID": "0",
+        "SLURM_JOB_USER": "root",
+        "SPANK_CLOCKWORK_FT": "aware",
+    }
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    proc = subprocess.run([str(paths.hooks / "prolog")], env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    event_file = paths.spool / "jobs" / "42" / "node1.jsonl"
+    assert event_file.is_file(), proc.stderr
+    (event,) = events.read(paths.spool, 42)
+    assert event["event"] == "job.prolog"
+    assert event["job_id"] == 42
+    assert event["node"] == "node1"
+    assert event["uid"] == 0
+    assert event["user"] == "root"
+    assert event["options"] == {"ft": "aware"}
+    assert "exit_code" not in event
+    assert "job 42: job.prolog on node1" in (paths.logs / "clockwork.log").read_text()
