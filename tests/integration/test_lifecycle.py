@@ -70,8 +70,10 @@ def test_up_twice_says_so_and_down_removes_everything(sandbox_manager: SandboxMa
     assert status["running"] is False and status["phase"] == "down"
 
 
-def test_down_cleans_a_crashed_sandbox_whose_record_is_lost(sandbox_manager: SandboxManager) -> None:
-    box = sandbox_manager.ensure_up(nodes=2, accounting=True)
+def test_down_cleans_a_crashed_sandbox_whose_record_is_lost(sandbox_manager: SandboxManager, short_tmp: Path) -> None:
+    sandbox_manager.ensure_down()
+    box = Sandbox(replace(SandboxConfig(), state_dir=str(short_tmp / "state"), nodes=2, accounting=True))
+    box.up()
     job_id = box.slurm().submit("srun sleep 300", ["-N2", "-o", "/dev/null"])
     st = box.state()
     assert st is not None
@@ -79,7 +81,6 @@ def test_down_cleans_a_crashed_sandbox_whose_record_is_lost(sandbox_manager: San
     for name in ("slurmctld", "munged"):
         os.kill(st.pids[name], signal.SIGKILL)
     box.paths.state_file.unlink()
-    sandbox_manager.current = None
     assert job_id > 0 and sandbox_namespaces() != []
     removed = Sandbox(box.config).down()
     assert "namespace cw-fabric" in removed

@@ -71,6 +71,12 @@ def node_prefix(paths: StatePaths, node: str) -> list[str]:
     ]
 
 
+def controller_prefix(paths: StatePaths) -> list[str]:
+    """Argv prefix for slurmctld/slurmdbd: root network namespace, hostname ``ctl``, local name lookups."""
+    setup = f'mount --bind {paths.controller_hosts} /etc/hosts && hostname {CONTROLLER} && exec "$@"'
+    return ["unshare", "--uts", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", setup, "sh"]
+
+
 class Sandbox:
     """One sandbox cluster, identified by its state folder."""
 
@@ -178,10 +184,24 @@ class Sandbox:
         root.mkdir(parents=True, mode=0o755)
         os.chmod(root, 0o755)
 
-    def _start(self, st: SandboxState, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> int:
-        pid = processes.start(argv, log_file=self.paths.logs / f"{name}.log", state_dir=self.paths.root, env=env)
+    def _start(
+        self,
+        st: SandboxState,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        ready: Callable[[], bool] | None = None,
+        timeout_s: float = 30.0,
+        interval_s: float = 0.02,
+    ) -> int:
+        """Start daemon ``name`` (logging to log/NAME.log), record its pid, and wait for ``ready``."""
+        log_file = self.paths.logs / f"{name}.log"
+        pid = processes.start(argv, log_file=log_file, state_dir=self.paths.root, env=env)
         st.pids[name] = pid
         st.save(self.paths.state_file)
+        if ready is not None:
+            processes.wait_until(name, ready, timeout_s=timeout_s, pid=pid, log_file=log_file, interval_s=interval_s)
         return pid
 
     def _build(self, st: SandboxState, layout: Layout) -> None:
@@ -204,7 +224,7 @@ class Sandbox:
         fabric.build(layout, owner_mark=str(self.paths.root))
 
         self._progress("starting munged (authentication)")
-        pid = self._start(
+        self._start(
             st,
             "munged",
             [
@@ -218,30 +238,20 @@ class Sandbox:
                 f"--log-file={p.logs / 'munged.log'}",
                 "--num-threads=4",
             ],
+            ready=p.munge_socket.exists,
         )
-        processes.wait_until("munged", p.munge_socket.exists, timeout_s=10, pid=pid, log_file=p.logs / "munged.log")
 
         if accounting:
             self._start_accounting(st, layout, slurm_env)
 
         self._progress(f"starting slurmctld on host '{CONTROLLER}' ({layout.ctl_ip})")
-        pid = self._start(
+        self._start(
             st,
             "slurmctld",
-            [
-                "unshare",
-                "--uts",
-                "--",
-                "/bin/sh",
-                "-c",
-                f'hostname {CONTROLLER} && exec slurmctld -D -c -f "$0"',
-                str(p.slurm_conf),
-            ],
+            [*controller_prefix(p), "slurmctld", "-D", "-c", "-f", str(p.slurm_conf)],
             env=slurm_env,
-        )
-        slurm = self.slurm()
-        processes.wait_until(
-            "slurmctld", slurm.ping, timeout_s=20, pid=pid, log_file=p.logs / "slurmctld.log", interval_s=0.05
+            ready=self.slurm().ping,
+            interval_s=0.05,
         )
 
         self._progress("starting one slurmd per node")
@@ -291,7 +301,7 @@ class Sandbox:
         init.write_text(
             "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1';\nGRANT ALL PRIVILEGES ON *.* TO 'slurm'@'127.0.0.1';\n"
         )
-        pid = self._start(
+        self._start(
             st,
             "mariadb",
             [
@@ -309,21 +319,14 @@ class Sandbox:
                 f"--pid-file={p.root / 'mariadb.pid'}",
                 "--skip-log-bin",
             ],
+            ready=processes.port_open("127.0.0.1", layout.mariadb_port),
         )
-        processes.wait_until(
-            "MariaDB",
-            processes.port_open("127.0.0.1", layout.mariadb_port),
-            timeout_s=30,
-            pid=pid,
-            log_file=p.logs / "mariadb.log",
-        )
-        pid = self._start(st, "slurmdbd", ["slurmdbd", "-D"], env=slurm_env)
-        processes.wait_until(
+        self._start(
+            st,
             "slurmdbd",
-            processes.port_open("127.0.0.1", layout.slurmdbd_port),
-            timeout_s=30,
-            pid=pid,
-            log_file=p.logs / "slurmdbd.log",
+            [*controller_prefix(p), "slurmdbd", "-D"],
+            env=slurm_env,
+            ready=processes.port_open("127.0.0.1", layout.slurmdbd_port),
         )
         run(["sacctmgr", "-i", "add", "cluster", CLUSTER], env={**self.slurm_env(), **slurm_env}, timeout=30)
 

@@ -41,6 +41,10 @@ class StatePaths:
         return self.etc / "hosts"
 
     @property
+    def controller_hosts(self) -> Path:
+        return self.etc / "hosts.controller"
+
+    @property
     def clockwork_toml(self) -> Path:
         return self.etc / "clockwork.toml"
 

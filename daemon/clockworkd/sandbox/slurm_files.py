@@ -118,6 +118,14 @@ def hosts(layout: Layout) -> str:
     return "\n".join(lines) + "\n"
 
 
+def controller_hosts(layout: Layout) -> str:
+    """/etc/hosts for slurmctld and slurmdbd: every name the sandbox uses resolves locally (to the
+    management addresses the controller reaches nodes on), so no lookup ever leaves the machine."""
+    lines = ["127.0.0.1\tlocalhost", f"{layout.ctl_ip}\t{CONTROLLER}"]
+    lines += [f"{n.mgmt_ip}\t{n.name}" for n in layout.nodes]
+    return "\n".join(lines) + "\n"
+
+
 def plugstack(spank_so: Path | None) -> str:
     """Load the Clockwork SPANK plugin once it has been built (spank/clockwork.so)."""
     if spank_so is None or not spank_so.exists():
@@ -160,6 +168,7 @@ def write_all(
     paths.cgroup_conf.write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
     paths.plugstack_conf.write_text(plugstack(spank_so))
     paths.hosts.write_text(hosts(layout))
+    paths.controller_hosts.write_text(controller_hosts(layout))
     paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root))
     if accounting:
         paths.slurmdbd_conf.write_text(slurmdbd_conf(paths, layout))
