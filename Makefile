@@ -9,14 +9,18 @@ STAMP := $(VENV)/.installed
 APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
 	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping
 
-.PHONY: help venv system-packages demo test lint clean sandbox-down
+.PHONY: help venv system-packages demo test lint clean sandbox-down spank
 
 help:
 	@echo "make demo   - set up (if needed), then run the demo on the embedded sandbox cluster"
 	@echo "make test   - set up (if needed), then run the whole test suite (root runs the integration tests)"
 	@echo "make venv   - the idempotent set-up both use: system packages + .venv"
 
-venv: system-packages $(STAMP)
+venv: system-packages $(STAMP) spank
+
+# The SPANK plugin (spank/clockwork.so); the sandbox's plugstack.conf loads it once it exists.
+spank: system-packages
+	$(MAKE) -C spank
 
 system-packages:
 	@missing=$$(for p in $(APT_PACKAGES); do \
@@ -48,4 +52,5 @@ sandbox-down: venv
 	$(VENV)/bin/clockwork sandbox down
 
 clean:
+	$(MAKE) -C spank clean
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
