@@ -1,7 +1,9 @@
-"""``python -m slurm_hooks prolog|epilog|prolog_slurmctld|epilog_slurmctld`` (what Slurm runs)."""
+"""``python -m slurm_hooks prolog|epilog|prolog_slurmctld|epilog_slurmctld|healthcheck`` (what Slurm runs)."""
 
 import sys
 
-from slurm_hooks.runner import main
+from slurm_hooks import healthcheck, runner
 
-sys.exit(main(sys.argv[1:]))
+if sys.argv[1:2] == ["healthcheck"]:
+    sys.exit(healthcheck.main())
+sys.exit(runner.main(sys.argv[1:]))

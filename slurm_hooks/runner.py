@@ -1,8 +1,10 @@
 """What each hook does, and the rule that a hook failure never takes a healthy node out of service.
 
 A non-zero Prolog exit makes slurmd drain the node, and a failing PrologSlurmctld requeues the job.
-Clockwork's own trouble (a bad config, a full spool) is therefore logged and swallowed: only a
-verdict that the node itself is unhealthy may ever return non-zero (none does yet).
+Clockwork's own trouble (a bad config, a daemon that will not start, a full spool) is therefore logged
+and swallowed. The single exception is the admin's explicit ``[hooks] require_daemon = true``: then a
+clockwork job's Prolog fails when the node cannot run the daemon, because the node cannot give the
+job the fault tolerance it asked for.
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from clockworkd.config import load_config
+from clockworkd.client import DaemonClient
+from clockworkd.config import LoadedConfig, load_config
+from clockworkd.daemon_paths import DaemonPaths
+from clockworkd.errors import ClockworkError
 from clockworkd.logging_setup import configure_logging
-from slurm_hooks import events
+from clockworkd.slurm import expand_hostlist, from_config
+from slurm_hooks import events, report
 from slurm_hooks.context import HookContext, from_env, resolve_context
+from slurm_hooks.supervisor import ensure_daemon
 
 log = logging.getLogger("clockwork.hooks")
 
@@ -25,10 +32,67 @@ EVENT_OF = {
     "prolog_slurmctld": "job.start",
     "epilog_slurmctld": "job.end",
 }
+#: Slurm gives hooks no PATH; the Slurm commands the hooks call live here.
+DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def handle(ctx: HookContext, spool: Path) -> None:
-    """Record the hook's event for the job (the daemon registration builds on this)."""
+def wants_clockwork(ctx: HookContext) -> bool:
+    return ctx.options.get("ft", "off") != "off"
+
+
+def reports_dir(loaded: LoadedConfig) -> Path:
+    cfg = loaded.config
+    paths = DaemonPaths.from_config(cfg.daemon)
+    return Path(cfg.hooks.report_dir.replace("{node}", paths.node)) if cfg.hooks.report_dir else paths.reports_dir
+
+
+def prolog(ctx: HookContext, loaded: LoadedConfig) -> int:
+    """Start or adopt the daemon and register the job. Non-zero only under ``require_daemon``."""
+    cfg = loaded.config
+    spool = Path(cfg.hooks.spool_dir)
+    check = ensure_daemon(cfg.daemon, loaded.path)
+    events.append(spool, ctx.job_id, ctx.node, f"daemon.{check.action}", pid=check.pid, detail=check.detail)
+    if check.ok:
+        try:
+            with DaemonClient.from_config(cfg.daemon) as client:
+                client.register_job(ctx.job_id, ctx.uid or 0, ctx.user, expand_hostlist(ctx.nodelist), ctx.options)
+            log.info("job %d: registered with clockworkd on %s (%s)", ctx.job_id, ctx.node, check.action)
+            return 0
+        except ClockworkError as exc:
+            check_detail = f"registration failed: {exc}"
+    else:
+        check_detail = check.detail
+    events.append(spool, ctx.job_id, ctx.node, "daemon.unavailable", detail=check_detail)
+    if cfg.hooks.require_daemon:
+        log.error("job %d: no clockworkd on %s and require_daemon is set: %s", ctx.job_id, ctx.node, check_detail)
+        return 1
+    log.error("job %d: runs without fault tolerance on %s: %s", ctx.job_id, ctx.node, check_detail)
+    return 0
+
+
+def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
+    """Gather the job's events, unregister it, write the report; the head node sets the AdminComment."""
+    cfg = loaded.config
+    check = ensure_daemon(cfg.daemon, loaded.path)
+    job_events: list[dict[str, object]] = []
+    if check.ok:
+        with DaemonClient.from_config(cfg.daemon) as client:
+            try:
+                job_events = client.job_events(ctx.job_id)
+                client.unregister_job(ctx.job_id)
+            except ClockworkError as exc:
+                log.warning("job %d: daemon on %s: %s", ctx.job_id, ctx.node, exc)
+    data = report.build(ctx, job_events, daemon=check.action if check.ok else f"unavailable: {check.detail}")
+    path = report.write(data, reports_dir(loaded))
+    line = report.summary(data, path)
+    log.info("job %d: %s", ctx.job_id, line)
+    nodes = expand_hostlist(ctx.nodelist)
+    if nodes and nodes[0] == ctx.node:  # one AdminComment per job: the first node of the allocation writes it
+        from_config(cfg.slurm).set_admin_comment(ctx.job_id, line)
+
+
+def handle(ctx: HookContext, loaded: LoadedConfig) -> int:
+    """Record the hook's event; for clockwork jobs on a node, run the Prolog/Epilog work."""
     fields: dict[str, object] = {
         "uid": ctx.uid,
         "user": ctx.user,
@@ -39,13 +103,20 @@ def handle(ctx: HookContext, spool: Path) -> None:
     }
     if ctx.exit_code is not None:
         fields["exit_code"] = ctx.exit_code
-    path = events.append(spool, ctx.job_id, ctx.node, EVENT_OF[ctx.context], **fields)
+    path = events.append(Path(loaded.config.hooks.spool_dir), ctx.job_id, ctx.node, EVENT_OF[ctx.context], **fields)
     log.info("job %d: %s on %s recorded in %s", ctx.job_id, EVENT_OF[ctx.context], ctx.node, path)
+    if not wants_clockwork(ctx) or ctx.on_controller:
+        return 0
+    if ctx.context == "prolog_slurmd":
+        return prolog(ctx, loaded)
+    epilog(ctx, loaded)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    """Entry point for Slurm (``python -m slurm_hooks CONTEXT``). Returns 0 unless the node is unhealthy."""
+    """Entry point for Slurm (``python -m slurm_hooks CONTEXT``, or ``clockwork-hook`` with SLURM_SCRIPT_CONTEXT)."""
     env = os.environ if env is None else env
+    os.environ.setdefault("PATH", DEFAULT_PATH)
     args = list(argv or [])
     try:
         loaded = load_config(env=env)
@@ -55,9 +126,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         log.error("configuration unusable, hook does nothing: %s", exc)
         return 0
     try:
-        context = resolve_context(args[0] if args else None, env)
-        ctx = from_env(context, env)
-        handle(ctx, Path(loaded.config.hooks.spool_dir))
+        ctx = from_env(resolve_context(args[0] if args else None, env), env)
+        return handle(ctx, loaded)
     except Exception:
         log.exception("hook failed (ignored: Clockwork's own failure never drains a node)")
     return 0
+
+
+def console_main() -> None:
+    """``clockwork-hook``: one program for all four hook parameters; Slurm says which in SLURM_SCRIPT_CONTEXT."""
+    raise SystemExit(main([]))

@@ -1,7 +1,14 @@
 """``clockworkd``: the per-node agent's entry point.
 
-Today it validates the configuration the node would run with (``--check-config``); the control plane
-(ZeroMQ + msgpack, peer-credential checks, job registration) is built on this entry point next.
+``clockworkd [--config PATH] [--foreground]`` runs the node daemon (:mod:`clockworkd.server`) until
+SIGTERM or SIGINT, which close the sockets and remove the socket and pid files. It never forks:
+``--foreground`` only states that explicitly (systemd ``Type=simple``). The Slurm Prolog starts it
+detached itself, e.g. ``setsid -f clockworkd --config F </dev/null >>LOG 2>&1``, and knows it is up
+when ``ping`` on the control socket answers. ``--check-config`` validates the configuration, prints
+it and exits.
+
+A second daemon for the same run folder exits with code 5 (``already running``) without touching the
+running one; a stale pid file or socket of a dead daemon is replaced.
 """
 
 from __future__ import annotations
@@ -13,23 +20,33 @@ import click
 
 from clockworkd import __version__
 from clockworkd.config import load_config
+from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
+from clockworkd.logging_setup import configure_logging
+from clockworkd.server import Daemon
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), help="Configuration file.")
 @click.option("--check-config", is_flag=True, help="Load and validate the configuration, print it, exit.")
+@click.option(
+    "--foreground",
+    is_flag=True,
+    help="Run in the foreground (what clockworkd always does; start it with setsid to detach).",
+)
 @click.version_option(__version__, prog_name="clockworkd")
-def agent(config_path: Path | None, check_config: bool) -> None:
+def agent(config_path: Path | None, check_config: bool, foreground: bool) -> None:
     """The Clockwork node agent (one per node, run as root)."""
     loaded = load_config(config_path)
     if check_config:
         for section, key, value, source, _ in loaded.items():
             click.echo(f"{section}.{key} = {value!r}  ({source})")
         return
-    raise ClockworkError(
-        "the node agent's control plane is not part of this release yet; use --check-config", exit_code=2
-    )
+    configure_logging(loaded.config.log, component="daemon")
+    cfg = loaded.config.daemon
+    daemon = Daemon(cfg, DaemonPaths.from_config(cfg))
+    daemon.start()
+    daemon.serve()
 
 
 def main() -> None:

@@ -45,3 +45,26 @@ class SandboxError(ClockworkError):
     """The embedded sandbox cluster could not be built, reached or torn down."""
 
     exit_code = 3
+
+
+class DaemonError(ClockworkError):
+    """The node daemon refused a request (its error ``code`` and message), or cannot start.
+
+    ``code`` is the daemon's machine-readable error code (``forbidden``, ``unknown_job``, ...), so
+    callers such as the Prolog can branch on it without parsing the message.
+    """
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, code: str = "error", exit_code: int | None = None) -> None:
+        super().__init__(message, exit_code=exit_code)
+        self.code = code
+
+
+class DaemonUnavailableError(DaemonError):
+    """No daemon answered within the timeout (none runs, or it hangs): the caller may start or restart it."""
+
+    exit_code = 6
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="unavailable")

@@ -9,6 +9,7 @@ under tmp_path, and the root check is exercised by pretending to be uid 1000.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import sys
@@ -218,16 +219,26 @@ def test_clockworkd_check_config_with_click_runner(tmp_path: Path) -> None:
     assert f"hooks.spool_dir = '/srv/cw'  (file {path})" in result.output
 
 
-def test_clockworkd_without_check_config_exits_2(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_clockworkd_refuses_to_start_beside_a_live_daemon(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(sys, "argv", ["clockworkd"])
-    with pytest.raises(SystemExit) as exit_info:
-        agent_main()
-    assert exit_info.value.code == 2
+    """Without --check-config clockworkd runs the daemon; here the run folder's pid file is already locked."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = tmp_path / "node.toml"
+    path.write_text(f'[daemon]\nrun_dir = "{run_dir}"\nstate_dir = "{tmp_path / "state"}"\nnode_name = "n1"\n')
+    pid_file = run_dir / "clockworkd.pid"
+    pid_file.write_text("4242\n")
+    monkeypatch.setattr(sys, "argv", ["clockworkd", "--config", str(path), "--foreground"])
+    with open(pid_file) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # what a running daemon holds
+        with pytest.raises(SystemExit) as exit_info:
+            agent_main()
+    assert exit_info.value.code == 5
     err = capsys.readouterr().err
-    assert err.startswith("clockworkd: ")
-    assert "use --check-config" in err
+    assert err == f"clockworkd: another clockworkd (pid 4242) is running: it holds {pid_file}\n"
+    assert pid_file.read_text() == "4242\n"
+    assert not (tmp_path / "state").exists()
 
 
 def test_clockworkd_bad_config_exits_2(

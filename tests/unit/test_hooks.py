@@ -74,7 +74,7 @@ FULL_ENV = {
     "SLURM_JOB_PARTITION": "high",
     "SLURM_JOB_RESTART_COUNT": "2",
     "SLURM_JOB_EXIT_CODE2": "3:0",
-    "SPANK_CLOCKWORK_FT": "aware",
+    "SPANK_CLOCKWORK_FT": "off",  # a job that asked for no fault tolerance: the hooks only record events
     "SPANK_CLOCKWORK_CHECKPOINT_DIR": "/ckpt",
     "SPANK_OTHER_PLUGIN": "x",
 }
@@ -91,7 +91,7 @@ def test_from_env_prolog() -> None:
     assert ctx.partition == "high"
     assert ctx.restart_count == 2
     assert ctx.exit_code is None  # only Epilogs carry one
-    assert ctx.options == {"ft": "aware", "checkpoint_dir": "/ckpt"}
+    assert ctx.options == {"ft": "off", "checkpoint_dir": "/ckpt"}
     assert ctx.on_controller is False
 
 
@@ -152,7 +152,7 @@ def test_runner_records_the_prolog_event(site: dict[str, Path]) -> None:
     assert event["nodelist"] == "node[1-3]"
     assert event["partition"] == "high"
     assert event["restart_count"] == 2
-    assert event["options"] == {"ft": "aware", "checkpoint_dir": "/ckpt"}
+    assert event["options"] == {"ft": "off", "checkpoint_dir": "/ckpt"}
     assert "exit_code" not in event
     assert isinstance(event["time"], float)
     assert "job 1234: job.prolog on node2 recorded in" in site["log"].read_text()

@@ -74,7 +74,7 @@ def test_slurm_conf_without_accounting(paths: StatePaths, layout: Layout) -> Non
 def test_slurm_conf_with_accounting(paths: StatePaths, layout: Layout) -> None:
     conf = _settings(slurm_conf(paths, layout, accounting=True, cpus_per_node=2))
     assert conf["AccountingStorageType"] == "accounting_storage/slurmdbd"
-    assert conf["AccountingStorageHost"] == "127.0.0.1"
+    assert conf["AccountingStorageHost"] == "198.19.0.254"  # the controller, reachable from every node
     assert conf["AccountingStoragePort"] == str(layout.slurmdbd_port)
     assert conf["AccountingStoragePass"] == str(paths.munge_socket)
 
@@ -95,7 +95,7 @@ def test_slurm_conf_core_settings(paths: StatePaths, layout: Layout) -> None:
 
 def test_slurm_conf_hooks_are_absolute_paths_under_state_hooks(paths: StatePaths, layout: Layout) -> None:
     conf = _settings(slurm_conf(paths, layout, accounting=False, cpus_per_node=2))
-    assert set(HOOKS) == {"Prolog", "Epilog", "PrologSlurmctld", "EpilogSlurmctld"}
+    assert set(HOOKS) == {"Prolog", "Epilog", "PrologSlurmctld", "EpilogSlurmctld", "HealthCheckProgram"}
     for param, name in HOOKS.items():
         path = Path(conf[param])
         assert path.is_absolute(), param
@@ -207,7 +207,7 @@ def test_prolog_wrapper_runs_and_records_the_event(paths: StatePaths, layout: La
         "SLURMD_NODENAME": "node1",
         "SLURM_JOB_UID": "0",
         "SLURM_JOB_USER": "root",
-        "SPANK_CLOCKWORK_FT": "aware",
+        "SPANK_CLOCKWORK_FT": "off",  # no daemon work: this checks the wrapper itself
     }
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
@@ -221,6 +221,6 @@ def test_prolog_wrapper_runs_and_records_the_event(paths: StatePaths, layout: La
     assert event["node"] == "node1"
     assert event["uid"] == 0
     assert event["user"] == "root"
-    assert event["options"] == {"ft": "aware"}
+    assert event["options"] == {"ft": "off"}
     assert "exit_code" not in event
     assert "job 42: job.prolog on node1" in (paths.logs / "clockwork.log").read_text()

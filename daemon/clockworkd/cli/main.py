@@ -17,6 +17,8 @@ from clockworkd import __version__
 from clockworkd.cli.config_cmd import config
 from clockworkd.cli.context import CliContext, parse_sets
 from clockworkd.cli.demo_cmd import demo
+from clockworkd.cli.keys_cmd import keys
+from clockworkd.cli.node_cmd import node
 from clockworkd.cli.sandbox_cmd import sandbox
 from clockworkd.errors import ClockworkError
 
@@ -57,6 +59,8 @@ def cli(ctx: click.Context, config_path: Path | None, sets: tuple[str, ...], ver
 cli.add_command(config)
 cli.add_command(sandbox)
 cli.add_command(demo)
+cli.add_command(node)
+cli.add_command(keys)
 
 
 def run(argv: Sequence[str]) -> int:

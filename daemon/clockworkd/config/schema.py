@@ -61,6 +61,73 @@ class HooksConfig:
         "/var/spool/clockwork",
         "Where the hooks record each job's events (jobs/JOBID/NODE.jsonl) and failure reports.",
     )
+    report_dir: str = setting(
+        "",
+        "Where the Epilog writes each job's report (JOBID.json); empty = the daemon's state_dir/reports. "
+        "'{node}' is replaced by the node name.",
+    )
+    require_daemon: bool = setting(
+        False,
+        "Fail the Prolog of a clockwork job (Slurm then drains the node and requeues the job) when the node "
+        "daemon cannot be started. Off: the job runs without fault tolerance and the failure is recorded.",
+    )
+    health_nics: str = setting(
+        "",
+        "Comma-separated fabric NICs the health check requires up with carrier (e.g. 'ib0,ib1'); empty = "
+        "no NIC check. A failing NIC drains the node with a 'clockwork:' reason.",
+    )
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """The node daemon clockworkd (one per node, root): its sockets, its state and who may talk to it."""
+
+    run_dir: str = setting(
+        "/run/clockwork",
+        "Runtime folder: control socket control.sock (any local user may connect; every request is "
+        "authorised by the caller's kernel credentials), event socket events.sock (root and slurm_user "
+        "only) and the pid file clockworkd.pid. '{node}' is replaced by the node name (in every path of "
+        "this section), which gives each node of a shared filesystem its own folders.",
+    )
+    state_dir: str = setting(
+        "/var/lib/clockwork",
+        "Persistent folder: the job registry (jobs/), the per-job event logs (events/) and the Epilog's "
+        "reports (reports/); survives a daemon restart. '{node}' is replaced by the node name.",
+    )
+    node_name: str = setting("", "This node's name as Slurm knows it; empty = the short hostname.")
+    slurm_user: str = setting(
+        "root",
+        "Slurm's SlurmUser: like root, it may register jobs and act on every job through the control socket.",
+    )
+    listen_port: int = setting(
+        16900,
+        "TCP port of the daemon-to-daemon socket (ZeroMQ CURVE), bound on bind_addr; 0 = any free port "
+        "(tests only: peers cannot find it).",
+        min=0,
+    )
+    bind_addr: str = setting(
+        "", "Address the daemon-to-daemon socket binds to; empty = the address node_name resolves to."
+    )
+    curve_secret_key: str = setting(
+        "/etc/clockwork/curve/daemon.key_secret",
+        "This daemon's ZeroMQ CURVE secret key file (made by `clockwork keys generate`; root only, mode "
+        "0600). Missing or readable by others: the daemon runs without its TCP socket and says why in "
+        "`clockwork node status`.",
+    )
+    curve_public_key: str = setting(
+        "/etc/clockwork/curve/daemon.key",
+        "This daemon's CURVE public key file. Every public key (*.key) in the same folder is a key that "
+        "peers may present: the admin-installed set of daemon keys.",
+    )
+    max_message_bytes: int = setting(
+        65536,
+        "Largest request the daemon accepts; a larger one is answered with error 'too_large' (and a "
+        "peer sending one over 4 times this, at least 1 MiB, is disconnected unread).",
+        min=1024,
+    )
+    request_timeout_s: float = setting(
+        5.0, "Seconds a client (CLI, hooks, TorchPass) waits for the daemon's answer before giving up.", min=0.1
+    )
 
 
 @dataclass(frozen=True)
@@ -101,6 +168,7 @@ class ClockworkConfig:
     log: LogConfig = field(default_factory=LogConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 

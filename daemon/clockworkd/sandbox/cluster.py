@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from clockworkd import curve_keys
 from clockworkd.config.schema import SandboxConfig
 from clockworkd.errors import NeedRootError, SandboxError, SlurmError
 from clockworkd.sandbox import fabric, faults, processes, slurm_files
@@ -219,6 +220,7 @@ class Sandbox:
         p.munge.chmod(0o755)
         p.munge_key.write_bytes(os.urandom(1024))
         p.munge_key.chmod(0o600)
+        curve_keys.generate(p.curve_keys, "daemon")
 
         self._progress(f"building the fabric: {len(layout.nodes)} nodes x {layout.rails} NICs on {layout.rails} rails")
         fabric.build(layout, owner_mark=str(self.paths.root))
@@ -326,7 +328,7 @@ class Sandbox:
             "slurmdbd",
             [*controller_prefix(p), "slurmdbd", "-D"],
             env=slurm_env,
-            ready=processes.port_open("127.0.0.1", layout.slurmdbd_port),
+            ready=processes.port_open(layout.ctl_ip, layout.slurmdbd_port),
         )
         run(["sacctmgr", "-i", "add", "cluster", CLUSTER], env={**self.slurm_env(), **slurm_env}, timeout=30)
 

@@ -49,6 +49,11 @@ class StatePaths:
         return self.etc / "clockwork.toml"
 
     @property
+    def curve_keys(self) -> Path:
+        """The node daemons' CURVE key pair (one for the whole sandbox)."""
+        return self.etc / "curve"
+
+    @property
     def hooks(self) -> Path:
         return self.root / "hooks"
 

@@ -21,6 +21,7 @@ HOOKS = {
     "Epilog": "epilog",
     "PrologSlurmctld": "prolog_slurmctld",
     "EpilogSlurmctld": "epilog_slurmctld",
+    "HealthCheckProgram": "healthcheck",
 }
 
 
@@ -59,12 +60,16 @@ def slurm_conf(paths: StatePaths, layout: Layout, accounting: bool, cpus_per_nod
         "PrologFlags=Alloc",
         "PreemptType=preempt/partition_prio",
         "PreemptMode=REQUEUE",
+        # Run on demand by tests and admins (`sandbox exec NODE -- STATE/hooks/healthcheck`), not periodically.
+        "HealthCheckInterval=0",
         *(f"{param}={p.hooks / name}" for param, name in HOOKS.items()),
     ]
     if accounting:
         lines += [
             "AccountingStorageType=accounting_storage/slurmdbd",
-            "AccountingStorageHost=127.0.0.1",
+            # The controller's mgmt address: reachable from the root namespace and from every node (the
+            # Epilog records AdminComments of finished jobs through slurmdbd).
+            f"AccountingStorageHost={layout.ctl_ip}",
             f"AccountingStoragePort={layout.slurmdbd_port}",
             f"AccountingStoragePass={p.munge_socket}",
             "JobCompType=jobcomp/none",
@@ -133,12 +138,22 @@ def plugstack(spank_so: Path | None) -> str:
     return f"optional {spank_so}\n"
 
 
-def clockwork_toml(paths: StatePaths, state_dir: Path) -> str:
-    """The configuration the hooks (and `clockwork` inside jobs) read on the sandbox."""
+def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
+    """The configuration the hooks, the node daemons (and `clockwork` inside jobs) read on the sandbox.
+
+    The nodes share one filesystem, so each node's daemon gets its own folders through ``{node}``;
+    one CURVE key pair, made at ``up``, is the admin-installed key set of all daemons.
+    """
     settings = {
         "log": {"file": str(paths.logs / "clockwork.log")},
         "slurm": {"backend": "cli", "conf": str(paths.slurm_conf)},
-        "hooks": {"spool_dir": str(paths.spool)},
+        "hooks": {"spool_dir": str(paths.spool), "health_nics": ",".join(nics)},
+        "daemon": {
+            "run_dir": str(paths.root / "nodes" / "{node}" / "run"),
+            "state_dir": str(paths.root / "nodes" / "{node}" / "lib"),
+            "curve_secret_key": str(paths.curve_keys / "daemon.key_secret"),
+            "curve_public_key": str(paths.curve_keys / "daemon.key"),
+        },
         "sandbox": {"state_dir": str(state_dir)},
     }
     lines = ["# Written by `clockwork sandbox up`."]
@@ -169,7 +184,7 @@ def write_all(
     paths.plugstack_conf.write_text(plugstack(spank_so))
     paths.hosts.write_text(hosts(layout))
     paths.controller_hosts.write_text(controller_hosts(layout))
-    paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root))
+    paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root, [nic.name for nic in layout.nodes[0].nics]))
     if accounting:
         paths.slurmdbd_conf.write_text(slurmdbd_conf(paths, layout))
         os.chmod(paths.slurmdbd_conf, 0o600)  # slurmdbd refuses a readable file

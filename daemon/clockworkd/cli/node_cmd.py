@@ -1,0 +1,133 @@
+"""``clockwork node``: a node daemon's health, its jobs and their events, read over its control socket.
+
+Local only: the command talks to the daemon whose control socket lies under ``[daemon] run_dir`` with
+``{node}`` expanded. On a real cluster each node has its own run folder, so ``--node`` other than
+this host only works where the nodes share one (the sandbox); elsewhere run it on the node (srun, ssh).
+What a caller sees is what the daemon lets its uid see (root and SlurmUser: everything).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from clockworkd.cli.context import CliContext, pass_ctx
+from clockworkd.client import DaemonClient
+from clockworkd.daemon_paths import local_node_name
+from clockworkd.errors import ClockworkError
+
+
+def _client(state: CliContext, node: str | None) -> DaemonClient:
+    cfg = state.load().config.daemon
+    here = local_node_name(cfg)
+    if node and node != here and "{node}" not in cfg.run_dir:
+        raise ClockworkError(
+            f"the daemon of {node} cannot be reached from {here}: [daemon] run_dir ({cfg.run_dir}) has no "
+            f"{{node}}, so only this host's daemon is reachable here; run the command on {node}"
+        )
+    return DaemonClient.from_config(cfg, node or here)
+
+
+def _when(stamp: Any) -> str:
+    if not isinstance(stamp, int | float):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) + f".{int(stamp * 1000) % 1000:03d}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m {secs}s" if minutes else f"{secs}s"
+
+
+def _console() -> Console:
+    return Console(width=max(120, Console().width), soft_wrap=False)
+
+
+def _events_table(title: str, events: list[dict[str, Any]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("time", "job", "seq", "node", "kind", "fields"):
+        table.add_column(col, overflow="fold")
+    for event in events:
+        table.add_row(
+            _when(event.get("time")),
+            str(event.get("job_id", "")),
+            str(event.get("seq", "")),
+            str(event.get("node", "")),
+            str(event.get("kind", "")),
+            json.dumps(event.get("fields", {}), sort_keys=True),
+        )
+    return table
+
+
+@click.group()
+def node() -> None:
+    """A node daemon (clockworkd): health, registered jobs, events."""
+
+
+@node.command()
+@click.option("--node", "node_name", metavar="NODE", help="Whose daemon (default: this host's).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the daemon's status reply).")
+@pass_ctx
+def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
+    """Show the daemon's health: pid, uptime, peer plane, registered jobs and recent events."""
+    with _client(state, node_name) as client:
+        info = client.status()
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    console = _console()
+    console.print(
+        f"clockworkd on {info['node']}: up {_duration(info['uptime_s'])} (pid {info['pid']}, version {info['version']})"
+    )
+    console.print(f"  control socket: {info['control']}")
+    console.print(f"  peer plane:     {info['peer_plane']}")
+    console.print(f"  jobs:           {info['jobs_running']} running, {info['jobs_total']} known")
+    counters = info.get("counters", {})
+    console.print("  requests:       " + ", ".join(f"{k} {v}" for k, v in counters.items()))
+    if not info["caller"]["privileged"]:
+        console.print(f"  (showing only the jobs of uid {info['caller']['uid']})")
+    table = Table(title="jobs", title_justify="left")
+    for col in ("job", "user (uid)", "state", "nodes", "options", "registered"):
+        table.add_column(col, overflow="fold")
+    for job in info["jobs"]:
+        table.add_row(
+            str(job["job_id"]),
+            f"{job['user']} ({job['uid']})",
+            job["state"],
+            ",".join(job["nodes"]),
+            " ".join(f"{k}={v}" for k, v in sorted(job["options"].items())) or "-",
+            _when(job["registered_at"]),
+        )
+    console.print(table if info["jobs"] else "no jobs registered")
+    events = info["recent_events"]
+    console.print(_events_table("recent events", events) if events else "no recent events")
+
+
+@node.command()
+@click.argument("job_id", type=click.IntRange(min=1))
+@click.option("--node", "node_name", metavar="NODE", help="Whose daemon (default: this host's).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output: a JSON list of events.")
+@pass_ctx
+def events(state: CliContext, job_id: int, node_name: str | None, as_json: bool) -> None:
+    """List the events one daemon recorded for JOB_ID, oldest first (also after the job ended)."""
+    with _client(state, node_name) as client:
+        found = client.job_events(job_id)
+    if as_json:
+        click.echo(json.dumps(found, indent=2, sort_keys=True))
+        return
+    if not found:
+        click.echo(f"job {job_id}: no events")
+        return
+    _console().print(_events_table(f"job {job_id}: {len(found)} events", found))

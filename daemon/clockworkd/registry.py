@@ -1,0 +1,366 @@
+"""The daemon's job registry and per-job event logs, persisted so that a crash or restart loses nothing.
+
+Layout under the state folder::
+
+    jobs/JOBID.json      one job record, replaced atomically (temp file, fsync, rename, fsync folder)
+    events/JOBID.jsonl   the job's events, one JSON object per line, appended with a single write
+                         of an O_APPEND file and fsync'd before the daemon answers
+
+A crash can therefore leave at most a torn *last* line in an event log (the write that was under
+way); loading drops it (truncating the file, so the next append starts on a fresh line) and keeps
+everything before it. Unregistering a job marks it ended but keeps its events, so the Epilog may
+gather them before or after it unregisters the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("clockwork.daemon")
+
+RUNNING = "running"
+ENDED = "ended"
+# A job's event log may not grow past this (a runaway job must not fill the node's disk).
+MAX_EVENT_LOG_BYTES = 64 * 1024 * 1024
+RECENT_EVENTS = 100
+
+
+class UnknownJobError(LookupError):
+    """No job with that id is registered on this node."""
+
+    def __init__(self, job_id: int) -> None:
+        super().__init__(f"job {job_id} is not registered on this node")
+        self.job_id = job_id
+
+
+class EventLogFullError(Exception):
+    """The job's event log reached its size limit; further events are refused."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the daemon knows about one job (from the Prolog's registration)."""
+
+    job_id: int
+    uid: int
+    user: str
+    nodes: tuple[str, ...]
+    options: dict[str, str] = field(default_factory=dict)
+    state: str = RUNNING
+    registered_at: float = 0.0
+    ended_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "uid": self.uid,
+            "user": self.user,
+            "nodes": list(self.nodes),
+            "options": dict(self.options),
+            "state": self.state,
+            "registered_at": self.registered_at,
+            "ended_at": self.ended_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobRecord:
+        """Rebuild a record from its JSON form; ValueError when a field is missing or of the wrong type."""
+        try:
+            record = cls(
+                job_id=data["job_id"],
+                uid=data["uid"],
+                user=data["user"],
+                nodes=tuple(data["nodes"]),
+                options=dict(data["options"]),
+                state=data["state"],
+                registered_at=float(data["registered_at"]),
+                ended_at=None if data.get("ended_at") is None else float(data["ended_at"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a job record: {exc}") from None
+        if type(record.job_id) is not int or type(record.uid) is not int or record.state not in (RUNNING, ENDED):
+            raise ValueError("not a job record: job_id/uid must be integers and state running or ended")
+        return record
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a file's creation or rename in ``path`` durable (the entry lives in the folder)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` so that a reader (or a crash) sees the old or the new file, never half."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+@dataclass
+class _Log:
+    """Bookkeeping of one job's event log: next sequence number and bytes used."""
+
+    last_seq: int = 0
+    size: int = 0
+
+
+class Registry:
+    """Jobs registered on this node and their event logs, in memory and on disk under ``state_dir``."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        node: str,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_log_bytes: int = MAX_EVENT_LOG_BYTES,
+    ) -> None:
+        self.node = node
+        self.jobs_dir = state_dir / "jobs"
+        self.events_dir = state_dir / "events"
+        self._clock = clock
+        self._max_log_bytes = max_log_bytes
+        self._jobs: dict[int, JobRecord] = {}
+        self._logs: dict[int, _Log] = {}
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
+        for folder in (self.jobs_dir, self.events_dir):
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    # ----- loading ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Read every job record and event log back (after a restart or a crash)."""
+        self._jobs.clear()
+        self._logs.clear()
+        self._recent.clear()
+        for path in sorted(self.jobs_dir.iterdir()):
+            if path.name.startswith(".") and path.name.endswith(".tmp"):
+                log.info("removing %s, an unfinished job record write of an earlier run", path)
+                path.unlink(missing_ok=True)
+                continue
+            if path.suffix != ".json":
+                continue
+            try:
+                record = JobRecord.from_dict(json.loads(path.read_bytes()))
+            except (OSError, ValueError) as exc:
+                log.error("node %s: job record %s unreadable, ignored: %s", self.node, path, exc)
+                continue
+            self._jobs[record.job_id] = record
+        recent: list[dict[str, Any]] = []
+        for job_id in sorted(self._jobs):
+            events = self._load_log(job_id)
+            if self._jobs[job_id].state == RUNNING:
+                recent += events[-RECENT_EVENTS:]
+        for event in sorted(recent, key=lambda e: e["time"])[-RECENT_EVENTS:]:
+            self._recent.append(event)
+        running = sum(1 for j in self._jobs.values() if j.state == RUNNING)
+        log.info("node %s: registry loaded: %d jobs (%d running)", self.node, len(self._jobs), running)
+
+    def _load_log(self, job_id: int) -> list[dict[str, Any]]:
+        """Read one event log, dropping (and truncating away) a torn last line."""
+        path = self._log_path(job_id)
+        book = _Log()
+        self._logs[job_id] = book
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            log.warning(
+                "job %d (node %s): dropping a torn last event line (%d bytes) of %s, left by a crash",
+                job_id,
+                self.node,
+                len(data) - end,
+                path,
+            )
+            with open(path, "r+b") as fh:
+                fh.truncate(end)
+                os.fsync(fh.fileno())
+            data = data[:end]
+        book.size = len(data)
+        events = list(self._parse_lines(job_id, path, data.splitlines()))
+        if events:
+            book.last_seq = max(int(e["seq"]) for e in events)
+        return events
+
+    def _parse_lines(self, job_id: int, path: Path, lines: Iterable[bytes]) -> Iterable[dict[str, Any]]:
+        for number, line in enumerate(lines, 1):
+            try:
+                event = json.loads(line)
+                if not isinstance(event, dict) or type(event.get("seq")) is not int:
+                    raise ValueError("not an event record")
+            except ValueError:
+                log.warning("job %d (node %s): %s line %d is not an event, skipped", job_id, self.node, path, number)
+                continue
+            yield event
+
+    # ----- jobs -----------------------------------------------------------------------------
+
+    def _job_path(self, job_id: int) -> Path:
+        return self.jobs_dir / f"{job_id}.json"
+
+    def _log_path(self, job_id: int) -> Path:
+        return self.events_dir / f"{job_id}.jsonl"
+
+    def _save(self, record: JobRecord) -> None:
+        write_atomically(self._job_path(record.job_id), json.dumps(record.to_dict(), sort_keys=True).encode())
+        self._jobs[record.job_id] = record
+
+    def get(self, job_id: int) -> JobRecord | None:
+        return self._jobs.get(job_id)
+
+    def jobs(self) -> list[JobRecord]:
+        """Every known job (running and ended), by job id."""
+        return [self._jobs[j] for j in sorted(self._jobs)]
+
+    def register(
+        self, job_id: int, uid: int, user: str, nodes: Iterable[str], options: dict[str, str], *, by: str = ""
+    ) -> tuple[JobRecord, bool]:
+        """Register a job (idempotent: the Prolog may run twice); returns the record and whether it is new.
+
+        A job that ended and registers again (Slurm requeued it under the same id) runs again and keeps
+        its earlier events.
+        """
+        old = self._jobs.get(job_id)
+        record = JobRecord(job_id, uid, user, tuple(nodes), dict(options), RUNNING, self._clock())
+        if old is not None and old.state == RUNNING:
+            if old.uid != uid:
+                log.warning(
+                    "job %d (node %s): registered again with uid %d (was %d); taking the new owner",
+                    job_id,
+                    self.node,
+                    uid,
+                    old.uid,
+                )
+            record = replace(record, registered_at=old.registered_at)
+            if record != old:
+                self._save(record)
+            return record, False
+        self._save(record)
+        if job_id not in self._logs:
+            self._load_log(job_id)
+        self.append_event(
+            job_id,
+            "job.registered",
+            {"uid": uid, "user": user, "nodes": list(record.nodes), "options": dict(options)},
+            by=by,
+        )
+        return record, True
+
+    def unregister(self, job_id: int, *, by: str = "") -> JobRecord:
+        """Mark a job ended (idempotent); its events stay for the Epilog and ``job_events``."""
+        old = self._jobs.get(job_id)
+        if old is None:
+            raise UnknownJobError(job_id)
+        if old.state == ENDED:
+            return old
+        record = replace(old, state=ENDED, ended_at=self._clock())
+        self._save(record)
+        self.append_event(job_id, "job.unregistered", {}, by=by)
+        return record
+
+    # ----- events ---------------------------------------------------------------------------
+
+    def append_event(
+        self, job_id: int, kind: str, fields: dict[str, Any], *, node: str | None = None, by: str = ""
+    ) -> dict[str, Any]:
+        """Record one event durably (fsync'd before returning) and return it with its seq and time."""
+        if job_id not in self._jobs:
+            raise UnknownJobError(job_id)
+        book = self._logs.setdefault(job_id, _Log())
+        event = {
+            "seq": book.last_seq + 1,
+            "time": self._clock(),
+            "job_id": job_id,
+            "node": node or self.node,
+            "kind": kind,
+            "fields": fields,
+            "by": by,
+        }
+        line = (json.dumps(event, sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        if book.size + len(line) > self._max_log_bytes:
+            raise EventLogFullError(
+                f"job {job_id}: event log is full ({book.size} of {self._max_log_bytes} bytes); event {kind!r} dropped"
+            )
+        path = self._log_path(job_id)
+        created = not path.exists()
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):  # a full disk: undo the partial line so the log stays parseable
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, book.size)
+                raise OSError(f"short write to {path} ({written} of {len(line)} bytes)")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if created:
+            _fsync_dir(path.parent)
+        book.last_seq += 1
+        book.size += len(line)
+        self._recent.append(event)
+        return event
+
+    def events(
+        self,
+        job_id: int,
+        *,
+        since: float | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+        max_bytes: int | None = None,
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """A job's events, oldest first, with time > ``since`` and seq > ``after``; and whether more follow.
+
+        At most ``limit`` events and about ``max_bytes`` of them (always at least one), so a reply stays
+        bounded; the caller pages on with ``after`` = the last seq. Reads the log from disk, so it works
+        the same for running and ended jobs and after a restart.
+        """
+        if job_id not in self._jobs:
+            raise UnknownJobError(job_id)
+        path = self._log_path(job_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return [], False
+        data = data[: data.rfind(b"\n") + 1]
+        out: list[dict[str, Any]] = []
+        used = 0
+        for line in data.splitlines():
+            for event in self._parse_lines(job_id, path, [line]):
+                if since is not None and not event.get("time", 0) > since:
+                    continue
+                if after is not None and not event["seq"] > after:
+                    continue
+                full = limit is not None and len(out) >= limit
+                big = max_bytes is not None and used + len(line) > max_bytes
+                if out and (full or big):
+                    return out, True
+                out.append(event)
+                used += len(line)
+        return out, False
+
+    def recent_events(self, limit: int = RECENT_EVENTS) -> list[dict[str, Any]]:
+        """The last events recorded on this node (any job), oldest first."""
+        return list(self._recent)[-limit:] if limit > 0 else []

@@ -1,0 +1,105 @@
+"""``clockwork-healthcheck``: Slurm's HealthCheckProgram for Clockwork nodes.
+
+It heals what is Clockwork's own (a dead or hung clockworkd is restarted, never a reason to drain),
+and judges only the node's health: fabric NICs that are down or without carrier, GPUs that fell off
+the bus. An unhealthy node is drained with a reason starting ``clockwork:``; a node is resumed only
+when its drain reason starts with ``clockwork:`` (one that this check set), never one an admin or
+another tool drained.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from clockworkd.config import load_config
+from clockworkd.daemon_paths import DaemonPaths
+from clockworkd.logging_setup import configure_logging
+from clockworkd.slurm import from_config
+from slurm_hooks.supervisor import ensure_daemon
+
+log = logging.getLogger("clockwork.health")
+
+REASON_PREFIX = "clockwork:"
+SYS_NET = Path("/sys/class/net")
+
+
+def nic_problems(names: list[str], sys_net: Path = SYS_NET) -> list[str]:
+    """Each required NIC must exist, be up and have carrier."""
+    problems = []
+    for name in names:
+        dev = sys_net / name
+        if not dev.exists():
+            problems.append(f"{name} missing")
+            continue
+        operstate = (dev / "operstate").read_text().strip()
+        try:
+            carrier = (dev / "carrier").read_text().strip()
+        except OSError:  # reading carrier of an admin-down device fails with EINVAL
+            carrier = "0"
+        if operstate != "up" or carrier != "1":
+            problems.append(f"{name} down ({operstate}, carrier {carrier})")
+    return problems
+
+
+def gpu_problems() -> list[str]:
+    """GPUs NVML cannot reach (fallen off the bus). A node without NVML or GPUs has none."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no library: no GPUs to judge
+        return []
+    problems = []
+    try:
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+            except pynvml.NVMLError as exc:
+                problems.append(f"gpu{index} unreachable ({exc})")
+    finally:
+        pynvml.nvmlShutdown()
+    return problems
+
+
+def main() -> int:
+    """Always exits 0: slurmd only logs a failing health check; the drain decision is made here."""
+    os.environ.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+    try:
+        loaded = load_config()
+        configure_logging(loaded.config.log, component="health")
+    except Exception as exc:
+        configure_logging(None, component="health")
+        log.error("configuration unusable, health check does nothing: %s", exc)
+        return 0
+    cfg = loaded.config
+    try:
+        node = DaemonPaths.from_config(cfg.daemon).node
+        check = ensure_daemon(cfg.daemon, loaded.path)
+        if not check.ok:
+            log.error("%s: clockworkd cannot run (%s); not a node fault, no drain", node, check.detail)
+        nics = [n.strip() for n in cfg.hooks.health_nics.split(",") if n.strip()]
+        problems = nic_problems(nics) + gpu_problems()
+        slurm = from_config(cfg.slurm)
+        info = next((n for n in slurm.nodes() if n.name == node), None)
+        if info is None:
+            log.error("%s: Slurm does not know this node; nothing to do", node)
+            return 0
+        ours = info.has("DRAIN") and info.reason.startswith(REASON_PREFIX)
+        if problems:
+            reason = f"{REASON_PREFIX} " + "; ".join(problems)
+            if not info.has("DRAIN") or (ours and info.reason != reason):
+                slurm.drain(node, reason)
+                log.warning("%s drained: %s", node, reason)
+        elif ours:
+            slurm.resume(node)
+            log.info("%s healthy again: resumed (was drained: %s)", node, info.reason)
+    except Exception:
+        log.exception("health check failed (no drain: Clockwork's own failure is not the node's)")
+    return 0
+
+
+def console_main() -> None:
+    raise SystemExit(main())

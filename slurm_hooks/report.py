@@ -1,0 +1,60 @@
+"""The job's failure report: what Clockwork saw and did for one job on one node, and its one-line summary.
+
+The Epilog writes the report (JSON) under the reports folder and puts the summary into the job's
+AdminComment, so ``sacct -o AdminComment`` tells an admin where to look without any other tool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from slurm_hooks.context import HookContext
+
+#: Event kinds counted in the summary, and how the summary names them.
+COUNTED = {
+    "link.failover": "link failovers",
+    "rank.migrated": "migrations",
+    "job.rollback": "rollbacks",
+}
+
+
+def build(ctx: HookContext, events: list[dict[str, Any]], daemon: str) -> dict[str, Any]:
+    kinds = Counter(str(e.get("kind", "")) for e in events)
+    return {
+        "job_id": ctx.job_id,
+        "node": ctx.node,
+        "user": ctx.user,
+        "uid": ctx.uid,
+        "nodelist": ctx.nodelist,
+        "options": ctx.options,
+        "exit_code": ctx.exit_code,
+        "written": time.time(),
+        "daemon": daemon,
+        "counts": {label: kinds.get(kind, 0) for kind, label in COUNTED.items()},
+        "events": events,
+    }
+
+
+def summary(report: dict[str, Any], path: Path) -> str:
+    """``clockwork: 0 link failovers, 0 migrations, 0 rollbacks; report=PATH`` (no quotes, one line)."""
+    counts = ", ".join(f"{n} {label}" for label, n in report["counts"].items())
+    return f"clockwork: {counts}; report={path}"
+
+
+def write(report: dict[str, Any], reports_dir: Path) -> Path:
+    """Write atomically (temp file, fsync, rename): a reader never sees half a report."""
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    path = reports_dir / f"{report['job_id']}.json"
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,116 @@
+"""Make sure this node's clockworkd runs: adopt a live one, restart a hung one, start a missing one.
+
+Called by the Prolog for every clockwork job and by the health check, so it must be fast (a started
+daemon answers ``ping`` within a fraction of a second) and idempotent (two Prologs racing start at
+most one daemon: the daemon itself refuses to run twice for one run folder).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from clockworkd.client import DaemonClient
+from clockworkd.config.schema import DaemonConfig
+from clockworkd.daemon_paths import DaemonPaths
+from clockworkd.errors import DaemonError, DaemonUnavailableError
+
+log = logging.getLogger("clockwork.hooks")
+
+#: How long a hook waits for a daemon it started (or a live one) to answer.
+START_WAIT_S = 3.0
+PING_TIMEOUT_S = 0.5
+
+
+@dataclass(frozen=True)
+class DaemonCheck:
+    """What :func:`ensure_daemon` found and did."""
+
+    action: str  # adopted | started | restarted | failed
+    pid: int | None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.action != "failed"
+
+
+def _ping(paths: DaemonPaths) -> int | None:
+    """The daemon's pid if it answers, else None."""
+    with DaemonClient(paths, timeout_s=PING_TIMEOUT_S) as client:
+        try:
+            return int(client.ping()["pid"])
+        except DaemonUnavailableError:
+            return None
+
+
+def _pid_from_file(paths: DaemonPaths) -> int | None:
+    try:
+        pid = int(paths.pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return pid
+
+
+def _daemon_argv(config_path: Path | None) -> list[str]:
+    script = Path(sys.executable).parent / "clockworkd"
+    argv = [str(script)] if script.exists() else [sys.executable, "-c", "from clockworkd.agent import main; main()"]
+    if config_path is not None:
+        argv += ["--config", str(config_path)]
+    return [*argv, "--foreground"]
+
+
+def ensure_daemon(cfg: DaemonConfig, config_path: Path | None, log_file: Path | None = None) -> DaemonCheck:
+    """Return with this node's daemon answering, or say why it could not be made to."""
+    paths = DaemonPaths.from_config(cfg)
+    pid = _ping(paths)
+    if pid is not None:
+        return DaemonCheck("adopted", pid)
+    action = "started"
+    hung = _pid_from_file(paths)
+    if hung is not None:  # a process holds the pid file but does not answer: restart it
+        log.warning("clockworkd pid %d on %s does not answer; restarting it", hung, paths.node)
+        action = "restarted"
+        try:
+            os.kill(hung, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    out = log_file or paths.run_dir / "clockworkd.out"
+    try:
+        paths.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(out, "ab") as sink:
+            proc = subprocess.Popen(
+                _daemon_argv(config_path),
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+    except OSError as exc:
+        return DaemonCheck("failed", None, f"cannot start clockworkd: {exc}")
+    deadline = time.monotonic() + START_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            pid = _ping(paths)
+        except DaemonError:
+            pid = None
+        if pid is not None:
+            log.info("clockworkd %s on %s (pid %d)", action, paths.node, pid)
+            return DaemonCheck(action, pid)
+        if proc.poll() is not None and _ping(paths) is None:
+            return DaemonCheck("failed", None, f"clockworkd exited with code {proc.returncode} (see {out})")
+        time.sleep(0.05)
+    return DaemonCheck("failed", proc.pid, f"clockworkd did not answer within {START_WAIT_S:g} s (see {out})")

@@ -1,0 +1,210 @@
+"""Prolog/Epilog with the node daemon on the real sandbox: start/adopt, register, report, AdminComment, health."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clockworkd.client import DaemonClient
+from clockworkd.config import load_config
+from clockworkd.daemon_paths import DaemonPaths
+from clockworkd.sandbox.cluster import Sandbox
+from slurm_hooks import events
+from tests.integration.conftest import CLOCKWORK, on_node, slurm_env, wait_job
+
+
+def daemon_paths(box: Sandbox, node: str) -> DaemonPaths:
+    cfg = load_config(box.paths.clockwork_toml, env={}).config.daemon
+    return DaemonPaths.from_config(cfg, node)
+
+
+def daemon_pid(box: Sandbox, node: str) -> int | None:
+    try:
+        with DaemonClient(daemon_paths(box, node), timeout_s=1) as client:
+            return int(client.ping()["pid"])
+    except Exception:
+        return None
+
+
+def submit(box: Sandbox, *args: str) -> int:
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-o", "/dev/null", *args],
+        capture_output=True,
+        text=True,
+        env=slurm_env(box),
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+def start_and_wait(box: Sandbox, tmp_path: Path, seconds: int, *args: str) -> int:
+    """Submit a job whose script runs ``seconds``; return once the script started (so every Prolog ran)."""
+    marker = tmp_path / "started"
+    job_id = submit(box, *args, "--wrap", f"touch {marker}; sleep {seconds}")
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert time.monotonic() < deadline, f"job {job_id} never started: {box.slurm().job(job_id)}"
+        time.sleep(0.1)
+    return job_id
+
+
+def drained(box: Sandbox) -> dict[str, str]:
+    return {n.name: n.reason for n in box.slurm().nodes() if n.has("DRAIN")}
+
+
+def admin_comment(box: Sandbox, job_id: int) -> str:
+    deadline = time.monotonic() + 20
+    comment = ""
+    while time.monotonic() < deadline and not comment:
+        rows = [r for r in box.slurm().accounting(job_id) if not r.is_step]
+        comment = rows[0].admin_comment if rows else ""
+        time.sleep(0.3)
+    return comment
+
+
+def test_clockwork_job_is_registered_reported_and_summarised(sandbox: Sandbox, tmp_path: Path) -> None:
+    job_id = start_and_wait(sandbox, tmp_path, 3, "-N2", "-w", "node1,node2", "--clockwork-ft")
+    status = subprocess.run(
+        [CLOCKWORK, "--config", str(sandbox.paths.clockwork_toml), "node", "status", "--node", "node2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert status.returncode == 0, status.stderr
+    jobs = {j["job_id"]: j for j in json.loads(status.stdout)["jobs"]}
+    assert jobs[job_id]["nodes"] == ["node1", "node2"] and jobs[job_id]["options"]["ft"] == "aware"
+    assert wait_job(sandbox, job_id) == "COMPLETED"
+
+    comment = admin_comment(sandbox, job_id)
+    assert comment.startswith("clockwork: 0 link failovers, 0 migrations, 0 rollbacks; report=")
+    report_path = Path(comment.split("report=", 1)[1])
+    report = json.loads(report_path.read_text())
+    assert report["job_id"] == job_id and report["node"] == "node1"
+    assert any(e["kind"] == "job.registered" for e in report["events"])
+    assert (daemon_paths(sandbox, "node2").reports_dir / f"{job_id}.json").exists()
+    with DaemonClient(daemon_paths(sandbox, "node2")) as client:
+        ended = {j["job_id"]: j for j in client.jobs()}[job_id]
+    assert ended["state"] == "ended"
+
+
+def test_killed_daemon_is_started_again_by_the_next_prolog(sandbox: Sandbox) -> None:
+    first = submit(sandbox, "-N1", "-w", "node3", "--clockwork-ft", "--wrap", "true")
+    assert wait_job(sandbox, first) == "COMPLETED"
+    pid = daemon_pid(sandbox, "node3")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert daemon_pid(sandbox, "node3") is None
+
+    second = submit(sandbox, "-N1", "-w", "node3", "--clockwork-ft", "--wrap", "true")
+    assert wait_job(sandbox, second) == "COMPLETED"
+    new_pid = daemon_pid(sandbox, "node3")
+    assert new_pid is not None and new_pid != pid
+    actions = [e["event"] for e in events.read(sandbox.paths.spool, second) if e["event"].startswith("daemon.")]
+    assert actions[0] in ("daemon.started", "daemon.restarted")
+    with DaemonClient(daemon_paths(sandbox, "node3")) as client:
+        known = {j["job_id"] for j in client.jobs()}
+    assert {first, second} <= known  # the restarted daemon kept the first job's record
+    assert drained(sandbox) == {}
+
+
+def test_job_runs_and_node_stays_in_service_when_the_daemon_cannot_start(sandbox: Sandbox) -> None:
+    paths = daemon_paths(sandbox, "node4")
+    pid = daemon_pid(sandbox, "node4")
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+    run_dir = paths.run_dir
+    if run_dir.exists():
+        for child in run_dir.iterdir():
+            child.unlink()
+        run_dir.rmdir()
+    run_dir.write_text("not a folder: the daemon cannot create its sockets here\n")
+    try:
+        job_id = submit(sandbox, "-N1", "-w", "node4", "--clockwork-ft", "--wrap", "true")
+        assert wait_job(sandbox, job_id) == "COMPLETED"
+        kinds = [e["event"] for e in events.read(sandbox.paths.spool, job_id)]
+        assert "daemon.unavailable" in kinds
+        assert drained(sandbox) == {}
+    finally:
+        run_dir.unlink()
+
+
+def test_another_user_cannot_act_on_a_job_through_the_control_socket(sandbox: Sandbox, short_tmp: Path) -> None:
+    tmp_path = short_tmp
+    job_id = start_and_wait(sandbox, tmp_path, 20, "-N1", "-w", "node2", "--clockwork-ft")
+    control = daemon_paths(sandbox, "node2").control_socket
+    script = tmp_path / "intruder.py"
+    script.write_text(
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from clockworkd.client import DaemonClient\n"
+        "from clockworkd.errors import DaemonError\n"
+        "client = DaemonClient(Path(sys.argv[1]), timeout_s=5)\n"
+        "for op in ('unregister_job', 'job_events'):\n"
+        "    try:\n"
+        "        getattr(client, op)(int(sys.argv[2]))\n"
+        "        print(op, 'ALLOWED')\n"
+        "    except DaemonError as exc:\n"
+        "        print(op, exc.code)\n"
+    )
+    for path in (tmp_path, script):
+        path.chmod(0o755)
+    for parent in control.parents:  # the control socket must be reachable by any local user
+        if parent == Path("/"):
+            break
+        parent.chmod(parent.stat().st_mode | 0o005)
+    result = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            str(script),
+            str(control),
+            str(job_id),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["unregister_job forbidden", "job_events forbidden"]
+    with DaemonClient(control) as client:  # the owner's side (root here) still sees the job running
+        assert {j["job_id"]: j for j in client.jobs()}[job_id]["state"] == "running"
+    box_slurm = sandbox.slurm()
+    box_slurm.cancel(job_id)
+    wait_job(sandbox, job_id)
+
+
+@pytest.mark.parametrize("node", ["node2"])
+def test_healthcheck_drains_a_node_with_a_dead_nic_and_resumes_only_its_own_drains(sandbox: Sandbox, node: str) -> None:
+    healthcheck = str(sandbox.paths.hooks / "healthcheck")
+    assert on_node(sandbox, node, healthcheck).returncode == 0
+    assert drained(sandbox) == {}
+
+    sandbox.fault("link", node, "nic1", "down")
+    assert on_node(sandbox, node, healthcheck).returncode == 0
+    reason = drained(sandbox).get(node, "")
+    assert reason.startswith("clockwork: nic1 down"), drained(sandbox)
+
+    sandbox.clear_faults()
+    assert on_node(sandbox, node, healthcheck).returncode == 0
+    assert drained(sandbox) == {}
+
+    sandbox.slurm().drain(node, "maintenance by the admin")
+    try:
+        assert on_node(sandbox, node, healthcheck).returncode == 0
+        assert drained(sandbox) == {node: "maintenance by the admin"}  # not ours: left alone
+    finally:
+        sandbox.slurm().resume(node)
+    sinfo = subprocess.run(["sinfo", "-R", "-h"], capture_output=True, text=True, env=slurm_env(sandbox))
+    assert sinfo.stdout.strip() == ""

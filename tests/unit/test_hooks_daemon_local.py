@@ -1,0 +1,127 @@
+"""The Prolog/Epilog's daemon work without Slurm: a real clockworkd started, adopted, registered, reported.
+
+Slurm itself is the integration tests' business; here the hooks run as functions against a daemon in
+a temporary run folder, so the start/adopt/restart logic and require_daemon are checked on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clockworkd.client import DaemonClient
+from clockworkd.config import load_config
+from clockworkd.daemon_paths import DaemonPaths
+from slurm_hooks import events, runner
+
+ENV = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_JOB_UID": "1001",
+    "SLURM_JOB_USER": "alice",
+    "SLURMD_NODENAME": "n1",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_JOB_EXIT_CODE2": "0:0",
+    "SPANK_CLOCKWORK_FT": "aware",
+    "SPANK_CLOCKWORK_SPARES": "none",
+}
+
+
+@pytest.fixture
+def site() -> Iterator[dict[str, Path]]:
+    """A config whose daemon lives in a short temporary folder; any daemon started is stopped after."""
+    with tempfile.TemporaryDirectory(prefix="cwh-", dir="/tmp") as tmp:
+        root = Path(tmp)
+        config = root / "clockwork.toml"
+        config.write_text(
+            f'[log]\nfile = "{root / "log"}"\n[hooks]\nspool_dir = "{root / "spool"}"\n'
+            f'[daemon]\nnode_name = "n1"\nrun_dir = "{root / "run"}"\nstate_dir = "{root / "lib"}"\n'
+            f'curve_secret_key = "{root / "keys/daemon.key_secret"}"\ncurve_public_key = "{root / "keys/daemon.key"}"\n'
+            f'[slurm]\nbackend = "cli"\nconf = "{root / "no-slurm.conf"}"\ntimeout_s = 2\n'
+        )
+        yield {"root": root, "config": config, "spool": root / "spool", "run": root / "run", "log": root / "log"}
+        pid_file = root / "run" / "clockworkd.pid"
+        if pid_file.is_file():
+            stop_daemon(int(pid_file.read_text().split()[0]))
+
+
+def stop_daemon(pid: int) -> None:
+    """SIGKILL the daemon and wait until it is gone (reaping it: the hook started it as our child)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        except ChildProcessError:
+            if not Path(f"/proc/{pid}").exists():
+                return
+        time.sleep(0.02)
+
+
+def paths(site: dict[str, Path]) -> DaemonPaths:
+    return DaemonPaths.from_config(load_config(site["config"], env={}).config.daemon)
+
+
+def daemon_actions(site: dict[str, Path]) -> list[str]:
+    return [e["event"] for e in events.read(site["spool"], 77) if e["event"].startswith("daemon.")]
+
+
+def test_prolog_starts_then_adopts_the_daemon_and_registers_the_job(site: dict[str, Path]) -> None:
+    env = {**ENV, "CLOCKWORK_CONFIG": str(site["config"])}
+    assert runner.main(["prolog"], env) == 0
+    assert runner.main(["prolog"], env) == 0  # idempotent: the second run adopts the live daemon
+    assert daemon_actions(site) == ["daemon.started", "daemon.adopted"]
+    with DaemonClient(paths(site)) as client:
+        job = {j["job_id"]: j for j in client.jobs()}[77]
+    assert job["uid"] == 1001 and job["nodes"] == ["n1", "n2"] and job["options"]["ft"] == "aware"
+
+
+def test_epilog_writes_the_report_and_unregisters_even_without_slurm(site: dict[str, Path]) -> None:
+    env = {**ENV, "CLOCKWORK_CONFIG": str(site["config"])}
+    assert runner.main(["prolog"], env) == 0
+    with DaemonClient(paths(site)) as client:
+        client.post_event(77, "link.failover", {"nic": "nic0"})
+    assert runner.main(["epilog"], env) == 0  # the AdminComment fails (no Slurm here): logged, not fatal
+    report = json.loads((paths(site).reports_dir / "77.json").read_text())
+    assert report["counts"] == {"link failovers": 1, "migrations": 0, "rollbacks": 0}
+    assert [e["kind"] for e in report["events"]][:2] == ["job.registered", "link.failover"]
+    with DaemonClient(paths(site)) as client:
+        assert {j["job_id"]: j for j in client.jobs()}[77]["state"] == "ended"
+    assert "hook failed (ignored" in site["log"].read_text()
+
+
+def test_hung_daemon_is_restarted(site: dict[str, Path]) -> None:
+    env = {**ENV, "CLOCKWORK_CONFIG": str(site["config"])}
+    assert runner.main(["prolog"], env) == 0
+    pid = int((site["run"] / "clockworkd.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)  # alive, holds its pid file and socket, answers nothing
+    try:
+        assert runner.main(["prolog"], env) == 0
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert daemon_actions(site) == ["daemon.started", "daemon.restarted"]
+    with DaemonClient(paths(site)) as client:
+        assert client.ping()["pid"] != pid
+
+
+@pytest.mark.parametrize(("require", "code"), [(False, 0), (True, 1)])
+def test_unstartable_daemon_fails_the_prolog_only_when_required(
+    site: dict[str, Path], require: bool, code: int
+) -> None:
+    site["run"].write_text("a file where the run folder should be\n")
+    env = {**ENV, "CLOCKWORK_CONFIG": str(site["config"]), "CLOCKWORK_HOOKS_REQUIRE_DAEMON": str(require).lower()}
+    assert runner.main(["prolog"], env) == code
+    assert daemon_actions(site) == ["daemon.failed", "daemon.unavailable"]
