@@ -20,6 +20,7 @@ from clockworkd.client import DaemonClient
 from clockworkd.config.schema import DaemonConfig
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import DaemonError, DaemonUnavailableError
+from clockworkd.instance_lock import running_pid
 
 log = logging.getLogger("clockwork.hooks")
 
@@ -50,20 +51,6 @@ def _ping(paths: DaemonPaths) -> int | None:
             return None
 
 
-def _pid_from_file(paths: DaemonPaths) -> int | None:
-    try:
-        pid = int(paths.pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return pid
-
-
 def _daemon_argv(config_path: Path | None) -> list[str]:
     script = Path(sys.executable).parent / "clockworkd"
     argv = [str(script)] if script.exists() else [sys.executable, "-c", "from clockworkd.agent import main; main()"]
@@ -79,14 +66,17 @@ def ensure_daemon(cfg: DaemonConfig, config_path: Path | None, log_file: Path | 
     if pid is not None:
         return DaemonCheck("adopted", pid)
     action = "started"
-    hung = _pid_from_file(paths)
-    if hung is not None:  # a process holds the pid file but does not answer: restart it
+    hung = running_pid(paths.pid_file)
+    if hung is not None:  # a live process holds the daemon's lock but does not answer: restart it
         log.warning("clockworkd pid %d on %s does not answer; restarting it", hung, paths.node)
         action = "restarted"
         try:
             os.kill(hung, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        deadline = time.monotonic() + START_WAIT_S  # a new daemon refuses to start while the lock is held
+        while running_pid(paths.pid_file) is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
     out = log_file or paths.run_dir / "clockworkd.out"
     try:
         paths.run_dir.mkdir(parents=True, exist_ok=True)
