@@ -22,6 +22,7 @@ from clockworkd import __version__
 from clockworkd.config import load_config
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
+from clockworkd.linkpass_host import start_linkpass
 from clockworkd.logging_setup import configure_logging
 from clockworkd.server import Daemon
 
@@ -44,8 +45,10 @@ def agent(config_path: Path | None, check_config: bool, foreground: bool) -> Non
         return
     configure_logging(loaded.config.log, component="daemon")
     cfg = loaded.config.daemon
-    daemon = Daemon(cfg, DaemonPaths.from_config(cfg))
+    paths = DaemonPaths.from_config(cfg)
+    daemon = Daemon(cfg, paths)
     daemon.start()
+    daemon.components["linkpass"] = start_linkpass(loaded.config.linkpass, paths, daemon)
     daemon.serve()
 
 

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -134,6 +134,17 @@ def _resolve_address(node: str) -> str:
     return str(infos[0][4][0])
 
 
+class Component(Protocol):
+    """Something the daemon hosts in its event loop (LinkPass): file descriptors to poll, a tick deadline."""
+
+    def fds(self) -> list[int]: ...
+    def on_readable(self, fd: int) -> None: ...
+    def next_deadline(self) -> float: ...
+    def tick(self) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
 class Daemon:
     """One node's daemon: registry + sockets + the loop. ``start`` → ``serve`` → ``close``."""
 
@@ -157,6 +168,8 @@ class Daemon:
         self._started_mono = 0.0
         self.slurm_uid = _resolve_uid(cfg.slurm_user)
         self.counters = {"requests": 0, "errors": 0, "denied": 0, "malformed": 0}
+        #: Hosted components by name (e.g. "linkpass"), or a string saying why one is not running.
+        self.components: dict[str, Component | str] = {}
         self._ops: dict[str, Callable[[dict[str, Any], Caller], dict[str, Any]]] = {
             "ping": self._op_ping,
             "status": self._op_status,
@@ -327,9 +340,24 @@ class Daemon:
         if self.peer_monitor is not None:
             poller.register(self.peer_monitor, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
+        hosted = [c for c in self.components.values() if not isinstance(c, str)]
+        owner: dict[int, Component] = {}
+        for component in hosted:
+            for fd in component.fds():
+                owner[fd] = component
+                poller.register(fd, zmq.POLLIN)
         try:
             while not self._stopping:
-                ready = dict(poller.poll(1000))
+                now = time.monotonic()
+                wait_ms = min([1000.0, *((c.next_deadline() - now) * 1000 for c in hosted)])
+                ready = dict(poller.poll(max(0, int(wait_ms))))
+                for fd, component in owner.items():
+                    if fd in ready:
+                        component.on_readable(fd)
+                now = time.monotonic()
+                for component in hosted:
+                    if now >= component.next_deadline():
+                        component.tick()
                 if wake_r.fileno() in ready:
                     try:
                         wake_r.recv(4096)
@@ -353,6 +381,10 @@ class Daemon:
 
     def close(self) -> None:
         """Close every socket, remove the socket files and the pid file (safe to call twice)."""
+        for name, component in list(self.components.items()):
+            if not isinstance(component, str):
+                component.close()
+                self.components[name] = "stopped"
         if self.peer is not None and self.peer_monitor is not None:
             self.peer.disable_monitor()
         for sock in (self.control, self.events, self.peer_monitor, self.peer):
@@ -553,6 +585,10 @@ class Daemon:
             "jobs": [j.to_dict() for j in sorted(shown, key=lambda j: j.job_id)],
             "recent_events": recent[-RECENT_EVENTS_IN_STATUS:],
             "counters": dict(self.counters),
+            **{
+                name: ({"enabled": False, "state": c} if isinstance(c, str) else c.status())
+                for name, c in self.components.items()
+            },
         }
 
     def _op_jobs(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
@@ -610,6 +646,18 @@ class Daemon:
         )
         job = self._registry.get(args["job_id"])
         return {"job": job.to_dict() if job else None, "events": events, "more": more}
+
+    def emit_node_event(self, kind: str, fields: dict[str, Any], by: str) -> None:
+        """Record a node-level event (a link failover) in every running job's log, and publish it."""
+        for job in self._registry.jobs():
+            if job.state != RUNNING:
+                continue
+            try:
+                event = self._registry.append_event(job.job_id, kind, fields, by=by)
+            except Exception as exc:  # a full log must not stop the node's other work
+                log.warning("job %d (node %s): %s not recorded: %s", job.job_id, self.node, kind, exc)
+                continue
+            self._publish(event)
 
     def _publish_latest(self, job_id: int) -> None:
         recent = [e for e in self._registry.recent_events() if e["job_id"] == job_id]

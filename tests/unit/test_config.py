@@ -186,7 +186,7 @@ def test_unknown_section_in_file(tmp_path: Path) -> None:
     msg = str(err.value)
     assert msg.startswith(f"{path}: ")
     assert "unknown section [sandbx]" in msg
-    assert "known sections: log, slurm, hooks, daemon, sandbox" in msg
+    assert "known sections: log, slurm, hooks, daemon, linkpass, sandbox" in msg
 
 
 def test_unknown_key_in_file(tmp_path: Path) -> None:
@@ -339,7 +339,10 @@ def test_parse_assignment_malformed(text: str) -> None:
 def test_parse_assignment_unknown_names() -> None:
     with pytest.raises(ConfigError) as err:
         parse_assignment("bogus.x=1")
-    assert str(err.value) == "--set: unknown section [bogus] (known sections: log, slurm, hooks, daemon, sandbox)"
+    assert (
+        str(err.value)
+        == "--set: unknown section [bogus] (known sections: log, slurm, hooks, daemon, linkpass, sandbox)"
+    )
     with pytest.raises(ConfigError) as err:
         parse_assignment("sandbox.nodez=1")
     assert str(err.value) == f"--set: unknown key 'nodez' in [sandbox] (known keys: {_known_keys('sandbox')})"

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from linkpass.settings import LinkPassConfig
+
 
 def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, min: float | None = None) -> Any:
     """A documented dataclass field; ``choices``/``min`` are enforced by the loader."""
@@ -169,6 +171,7 @@ class ClockworkConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     hooks: HooksConfig = field(default_factory=HooksConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    linkpass: LinkPassConfig = field(default_factory=LinkPassConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 

@@ -49,6 +49,11 @@ class StatePaths:
         return self.etc / "clockwork.toml"
 
     @property
+    def fabric_map(self) -> Path:
+        """LinkPass's map of the fabric (node and NIC addresses)."""
+        return self.etc / "fabric.json"
+
+    @property
     def curve_keys(self) -> Path:
         """The node daemons' CURVE key pair (one for the whole sandbox)."""
         return self.etc / "curve"

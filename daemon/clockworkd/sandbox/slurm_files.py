@@ -154,6 +154,7 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
             "curve_secret_key": str(paths.curve_keys / "daemon.key_secret"),
             "curve_public_key": str(paths.curve_keys / "daemon.key"),
         },
+        "linkpass": {"fabric_file": str(paths.fabric_map)},
         "sandbox": {"state_dir": str(state_dir)},
     }
     lines = ["# Written by `clockwork sandbox up`."]
@@ -162,6 +163,12 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
         # JSON string escapes are valid TOML basic-string escapes.
         lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
     return "\n".join(lines) + "\n"
+
+
+def fabric_map(layout: Layout) -> str:
+    """LinkPass's fabric map: every node's address and its NIC (rail) addresses."""
+    nodes = {n.name: {"addr": n.node_addr, "nics": {nic.name: nic.ip for nic in n.nics}} for n in layout.nodes}
+    return json.dumps({"nodes": nodes}, indent=2) + "\n"
 
 
 def hook_wrapper(python: str, config: Path, context: str) -> str:
@@ -183,6 +190,7 @@ def write_all(
     paths.cgroup_conf.write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
     paths.plugstack_conf.write_text(plugstack(spank_so))
     paths.hosts.write_text(hosts(layout))
+    paths.fabric_map.write_text(fabric_map(layout))
     paths.controller_hosts.write_text(controller_hosts(layout))
     paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root, [nic.name for nic in layout.nodes[0].nics]))
     if accounting:

@@ -1,0 +1,367 @@
+"""The LinkPass engine: watch every NIC and every (peer, rail) path, route around what is dead, fail back.
+
+Evidence comes from two places. Netlink says at once when a local NIC loses carrier or goes admin
+down. Heartbeats (every ``heartbeat_ms`` to every peer on every rail, each saying which peers the
+sender hears on which rail) reveal what carrier cannot: a switch port that silently drops, a one-way
+failure, a peer's dead NIC. A path is dead after ``dead_after_ms`` without either direction, or at
+once when the peer sends a down notice for its NIC.
+
+Decisions are per peer: traffic to a peer's node address uses its home rail while that path is
+healthy, otherwise every healthy rail (one route, or ECMP over several, never everything piled on one
+when more remain), and returns home after the path has been healthy for a hold-down that doubles
+each time the path fails again within a minute (flap damping). Routes keep ``src`` = node address,
+so established TCP connections (gloo, NCCL's bootstrap, TCPStore) survive the move.
+
+The engine runs inside the daemon's single event loop: it exposes file descriptors to poll, a
+deadline for its next tick, and never blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from linkpass import heartbeat, sysctls
+from linkpass.fabric import FabricMap
+from linkpass.routes import Kernel, LinkState
+from linkpass.settings import LinkPassConfig
+
+log = logging.getLogger("clockwork.linkpass")
+
+SO_BINDTODEVICE = getattr(socket, "SO_BINDTODEVICE", 25)
+FLAP_WINDOW_S = 60.0
+NEVER = -1e18
+
+Emit = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class PathState:
+    """One (peer, rail) path as seen from this node."""
+
+    last_in: float = NEVER  # last heartbeat from the peer on this rail
+    last_out_ok: float = NEVER  # last time the peer said it hears us on this rail
+    alive: bool = False
+    alive_since: float = NEVER
+    failures: list[float] = field(default_factory=list)
+    holddown: float = 0.0
+    reason: str = ""
+
+
+class LinkPass:
+    """One node's LinkPass. ``start`` -> (``fds``/``on_readable``/``tick``)* -> ``close``."""
+
+    def __init__(
+        self,
+        cfg: LinkPassConfig,
+        node: str,
+        fabric: FabricMap,
+        key: bytes,
+        emit: Emit,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.me = fabric.node(node)
+        self.peers = {p.name: p for p in fabric.peers(node)}
+        self.rails = sorted(self.me.nics)
+        self.key = key
+        self.emit = emit
+        self.clock = clock
+        self.dead = cfg.dead_after_ms / 1000
+        self.interval = cfg.heartbeat_ms / 1000
+        self.kernel: Kernel | None = None
+        self.sockets: dict[str, socket.socket] = {}
+        self.ifindex: dict[str, int] = {}
+        self.nic_up: dict[str, bool] = {}
+        self.nic_down_reason: dict[str, str] = {}
+        self.paths: dict[str, dict[str, PathState]] = {}
+        self.home: dict[str, str] = {}
+        self.current: dict[str, tuple[str, ...]] = {}
+        self.heard_from: set[str] = set()  # peers that ever sent a heartbeat: only those are managed
+        self.seq = 0
+        self.next_send = 0.0
+        self.counters = {"sent": 0, "received": 0, "rejected": 0, "send_errors": 0, "failovers": 0, "failbacks": 0}
+        self.sysctl_problems: dict[str, str] = {}
+        self.note = ""
+
+    # ----- life cycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.kernel = Kernel()
+        links = self.kernel.links()
+        missing = [r for r in self.rails if r not in links]
+        if missing:
+            raise RuntimeError(f"NICs {', '.join(missing)} of the fabric map do not exist on {self.me.name}")
+        for rail in self.rails:
+            self.ifindex[rail] = links[rail].index
+            self.nic_up[rail] = links[rail].usable
+        if len(self.rails) < 2:
+            self.note = f"{self.me.name} has one NIC ({self.rails[0]}): nothing to fail over to"
+            log.warning("%s; a dead NIC makes this node a failing node for TorchPass", self.note)
+        if self.cfg.apply_sysctls:
+            self.sysctl_problems = sysctls.apply(sysctls.parse(self.cfg.sysctls))
+        for rail in self.rails:
+            self.sockets[rail] = self._open_socket(rail)
+        now = self.clock()
+        by_index = {index: rail for rail, index in self.ifindex.items()}
+        for name, peer in self.peers.items():
+            oif = self.kernel.route_oif(peer.addr)
+            shared = [r for r in self.rails if r in peer.nics]
+            self.home[name] = by_index.get(oif, shared[0]) if oif in by_index else shared[0]
+            self.current[name] = (self.home[name],)
+            self.paths[name] = {r: PathState(alive=True, alive_since=now - 1e9) for r in shared}
+        log.info(
+            "linkpass on %s: rails %s, %d peers, heartbeat %d ms, dead after %d ms",
+            self.me.name,
+            ",".join(self.rails),
+            len(self.peers),
+            self.cfg.heartbeat_ms,
+            self.cfg.dead_after_ms,
+        )
+
+    def _open_socket(self, rail: str) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, SO_BINDTODEVICE, rail.encode())
+        sock.bind((self.me.nics[rail], self.cfg.heartbeat_port))
+        sock.setblocking(False)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close()
+        self.sockets.clear()
+        if self.kernel is not None:
+            self.kernel.close()
+            self.kernel = None
+
+    # ----- event loop hooks -----------------------------------------------------------------
+
+    def fds(self) -> list[int]:
+        assert self.kernel is not None
+        return [self.kernel.fileno(), *(s.fileno() for s in self.sockets.values())]
+
+    def next_deadline(self) -> float:
+        return self.next_send
+
+    def on_readable(self, fd: int) -> None:
+        assert self.kernel is not None
+        if fd == self.kernel.fileno():
+            for state in self.kernel.link_events():
+                self._on_link(state)
+            self.evaluate()
+            return
+        for rail, sock in self.sockets.items():
+            if sock.fileno() == fd:
+                self._receive(rail, sock)
+
+    def tick(self) -> None:
+        now = self.clock()
+        if now >= self.next_send:
+            self._send_all()
+            self.next_send = now + self.interval
+        self.evaluate()
+
+    # ----- evidence -------------------------------------------------------------------------
+
+    def _on_link(self, state: LinkState) -> None:
+        rail = state.name
+        if rail not in self.nic_up or self.nic_up[rail] == state.usable:
+            return
+        self.nic_up[rail] = state.usable
+        if state.usable:
+            log.info("%s: %s is up again (carrier back)", self.me.name, rail)
+            self.nic_down_reason.pop(rail, None)
+            return
+        reason = f"{rail} {'carrier lost' if state.admin_up else 'admin down'}"
+        self.nic_down_reason[rail] = reason
+        log.warning("%s: %s", self.me.name, reason)
+        assert self.kernel is not None
+        dropped = self.kernel.flush_neighbours(self.ifindex[rail])
+        log.info("%s: flushed %d neighbour entries of %s", self.me.name, dropped, rail)
+        self._send_all(down=[rail])  # tell the peers now, over the rails that still work
+
+    def _receive(self, rail: str, sock: socket.socket) -> None:
+        now = self.clock()
+        while True:
+            try:
+                data, (src, _port) = sock.recvfrom(heartbeat.MAX_PACKET + 1)
+            except BlockingIOError:
+                return
+            except OSError:
+                return
+            try:
+                hb = heartbeat.decode(data, self.key)
+            except heartbeat.PacketError as exc:
+                self.counters["rejected"] += 1
+                log.debug("%s: heartbeat from %s on %s dropped: %s", self.me.name, src, rail, exc)
+                continue
+            peer = self.peers.get(hb.node)
+            if peer is None or hb.rail != rail or peer.nics.get(rail) != src:
+                self.counters["rejected"] += 1
+                continue
+            self.counters["received"] += 1
+            self.heard_from.add(hb.node)
+            paths = self.paths[hb.node]
+            paths[rail].last_in = now
+            for heard_rail, heard in hb.heard.items():
+                if heard_rail in paths and self.me.name in heard:
+                    paths[heard_rail].last_out_ok = now
+            for lost in hb.down:
+                if lost in paths:
+                    paths[lost].last_in = paths[lost].last_out_ok = NEVER
+                    paths[lost].reason = f"{hb.node} reported {lost} down"
+            if hb.down:
+                self.evaluate()
+
+    def _send_all(self, down: list[str] | None = None) -> None:
+        now = self.clock()
+        heard = {
+            rail: sorted(
+                p for p, paths in self.paths.items() if rail in paths and now - paths[rail].last_in < self.dead
+            )
+            for rail in self.rails
+        }
+        self.seq += 1
+        for rail, sock in self.sockets.items():
+            if not self.nic_up.get(rail, False):
+                continue
+            packet = heartbeat.encode(heartbeat.Heartbeat(self.me.name, rail, self.seq, heard, down or []), self.key)
+            for peer in self.peers.values():
+                ip = peer.nics.get(rail)
+                if ip is None:
+                    continue
+                try:
+                    sock.sendto(packet, (ip, self.cfg.heartbeat_port))
+                    self.counters["sent"] += 1
+                except OSError:
+                    self.counters["send_errors"] += 1
+
+    # ----- decisions ------------------------------------------------------------------------
+
+    def _path_alive(self, rail: str, path: PathState, now: float) -> tuple[bool, str]:
+        if not self.nic_up.get(rail, False):
+            return False, self.nic_down_reason.get(rail, f"{rail} down")
+        if now - path.last_in >= self.dead:
+            return False, path.reason or f"no heartbeat on {rail} for {self.cfg.dead_after_ms} ms"
+        if now - path.last_out_ok >= self.dead:
+            return False, f"peer does not hear us on {rail}"
+        return True, ""
+
+    def _update_paths(self, now: float) -> dict[str, str]:
+        """Refresh every path's alive flag; returns peer -> reason for paths that just died."""
+        died: dict[str, str] = {}
+        for peer, paths in self.paths.items():
+            managed = peer in self.heard_from
+            for rail, path in paths.items():
+                alive, reason = self._path_alive(rail, path, now)
+                if not managed and self.nic_up.get(rail, False):
+                    alive = True  # no heartbeats from this peer ever (no daemon there): judge by carrier only
+                if path.alive and not alive:
+                    path.alive = False
+                    path.failures = [t for t in path.failures if now - t < FLAP_WINDOW_S] + [now]
+                    path.holddown = min(self.cfg.holddown_max_s, self.cfg.holddown_s * 2 ** (len(path.failures) - 1))
+                    path.reason = reason
+                    died[peer] = reason
+                elif alive and not path.alive:
+                    path.alive = True
+                    path.alive_since = now
+                    path.reason = ""
+        return died
+
+    def _eligible(self, path: PathState, now: float) -> bool:
+        return path.alive and now - path.alive_since >= path.holddown
+
+    def evaluate(self) -> None:
+        if self.kernel is None:
+            return
+        now = self.clock()
+        died = self._update_paths(now)
+        # (kind, old rails, new rails, reason) -> [(peer, route_ms)]: one event per kind of move, not per peer
+        moves: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], list[tuple[str, float]]] = defaultdict(list)
+        for peer, paths in self.paths.items():
+            home = self.home[peer]
+            if self._eligible(paths[home], now):
+                want: tuple[str, ...] = (home,)
+            else:
+                want = tuple(r for r in sorted(paths) if self._eligible(paths[r], now)) or self.current[peer]
+            old = self.current[peer]
+            if want == old:
+                continue
+            t0 = self.clock()
+            try:
+                self._program(peer, want)
+            except Exception as exc:
+                log.error("%s: cannot route %s via %s: %s", self.me.name, peer, ",".join(want), exc)
+                continue
+            kind = "link.failback" if want == (home,) else "link.failover"
+            reason = died.get(peer) or paths[old[0]].reason or "path healthy again"
+            moves[(kind, old, want, reason)].append((peer, (self.clock() - t0) * 1000))
+            self.current[peer] = want
+        for (kind, old, new, reason), done in moves.items():
+            self.counters["failovers" if kind == "link.failover" else "failbacks"] += 1
+            fields = {
+                "nic": ",".join(old),
+                "via": ",".join(new),
+                "peers": sorted(peer for peer, _ in done),
+                "reason": reason,
+                "route_ms": round(max(ms for _, ms in done), 3),
+                "avoid_nics": self.avoid_nics(),
+            }
+            log.warning(
+                "%s: %s %s -> %s for %s (%s)",
+                self.me.name,
+                kind,
+                fields["nic"],
+                fields["via"],
+                ",".join(fields["peers"]),
+                reason,
+            )
+            self.emit(kind, fields)
+
+    def _program(self, peer: str, rails: tuple[str, ...]) -> None:
+        assert self.kernel is not None
+        target = self.peers[peer]
+        hops = [(target.nics[r], self.ifindex[r]) for r in rails]
+        self.kernel.set_route(target.addr, self.me.addr, hops)
+
+    # ----- reporting ------------------------------------------------------------------------
+
+    def avoid_nics(self) -> list[str]:
+        """Local NICs a new communicator should not use (NCCL: NCCL_IB_HCA=^...): down, or no live path."""
+        out = []
+        for rail in self.rails:
+            paths = [p[rail] for name, p in self.paths.items() if rail in p and name in self.heard_from]
+            if not self.nic_up.get(rail, False) or (paths and not any(p.alive for p in paths)):
+                out.append(rail)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        return {
+            "enabled": True,
+            "node": self.me.name,
+            "note": self.note,
+            "nics": {
+                r: {"up": self.nic_up.get(r, False), "reason": self.nic_down_reason.get(r, "")} for r in self.rails
+            },
+            "routes": {peer: list(rails) for peer, rails in sorted(self.current.items())},
+            "paths": {
+                peer: {
+                    r: "alive" if self._eligible(p, now) else ("holddown" if p.alive else f"dead: {p.reason}")
+                    for r, p in sorted(paths.items())
+                }
+                for peer, paths in sorted(self.paths.items())
+            },
+            "avoid_nics": self.avoid_nics(),
+            "failovers": self.counters["failovers"],
+            "failbacks": self.counters["failbacks"],
+            "heartbeats": {k: self.counters[k] for k in ("sent", "received", "rejected", "send_errors")},
+            "sysctls": sysctls.read(list(sysctls.parse(self.cfg.sysctls))),
+            "sysctl_problems": self.sysctl_problems,
+        }
