@@ -76,6 +76,20 @@ def node() -> None:
     """A node daemon (clockworkd): health, registered jobs, events."""
 
 
+def _linkpass_line(lp: dict[str, Any]) -> str:
+    """One line: LinkPass state, each NIC, where traffic goes, failover counts, sysctls it depends on."""
+    if not lp.get("enabled"):
+        return f"off ({lp.get('state', 'not reported')})"
+    nics = ", ".join(f"{n} {'up' if v['up'] else 'DOWN'}" for n, v in lp["nics"].items())
+    moved = sorted(f"{peer} via {'+'.join(rails)}" for peer, rails in lp["routes"].items())
+    sysctl = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in lp.get("sysctls", {}).items())
+    note = f"; {lp['note']}" if lp.get("note") else ""
+    return (
+        f"on; NICs {nics}; routes {', '.join(moved)}; {lp['failovers']} failovers, {lp['failbacks']} failbacks; "
+        f"avoid [{', '.join(lp['avoid_nics'])}]; sysctls {sysctl}{note}"
+    )
+
+
 @node.command()
 @click.option("--node", "node_name", metavar="NODE", help="Whose daemon (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the daemon's status reply).")
@@ -93,6 +107,7 @@ def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
     )
     console.print(f"  control socket: {info['control']}")
     console.print(f"  peer plane:     {info['peer_plane']}")
+    console.print(f"  linkpass:       {_linkpass_line(info.get('linkpass', {}))}")
     console.print(f"  jobs:           {info['jobs_running']} running, {info['jobs_total']} known")
     counters = info.get("counters", {})
     console.print("  requests:       " + ", ".join(f"{k} {v}" for k, v in counters.items()))

@@ -1,0 +1,105 @@
+"""LinkPass's pure parts: heartbeat authentication and decoding, the fabric map, sysctl settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from linkpass import heartbeat, sysctls
+from linkpass.fabric import FabricError, FabricMap
+
+KEY = b"k" * 32
+FABRIC = {
+    "nodes": {
+        "node1": {"addr": "198.18.0.1", "nics": {"nic0": "198.18.1.1", "nic1": "198.18.2.1"}},
+        "node2": {"addr": "198.18.0.2", "nics": {"nic0": "198.18.1.2", "nic1": "198.18.2.2"}},
+    }
+}
+
+
+def test_heartbeat_round_trip() -> None:
+    hb = heartbeat.Heartbeat("node1", "nic0", 7, {"nic0": ["node2"], "nic1": []}, ["nic1"])
+    assert heartbeat.decode(heartbeat.encode(hb, KEY), KEY) == hb
+
+
+def test_heartbeat_with_another_key_or_tampered_is_rejected() -> None:
+    packet = heartbeat.encode(heartbeat.Heartbeat("node1", "nic0", 1), KEY)
+    with pytest.raises(heartbeat.PacketError, match="authentication"):
+        heartbeat.decode(packet, b"x" * 32)
+    tampered = bytearray(packet)
+    tampered[3] ^= 0x01
+    with pytest.raises(heartbeat.PacketError, match="authentication"):
+        heartbeat.decode(bytes(tampered), KEY)
+
+
+def test_authentic_but_malformed_bodies_are_rejected() -> None:
+    import hashlib
+    import hmac
+
+    def sign(body: bytes) -> bytes:
+        return body + hmac.new(KEY, body, hashlib.sha256).digest()[: heartbeat.TAG_BYTES]
+
+    bad = [
+        msgpack.packb({"v": 2, "n": "a", "r": "nic0", "s": 1, "h": {}, "d": []}),
+        msgpack.packb({"v": 1, "n": 5, "r": "nic0", "s": 1, "h": {}, "d": []}),
+        msgpack.packb({"v": 1, "n": "a", "r": "nic0", "s": 1, "h": {"nic0": [1]}, "d": []}),
+        msgpack.packb({"v": 1, "n": "a", "r": "nic0", "s": 1, "h": {}, "d": "nic0"}),
+        msgpack.packb([1, 2, 3]),
+        b"\xc1\xc1\xc1",
+    ]
+    for body in bad:
+        with pytest.raises(heartbeat.PacketError):
+            heartbeat.decode(sign(body), KEY)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_arbitrary_bytes_never_crash_the_decoder(data: bytes) -> None:
+    try:
+        heartbeat.decode(data, KEY)
+    except heartbeat.PacketError:
+        pass
+
+
+def test_fabric_map_loads_and_answers(tmp_path: Path) -> None:
+    path = tmp_path / "fabric.json"
+    path.write_text(json.dumps(FABRIC))
+    fabric = FabricMap.load(path)
+    assert [p.name for p in fabric.peers("node1")] == ["node2"]
+    assert fabric.node("node2").nics["nic1"] == "198.18.2.2"
+    assert fabric.by_address("198.18.1.2").name == "node2"
+    assert fabric.by_address("10.0.0.1") is None
+    with pytest.raises(FabricError, match="node 'node9' is not in the fabric map"):
+        fabric.node("node9")
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({}, "expected"),
+        ({"nodes": {"a": {"addr": "1.2.3.4"}}}, "needs 'addr' and a non-empty 'nics'"),
+        ({"nodes": {"a": {"addr": "1.2.3", "nics": {"nic0": "1.1.1.1"}}}}, "node 'a'"),
+        ({"nodes": {"a": {"addr": "1.2.3.4", "nics": {"nic0": "nope"}}}}, "node 'a'"),
+    ],
+)
+def test_bad_fabric_maps_name_the_problem(doc: object, message: str) -> None:
+    with pytest.raises(FabricError, match=message):
+        FabricMap.parse(doc)
+
+
+def test_missing_fabric_file(tmp_path: Path) -> None:
+    with pytest.raises(FabricError, match="no fabric file at"):
+        FabricMap.load(tmp_path / "none.json")
+
+
+def test_sysctl_parsing_and_reading() -> None:
+    assert sysctls.parse("a.b=1, c.d = 2,") == {"a.b": "1", "c.d": "2"}
+    with pytest.raises(ValueError, match="not KEY=VALUE"):
+        sysctls.parse("a.b")
+    values = sysctls.read(["net.ipv4.ip_forward", "net.ipv4.no_such_setting"])
+    assert values["net.ipv4.ip_forward"] in ("0", "1") and values["net.ipv4.no_such_setting"] is None
