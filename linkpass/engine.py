@@ -289,7 +289,13 @@ class LinkPass:
             if self._eligible(paths[home], now):
                 want: tuple[str, ...] = (home,)
             else:
-                want = tuple(r for r in sorted(paths) if self._eligible(paths[r], now)) or self.current[peer]
+                # Healthy rails past their hold-down first; a rail still in hold-down beats staying on a
+                # dead one (hold-down delays going back, never escaping); nothing alive: leave the route.
+                want = (
+                    tuple(r for r in sorted(paths) if self._eligible(paths[r], now))
+                    or tuple(r for r in sorted(paths) if paths[r].alive)
+                    or self.current[peer]
+                )
             old = self.current[peer]
             if want == old:
                 continue
