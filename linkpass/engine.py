@@ -85,6 +85,7 @@ class LinkPass:
         self.heard_from: set[str] = set()  # peers that ever sent a heartbeat: only those are managed
         self.seq = 0
         self.next_send = 0.0
+        self.dirty = False  # new evidence arrived: decide once every readable socket has been read
         self.counters = {"sent": 0, "received": 0, "rejected": 0, "send_errors": 0, "failovers": 0, "failbacks": 0}
         self.sysctl_problems: dict[str, str] = {}
         self.note = ""
@@ -147,14 +148,14 @@ class LinkPass:
         return [self.kernel.fileno(), *(s.fileno() for s in self.sockets.values())]
 
     def next_deadline(self) -> float:
-        return self.next_send
+        return min(self.next_send, self.clock()) if self.dirty else self.next_send
 
     def on_readable(self, fd: int) -> None:
         assert self.kernel is not None
         if fd == self.kernel.fileno():
             for state in self.kernel.link_events():
                 self._on_link(state)
-            self.evaluate()
+            self.dirty = True  # decided in tick(), after the heartbeats that arrived meanwhile are read
             return
         for rail, sock in self.sockets.items():
             if sock.fileno() == fd:
@@ -165,6 +166,7 @@ class LinkPass:
         if now >= self.next_send:
             self._send_all()
             self.next_send = now + self.interval
+        self.dirty = False
         self.evaluate()
 
     # ----- evidence -------------------------------------------------------------------------
@@ -206,8 +208,13 @@ class LinkPass:
                 self.counters["rejected"] += 1
                 continue
             self.counters["received"] += 1
-            self.heard_from.add(hb.node)
             paths = self.paths[hb.node]
+            if hb.node not in self.heard_from:
+                # First word from this peer's daemon: give every rail one dead interval to hear from it
+                # (and to be heard by it) before judging, or a start-up race would look like a failure.
+                self.heard_from.add(hb.node)
+                for path in paths.values():
+                    path.last_in = path.last_out_ok = now
             paths[rail].last_in = now
             for heard_rail, heard in hb.heard.items():
                 if heard_rail in paths and self.me.name in heard:
@@ -217,7 +224,7 @@ class LinkPass:
                     paths[lost].last_in = paths[lost].last_out_ok = NEVER
                     paths[lost].reason = f"{hb.node} reported {lost} down"
             if hb.down:
-                self.evaluate()
+                self.dirty = True
 
     def _send_all(self, down: list[str] | None = None) -> None:
         now = self.clock()
@@ -244,22 +251,33 @@ class LinkPass:
 
     # ----- decisions ------------------------------------------------------------------------
 
-    def _path_alive(self, rail: str, path: PathState, now: float) -> tuple[bool, str]:
+    def _path_alive(self, rail: str, path: PathState, now: float) -> tuple[bool, str, bool]:
+        """(alive, reason, hard): hard evidence (carrier, a down notice) is believed at once."""
         if not self.nic_up.get(rail, False):
-            return False, self.nic_down_reason.get(rail, f"{rail} down")
+            return False, self.nic_down_reason.get(rail, f"{rail} down"), True
+        if path.last_in == NEVER and path.reason:
+            return False, path.reason, True  # the peer reported this NIC down
         if now - path.last_in >= self.dead:
-            return False, path.reason or f"no heartbeat on {rail} for {self.cfg.dead_after_ms} ms"
+            return False, f"no heartbeat on {rail} for {self.cfg.dead_after_ms} ms", False
         if now - path.last_out_ok >= self.dead:
-            return False, f"peer does not hear us on {rail}"
-        return True, ""
+            return False, f"peer does not hear us on {rail}", False
+        return True, "", False
 
     def _update_paths(self, now: float) -> dict[str, str]:
-        """Refresh every path's alive flag; returns peer -> reason for paths that just died."""
+        """Refresh every path's alive flag; returns peer -> reason for paths that just died.
+
+        Silence is only evidence against one rail when another rail to the same peer is fresh: when
+        every rail of a peer goes quiet at once, the peer (or this daemon) stalled or the node died,
+        and there is no better rail to move to anyway (a dead node is TorchPass's business).
+        """
         died: dict[str, str] = {}
         for peer, paths in self.paths.items():
             managed = peer in self.heard_from
+            fresh = {r for r, p in paths.items() if now - p.last_in < self.dead and now - p.last_out_ok < self.dead}
             for rail, path in paths.items():
-                alive, reason = self._path_alive(rail, path, now)
+                alive, reason, hard = self._path_alive(rail, path, now)
+                if not alive and not hard and not (fresh - {rail}):
+                    alive = path.alive  # no comparison possible: keep the last verdict
                 if not managed and self.nic_up.get(rail, False):
                     alive = True  # no heartbeats from this peer ever (no daemon there): judge by carrier only
                 if path.alive and not alive:
