@@ -86,6 +86,7 @@ class LinkPass:
         self.seq = 0
         self.next_send = 0.0
         self.dirty = False  # new evidence arrived: decide once every readable socket has been read
+        self.flush_pending: set[str] = set()  # dead NICs whose neighbour entries go once routes moved
         self.counters = {"sent": 0, "received": 0, "rejected": 0, "send_errors": 0, "failovers": 0, "failbacks": 0}
         self.sysctl_problems: dict[str, str] = {}
         self.note = ""
@@ -183,9 +184,7 @@ class LinkPass:
         reason = f"{rail} {'carrier lost' if state.admin_up else 'admin down'}"
         self.nic_down_reason[rail] = reason
         log.warning("%s: %s", self.me.name, reason)
-        assert self.kernel is not None
-        dropped = self.kernel.flush_neighbours(self.ifindex[rail])
-        log.info("%s: flushed %d neighbour entries of %s", self.me.name, dropped, rail)
+        self.flush_pending.add(rail)  # after the routes have moved (see evaluate)
         self._send_all(down=[rail])  # tell the peers now, over the rails that still work
 
     def _receive(self, rail: str, sock: socket.socket) -> None:
@@ -327,6 +326,22 @@ class LinkPass:
             reason = died.get(peer) or paths[old[0]].reason or "path healthy again"
             moves[(kind, old, want, reason)].append((peer, (self.clock() - t0) * 1000))
             self.current[peer] = want
+        if moves:
+            self.kernel.flush_route_cache()
+        # Only now, with no route left through them, drop the neighbour entries the moved traffic used
+        # on the rails it left: a segment queued on such an entry (waiting for an ARP answer that
+        # cannot come) is held for seconds and TCP will not retransmit it while it is held. Flushing
+        # before the routes moved would only create fresh entries for the packets still sent there.
+        for (kind, old, _new, _reason), done in moves.items():
+            if kind != "link.failover":
+                continue  # a fail-back leaves a healthy rail: its entries are fine
+            for rail in old:
+                for peer, _ms in done:
+                    self.kernel.delete_neighbour(self.ifindex[rail], self.peers[peer].nics[rail])
+        for rail in sorted(self.flush_pending):
+            dropped = self.kernel.flush_neighbours(self.ifindex[rail])
+            log.info("%s: flushed %d neighbour entries of %s", self.me.name, dropped, rail)
+        self.flush_pending.clear()
         for (kind, old, new, reason), done in moves.items():
             self.counters["failovers" if kind == "link.failover" else "failbacks"] += 1
             fields = {

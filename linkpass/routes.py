@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from pyroute2 import IPRoute
 
 log = logging.getLogger("clockwork.linkpass")
 
+ROUTE_FLUSH = Path("/proc/sys/net/ipv4/route/flush")
 NETLINK_ROUTE = 0
 RTMGRP_LINK = 0x1
 IFF_UP = 0x1
@@ -101,6 +103,26 @@ class Kernel:
                 prefsrc=src,
                 multipath=[{"gateway": gw, "oif": oif, "hops": 0} for gw, oif in hops],
             )
+
+    def flush_route_cache(self) -> None:
+        """Make every socket look its route up again (bumps the namespace's IPv4 route generation).
+
+        An established TCP socket caches its route. A replaced route does not always invalidate that
+        cache (a NIC that lost carrier keeps its routes, flagged linkdown), and the kernel itself only
+        re-routes a socket after about 1.4 s of failed retransmissions: a 2 s stall. Flushing after
+        every move makes the next (re)transmission take the new route.
+        """
+        try:
+            ROUTE_FLUSH.write_text("1")
+        except OSError as exc:
+            log.warning("cannot flush the route cache: %s", exc)
+
+    def delete_neighbour(self, ifindex: int, ip: str) -> None:
+        """Drop one neighbour entry (and the packets queued on it); absent is fine."""
+        try:
+            self.ipr.neigh("del", dst=ip, ifindex=ifindex)
+        except Exception:
+            pass
 
     def flush_neighbours(self, ifindex: int) -> int:
         """Drop the neighbour entries of a dead NIC (packets queued on its ARP entries would wait seconds)."""
