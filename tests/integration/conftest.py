@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from clockworkd.client import DaemonClient
+from clockworkd.config import load_config
 from clockworkd.config.schema import SandboxConfig
+from clockworkd.daemon_paths import DaemonPaths
+from clockworkd.errors import ClockworkError
 from clockworkd.sandbox.cluster import Sandbox
 
 CLOCKWORK = str(Path(sys.executable).parent / "clockwork")
@@ -88,3 +92,18 @@ def wait_job(box: Sandbox, job_id: int, timeout_s: float = 120) -> str:
             return info.state
         time.sleep(0.3)
     raise AssertionError(f"job {job_id} did not finish within {timeout_s} s: {slurm.job(job_id)}")
+
+
+def daemon_paths(box: Sandbox, node: str) -> DaemonPaths:
+    """Where ``node``'s clockworkd listens, from the sandbox's own configuration."""
+    cfg = load_config(box.paths.clockwork_toml, env={}).config.daemon
+    return DaemonPaths.from_config(cfg, node)
+
+
+def daemon_pid(box: Sandbox, node: str) -> int | None:
+    """The pid of ``node``'s daemon if it answers, else None."""
+    try:
+        with DaemonClient(daemon_paths(box, node), timeout_s=1) as client:
+            return int(client.ping()["pid"])
+    except ClockworkError:
+        return None

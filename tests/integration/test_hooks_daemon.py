@@ -13,24 +13,9 @@ from pathlib import Path
 import pytest
 
 from clockworkd.client import DaemonClient
-from clockworkd.config import load_config
-from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.sandbox.cluster import Sandbox
 from slurm_hooks import events
-from tests.integration.conftest import CLOCKWORK, on_node, slurm_env, wait_job
-
-
-def daemon_paths(box: Sandbox, node: str) -> DaemonPaths:
-    cfg = load_config(box.paths.clockwork_toml, env={}).config.daemon
-    return DaemonPaths.from_config(cfg, node)
-
-
-def daemon_pid(box: Sandbox, node: str) -> int | None:
-    try:
-        with DaemonClient(daemon_paths(box, node), timeout_s=1) as client:
-            return int(client.ping()["pid"])
-    except Exception:
-        return None
+from tests.integration.conftest import CLOCKWORK, daemon_paths, daemon_pid, on_node, slurm_env, wait_job
 
 
 def submit(box: Sandbox, *args: str) -> int:

@@ -31,13 +31,11 @@ from typing import Any
 import pytest
 
 from clockworkd.client import DaemonClient
-from clockworkd.config import load_config
-from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
 from clockworkd.instance_lock import running_pid
 from clockworkd.sandbox.cluster import REPO_ROOT, Sandbox
 from clockworkd.sandbox.processes import alive
-from tests.integration.conftest import CLOCKWORK, slurm_env, wait_job
+from tests.integration.conftest import CLOCKWORK, daemon_paths, daemon_pid, slurm_env, wait_job
 
 TRAIN = REPO_ROOT / "examples" / "train_ddp.py"
 CLOCKWORKD = str(Path(sys.executable).parent / "clockworkd")
@@ -71,19 +69,6 @@ _ports = itertools.count(29700)  # a fresh rendezvous port per job: no TIME_WAIT
 
 def node_names(box: Sandbox) -> list[str]:
     return [n.name for n in box.layout().nodes]
-
-
-def daemon_paths(box: Sandbox, node: str) -> DaemonPaths:
-    cfg = load_config(box.paths.clockwork_toml, env={}).config.daemon
-    return DaemonPaths.from_config(cfg, node)
-
-
-def daemon_pid(box: Sandbox, node: str) -> int | None:
-    try:
-        with DaemonClient(daemon_paths(box, node), timeout_s=1) as client:
-            return int(client.ping()["pid"])
-    except ClockworkError:
-        return None
 
 
 def daemon_status(box: Sandbox, node: str) -> dict[str, Any] | None:
