@@ -87,6 +87,7 @@ class LinkPass:
         self.next_send = 0.0
         self.dirty = False  # new evidence arrived: decide once every readable socket has been read
         self.flush_pending: set[str] = set()  # dead NICs whose neighbour entries go once routes moved
+        self.gray: dict[tuple[str, str], str] = {}  # (peer, rail) -> why Fleet Lens says the path is gray
         self.counters = {"sent": 0, "received": 0, "rejected": 0, "send_errors": 0, "failovers": 0, "failbacks": 0}
         self.sysctl_problems: dict[str, str] = {}
         self.note = ""
@@ -250,10 +251,28 @@ class LinkPass:
 
     # ----- decisions ------------------------------------------------------------------------
 
-    def _path_alive(self, rail: str, path: PathState, now: float) -> tuple[bool, str, bool]:
-        """(alive, reason, hard): hard evidence (carrier, a down notice) is believed at once."""
+    def set_gray(self, peer: str, rail: str, reason: str | None) -> bool:
+        """Fleet Lens's verdict on a path that still passes heartbeats (loss, delay, a degraded link).
+
+        A gray path counts as dead (traffic moves off it) until Lens clears it (``reason`` None); the
+        usual hold-down then applies before traffic returns. Returns False for a path LinkPass does not
+        manage (unknown peer or rail).
+        """
+        if rail not in self.paths.get(peer, {}):
+            return False
+        if reason is None:
+            self.gray.pop((peer, rail), None)
+        else:
+            self.gray[(peer, rail)] = reason
+        self.dirty = True
+        return True
+
+    def _path_alive(self, peer: str, rail: str, path: PathState, now: float) -> tuple[bool, str, bool]:
+        """(alive, reason, hard): hard evidence (carrier, a down notice, a Lens suspect) is believed at once."""
         if not self.nic_up.get(rail, False):
             return False, self.nic_down_reason.get(rail, f"{rail} down"), True
+        if (peer, rail) in self.gray:
+            return False, f"gray: {self.gray[(peer, rail)]}", True
         if path.last_in == NEVER and path.reason:
             return False, path.reason, True  # the peer reported this NIC down
         if now - path.last_in >= self.dead:
@@ -274,7 +293,7 @@ class LinkPass:
             managed = peer in self.heard_from
             fresh = {r for r, p in paths.items() if now - p.last_in < self.dead and now - p.last_out_ok < self.dead}
             for rail, path in paths.items():
-                alive, reason, hard = self._path_alive(rail, path, now)
+                alive, reason, hard = self._path_alive(peer, rail, path, now)
                 if not alive and not hard and not (fresh - {rail}):
                     alive = path.alive  # no comparison possible: keep the last verdict
                 if not managed and self.nic_up.get(rail, False):
@@ -398,6 +417,7 @@ class LinkPass:
                 for peer, paths in sorted(self.paths.items())
             },
             "avoid_nics": self.avoid_nics(),
+            "gray": {f"{peer}/{rail}": reason for (peer, rail), reason in sorted(self.gray.items())},
             "failovers": self.counters["failovers"],
             "failbacks": self.counters["failbacks"],
             "heartbeats": {k: self.counters[k] for k in ("sent", "received", "rejected", "send_errors")},

@@ -13,8 +13,10 @@ import logging
 import os
 from pathlib import Path
 
+from clockworkd.client import DaemonClient
 from clockworkd.config import load_config
 from clockworkd.daemon_paths import DaemonPaths
+from clockworkd.errors import ClockworkError
 from clockworkd.logging_setup import configure_logging
 from clockworkd.slurm import from_config
 from slurm_hooks.supervisor import ensure_daemon
@@ -64,6 +66,26 @@ def gpu_problems() -> list[str]:
     return problems
 
 
+def lens_problems(client: DaemonClient, node: str) -> list[str]:
+    """Fleet Lens suspects on this node's own NIC links (only when ``[lens] drain_suspect_nodes`` is on).
+
+    A daemon that cannot answer is not evidence against the node: no problem is reported then.
+    """
+    try:
+        with client:
+            snapshot = client.lens()
+    except ClockworkError as exc:
+        log.warning("%s: Fleet Lens not readable (%s); no lens verdict", node, exc)
+        return []
+    out = []
+    for suspect in snapshot.get("suspects") or []:
+        nic = suspect.get("nic") or ""
+        if nic.partition("/")[0] == node:
+            kinds = ",".join(suspect.get("kinds") or []) or "gray"
+            out.append(f"lens suspects {nic} link ({kinds}, {suspect.get('direction')})")
+    return out
+
+
 def main() -> int:
     """Always exits 0: slurmd only logs a failing health check; the drain decision is made here."""
     os.environ.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
@@ -82,6 +104,8 @@ def main() -> int:
             log.error("%s: clockworkd cannot run (%s); not a node fault, no drain", node, check.detail)
         nics = [n.strip() for n in cfg.hooks.health_nics.split(",") if n.strip()]
         problems = nic_problems(nics) + gpu_problems()
+        if cfg.lens.drain_suspect_nodes and check.ok:
+            problems += lens_problems(DaemonClient.from_config(cfg.daemon, node), node)
         slurm = from_config(cfg.slurm)
         info = next((n for n in slurm.nodes() if n.name == node), None)
         if info is None:

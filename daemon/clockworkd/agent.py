@@ -22,6 +22,7 @@ from clockworkd import __version__
 from clockworkd.config import load_config
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
+from clockworkd.lens_host import start_lens
 from clockworkd.linkpass_host import start_linkpass
 from clockworkd.logging_setup import configure_logging
 from clockworkd.server import Daemon
@@ -48,7 +49,11 @@ def agent(config_path: Path | None, check_config: bool, foreground: bool) -> Non
     paths = DaemonPaths.from_config(cfg)
     daemon = Daemon(cfg, paths)
     daemon.start()
-    daemon.components["linkpass"] = start_linkpass(loaded.config.linkpass, paths, daemon)
+    linkpass = start_linkpass(loaded.config.linkpass, paths, daemon)
+    daemon.components["linkpass"] = linkpass
+    daemon.components["lens"] = start_lens(
+        loaded.config.lens, loaded.config.linkpass, paths, daemon, gray=None if isinstance(linkpass, str) else linkpass
+    )
     daemon.serve()
 
 

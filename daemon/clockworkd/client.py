@@ -141,6 +141,10 @@ class DaemonClient:
         """{node, pid, version, time}: the daemon is alive and serving."""
         return self.request("ping")
 
+    def lens(self) -> dict[str, Any]:
+        """Fleet Lens's latest snapshot on this node (``enabled`` False, with ``state``, when it is off)."""
+        return self.request("lens")
+
     def status(self) -> dict[str, Any]:
         """The daemon's health: pid, uptime, peer plane, jobs (those the caller may see), recent events."""
         return self.request("status")

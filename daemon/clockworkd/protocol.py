@@ -170,6 +170,7 @@ SCHEMA: dict[str, dict[str, tuple[Checker, bool]]] = {
     "ping": {},
     "status": {},
     "jobs": {},
+    "lens": {},  # Fleet Lens's latest snapshot (fabric telemetry: any local user may read it)
     "register_job": {
         "job_id": (_JOB_ID, True),
         "uid": (_int_range(0, MAX_UID), True),

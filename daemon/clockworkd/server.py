@@ -178,6 +178,7 @@ class Daemon:
             "unregister_job": self._op_unregister_job,
             "post_event": self._op_post_event,
             "job_events": self._op_job_events,
+            "lens": self._op_lens,
         }
 
     # ----- life cycle -------------------------------------------------------------------------
@@ -593,6 +594,13 @@ class Daemon:
 
     def _op_jobs(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         return {"jobs": [j.to_dict() for j in self._registry.jobs() if self._visible(j, caller)]}
+
+    def _op_lens(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        lens = self.components.get("lens")
+        if lens is None or isinstance(lens, str):
+            return {"node": self.node, "enabled": False, "state": lens or "not configured"}
+        snapshot = getattr(lens, "snapshot", None)
+        return dict(snapshot()) if callable(snapshot) else {"node": self.node, "enabled": False}
 
     def _op_register_job(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         record, created = self._registry.register(

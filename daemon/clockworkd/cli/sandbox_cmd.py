@@ -12,7 +12,8 @@ from rich.table import Table
 
 from clockworkd.cli.context import CliContext, pass_ctx
 from clockworkd.errors import SandboxError
-from clockworkd.sandbox.cluster import Sandbox
+from clockworkd.sandbox.cluster import Sandbox, require_root
+from clockworkd.sandbox.daemons import NodeDaemons
 from clockworkd.sandbox.faults import KINDS
 
 
@@ -151,3 +152,39 @@ def fault(state: CliContext, kind: str, node: str | None, nic: str | None, value
         raise click.UsageError(f"`fault {kind}` needs NODE NIC VALUE, e.g. fault {kind} node1 nic0 ...")
     result = box.fault(kind, node, nic, value)
     click.echo(f"fault {result.kind} {result.node} {result.nic} = {result.value}")
+
+
+@sandbox.group()
+def daemons() -> None:
+    """Start or stop one clockworkd per sandbox node (Fleet Lens and LinkPass without a job)."""
+
+
+@daemons.command("up")
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="A setting for the daemons (repeatable), e.g. --set lens.interval_ms=5.",
+)
+@pass_ctx
+def daemons_up(state: CliContext, settings: tuple[str, ...]) -> None:
+    """(Re)start the daemon of every node and wait until each answers."""
+    require_root("clockwork sandbox daemons up")
+    values = {}
+    for item in settings:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise click.BadParameter(f"{item!r}: expected SECTION.KEY=VALUE", param_hint="--set")
+        values[name.strip()] = value.strip()
+    for node, pid in NodeDaemons(_sandbox(state)).start_all(values).items():
+        _say(f"clockworkd on {node}: pid {pid}")
+
+
+@daemons.command("down")
+@pass_ctx
+def daemons_down(state: CliContext) -> None:
+    """Stop the daemon of every node."""
+    require_root("clockwork sandbox daemons down")
+    NodeDaemons(_sandbox(state)).stop_all()
+    _say("node daemons stopped")

@@ -8,21 +8,12 @@ generated from, and tested against, this single source so they cannot drift apar
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
 
+from clockworkd.config.fields import setting
+from clockworkd.lens.settings import LensConfig
 from linkpass.settings import LinkPassConfig
 
-
-def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, min: float | None = None) -> Any:
-    """A documented dataclass field; ``choices``/``min`` are enforced by the loader."""
-    meta: dict[str, Any] = {"doc": doc}
-    if choices is not None:
-        meta["choices"] = choices
-    if min is not None:
-        meta["min"] = min
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
+__all__ = ["ClockworkConfig", "sections", "setting"]
 
 
 @dataclass(frozen=True)
@@ -172,6 +163,7 @@ class ClockworkConfig:
     hooks: HooksConfig = field(default_factory=HooksConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     linkpass: LinkPassConfig = field(default_factory=LinkPassConfig)
+    lens: LensConfig = field(default_factory=LensConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 

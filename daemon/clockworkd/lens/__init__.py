@@ -1,0 +1,16 @@
+"""Fleet Lens: NIC-pair probing, software clock sync, one-way delays and gray-failure localization.
+
+Modules (each small, each with one job):
+
+- ``model``: the value types every other module speaks (NIC and link names, path statistics,
+  verdicts, suspects).
+- ``topology``: which NIC hangs on which switch port, the links between switches, and the directed
+  links a probe between two NICs crosses.
+- ``peers``: which peer NICs each NIC probes (all on small clusters; K per NIC on large ones, chosen
+  so every link can be singled out).
+- ``tomography``: the smallest set of directed links that explains the bad paths.
+- ``clocksync``: pairwise clock offset and drift from one-way delay envelopes; least squares over
+  the probe graph.
+- ``wire``/``fastio``/``prober``: the probe packets, batched kernel I/O, and the component the
+  node daemon hosts in its event loop.
+"""

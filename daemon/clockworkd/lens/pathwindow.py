@@ -1,0 +1,201 @@
+"""Per-path measurements over a sliding window, each path's own baseline, and the verdict against it.
+
+The receiver of a directed NIC pair sees everything about it: which sequence numbers arrived (loss),
+when each arrived by its own clock against when it left by the sender's (one-way delay, once the
+clocks are known), the spacing of consecutive delays (jitter), and how fast a probe train came in
+(rate). A path is judged against its *own* history, not a global threshold: a long cable and a short
+one differ by design; what matters is a sustained change.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clockworkd.lens.model import NicId, PathStats, PathVerdict
+
+BASELINE_ALPHA = 0.05  # EWMA weight of one healthy window in a path's baseline
+TRAIN_STALE_S = 5.0  # a train older than this no longer says anything about the path
+
+
+@dataclass
+class Thresholds:
+    """What counts as a sustained change (from ``[lens]``)."""
+
+    interval_s: float
+    window_s: float
+    loss_min_lost: int
+    delay_rise_us: float
+    jitter_rise_us: float
+    rate_drop: float
+
+
+@dataclass
+class Baseline:
+    """A path's healthy behaviour: EWMAs over windows judged healthy."""
+
+    windows: int = 0
+    loss: float = 0.0
+    p50_us: float | None = None
+    jitter_us: float | None = None
+    rate_mbps: float | None = None
+
+    def learn(self, stats: PathStats) -> None:
+        a = 1.0 if self.windows == 0 else max(BASELINE_ALPHA, 1.0 / (self.windows + 1))
+        self.windows += 1
+        self.loss += a * (stats.loss - self.loss)
+        if stats.owd_p50_us is not None:
+            self.p50_us = (
+                stats.owd_p50_us if self.p50_us is None else self.p50_us + a * (stats.owd_p50_us - self.p50_us)
+            )
+        if stats.jitter_us is not None:
+            j = stats.jitter_us
+            self.jitter_us = j if self.jitter_us is None else self.jitter_us + a * (j - self.jitter_us)
+
+    def learn_rate(self, mbps: float) -> None:
+        self.rate_mbps = mbps if self.rate_mbps is None else self.rate_mbps + BASELINE_ALPHA * (mbps - self.rate_mbps)
+
+
+@dataclass
+class PathWindow:
+    """One incoming directed path: recent samples, train results and the baseline."""
+
+    src: NicId
+    dst: NicId
+    session: int = -1
+    last_seq: int = -1
+    last_rx: float = 0.0  # receiver's monotonic time of the newest probe
+    samples: deque[tuple[float, np.ndarray, np.ndarray]] = field(default_factory=deque)  # (t, seq, d_ns)
+    train_id: int = -1
+    train_first_ns: int = 0
+    train_last_ns: int = 0
+    train_got: int = 0
+    train_count: int = 0
+    train_bytes: int = 0
+    last_rate: tuple[float, float] | None = None  # (monotonic time, Mbit/s)
+    baseline: Baseline = field(default_factory=Baseline)
+
+    def add(self, now: float, session: int, seq: np.ndarray, d_ns: np.ndarray) -> None:
+        """Probes of one batch (already sorted by arrival)."""
+        if session != self.session:  # the sender restarted: its sequence numbers begin again
+            self.session = session
+            self.samples.clear()
+            self.last_seq = -1
+        self.samples.append((now, seq, d_ns))
+        self.last_seq = max(self.last_seq, int(seq.max()))
+        self.last_rx = now
+
+    def add_train(self, train_id: int, index: int, count: int, rx_ns: int, size: int, now: float) -> None:
+        if train_id != self.train_id:
+            self.finish_train(now)
+            self.train_id, self.train_count, self.train_got, self.train_bytes = train_id, count, 0, 0
+            self.train_first_ns = self.train_last_ns = rx_ns
+        self.train_got += 1
+        self.train_first_ns = min(self.train_first_ns, rx_ns)
+        self.train_last_ns = max(self.train_last_ns, rx_ns)
+        if self.train_got > 1:
+            self.train_bytes += size
+        if self.train_got >= self.train_count:
+            self.finish_train(now)
+
+    def finish_train(self, now: float) -> None:
+        """Turn a complete (or abandoned) train into a rate: bytes after the first over the spread."""
+        if self.train_got >= 2 and self.train_last_ns > self.train_first_ns:
+            mbps = self.train_bytes * 8 / ((self.train_last_ns - self.train_first_ns) / 1e9) / 1e6
+            self.last_rate = (now, mbps)
+        self.train_got = 0
+        self.train_id = -1
+
+    def stats(self, now: float, offset_ns: float | None, th: Thresholds) -> PathStats:
+        """The window's figures; ``offset_ns`` = receiver clock minus sender clock (None = unknown)."""
+        while self.samples and now - self.samples[0][0] > th.window_s:
+            self.samples.popleft()
+        if self.samples:
+            seq = np.concatenate([s[1] for s in self.samples]).astype(np.int64)
+            d = np.concatenate([s[2] for s in self.samples])
+        else:
+            seq = np.zeros(0, dtype=np.int64)
+            d = np.zeros(0, dtype=np.int64)
+        received = len(np.unique(seq))
+        # Expected: from the first sequence number of the window to the newest, extended by what the
+        # sender should have sent since the newest arrived (a path that went silent loses the rest).
+        if received:
+            silent = max(0.0, now - self.last_rx - 2 * th.interval_s)
+            newest = int(seq.max()) + int(silent / th.interval_s)
+            sent = max(received, newest - int(seq.min()) + 1)
+        else:
+            sent = int(th.window_s / th.interval_s)
+        loss = 1.0 - received / sent if sent else 0.0
+        owd = jitter = None
+        p = (None, None, None)
+        if received:
+            order = np.argsort(seq, kind="stable")
+            ds = d[order].astype(np.float64)
+            if offset_ns is not None:
+                owd = (ds - offset_ns) / 1e3
+                p = tuple(float(v) for v in np.percentile(owd, [0, 50, 99]))
+            if len(ds) > 1:
+                jitter = float(np.mean(np.abs(np.diff(ds)))) / 1e3
+        rate = None
+        if self.last_rate is not None and now - self.last_rate[0] < TRAIN_STALE_S:
+            rate = self.last_rate[1]
+        return PathStats(
+            self.src,
+            self.dst,
+            th.window_s,
+            sent,
+            received,
+            round(loss, 6),
+            p[0],
+            p[1],
+            p[2],
+            jitter,
+            rate,
+        )
+
+    def judge(self, stats: PathStats, th: Thresholds, sender_alive: bool) -> PathVerdict | None:
+        """The path's verdict, learning the baseline from healthy windows; None = cannot tell.
+
+        A path whose sender is silent on every path is not judged: a stopped daemon or a dead node is
+        not a link fault (and TorchPass, not Lens, handles a dead node).
+        """
+        if not sender_alive:
+            return None
+        b = self.baseline
+        reasons: list[str] = []
+        kinds: list[str] = []
+        score = 0.0
+        lost = stats.sent - stats.received
+        if stats.received == 0:
+            reasons.append("no probe arrived in the window")
+            kinds.append("dead")
+            score = 1.0
+        elif lost >= th.loss_min_lost and stats.loss > 3 * b.loss + 0.002:
+            reasons.append(f"loss {stats.loss:.1%} ({lost}/{stats.sent}; baseline {b.loss:.2%})")
+            kinds.append("loss")
+            score = max(score, min(1.0, 0.3 + stats.loss * 10))
+        if b.windows >= 4:
+            if stats.owd_p50_us is not None and b.p50_us is not None and stats.owd_p50_us - b.p50_us > th.delay_rise_us:
+                reasons.append(f"one-way delay p50 {stats.owd_p50_us:.0f} us (baseline {b.p50_us:.0f} us)")
+                kinds.append("delay")
+                score = max(score, 0.5)
+            if (
+                stats.jitter_us is not None
+                and b.jitter_us is not None
+                and stats.jitter_us - b.jitter_us > th.jitter_rise_us
+            ):
+                reasons.append(f"jitter {stats.jitter_us:.0f} us (baseline {b.jitter_us:.0f} us)")
+                kinds.append("jitter")
+                score = max(score, 0.4)
+        if stats.rate_mbps is not None and b.rate_mbps is not None and stats.rate_mbps < th.rate_drop * b.rate_mbps:
+            reasons.append(f"train rate {stats.rate_mbps:.1f} Mbit/s (baseline {b.rate_mbps:.0f} Mbit/s)")
+            kinds.append("rate")
+            score = max(score, 0.6)
+        bad = bool(kinds)
+        if not bad:
+            b.learn(stats)
+            if stats.rate_mbps is not None and self.last_rate is not None:
+                b.learn_rate(stats.rate_mbps)
+        return PathVerdict(stats.src, stats.dst, bad, tuple(reasons), tuple(kinds), round(score, 3))

@@ -1,0 +1,658 @@
+"""The Fleet Lens component the node daemon hosts: probe, measure, sync clocks, judge, localize.
+
+One event loop, no thread per peer: the daemon calls :meth:`Lens.tick` every probe interval. Each
+tick sends one batch per NIC (``sendmmsg``: a probe to every planned peer NIC, the first of them a
+coded pair) and drains every NIC's socket (``recvmmsg``). Reading once per tick costs nothing in
+accuracy because the kernel stamps each packet on arrival (SO_TIMESTAMPNS).
+
+Every ``summary_ms`` each daemon tells the others what it measured on the paths it receives (their
+verdicts and the new minima of their delay envelopes), so every daemon holds the whole picture:
+each path's forward and reverse envelopes for clock sync, every path's verdict for localization.
+Every ``evaluate_ms`` paths are judged against their own baselines, clocks are reconciled over the
+probe graph, and the topology's tomography names the links that explain the bad paths. A suspect is
+raised after ``raise_after`` evaluations in a row and cleared after ``clear_after`` without it; the
+daemon whose node owns the link records ``lens.suspect``/``lens.clear`` (so each shows up once), and
+every daemon hands its own paths through a suspect NIC to LinkPass as gray.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from clockworkd.lens import clocksync, fastio, peers, tomography, wire
+from clockworkd.lens.model import NicId, PathStats, PathVerdict, Suspect, nic_id, split_nic
+from clockworkd.lens.pathwindow import PathWindow, Thresholds
+from clockworkd.lens.settings import LensConfig
+from clockworkd.lens.topology import Topology
+from linkpass.fabric import FabricMap
+
+log = logging.getLogger("clockwork.lens")
+
+Emit = Callable[[str, dict[str, Any]], None]
+CLOCK_EVERY_S = 2.0  # clock fit and reconciliation cadence (a fit costs more than a path's statistics)
+PAIR_FRESH_S = 10.0  # a pair's clock estimate older than this is not used
+REMOTE_FRESH_S = 1.5  # a peer's verdicts older than this are no longer used
+PAIR_PURE_NS = 20_000  # a coded pair whose packets arrive further apart than this was queued
+ENVELOPE_WINDOW_NS = 20_000_000_000
+ENVELOPE_SUB_NS = 250_000_000
+
+
+class GrayTarget(Protocol):
+    """Where suspect NIC paths go (LinkPass)."""
+
+    def set_gray(self, peer: str, rail: str, reason: str | None) -> bool: ...
+
+
+@dataclass
+class OutPath:
+    peer: NicId
+    addr: bytes  # struct sockaddr_in of the peer NIC's probe port
+    dst: tuple[int, int]  # (node index, NIC index)
+    seq: int = 0
+
+
+@dataclass
+class LocalNic:
+    name: str
+    nic: NicId
+    index: int
+    ip: str
+    sock: socket.socket
+    out: list[OutPath] = field(default_factory=list)
+    train_seq: int = 0
+    train_next_peer: int = 0
+
+
+@dataclass
+class SuspectState:
+    suspect: Suspect
+    seen: int = 0  # evaluations in a row it was found
+    missing: int = 0  # evaluations in a row it was not
+    raised: bool = False
+    raised_at: float = 0.0  # monotonic
+    raised_wall: float = 0.0  # unix time (what reports show)
+
+
+class Lens:
+    """One node's Fleet Lens. ``start`` -> ``tick``* -> ``close``; ``snapshot`` for the CLI and metrics."""
+
+    def __init__(
+        self,
+        cfg: LensConfig,
+        node: str,
+        fabric: FabricMap,
+        topology: Topology,
+        key: bytes,
+        emit: Emit,
+        seam: clocksync.ClockSeam | None = None,
+        gray: GrayTarget | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.me = node
+        self.fabric = fabric
+        self.topology = topology
+        self.key = key
+        self.emit = emit
+        self.seam = seam
+        self.gray = gray
+        self.interval = cfg.interval_ms / 1000
+        self.th = Thresholds(
+            self.interval, cfg.window_s, cfg.loss_min_lost, cfg.delay_rise_us, cfg.jitter_rise_us, cfg.rate_drop
+        )
+        self.nodes = sorted(fabric.nodes)
+        self.node_index = {n: i for i, n in enumerate(self.nodes)}
+        self.nic_names = {n: sorted(fabric.nodes[n].nics) for n in self.nodes}
+        self.reference = cfg.reference_node or self.nodes[0]
+        # (node index, NIC index) -> NIC address as the kernel stores it (for the source check)
+        self.nic_ip = np.zeros((len(self.nodes), max(len(v) for v in self.nic_names.values())), dtype=np.uint32)
+        for n, names in self.nic_names.items():
+            for j, name in enumerate(names):
+                self.nic_ip[self.node_index[n], j] = np.frombuffer(
+                    socket.inet_aton(fabric.nodes[n].nics[name]), dtype=np.uint32
+                )[0]
+        self.session = int.from_bytes(os.urandom(4), "little")
+        self.local: list[LocalNic] = []
+        self.incoming: dict[tuple[int, int, int], PathWindow] = {}  # (src node, src NIC, local NIC) -> window
+        self.envelopes: dict[tuple[NicId, NicId], clocksync.Envelope] = {}
+        self._sent_minima: dict[tuple[NicId, NicId], int] = {}  # newest minimum already told to peers
+        self.remote: dict[str, tuple[float, list[PathVerdict], list[dict[str, Any]]]] = {}
+        self.solution: clocksync.GraphSolution | None = None
+        self.pair_estimates: dict[tuple[str, str], tuple[float, clocksync.PairEstimate]] = {}
+        self.solved_at_real_ns = 0  # real time of the last solution (benchmarks compare against seam truth)
+        self.suspects: dict[str, SuspectState] = {}
+        self.localizer: tomography.Localizer | None = None
+        self.sender = fastio.Sender()
+        self.receiver = fastio.Receiver()
+        self.tick_no = 0
+        now = time.monotonic()
+        self.next_probe = now
+        self.next_train = now + 1.0
+        self.next_summary = now + cfg.summary_ms / 1000
+        self.next_eval = now + cfg.evaluate_ms / 1000
+        self.next_clock = now + CLOCK_EVERY_S
+        self.counters = {
+            "probes_sent": 0,
+            "probes_received": 0,
+            "trains_sent": 0,
+            "summaries_sent": 0,
+            "summaries_received": 0,
+            "rejected": 0,
+            "send_errors": 0,
+            "evaluations": 0,
+        }
+        self.last_stats: list[tuple[PathStats, PathVerdict | None]] = []
+        self._snapshot: dict[str, Any] | None = None
+        self.on_snapshot: Callable[[dict[str, Any]], None] | None = None  # history, metrics
+
+    # ----- life cycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        plan = peers.plan(self.topology, self.cfg.peers_per_nic)
+        probed_by = peers.probed_by(plan)
+        self.localizer = tomography.Localizer(self.topology, plan)
+        me = self.fabric.node(self.me)
+        for j, name in enumerate(self.nic_names[self.me]):
+            nic = nic_id(self.me, name)
+            if nic not in plan:
+                continue
+            sock = fastio.open_socket(me.nics[name], self.cfg.port, name)
+            local = LocalNic(name, nic, j, me.nics[name], sock)
+            for peer in plan[nic]:
+                pnode, pname = split_nic(peer)
+                addr = fastio.sockaddr_in(self.fabric.nodes[pnode].nics[pname], self.cfg.port)
+                local.out.append(OutPath(peer, addr, (self.node_index[pnode], self.nic_names[pnode].index(pname))))
+            for src in probed_by.get(nic, ()):
+                snode, sname = split_nic(src)
+                key = (self.node_index[snode], self.nic_names[snode].index(sname), j)
+                self.incoming[key] = PathWindow(src, nic)
+            self.local.append(local)
+        log.info(
+            "lens on %s: NICs %s, %d outgoing and %d incoming paths, probe every %g ms, reference clock %s%s",
+            self.me,
+            ",".join(n.name for n in self.local),
+            sum(len(n.out) for n in self.local),
+            len(self.incoming),
+            self.cfg.interval_ms,
+            self.reference,
+            " (clock seam: TESTS ONLY)" if self.seam else "",
+        )
+
+    def close(self) -> None:
+        for local in self.local:
+            local.sock.close()
+        self.local.clear()
+
+    # ----- event loop hooks -----------------------------------------------------------------
+
+    def fds(self) -> list[int]:
+        return []  # read lazily on every tick: the kernel's arrival stamps make that exact
+
+    def on_readable(self, fd: int) -> None:  # pragma: no cover - never registered
+        pass
+
+    def next_deadline(self) -> float:
+        return self.next_probe
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now >= self.next_probe:
+            self._send_probes()
+            self.tick_no += 1
+            self.next_probe += self.interval
+            if now - self.next_probe > self.interval:  # fell behind (a stalled loop): skip, never burst
+                self.next_probe = now + self.interval
+        for local in self.local:
+            self._drain(local, now)
+        if self.cfg.train_interval_ms > 0 and now >= self.next_train:
+            self._send_trains()
+            self.next_train = now + self.cfg.train_interval_ms / 1000
+        if now >= self.next_summary:
+            self._send_summaries()
+            self.next_summary = now + self.cfg.summary_ms / 1000
+        if now >= self.next_clock:
+            self._sync_clocks()
+            self.next_clock = now + CLOCK_EVERY_S
+        if now >= self.next_eval:
+            self.evaluate(now)
+            self.next_eval = now + self.cfg.evaluate_ms / 1000
+
+    # ----- sending --------------------------------------------------------------------------
+
+    def _clock_ns(self) -> int:
+        t = time.time_ns()
+        return self.seam.apply(t) if self.seam else t
+
+    def _send(self, local: LocalNic, messages: list[tuple[bytes, bytes]], counter: str) -> None:
+        sent, err = self.sender.send(local.sock.fileno(), messages)
+        self.counters[counter] += sent
+        if err:
+            self.counters["send_errors"] += 1
+
+    def _send_probes(self) -> None:
+        """One coded pair, sent alone right after its transmit stamp is taken, then the other probes."""
+        src = (self.node_index[self.me], 0)
+        for local in self.local:
+            if not local.out:
+                continue
+            src = (src[0], local.index)
+            first = (self.tick_no // max(1, self.cfg.pair_every)) % len(local.out) if self.cfg.pair_every else -1
+            if first >= 0:
+                path = local.out[first]
+                path.seq += 2
+                tx = self._clock_ns()
+                pair = [
+                    (
+                        wire.sign(self.key, wire.header(wire.PROBE, flag, src, path.dst, seq, tx, self.session)),
+                        path.addr,
+                    )
+                    for flag, seq in ((wire.PAIR_FIRST, path.seq - 1), (wire.PAIR_SECOND, path.seq))
+                ]
+                self._send(local, pair, "probes_sent")
+            tx = self._clock_ns()
+            messages = []
+            for k, path in enumerate(local.out):
+                if k == first:
+                    continue
+                path.seq += 1
+                head = wire.header(wire.PROBE, 0, src, path.dst, path.seq, tx, self.session)
+                messages.append((wire.sign(self.key, head), path.addr))
+            if messages:
+                self._send(local, messages, "probes_sent")
+
+    def _send_trains(self) -> None:
+        count = max(2, self.cfg.train_bytes // wire.TRAIN_PACKET)
+        src_index = self.node_index[self.me]
+        for local in self.local:
+            if not local.out:
+                continue
+            path = local.out[local.train_next_peer % len(local.out)]
+            local.train_next_peer += 1
+            local.train_seq += 1
+            tx = self._clock_ns()
+            messages = [
+                (
+                    wire.sign(
+                        self.key,
+                        wire.header(
+                            wire.TRAIN,
+                            0,
+                            (src_index, local.index),
+                            path.dst,
+                            local.train_seq,
+                            tx,
+                            self.session,
+                            (i << 16) | count,
+                        ),
+                        pad_to=wire.TRAIN_PACKET,
+                    ),
+                    path.addr,
+                )
+                for i in range(count)
+            ]
+            self._send(local, messages, "trains_sent")
+
+    def _summary(self) -> dict[str, Any]:
+        verdicts = []
+        for stats, verdict in self.last_stats:
+            if verdict is None:
+                continue
+            verdicts.append(
+                [
+                    stats.src,
+                    stats.dst,
+                    int(verdict.bad),
+                    ",".join(verdict.kinds),
+                    verdict.score,
+                    stats.loss,
+                    stats.owd_p50_us,
+                    stats.owd_p99_us,
+                ]
+            )
+        minima = []
+        for pw in self.incoming.values():
+            env = self.envelopes.get((pw.src, pw.dst))
+            if env is None:
+                continue
+            told = self._sent_minima.get((pw.src, pw.dst), -1)
+            new = [(t, d) for t, d in env.minima() if t > told]
+            if new:
+                self._sent_minima[(pw.src, pw.dst)] = new[-1][0]
+                minima.append([pw.src, pw.dst, [v for td in new[-40:] for v in td]])
+        pairs = [
+            [a, b, est.offset_ns, est.drift_ppm, est.uncertainty_ns, est.at_ns, est.samples]
+            for (a, b), (_t, est) in self.pair_estimates.items()
+            if a == self.me
+        ]
+        return {"n": self.me, "v": verdicts, "e": minima, "c": pairs}
+
+    def _send_summaries(self) -> None:
+        body = wire.summary_body(self._summary())
+        if len(body) > wire.MAX_SUMMARY_BODY:  # a huge cluster: send only the verdicts this time
+            doc = self._summary()
+            doc["e"] = []
+            body = wire.summary_body(doc)[: wire.MAX_SUMMARY_BODY]
+        src_index = self.node_index[self.me]
+        for local in self.local:
+            messages = []
+            for peer in self.nodes:
+                if peer == self.me or local.name not in self.fabric.nodes[peer].nics:
+                    continue
+                dst = (self.node_index[peer], self.nic_names[peer].index(local.name))
+                head = wire.header(wire.SUMMARY, 0, (src_index, local.index), dst, 0, 0, self.session, len(body))
+                addr = fastio.sockaddr_in(self.fabric.nodes[peer].nics[local.name], self.cfg.port)
+                messages.append((wire.sign(self.key, head, body), addr))
+            if messages:
+                self._send(local, messages, "summaries_sent")
+
+    # ----- receiving ------------------------------------------------------------------------
+
+    def _drain(self, local: LocalNic, now: float) -> None:
+        for _ in range(64):  # at most 4096 packets per NIC per tick
+            try:
+                n, lengths, rx, src_ip, truncated = self.receiver.recv(local.sock.fileno())
+            except OSError as exc:
+                log.warning("lens on %s: receive on %s failed: %s", self.me, local.name, exc)
+                return
+            if n == 0:
+                return
+            self._handle_batch(local, now, n, lengths, rx, src_ip, truncated)
+            if n < self.receiver.batch:
+                return
+
+    def _handle_batch(
+        self,
+        local: LocalNic,
+        now: float,
+        n: int,
+        lengths: np.ndarray,
+        rx: np.ndarray,
+        src_ip: np.ndarray,
+        truncated: np.ndarray,
+    ) -> None:
+        payload = self.receiver.payload
+        heads = np.ndarray((n,), dtype=wire.DTYPE, buffer=payload, strides=(fastio.SLOT,))
+        ok = np.array(
+            [
+                not truncated[i] and rx[i] != 0 and wire.verify(self.key, payload[i * fastio.SLOT :], int(lengths[i]))
+                for i in range(n)
+            ],
+            dtype=bool,
+        )
+        src_node = heads["src_node"].astype(np.int64)
+        src_nic = heads["src_nic"].astype(np.int64)
+        in_range = (src_node < self.nic_ip.shape[0]) & (src_nic < self.nic_ip.shape[1])
+        ok &= in_range
+        ok[ok] &= self.nic_ip[src_node[ok], src_nic[ok]] == src_ip[ok]  # the claimed NIC really sent it
+        ok &= (heads["dst_node"] == self.node_index[self.me]) & (heads["dst_nic"] == local.index)
+        self.counters["rejected"] += int(n - ok.sum())
+        if not ok.any():
+            return
+        rx_clock = self.seam.apply_many(rx) if self.seam else rx
+        kind = heads["kind"]
+        for i in np.flatnonzero(ok & (kind == wire.SUMMARY)):
+            self._on_summary(payload[i * fastio.SLOT : i * fastio.SLOT + int(lengths[i])])
+        for i in np.flatnonzero(ok & (kind == wire.TRAIN)):
+            pw = self.incoming.get((int(src_node[i]), int(src_nic[i]), local.index))
+            if pw is not None:
+                aux = int(heads["aux"][i])
+                pw.add_train(int(heads["seq"][i]), aux >> 16, aux & 0xFFFF, int(rx[i]), int(lengths[i]), now)
+        probes = np.flatnonzero(ok & (kind == wire.PROBE))
+        if not len(probes):
+            return
+        self.counters["probes_received"] += len(probes)
+        key = src_node[probes] * 256 + src_nic[probes]
+        for k in np.unique(key):
+            sel = probes[key == k]
+            pw = self.incoming.get((int(k) // 256, int(k) % 256, local.index))
+            if pw is None:
+                continue
+            seq = heads["seq"][sel].astype(np.int64)
+            tx = heads["tx_ns"][sel]
+            d = rx_clock[sel] - tx
+            pw.add(now, int(heads["session"][sel[-1]]), seq, d)
+            self._feed_envelope(pw, heads["flags"][sel], seq, tx, rx_clock[sel], rx[sel])
+
+    def _feed_envelope(
+        self, pw: PathWindow, flags: np.ndarray, seq: np.ndarray, tx: np.ndarray, rx_clock: np.ndarray, rx: np.ndarray
+    ) -> None:
+        """Coded pairs whose two packets arrived as closely as they left feed the clock sync."""
+        firsts = np.flatnonzero(flags == wire.PAIR_FIRST)
+        if not len(firsts):
+            return
+        nxt = np.minimum(firsts + 1, len(seq) - 1)
+        complete = (nxt > firsts) & (flags[nxt] == wire.PAIR_SECOND) & (seq[nxt] == seq[firsts] + 1)
+        spacing = rx[nxt] - rx[firsts]
+        pure = complete & (spacing >= 0) & (spacing <= PAIR_PURE_NS)
+        env = self.envelopes.get((pw.src, pw.dst))
+        if env is None:
+            env = self.envelopes[(pw.src, pw.dst)] = clocksync.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
+        env.add_many(tx[firsts], rx_clock[firsts], pure)
+
+    def _on_summary(self, packet: memoryview) -> None:
+        try:
+            doc = wire.parse_summary(packet)
+            node = doc["n"]
+            if node not in self.node_index or node == self.me:
+                raise wire.WireError(f"unknown node {node!r}")
+            verdicts = [
+                PathVerdict(
+                    str(v[0]), str(v[1]), bool(v[2]), (), tuple(k for k in str(v[3]).split(",") if k), float(v[4])
+                )
+                for v in doc.get("v", [])
+            ]
+            stats = [
+                {"src": v[0], "dst": v[1], "loss": v[5], "owd_p50_us": v[6], "owd_p99_us": v[7]}
+                for v in doc.get("v", [])
+            ]
+            for src, dst, flat in doc.get("e", []):
+                if split_nic(dst)[0] != node:
+                    continue  # a daemon speaks only for the paths it receives
+                arr = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
+                env = self.envelopes.get((src, dst))
+                if env is None:
+                    env = self.envelopes[(src, dst)] = clocksync.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
+                env.add_many(arr[:, 0], arr[:, 0] + arr[:, 1], np.ones(len(arr), dtype=bool))
+            for a, b, offset, drift, unc, at, samples in doc.get("c", []):
+                if a != node or b not in self.node_index:
+                    continue  # a daemon speaks only for the pairs it fits
+                est = clocksync.PairEstimate(float(offset), float(drift), float(unc), int(samples), 0.0, int(at))
+                self.pair_estimates[(a, b)] = (time.monotonic(), est)
+        except (wire.WireError, KeyError, TypeError, ValueError, IndexError) as exc:
+            self.counters["rejected"] += 1
+            log.debug("lens on %s: summary dropped: %s", self.me, exc)
+            return
+        self.counters["summaries_received"] += 1
+        self.remote[node] = (time.monotonic(), verdicts, stats)
+
+    # ----- clocks ---------------------------------------------------------------------------
+
+    def _estimate_own_pairs(self) -> None:
+        """Fit the clock offset to each peer for which this node is the lower-named end.
+
+        A fit costs ~2 ms, so each node fits only its share of the pairs, each from one NIC pair (the
+        rails take turns), and tells the others in its summaries; every node then reconciles all pairs.
+        """
+        at = self._clock_ns()
+        rails = self.nic_names[self.me]
+        rail = rails[self.tick_no % len(rails)]
+        for peer in self.nodes:
+            if peer <= self.me or rail not in self.fabric.nodes[peer].nics:
+                continue
+            fwd = self.envelopes.get((nic_id(self.me, rail), nic_id(peer, rail)))
+            rev = self.envelopes.get((nic_id(peer, rail), nic_id(self.me, rail)))
+            if fwd is None or rev is None:
+                continue
+            est = clocksync.estimate_pair(fwd.minima(), rev.minima(), at)
+            if est is not None:
+                self.pair_estimates[(self.me, peer)] = (time.monotonic(), est)
+
+    def _sync_clocks(self) -> None:
+        self._estimate_own_pairs()
+        now = time.monotonic()
+        fresh = {pair: est for pair, (t, est) in self.pair_estimates.items() if now - t < PAIR_FRESH_S}
+        if fresh:
+            self.solution = clocksync.solve_graph(fresh, self.reference, self._clock_ns(), nodes=self.nodes)
+            self.solved_at_real_ns = time.time_ns()
+
+    def offset_ns(self, src_node: str) -> float | None:
+        """Receiver (this node) clock minus ``src_node``'s clock, when the clocks are reconciled."""
+        if src_node == self.me:
+            return 0.0
+        sol = self.solution
+        if sol is None or src_node not in sol.offsets_ns or self.me not in sol.offsets_ns:
+            return None
+        return sol.relative(src_node, self.me)
+
+    # ----- judging and localizing -----------------------------------------------------------
+
+    def evaluate(self, now: float) -> None:
+        self.counters["evaluations"] += 1
+        heard = {pw.src.partition("/")[0] for pw in self.incoming.values() if now - pw.last_rx < self.th.window_s}
+        results: list[tuple[PathStats, PathVerdict | None]] = []
+        for pw in self.incoming.values():
+            if pw.train_got and now - pw.last_rx > 0.2:
+                pw.finish_train(now)
+            src_node = split_nic(pw.src)[0]
+            stats = pw.stats(now, self.offset_ns(src_node), self.th)
+            results.append((stats, pw.judge(stats, self.th, src_node in heard)))
+        self.last_stats = results
+        verdicts = [v for _, v in results if v is not None]
+        for _node, (t, remote, _stats) in self.remote.items():
+            if now - t < REMOTE_FRESH_S:
+                verdicts += remote
+        found = self.localizer.localize(verdicts) if self.localizer and any(v.bad for v in verdicts) else []
+        self._track(found, now)
+        self._snapshot = self._build_snapshot()
+        if self.on_snapshot is not None:
+            self.on_snapshot(self._snapshot)
+
+    def _owner(self, suspect: Suspect) -> str:
+        if suspect.nic is not None:
+            return split_nic(suspect.nic)[0]
+        now = time.monotonic()
+        alive = [n for n, (t, _, _) in self.remote.items() if now - t < REMOTE_FRESH_S] + [self.me]
+        return min(alive)
+
+    def _track(self, found: list[Suspect], now: float) -> None:
+        keys = {s.key for s in found}
+        for s in found:
+            state = self.suspects.get(s.key)
+            if state is None:
+                state = self.suspects[s.key] = SuspectState(s)
+            state.suspect, state.seen, state.missing = s, state.seen + 1, 0
+            if not state.raised and state.seen >= self.cfg.raise_after:
+                state.raised, state.raised_at, state.raised_wall = True, now, time.time()
+                self._announce("lens.suspect", s, now)
+        for key in list(self.suspects):
+            if key in keys:
+                continue
+            state = self.suspects[key]
+            state.seen, state.missing = 0, state.missing + 1
+            if state.missing >= self.cfg.clear_after:
+                del self.suspects[key]
+                if state.raised:
+                    self._announce("lens.clear", state.suspect, now, lasted_s=round(now - state.raised_at, 3))
+
+    def _announce(self, kind: str, s: Suspect, now: float, **extra: Any) -> None:
+        fields = {**s.to_dict(), **extra, "by": self.me}
+        level = logging.WARNING if kind == "lens.suspect" else logging.INFO
+        log.log(
+            level,
+            "lens on %s: %s %s (%s, %s, confidence %.2f)",
+            self.me,
+            kind,
+            s.link,
+            s.direction,
+            ",".join(s.kinds),
+            s.confidence,
+        )
+        if self._owner(s) == self.me:
+            self.emit(kind, fields)
+        self._hand_to_linkpass(s, kind == "lens.suspect")
+
+    def _hand_to_linkpass(self, s: Suspect, gray: bool) -> None:
+        """This node's paths through a suspect NIC become gray in LinkPass (and normal again on clear)."""
+        if self.gray is None or not self.cfg.linkpass_handoff or s.nic is None:
+            return
+        node, rail = split_nic(s.nic)
+        reason = f"lens suspect {s.link} ({','.join(s.kinds)})" if gray else None
+        targets = [p for p in self.nodes if p != self.me] if node == self.me else [node]
+        for peer in targets:
+            self.gray.set_gray(peer, rail, reason)
+
+    # ----- reporting ------------------------------------------------------------------------
+
+    def _build_snapshot(self) -> dict[str, Any]:
+        sol = self.solution
+        clock: dict[str, dict[str, float]] = {}
+        if sol is not None:
+            for node, off in sol.offsets_ns.items():
+                clock[node] = {
+                    "offset_us": round(off / 1e3, 3),
+                    "uncertainty_us": round(sol.uncertainty_ns.get(node, 0.0) / 1e3, 3),
+                }
+        paths = []
+        for stats, verdict in self.last_stats:
+            entry = stats.to_dict()
+            entry["verdict"] = verdict.to_dict() if verdict is not None else None
+            paths.append(entry)
+        return {
+            "node": self.me,
+            "enabled": True,
+            "interval_ms": self.cfg.interval_ms,
+            "time": time.time(),
+            "reference": self.reference,
+            "clock": clock,
+            "clock_at_real_ns": self.solved_at_real_ns,
+            "clock_unreachable": list(sol.unreachable) if sol else [],
+            "loop_residual_us": round(sol.loop_rms_ns / 1e3, 3) if sol and sol.loop_rms_ns is not None else None,
+            "clock_suspect_edges": [list(e) for e in sol.suspect_edges] if sol else [],
+            "paths": paths,
+            "remote_paths": self._remote_paths(),
+            "suspects": [
+                {**st.suspect.to_dict(), "since": st.raised_wall} for st in self.suspects.values() if st.raised
+            ],
+            "counters": dict(self.counters),
+        }
+
+    def _remote_paths(self) -> list[dict[str, Any]]:
+        """The other daemons' latest word on the paths they receive (so one daemon shows the whole fabric)."""
+        now = time.monotonic()
+        out = []
+        for t, verdicts, stats in self.remote.values():
+            if now - t >= REMOTE_FRESH_S:
+                continue
+            for v, st in zip(verdicts, stats, strict=True):
+                out.append({**st, "verdict": v.to_dict()})
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """The latest evaluation (what ``clockwork lens`` and the metrics show)."""
+        return self._snapshot or {"node": self.me, "enabled": True, "paths": [], "suspects": [], "clock": {}}
+
+    def status(self) -> dict[str, Any]:
+        snap = self.snapshot()
+        return {
+            "enabled": True,
+            "node": self.me,
+            "paths": len(snap.get("paths", [])),
+            "bad_paths": sum(1 for p in snap.get("paths", []) if p.get("verdict") and p["verdict"]["bad"]),
+            "suspects": [s["link"] for s in snap.get("suspects", [])],
+            "counters": dict(self.counters),
+        }
+
+
+def load_topology(cfg: LensConfig, fabric: FabricMap) -> Topology:
+    """The configured topology file, or the one inferred per rail from the fabric map."""
+    if cfg.topology_file:
+        return Topology.load(Path(cfg.topology_file), fabric)
+    return Topology.from_fabric(fabric)

@@ -1,0 +1,107 @@
+"""Probe, train and summary packets: a fixed 32-byte header, a payload, an 8-byte keyed BLAKE2b tag.
+
+Header (little-endian): magic ``CWL1``, kind, flags, source node index, source NIC index,
+destination NIC index, destination node index, sequence number (per directed NIC pair), the sender's
+transmit time (its clock, ns), the sender's session (random per daemon start: a restarted peer's
+sequence numbers start again), and ``aux`` (train: index << 16 | count; summary: body length).
+
+Node and NIC indices are positions in the sorted fabric map that every daemon shares, so a packet
+names its path in 8 bytes. Every packet is authenticated with a key all daemons share: nobody on
+the fabric can forge probes and make Lens blame (and LinkPass avoid, or the health check drain) a
+healthy link. Train packets carry padding after the tag; only header and body are authenticated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+
+MAGIC = b"CWL1"
+PROBE, TRAIN, SUMMARY = 1, 2, 3
+PAIR_FIRST, PAIR_SECOND = 1, 2
+TAG = 8
+HEADER = struct.Struct("<4sBBHBBHIqII")
+HEADER_BYTES = HEADER.size  # 32
+PROBE_BYTES = HEADER_BYTES + TAG
+TRAIN_PACKET = 1400
+MAX_SUMMARY_BODY = 7000
+
+#: numpy view of a header + tag, for parsing a batch of probes at once.
+DTYPE = np.dtype(
+    [
+        ("magic", "S4"),
+        ("kind", "u1"),
+        ("flags", "u1"),
+        ("src_node", "<u2"),
+        ("src_nic", "u1"),
+        ("dst_nic", "u1"),
+        ("dst_node", "<u2"),
+        ("seq", "<u4"),
+        ("tx_ns", "<i8"),
+        ("session", "<u4"),
+        ("aux", "<u4"),
+        ("tag", "S8"),
+    ]
+)
+assert DTYPE.itemsize == PROBE_BYTES
+
+
+class WireError(Exception):
+    """A packet that is not an authentic Lens packet of this version (dropped and counted)."""
+
+
+def tag(key: bytes, data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, key=key, digest_size=TAG).digest()
+
+
+def header(
+    kind: int,
+    flags: int,
+    src: tuple[int, int],
+    dst: tuple[int, int],
+    seq: int,
+    tx_ns: int,
+    session: int,
+    aux: int = 0,
+) -> bytes:
+    return HEADER.pack(MAGIC, kind, flags, src[0], src[1], dst[1], dst[0], seq & 0xFFFFFFFF, tx_ns, session, aux)
+
+
+def sign(key: bytes, head: bytes, body: bytes = b"", pad_to: int = 0) -> bytes:
+    """``head + body + tag`` padded with zeros to ``pad_to`` bytes."""
+    signed = head + body
+    packet = signed + tag(key, signed)
+    return packet + bytes(pad_to - len(packet)) if pad_to > len(packet) else packet
+
+
+def verify(key: bytes, packet: memoryview, length: int) -> bool:
+    """True when the header (and a summary's body) carry a valid tag."""
+    if length < PROBE_BYTES or bytes(packet[:4]) != MAGIC:
+        return False
+    kind = packet[4]
+    signed = HEADER_BYTES
+    if kind == SUMMARY:
+        signed += int.from_bytes(packet[28:32], "little")
+        if signed + TAG > length:
+            return False
+    return tag(key, packet[:signed]) == bytes(packet[signed : signed + TAG])
+
+
+def summary_body(doc: dict[str, Any]) -> bytes:
+    return msgpack.packb(doc, use_bin_type=True)
+
+
+def parse_summary(packet: memoryview) -> dict[str, Any]:
+    """The body of a verified summary packet."""
+    size = int.from_bytes(packet[28:32], "little")
+    try:
+        doc = msgpack.unpackb(bytes(packet[HEADER_BYTES : HEADER_BYTES + size]), raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise WireError(f"undecodable summary: {exc}") from None
+    if not isinstance(doc, dict):
+        raise WireError("summary body is not a map")
+    return doc
