@@ -51,6 +51,7 @@ VALID = {
     "ping": {},
     "status": {},
     "jobs": {},
+    "lens": {},
     "register_job": {
         "job_id": 12,
         "uid": 1000,

@@ -39,6 +39,7 @@ log = logging.getLogger("clockwork.lens")
 
 Emit = Callable[[str, dict[str, Any]], None]
 CLOCK_EVERY_S = 2.0  # clock fit and reconciliation cadence (a fit costs more than a path's statistics)
+GRAY_KINDS = frozenset({"loss", "delay", "jitter", "rate"})  # what LinkPass cannot see by itself
 PAIR_FRESH_S = 10.0  # a pair's clock estimate older than this is not used
 REMOTE_FRESH_S = 1.5  # a peer's verdicts older than this are no longer used
 PAIR_PURE_NS = 20_000  # a coded pair whose packets arrive further apart than this was queued
@@ -80,6 +81,7 @@ class SuspectState:
     raised: bool = False
     raised_at: float = 0.0  # monotonic
     raised_wall: float = 0.0  # unix time (what reports show)
+    announced: tuple[str, tuple[str, ...]] = ("", ())  # direction and kinds last announced
 
 
 class Lens:
@@ -219,7 +221,7 @@ class Lens:
             self._send_summaries()
             self.next_summary = now + self.cfg.summary_ms / 1000
         if now >= self.next_clock:
-            self._sync_clocks()
+            self._estimate_own_pairs()
             self.next_clock = now + CLOCK_EVERY_S
         if now >= self.next_eval:
             self.evaluate(now)
@@ -495,8 +497,12 @@ class Lens:
             if est is not None:
                 self.pair_estimates[(self.me, peer)] = (time.monotonic(), est)
 
-    def _sync_clocks(self) -> None:
-        self._estimate_own_pairs()
+    def _solve_clocks(self) -> None:
+        """Reconcile the pair estimates (each extrapolated to now with its drift) over the probe graph.
+
+        Cheap next to the fits, so it runs at every evaluation: with clocks drifting apart by up to
+        100 µs a second, a two-second-old solution would bend every one-way delay.
+        """
         now = time.monotonic()
         fresh = {pair: est for pair, (t, est) in self.pair_estimates.items() if now - t < PAIR_FRESH_S}
         if fresh:
@@ -516,6 +522,7 @@ class Lens:
 
     def evaluate(self, now: float) -> None:
         self.counters["evaluations"] += 1
+        self._solve_clocks()
         heard = {pw.src.partition("/")[0] for pw in self.incoming.values() if now - pw.last_rx < self.th.window_s}
         results: list[tuple[PathStats, PathVerdict | None]] = []
         for pw in self.incoming.values():
@@ -551,7 +558,12 @@ class Lens:
             state.suspect, state.seen, state.missing = s, state.seen + 1, 0
             if not state.raised and state.seen >= self.cfg.raise_after:
                 state.raised, state.raised_at, state.raised_wall = True, now, time.time()
+                state.announced = (s.direction, s.kinds)
                 self._announce("lens.suspect", s, now)
+            elif state.raised and state.announced != (s.direction, s.kinds):
+                # More evidence changed the picture (one direction became both, loss became dead): say so.
+                state.announced = (s.direction, s.kinds)
+                self._announce("lens.suspect", s, now, update=True)
         for key in list(self.suspects):
             if key in keys:
                 continue
@@ -580,8 +592,15 @@ class Lens:
         self._hand_to_linkpass(s, kind == "lens.suspect")
 
     def _hand_to_linkpass(self, s: Suspect, gray: bool) -> None:
-        """This node's paths through a suspect NIC become gray in LinkPass (and normal again on clear)."""
+        """This node's paths through a suspect NIC become gray in LinkPass (and normal again on clear).
+
+        Only gray kinds (loss, delay, jitter, rate) are handed over: a dead path is LinkPass's own
+        business, seen faster by its heartbeats, and holding it gray until Lens clears would only
+        delay the fail-back.
+        """
         if self.gray is None or not self.cfg.linkpass_handoff or s.nic is None:
+            return
+        if gray and ("dead" in s.kinds or not set(s.kinds) & GRAY_KINDS):
             return
         node, rail = split_nic(s.nic)
         reason = f"lens suspect {s.link} ({','.join(s.kinds)})" if gray else None

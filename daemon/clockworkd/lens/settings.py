@@ -65,8 +65,8 @@ class LensConfig:
     )
     drain_suspect_nodes: bool = setting(
         False,
-        "Let the health check drain a node whose own NIC link is a suspect (reason 'clockwork: lens ...'); "
-        "off = report only.",
+        "Let the health check drain a node whose own NIC link is a suspect (reason 'clockwork: lens ...'); when "
+        "false, Lens only reports.",
     )
     metrics_port: int = setting(
         9464, "Port of the daemon's Prometheus /metrics endpoint (bound on metrics_addr); 0 = no endpoint.", min=0

@@ -54,6 +54,10 @@ class StatePaths:
         return self.etc / "fabric.json"
 
     @property
+    def topology(self) -> Path:
+        return self.etc / "topology.json"
+
+    @property
     def curve_keys(self) -> Path:
         """The node daemons' CURVE key pair (one for the whole sandbox)."""
         return self.etc / "curve"

@@ -161,6 +161,8 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
             # few ms before a route moves is resent after 20 ms, not 200 ms (then 400, 800...).
             "sysctls": LinkPassConfig().sysctls + ",net.ipv4.tcp_rto_min_us=20000",
         },
+        # Fleet Lens names the sandbox's real switch ports (the bridge ports in the fabric namespace).
+        "lens": {"topology_file": str(paths.topology)},
         "sandbox": {"state_dir": str(state_dir)},
     }
     lines = ["# Written by `clockwork sandbox up`."]
@@ -175,6 +177,12 @@ def fabric_map(layout: Layout) -> str:
     """LinkPass's fabric map: every node's address and its NIC (rail) addresses."""
     nodes = {n.name: {"addr": n.node_addr, "nics": {nic.name: nic.ip for nic in n.nics}} for n in layout.nodes}
     return json.dumps({"nodes": nodes}, indent=2) + "\n"
+
+
+def topology(layout: Layout) -> str:
+    """Fleet Lens's topology: each NIC hangs on its rail's bridge, on the bridge port named after it."""
+    nics = {f"{n.name}/{nic.name}": {"switch": nic.bridge, "port": nic.port} for n in layout.nodes for nic in n.nics}
+    return json.dumps({"nics": nics}, indent=2) + "\n"
 
 
 def hook_wrapper(python: str, config: Path, context: str) -> str:
@@ -197,6 +205,7 @@ def write_all(
     paths.plugstack_conf.write_text(plugstack(spank_so))
     paths.hosts.write_text(hosts(layout))
     paths.fabric_map.write_text(fabric_map(layout))
+    paths.topology.write_text(topology(layout))
     paths.controller_hosts.write_text(controller_hosts(layout))
     paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root, [nic.name for nic in layout.nodes[0].nics]))
     if accounting:

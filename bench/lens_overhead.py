@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Fleet Lens's CPU cost per node daemon at a 10 ms probe interval, against the peers each NIC probes.
+
+Brings up a sandbox of ``--nodes`` nodes (17 by default, so a NIC can probe 16 peers), starts one
+clockworkd per node for each setting of ``[lens] peers_per_nic`` and measures every daemon's CPU time
+(user + system, /proc) over ``--seconds``. The baseline, measured side by side in the same run, is the
+same daemon with Lens off (LinkPass is off in both, to isolate Lens). The figure that matters is the
+difference: Lens's own share of one core. The probe rate each daemon achieved is printed too (it must
+be the configured cadence, or a low CPU figure would mean nothing).
+
+Goal (DESIGN.md): < 3 % of one core per node at 10 ms with 16 peers per NIC.
+Needs root. The last line printed is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from clockworkd.config.schema import SandboxConfig
+from clockworkd.sandbox.cluster import Sandbox
+from clockworkd.sandbox.daemons import NodeDaemons
+
+GOAL_PCT = 3.0
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def measure(daemons: NodeDaemons, settings: dict[str, str], seconds: float, warmup: float) -> dict[str, float]:
+    pids = daemons.start_all(settings)
+    time.sleep(warmup)
+    c0 = {n: cpu_seconds(p) for n, p in pids.items()}
+    s0 = {n: (daemons.request(n, "lens") or {}).get("counters", {}).get("probes_sent", 0) for n in pids}
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    c1 = {n: cpu_seconds(p) for n, p in pids.items()}
+    s1 = {n: (daemons.request(n, "lens") or {}).get("counters", {}).get("probes_sent", 0) for n in pids}
+    cpu = [100 * (c1[n] - c0[n]) / dt for n in pids]
+    rate = [(s1[n] - s0[n]) / dt for n in pids]
+    return {
+        "cpu_median_pct": round(statistics.median(cpu), 2),
+        "cpu_max_pct": round(max(cpu), 2),
+        "probes_per_s_median": round(statistics.median(rate), 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="9 nodes, peers 2 and 8, 5 s each (< 1 min)")
+    parser.add_argument("--nodes", type=int, default=17, help="sandbox nodes (default 17)")
+    parser.add_argument("--peers", default="1,2,4,8,16", help="peers per NIC to measure (default 1,2,4,8,16)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measurement per setting (default 20)")
+    parser.add_argument("--interval-ms", type=float, default=10.0, help="probe interval (default 10)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.nodes, args.peers, args.seconds = 9, "2,8", 5.0
+    peers = [int(p) for p in args.peers.split(",")]
+    if max(peers) > args.nodes - 1:
+        parser.error(f"{max(peers)} peers per NIC need at least {max(peers) + 1} nodes")
+    warmup = 3.0
+    work = Path(tempfile.mkdtemp(prefix="cw-lo-", dir="/tmp"))
+    box = Sandbox(replace(SandboxConfig(), state_dir=str(work / "s"), nodes=args.nodes, accounting=False))
+    say(f"lens_overhead: {args.nodes}-node sandbox at {work / 's'}, interval {args.interval_ms:g} ms")
+    box.up()
+    rows = []
+    try:
+        daemons = NodeDaemons(box)
+        base = measure(daemons, {"lens.enabled": "false", "linkpass.enabled": "false"}, args.seconds, warmup)
+        say(f"  baseline (Lens off): daemon CPU median {base['cpu_median_pct']} %, max {base['cpu_max_pct']} %")
+        for k in peers:
+            settings = {
+                "lens.peers_per_nic": str(k),
+                "lens.interval_ms": str(args.interval_ms),
+                "linkpass.enabled": "false",
+            }
+            m = measure(daemons, settings, args.seconds, warmup)
+            m["peers_per_nic"] = k
+            m["lens_pct"] = round(m["cpu_median_pct"] - base["cpu_median_pct"], 2)
+            rows.append(m)
+            say(
+                f"  {k:>2} peers/NIC: daemon CPU median {m['cpu_median_pct']:5.2f} % (max {m['cpu_max_pct']:5.2f} %), "
+                f"Lens's share {m['lens_pct']:5.2f} % of a core, {m['probes_per_s_median']:.0f} probes/s sent"
+            )
+        daemons.stop_all()
+    finally:
+        box.down()
+    at16 = next((r for r in rows if r["peers_per_nic"] == 16), None)
+    verdict = (
+        "not measured (needs 16 peers)"
+        if at16 is None
+        else (
+            f"{at16['lens_pct']} % at 16 peers/NIC: goal < {GOAL_PCT:g} % "
+            + ("met" if at16["lens_pct"] < GOAL_PCT else "NOT met")
+        )
+    )
+    say(f"goal: {verdict}")
+    result = {
+        "bench": "lens_overhead",
+        "nodes": args.nodes,
+        "interval_ms": args.interval_ms,
+        "seconds": args.seconds,
+        "baseline_lens_off": base,
+        "results": rows,
+        "goal_pct": GOAL_PCT,
+        "goal_met": None if at16 is None else at16["lens_pct"] < GOAL_PCT,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Fleet Lens on the sandbox: real probes between node namespaces, real faults, live daemons.
+
+Each fault test injects one fault on one NIC and asserts that ``clockwork lens suspects`` (the real
+CLI, reading the live daemons) names exactly that NIC's link within seconds, and nothing else; then
+lifts it and asserts the suspect clears. Clock sync is checked against a known truth through the
+clock seam. No timing goal is asserted here (that is bench/lens_detect.py's job): the deadlines
+below are generous bounds that only stop a broken run from hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clockworkd.lens.clocksync import ClockSeam
+from clockworkd.sandbox.cluster import Sandbox
+from clockworkd.sandbox.daemons import NodeDaemons
+from tests.integration.conftest import CLOCKWORK, on_node, slurm_env
+
+pytestmark = pytest.mark.integration
+
+BASELINE_S = 5.0  # paths learn their baselines (a few 2 s windows) before a fault is injected
+
+
+def until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def cli_suspects(box: Sandbox) -> list[dict[str, Any]]:
+    """``clockwork lens suspects --json``, the way an admin runs it on the sandbox host."""
+    env = {**os.environ, "CLOCKWORK_CONFIG": str(box.paths.clockwork_toml)}
+    out = subprocess.run(
+        [CLOCKWORK, "lens", "suspects", "--json"], capture_output=True, text=True, env=env, timeout=30, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def lens_snapshot(daemons: NodeDaemons, node: str) -> dict[str, Any]:
+    return daemons.request(node, "lens") or {}
+
+
+@pytest.fixture
+def daemons(sandbox: Sandbox) -> Iterator[NodeDaemons]:
+    """A daemon with Lens (and LinkPass) at their defaults on every node, past its baseline, no suspects."""
+    nd = NodeDaemons(sandbox)
+    if not all(lens_snapshot(nd, n).get("enabled") and lens_snapshot(nd, n).get("paths") for n in nd.nodes):
+        nd.start_all()
+        time.sleep(BASELINE_S)
+    until("a fabric without suspects", lambda: not cli_suspects(sandbox), 20)
+    yield nd
+
+
+def assert_named_then_cleared(box: Sandbox, kind: str, node: str, nic: str, on: str, off: str) -> dict[str, Any]:
+    target = f"{node}/{nic}"
+    box.fault(kind, node, nic, on)
+    try:
+        found = until(f"a suspect on {target} ({kind} {on})", lambda: cli_suspects(box), 15)
+        time.sleep(1.0)  # more evidence must not move the blame elsewhere
+        later = cli_suspects(box)
+        named = {s["link"] for s in found + later}
+        assert all(s["nic"] == target for s in found + later), f"{kind} {on} on {target}: suspects {named}"
+        suspect = later[0] if later else found[0]
+        # The sandbox's topology file names the real switch and port: bridge railR, port nN-nicR.
+        assert suspect["switch"] == f"rail{nic.removeprefix('nic')}"
+        assert suspect["port"] == f"n{node.removeprefix('node')}-{nic}"
+    finally:
+        box.fault(kind, node, nic, off)
+    until(f"the suspect on {target} to clear", lambda: not cli_suspects(box), 20)
+    return suspect
+
+
+def test_a_lossy_link_is_named_in_both_directions_and_clears(sandbox: Sandbox, daemons: NodeDaemons) -> None:
+    suspect = assert_named_then_cleared(sandbox, "loss", "node3", "nic1", "3", "0")
+    assert "loss" in suspect["kinds"]
+    assert suspect["direction"] == "both"  # the fault drops frames both ways
+    assert suspect["confidence"] > 0.5
+    log = (sandbox.paths.logs / "clockwork.log").read_text()
+    assert "lens.suspect node3/nic1 <-> rail1" in log and "lens.clear node3/nic1 <-> rail1" in log
+
+
+@pytest.mark.parametrize(
+    ("kind", "node", "nic", "on", "off", "expect"),
+    [
+        ("rate", "node2", "nic0", "10mbit", "off", "rate"),
+        ("blackhole", "node4", "nic1", "on", "off", "dead"),
+        ("port", "node1", "nic0", "down", "up", "dead"),
+    ],
+)
+def test_degraded_silent_and_dead_links_are_named(
+    sandbox: Sandbox, daemons: NodeDaemons, kind: str, node: str, nic: str, on: str, off: str, expect: str
+) -> None:
+    suspect = assert_named_then_cleared(sandbox, kind, node, nic, on, off)
+    assert expect in suspect["kinds"], suspect
+
+
+def test_a_lossy_link_becomes_gray_in_linkpass_until_it_clears(sandbox: Sandbox, daemons: NodeDaemons) -> None:
+    sandbox.fault("loss", "node2", "nic0", "5")
+    try:
+        until("a suspect on node2/nic0", lambda: cli_suspects(sandbox), 15)
+        lp = until(
+            "node1's LinkPass to take node2's nic0 path as gray",
+            lambda: (lp := daemons.component("node1", "linkpass")).get("gray", {}).get("node2/nic0") and lp,
+            10,
+        )
+        assert "lens suspect node2/nic0" in lp["gray"]["node2/nic0"]
+        until(
+            "node1 to route node2 off nic0",
+            lambda: daemons.component("node1", "linkpass")["routes"]["node2"] == ["nic1"],
+            10,
+        )
+    finally:
+        sandbox.fault("loss", "node2", "nic0", "0")
+    until("the suspect to clear", lambda: not cli_suspects(sandbox), 20)
+    until("the gray mark to go", lambda: not daemons.component("node1", "linkpass").get("gray"), 10)
+
+
+def test_clock_offsets_are_recovered_against_the_seam_truth(
+    sandbox: Sandbox, daemons: NodeDaemons, tmp_path: Path
+) -> None:
+    epoch = time.time_ns()
+    truth = {
+        "node1": ClockSeam(12_000_000, 40.0, epoch),
+        "node2": ClockSeam(-31_500_000, -85.0, epoch),
+        "node3": ClockSeam(49_000_000, 100.0, epoch),
+        "node4": ClockSeam(-7_250_000, 0.0, epoch),
+    }
+    seam_file = tmp_path / "seams.json"
+    nodes_doc = {n: {"offset_us": s.offset_ns / 1e3, "drift_ppm": s.drift_ppm} for n, s in truth.items()}
+    seam_file.write_text(json.dumps({"epoch_ns": epoch, "nodes": nodes_doc}))
+    daemons.start_all({"lens.clock_seam_file": str(seam_file)})
+    try:
+
+        def solved() -> dict[str, Any] | None:
+            snap = lens_snapshot(daemons, "node2")
+            return snap if len(snap.get("clock") or {}) == 4 and snap.get("clock_at_real_ns") else None
+
+        until("a clock solution for all four nodes", solved, 30)
+        time.sleep(10)  # enough envelope for the drift fit
+        errors = []
+        for node in daemons.nodes:
+            snap = lens_snapshot(daemons, node)
+            clock, at = snap["clock"], snap["clock_at_real_ns"]
+            assert snap["reference"] == "node1" and clock["node1"]["offset_us"] == 0.0
+            for other in ("node2", "node3", "node4"):
+                want = truth["node1"].truth_offset(truth[other], at) / 1e3
+                errors.append(abs(clock[other]["offset_us"] - want))
+                assert clock[other]["uncertainty_us"] > 0
+        assert max(errors) < 20.0, f"clock offset errors (µs) against the seam truth: {errors}"
+        # One-way delays are measured across the synthetic clocks: corrected, they stay microseconds,
+        # while the raw clocks differ by up to 80 ms.
+        p50s = [p["owd_p50_us"] for p in lens_snapshot(daemons, "node3")["paths"]]
+        assert p50s and all(v is not None and 0 < v < 2000 for v in p50s), p50s
+    finally:
+        daemons.start_all()
+
+
+def test_metrics_endpoint_serves_the_lens_figures(sandbox: Sandbox, daemons: NodeDaemons) -> None:
+    url = "http://127.0.0.1:9464/metrics"
+    script = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=5).read().decode())"
+    out = on_node(sandbox, "node2", str(Path(CLOCKWORK).parent / "python"), "-c", script)
+    assert out.returncode == 0, out.stderr
+    assert 'clockwork_lens_loss_ratio{dst="node2/nic0",src="node1/nic0"} 0.0' in out.stdout
+    assert "clockwork_lens_clock_offset_seconds" in out.stdout
+
+
+def test_forged_and_garbage_probes_are_dropped_and_counted(sandbox: Sandbox, daemons: NodeDaemons) -> None:
+    before = lens_snapshot(daemons, "node1")["counters"]["rejected"]
+    port = 16902
+    node1_nic0 = json.loads(sandbox.paths.fabric_map.read_text())["nodes"]["node1"]["nics"]["nic0"]
+    script = (
+        "import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+        f"[s.sendto(p, ({node1_nic0!r}, {port})) "
+        "for p in (b'x', b'CWL1' + bytes(36), b'CWL1' + bytes(100), bytes(9000))]"
+    )
+    out = on_node(sandbox, "node2", str(Path(CLOCKWORK).parent / "python"), "-c", script)
+    assert out.returncode == 0, out.stderr
+    until(
+        "node1 to count the forged packets",
+        lambda: lens_snapshot(daemons, "node1")["counters"]["rejected"] >= before + 4,
+        5,
+    )
+    assert daemons.pid("node1") is not None
+    assert not cli_suspects(sandbox)
+
+
+def test_health_check_drains_a_node_whose_link_is_suspect_only_when_enabled(
+    sandbox: Sandbox, daemons: NodeDaemons
+) -> None:
+    env = {**slurm_env(sandbox), "CLOCKWORK_CONFIG": str(sandbox.paths.clockwork_toml)}
+    hc = str(Path(CLOCKWORK).parent / "clockwork-healthcheck")
+    slurm = sandbox.slurm()
+
+    def reason() -> str:
+        info = next(n for n in slurm.nodes() if n.name == "node3")
+        return info.reason if info.has("DRAIN") else ""
+
+    sandbox.fault("loss", "node3", "nic1", "5")
+    try:
+        until("a suspect on node3/nic1", lambda: cli_suspects(sandbox), 15)
+        on_node(sandbox, "node3", "env", *(f"{k}={v}" for k, v in env.items()), hc)
+        assert reason() == "", "drain_suspect_nodes is off by default: report only"
+        on_node(
+            sandbox,
+            "node3",
+            "env",
+            *(f"{k}={v}" for k, v in env.items()),
+            "CLOCKWORK_LENS_DRAIN_SUSPECT_NODES=true",
+            hc,
+        )
+        assert reason().startswith("clockwork: lens suspects node3/nic1 link (loss"), reason()
+    finally:
+        sandbox.fault("loss", "node3", "nic1", "0")
+    until("the suspect to clear", lambda: not cli_suspects(sandbox), 20)
+    on_node(
+        sandbox, "node3", "env", *(f"{k}={v}" for k, v in env.items()), "CLOCKWORK_LENS_DRAIN_SUSPECT_NODES=true", hc
+    )
+    assert reason() == "", "a healthy link again: the health check resumes the node it drained"

@@ -1,0 +1,326 @@
+"""Fleet Lens per-path windows: loss, one-way delay, jitter and train rate against each path's own baseline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clockworkd.lens.pathwindow import TRAIN_STALE_S, PathWindow, Thresholds
+
+TH = Thresholds(interval_s=0.01, window_s=1.0, loss_min_lost=2, delay_rise_us=500, jitter_rise_us=300, rate_drop=0.1)
+T0 = 1000.0
+OFFSET_NS = 5_000_000  # receiver clock minus sender clock
+SESSION = 77
+
+
+class Feed:
+    """Probes into one PathWindow as a receiver sees them: one every interval, seq numbers from 1.
+
+    ``d`` is receive clock minus transmit clock: the one-way delay plus the clock offset.
+    """
+
+    def __init__(self, pw: PathWindow | None = None) -> None:
+        self.pw = pw or PathWindow("n2/lo", "n1/lo")
+        self.seq = 0
+        self.t = T0
+
+    def window(
+        self,
+        owd_us: float | np.ndarray = 20.0,
+        missing: set[int] = frozenset(),  # type: ignore[assignment]
+        count: int = 100,
+        session: int = SESSION,
+    ) -> float:
+        """``count`` probes (index i lost when in ``missing``); returns the time to judge the window at."""
+        owd = np.broadcast_to(np.asarray(owd_us, dtype=np.float64), (count,))
+        for i in range(count):
+            self.seq += 1
+            if i not in missing:
+                d = np.array([OFFSET_NS + round(owd[i] * 1e3)], dtype=np.int64)
+                self.pw.add(self.t, session, np.array([self.seq], dtype=np.uint32), d)
+            self.t += TH.interval_s
+        # Half an interval after the newest probe: each window is exactly the last 100 probes.
+        return self.t - TH.interval_s / 2
+
+    def judge(self, now: float, alive: bool = True, offset: float | None = OFFSET_NS):
+        stats = self.pw.stats(now, offset, TH)
+        return stats, self.pw.judge(stats, TH, alive)
+
+    def healthy(self, windows: int, owd_us: float | np.ndarray = 20.0) -> None:
+        for _ in range(windows):
+            stats, verdict = self.judge(self.window(owd_us))
+            assert verdict is not None and not verdict.bad, verdict
+            assert stats.loss == 0.0
+
+
+def _owd(n: int = 100, base: float = 20.0) -> np.ndarray:
+    """Deterministic small spread around ``base`` microseconds (a healthy path)."""
+    return base + (np.arange(n) * 37 % 11).astype(np.float64)
+
+
+# ----- statistics -------------------------------------------------------------------------------
+
+
+def test_clean_stream_has_no_loss_and_offset_corrected_delays() -> None:
+    feed = Feed()
+    owd = _owd()
+    now = feed.window(owd)
+    stats, verdict = feed.judge(now)
+    assert (stats.src, stats.dst, stats.window_s) == ("n2/lo", "n1/lo", 1.0)
+    assert (stats.sent, stats.received, stats.loss) == (100, 100, 0.0)
+    expected = np.percentile(owd, [0, 50, 99])
+    assert stats.owd_min_us == pytest.approx(expected[0], abs=1e-3)
+    assert stats.owd_p50_us == pytest.approx(expected[1], abs=1e-3)
+    assert stats.owd_p99_us == pytest.approx(expected[2], abs=1e-3)
+    assert stats.jitter_us == pytest.approx(np.mean(np.abs(np.diff(owd))), abs=1e-3)
+    assert stats.rate_mbps is None
+    assert verdict is not None and not verdict.bad and verdict.kinds == () and verdict.score == 0.0
+    assert feed.pw.baseline.windows == 1
+    assert feed.pw.baseline.p50_us == pytest.approx(expected[1], abs=1e-3)
+
+
+def test_unknown_offset_gives_no_delays_but_jitter() -> None:
+    feed = Feed()
+    stats, _ = feed.judge(feed.window(_owd()), offset=None)
+    assert stats.owd_min_us is stats.owd_p50_us is stats.owd_p99_us is None
+    assert stats.jitter_us is not None and stats.jitter_us > 0
+
+
+def test_window_slides() -> None:
+    feed = Feed()
+    feed.window(count=300)
+    stats, _ = feed.judge(feed.t - TH.interval_s / 2)
+    assert (stats.sent, stats.received) == (100, 100)  # only the last second
+
+
+def test_arrival_order_does_not_matter() -> None:
+    pw = PathWindow("n2/lo", "n1/lo")
+    seq = np.array([3, 1, 2, 5, 4], dtype=np.uint32)
+    pw.add(T0, SESSION, seq, np.full(5, OFFSET_NS + 10_000, dtype=np.int64))
+    stats = pw.stats(T0, OFFSET_NS, TH)
+    assert (stats.sent, stats.received, stats.loss) == (5, 5, 0.0)
+    assert stats.owd_p50_us == pytest.approx(10.0)
+    assert pw.last_seq == 5
+
+
+def test_missing_seqs_are_loss() -> None:
+    feed = Feed()
+    feed.healthy(4, _owd())
+    base_windows = feed.pw.baseline.windows
+    stats, verdict = feed.judge(feed.window(_owd(), missing={10, 20, 30, 40, 50}))
+    assert (stats.sent, stats.received) == (100, 95)
+    assert stats.loss == pytest.approx(0.05)
+    assert verdict is not None and verdict.bad
+    assert verdict.kinds == ("loss",)
+    assert "loss 5.0%" in verdict.reasons[0]
+    assert 0.3 < verdict.score <= 1.0
+    assert feed.pw.baseline.windows == base_windows  # a bad window does not teach the baseline
+
+
+def test_a_single_lost_probe_is_below_loss_min_lost() -> None:
+    feed = Feed()
+    feed.healthy(4)
+    stats, verdict = feed.judge(feed.window(missing={50}))
+    assert stats.received == 99 and stats.sent == 100
+    assert verdict is not None and not verdict.bad
+
+
+def test_a_path_that_went_silent_loses_the_rest_of_the_window() -> None:
+    feed = Feed()
+    feed.healthy(4)
+    feed.window(count=50)
+    last_rx = feed.t - TH.interval_s
+    now = last_rx + 0.505  # the sender went on for ~half a second; nothing arrived
+    stats, verdict = feed.judge(now)
+    # 0.505 s minus two intervals of grace: 48 more probes should have come after the newest.
+    silent = int((now - last_rx - 2 * TH.interval_s) / TH.interval_s)
+    assert silent == 48
+    assert stats.received == 50
+    assert stats.sent == 50 + silent
+    assert stats.loss == pytest.approx(1 - 50 / 98, abs=1e-5)
+    assert verdict is not None and verdict.bad and verdict.kinds == ("loss",)
+
+
+def test_no_samples_with_the_sender_alive_is_dead() -> None:
+    pw = PathWindow("n2/lo", "n1/lo")
+    stats = pw.stats(T0, OFFSET_NS, TH)
+    assert (stats.sent, stats.received, stats.loss) == (100, 0, 1.0)
+    assert stats.owd_p50_us is None and stats.jitter_us is None
+    verdict = pw.judge(stats, TH, sender_alive=True)
+    assert verdict is not None and verdict.bad
+    assert verdict.kinds == ("dead",)
+    assert verdict.score == 1.0
+    assert pw.baseline.windows == 0
+
+
+def test_samples_that_aged_out_leave_a_dead_path() -> None:
+    feed = Feed()
+    feed.healthy(2)
+    stats, verdict = feed.judge(feed.t + 5.0)
+    assert stats.received == 0
+    assert verdict is not None and verdict.kinds == ("dead",)
+
+
+def test_a_silent_sender_is_not_judged() -> None:
+    feed = Feed()
+    feed.healthy(3)
+    pw = PathWindow("n3/lo", "n1/lo")
+    assert pw.judge(pw.stats(T0, None, TH), TH, sender_alive=False) is None
+    stats, verdict = feed.judge(feed.window(missing={10, 20, 30}), alive=False)
+    assert stats.received == 97
+    assert verdict is None
+    stats, verdict = feed.judge(feed.t + 3.0, alive=False)
+    assert verdict is None
+    assert feed.pw.baseline.windows == 3  # nothing learned from a window that was not judged
+
+
+# ----- baseline rises ---------------------------------------------------------------------------
+
+
+def test_delay_rise_after_four_healthy_windows() -> None:
+    feed = Feed()
+    feed.healthy(4, _owd())
+    assert feed.pw.baseline.windows == 4
+    stats, verdict = feed.judge(feed.window(_owd(base=1020.0)))
+    assert stats.loss == 0.0
+    assert stats.owd_p50_us == pytest.approx(feed.pw.baseline.p50_us + 1000.0, abs=1e-3)
+    assert verdict is not None and verdict.bad
+    assert verdict.kinds == ("delay",)
+    assert verdict.score == 0.5
+    assert "one-way delay p50" in verdict.reasons[0]
+
+
+def test_a_small_delay_rise_is_fine() -> None:
+    feed = Feed()
+    feed.healthy(4, _owd())
+    _, verdict = feed.judge(feed.window(_owd(base=420.0)))
+    assert verdict is not None and not verdict.bad
+
+
+def test_delay_is_not_judged_before_the_baseline_has_four_windows() -> None:
+    feed = Feed()
+    feed.healthy(3, _owd())
+    _, verdict = feed.judge(feed.window(_owd(base=1020.0)))
+    assert verdict is not None and not verdict.bad
+    assert feed.pw.baseline.windows == 4
+
+
+def test_delay_is_not_judged_without_a_clock_offset() -> None:
+    feed = Feed()
+    for _ in range(4):
+        feed.judge(feed.window(_owd()), offset=None)
+    _, verdict = feed.judge(feed.window(_owd(base=5020.0)), offset=None)
+    assert verdict is not None and not verdict.bad
+
+
+def test_jitter_rise() -> None:
+    feed = Feed()
+    feed.healthy(4, _owd())
+    swing = 20.0 + np.where(np.arange(100) % 2 == 0, 400.0, 0.0)  # p50 moves by < 500 us
+    stats, verdict = feed.judge(feed.window(swing))
+    assert stats.jitter_us == pytest.approx(400.0, abs=1.0)
+    assert verdict is not None and verdict.bad and verdict.kinds == ("jitter",)
+
+
+def test_a_session_change_resets_the_window() -> None:
+    feed = Feed()
+    feed.healthy(4)
+    assert feed.pw.last_seq == 400
+    feed.seq = 0  # the sender restarted: new session, sequence numbers begin again
+    now = feed.window(count=10, session=SESSION + 1)
+    assert feed.pw.session == SESSION + 1
+    assert feed.pw.last_seq == 10
+    stats, verdict = feed.judge(now)
+    assert (stats.sent, stats.received, stats.loss) == (10, 10, 0.0)
+    assert verdict is not None and not verdict.bad
+    assert feed.pw.baseline.windows == 5  # the path's baseline outlives a restart of its sender
+
+
+def test_the_same_session_keeps_the_window() -> None:
+    feed = Feed()
+    feed.window(count=20)
+    feed.seq = 0
+    feed.window(count=10)  # same session, seq numbers seen before: duplicates, not a restart
+    stats, _ = feed.judge(feed.t - TH.interval_s / 2)
+    assert stats.received == 20
+    assert feed.pw.last_seq == 20
+
+
+# ----- trains -----------------------------------------------------------------------------------
+
+
+def _train(pw: PathWindow, train_id: int, spread_ns: int, now: float, count: int = 10, got: int | None = None) -> None:
+    base = 1_800_000_000_000_000_000
+    for i in range(count if got is None else got):
+        pw.add_train(train_id, i, count, base + round(i * spread_ns / (count - 1)), 1400, now)
+
+
+def test_train_rate_from_dispersion() -> None:
+    pw = PathWindow("n2/lo", "n1/lo")
+    _train(pw, 1, 1_000_000, T0)
+    assert pw.last_rate is not None
+    expected = 9 * 1400 * 8 / 1e-3 / 1e6
+    assert pw.last_rate == (T0, pytest.approx(expected))
+    assert pw.train_id == -1 and pw.train_got == 0
+    stats = pw.stats(T0 + 1.0, None, TH)
+    assert stats.rate_mbps == pytest.approx(expected)
+    assert pw.stats(T0 + TRAIN_STALE_S + 0.1, None, TH).rate_mbps is None
+
+
+def test_train_packets_out_of_order() -> None:
+    pw = PathWindow("n2/lo", "n1/lo")
+    base = 10**18
+    for i in (3, 0, 9, 1, 2, 4, 8, 5, 6, 7):
+        pw.add_train(5, i, 10, base + i * 100_000, 1400, T0)
+    assert pw.last_rate is not None and pw.last_rate[1] == pytest.approx(9 * 1400 * 8 / 0.9e-3 / 1e6)
+
+
+def test_an_abandoned_train_still_gives_a_rate() -> None:
+    pw = PathWindow("n2/lo", "n1/lo")
+    _train(pw, 1, 1_000_000, T0, got=5)  # 5 of 10 arrived, 4 intervals of 1/9 ms
+    assert pw.last_rate is None
+    pw.finish_train(T0 + 0.5)
+    assert pw.last_rate is not None
+    assert pw.last_rate[1] == pytest.approx(4 * 1400 * 8 / (4e-3 / 9) / 1e6, rel=1e-5)
+
+
+def test_a_new_train_finishes_the_previous_one() -> None:
+    pw = PathWindow("n2/lo", "n1/lo")
+    _train(pw, 1, 1_000_000, T0, got=3)
+    pw.add_train(2, 0, 10, 10**18, 1400, T0 + 0.5)
+    assert pw.last_rate is not None and pw.last_rate[0] == T0 + 0.5
+    assert pw.train_id == 2 and pw.train_got == 1
+
+
+def test_a_single_packet_gives_no_rate() -> None:
+    pw = PathWindow("n2/lo", "n1/lo")
+    _train(pw, 1, 1_000_000, T0, got=1)
+    pw.finish_train(T0)
+    assert pw.last_rate is None
+
+
+def test_rate_drop_is_bad() -> None:
+    feed = Feed()
+    now = feed.window()
+    _train(feed.pw, 1, 1_000_000, now)
+    stats, verdict = feed.judge(now)
+    assert verdict is not None and not verdict.bad
+    assert feed.pw.baseline.rate_mbps == pytest.approx(100.8)
+    now = feed.window()
+    _train(feed.pw, 2, 20_000_000, now)  # 20x slower: below rate_drop (10 %) of the baseline
+    stats, verdict = feed.judge(now)
+    assert stats.rate_mbps == pytest.approx(100.8 / 20)
+    assert verdict is not None and verdict.bad and verdict.kinds == ("rate",)
+    assert verdict.score == 0.6
+    assert feed.pw.baseline.rate_mbps == pytest.approx(100.8)
+
+
+def test_a_moderate_rate_drop_is_fine() -> None:
+    feed = Feed()
+    now = feed.window()
+    _train(feed.pw, 1, 1_000_000, now)
+    feed.judge(now)
+    now = feed.window()
+    _train(feed.pw, 2, 5_000_000, now)  # a fifth of the baseline: above 10 %
+    _, verdict = feed.judge(now)
+    assert verdict is not None and not verdict.bad
