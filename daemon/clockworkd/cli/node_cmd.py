@@ -76,6 +76,20 @@ def node() -> None:
     """A node daemon (clockworkd): health, registered jobs, events."""
 
 
+def _lens_line(lens: dict[str, Any]) -> str:
+    """One line: Fleet Lens on or off (and why), paths watched, bad paths, suspects."""
+    if not lens:
+        return "not reported"
+    if not lens.get("enabled"):
+        return f"off ({lens.get('state', 'unknown')})"
+    suspects = lens.get("suspects") or []
+    return (
+        f"on: {lens.get('paths', 0)} paths watched, {lens.get('bad_paths', 0)} bad, "
+        + (f"suspects: {', '.join(suspects)}" if suspects else "no suspects")
+        + f"; metrics {lens.get('metrics', 'off')}"
+    )
+
+
 def _linkpass_line(lp: dict[str, Any]) -> str:
     """One line: LinkPass state, each NIC, where traffic goes, failover counts, sysctls it depends on."""
     if not lp.get("enabled"):
@@ -108,6 +122,7 @@ def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
     console.print(f"  control socket: {info['control']}")
     console.print(f"  peer plane:     {info['peer_plane']}")
     console.print(f"  linkpass:       {_linkpass_line(info.get('linkpass', {}))}")
+    console.print(f"  lens:           {_lens_line(info.get('lens', {}))}")
     console.print(f"  jobs:           {info['jobs_running']} running, {info['jobs_total']} known")
     counters = info.get("counters", {})
     console.print("  requests:       " + ", ".join(f"{k} {v}" for k, v in counters.items()))

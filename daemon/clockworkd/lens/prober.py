@@ -129,6 +129,8 @@ class Lens:
         self.remote: dict[str, tuple[float, list[PathVerdict], list[dict[str, Any]]]] = {}
         self.solution: clocksync.GraphSolution | None = None
         self.pair_estimates: dict[tuple[str, str], tuple[float, clocksync.PairEstimate]] = {}
+        self.clock_tracker = clocksync.SuspectTracker()
+        self.clock_suspects: set[tuple[str, str]] = set()  # pairs whose offsets persistently break loops
         self.solved_at_real_ns = 0  # real time of the last solution (benchmarks compare against seam truth)
         self.suspects: dict[str, SuspectState] = {}
         self.localizer: tomography.Localizer | None = None
@@ -508,6 +510,16 @@ class Lens:
         if fresh:
             self.solution = clocksync.solve_graph(fresh, self.reference, self._clock_ns(), nodes=self.nodes)
             self.solved_at_real_ns = time.time_ns()
+            persistent = set(self.clock_tracker.update(self.solution))
+            for a, b in sorted(persistent - self.clock_suspects):
+                log.warning(
+                    "lens on %s: clock pair %s-%s disagrees with the rest of the probe graph (loop residual): "
+                    "an asymmetric or faulty path between them",
+                    self.me,
+                    a,
+                    b,
+                )
+            self.clock_suspects = persistent
 
     def offset_ns(self, src_node: str) -> float | None:
         """Receiver (this node) clock minus ``src_node``'s clock, when the clocks are reconciled."""
@@ -634,7 +646,7 @@ class Lens:
             "clock_at_real_ns": self.solved_at_real_ns,
             "clock_unreachable": list(sol.unreachable) if sol else [],
             "loop_residual_us": round(sol.loop_rms_ns / 1e3, 3) if sol and sol.loop_rms_ns is not None else None,
-            "clock_suspect_edges": [list(e) for e in sol.suspect_edges] if sol else [],
+            "clock_suspect_edges": [list(e) for e in sorted(self.clock_suspects)],
             "paths": paths,
             "remote_paths": self._remote_paths(),
             "suspects": [
