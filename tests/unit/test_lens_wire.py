@@ -287,3 +287,19 @@ def test_sender_splits_more_messages_than_one_batch(rx_socket: socket.socket, tx
     got = _recv_all(fastio.Receiver(), rx_socket, 40)
     seqs = [int(np.frombuffer(p, dtype=wire.DTYPE)[0]["seq"]) for g in got for p in g[5]]
     assert seqs == list(range(40))
+
+
+def test_no_stamp_reads_as_zero(rx_socket: socket.socket, tx_socket: socket.socket) -> None:
+    """A datagram without a kernel stamp gives rx_ns 0, even where the same slot held a stamp before."""
+    receiver = fastio.Receiver()
+    tx_socket.sendto(_probe(), rx_socket.getsockname())
+    stamped = _recv_all(receiver, rx_socket, 1)
+    assert stamped and stamped[0][2][0] != 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as plain:
+        plain.bind(("127.0.0.1", 0))
+        plain.setblocking(False)
+        tx_socket.sendto(_probe(), plain.getsockname())
+        got = _recv_all(receiver, plain, 1)
+    assert got and got[0][0] == 1
+    assert got[0][1][0] == wire.PROBE_BYTES
+    assert got[0][2][0] == 0, "a stale stamp from an earlier datagram"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from clockworkd.config.fields import setting
+from clockworkd.config_fields import setting
 from clockworkd.lens.settings import LensConfig
 from linkpass.settings import LinkPassConfig
 

@@ -75,6 +75,8 @@ class PathWindow:
     train_count: int = 0
     train_bytes: int = 0
     last_rate: tuple[float, float] | None = None  # (monotonic time, Mbit/s)
+    prev_rate: tuple[float, float] | None = None  # the train before: a rate verdict needs both slow
+    rate_learnt_at: float = -1.0  # time of the train last taught to the baseline
     baseline: Baseline = field(default_factory=Baseline)
 
     def add(self, now: float, session: int, seq: np.ndarray, d_ns: np.ndarray) -> None:
@@ -104,7 +106,7 @@ class PathWindow:
         """Turn a complete (or abandoned) train into a rate: bytes after the first over the spread."""
         if self.train_got >= 2 and self.train_last_ns > self.train_first_ns:
             mbps = self.train_bytes * 8 / ((self.train_last_ns - self.train_first_ns) / 1e9) / 1e6
-            self.last_rate = (now, mbps)
+            self.prev_rate, self.last_rate = self.last_rate, (now, mbps)
         self.train_got = 0
         self.train_id = -1
 
@@ -189,13 +191,23 @@ class PathWindow:
                 reasons.append(f"jitter {stats.jitter_us:.0f} us (baseline {b.jitter_us:.0f} us)")
                 kinds.append("jitter")
                 score = max(score, 0.4)
-        if stats.rate_mbps is not None and b.rate_mbps is not None and stats.rate_mbps < th.rate_drop * b.rate_mbps:
+        if (
+            stats.rate_mbps is not None
+            and b.rate_mbps is not None
+            and stats.rate_mbps < th.rate_drop * b.rate_mbps
+            and self.prev_rate is not None
+            and self.prev_rate[1] < th.rate_drop * b.rate_mbps
+        ):
+            # Two slow trains in a row: one alone can be a sender preempted in the middle of its send.
             reasons.append(f"train rate {stats.rate_mbps:.1f} Mbit/s (baseline {b.rate_mbps:.0f} Mbit/s)")
             kinds.append("rate")
             score = max(score, 0.6)
         bad = bool(kinds)
         if not bad:
             b.learn(stats)
-            if stats.rate_mbps is not None and self.last_rate is not None:
-                b.learn_rate(stats.rate_mbps)
+        train = self.last_rate
+        if train is not None and train[0] != self.rate_learnt_at:  # each train teaches the baseline once
+            self.rate_learnt_at = train[0]
+            if b.rate_mbps is None or train[1] >= th.rate_drop * b.rate_mbps:
+                b.learn_rate(train[1])
         return PathVerdict(stats.src, stats.dst, bad, tuple(reasons), tuple(kinds), round(score, 3))

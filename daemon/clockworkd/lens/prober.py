@@ -18,6 +18,7 @@ every daemon hands its own paths through a suspect NIC to LinkPass as gray.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -41,6 +42,7 @@ Emit = Callable[[str, dict[str, Any]], None]
 CLOCK_EVERY_S = 2.0  # clock fit and reconciliation cadence (a fit costs more than a path's statistics)
 GRAY_KINDS = frozenset({"loss", "delay", "jitter", "rate"})  # what LinkPass cannot see by itself
 PAIR_FRESH_S = 10.0  # a pair's clock estimate older than this is not used
+MAX_SUMMARY_PACKETS = 16  # at most this many datagrams per summary round
 REMOTE_FRESH_S = 1.5  # a peer's verdicts older than this are no longer used
 PAIR_PURE_NS = 20_000  # a coded pair whose packets arrive further apart than this was queued
 ENVELOPE_WINDOW_NS = 20_000_000_000
@@ -126,7 +128,8 @@ class Lens:
         self.incoming: dict[tuple[int, int, int], PathWindow] = {}  # (src node, src NIC, local NIC) -> window
         self.envelopes: dict[tuple[NicId, NicId], clocksync.Envelope] = {}
         self._sent_minima: dict[tuple[NicId, NicId], int] = {}  # newest minimum already told to peers
-        self.remote: dict[str, tuple[float, list[PathVerdict], list[dict[str, Any]]]] = {}
+        self.remote_seen: dict[str, float] = {}  # node -> last summary (monotonic)
+        self.remote_paths: dict[tuple[NicId, NicId], tuple[float, PathVerdict, dict[str, Any]]] = {}
         self.solution: clocksync.GraphSolution | None = None
         self.pair_estimates: dict[tuple[str, str], tuple[float, clocksync.PairEstimate]] = {}
         self.clock_tracker = clocksync.SuspectTracker()
@@ -304,46 +307,52 @@ class Lens:
             ]
             self._send(local, messages, "trains_sent")
 
-    def _summary(self) -> dict[str, Any]:
-        verdicts = []
-        for stats, verdict in self.last_stats:
-            if verdict is None:
-                continue
-            verdicts.append(
-                [
-                    stats.src,
-                    stats.dst,
-                    int(verdict.bad),
-                    ",".join(verdict.kinds),
-                    verdict.score,
-                    stats.loss,
-                    stats.owd_p50_us,
-                    stats.owd_p99_us,
-                ]
-            )
+    def _summary_entries(self) -> dict[str, list[list[Any]]]:
+        """What this node tells the others: its paths' verdicts, new envelope minima, its clock fits."""
+        verdicts = [
+            [s.src, s.dst, int(v.bad), ",".join(v.kinds), v.score, s.loss, s.owd_p50_us, s.owd_p99_us]
+            for s, v in self.last_stats
+            if v is not None
+        ]
         minima = []
         for pw in self.incoming.values():
             env = self.envelopes.get((pw.src, pw.dst))
             if env is None:
                 continue
             told = self._sent_minima.get((pw.src, pw.dst), -1)
-            new = [(t, d) for t, d in env.minima() if t > told]
+            new = [(t, d) for t, d in env.minima() if t > told][-40:]
             if new:
                 self._sent_minima[(pw.src, pw.dst)] = new[-1][0]
-                minima.append([pw.src, pw.dst, [v for td in new[-40:] for v in td]])
+                minima.append([pw.src, pw.dst, [v for td in new for v in td]])
         pairs = [
             [a, b, est.offset_ns, est.drift_ppm, est.uncertainty_ns, est.at_ns, est.samples]
             for (a, b), (_t, est) in self.pair_estimates.items()
             if a == self.me
         ]
-        return {"n": self.me, "v": verdicts, "e": minima, "c": pairs}
+        return {"v": verdicts, "e": minima, "c": pairs}
+
+    def _summary_bodies(self) -> list[bytes]:
+        """The summary split into bodies that each fit one datagram (never a cut message)."""
+        bodies: list[bytes] = []
+        doc: dict[str, Any] = {"n": self.me, "v": [], "e": [], "c": []}
+        size = len(wire.summary_body(doc))
+        for key, entries in self._summary_entries().items():
+            for entry in entries:
+                grows = len(wire.summary_body(entry)) + 1
+                if size + grows > wire.MAX_SUMMARY_BODY and any(doc[k] for k in ("v", "e", "c")):
+                    bodies.append(wire.summary_body(doc))
+                    doc = {"n": self.me, "v": [], "e": [], "c": []}
+                    size = len(wire.summary_body(doc))
+                doc[key].append(entry)
+                size += grows
+        bodies.append(wire.summary_body(doc))
+        return bodies[:MAX_SUMMARY_PACKETS]
 
     def _send_summaries(self) -> None:
-        body = wire.summary_body(self._summary())
-        if len(body) > wire.MAX_SUMMARY_BODY:  # a huge cluster: send only the verdicts this time
-            doc = self._summary()
-            doc["e"] = []
-            body = wire.summary_body(doc)[: wire.MAX_SUMMARY_BODY]
+        for body in self._summary_bodies():
+            self._send_summary(body)
+
+    def _send_summary(self, body: bytes) -> None:
         src_index = self.node_index[self.me]
         for local in self.local:
             messages = []
@@ -442,40 +451,59 @@ class Lens:
         env.add_many(tx[firsts], rx_clock[firsts], pure)
 
     def _on_summary(self, packet: memoryview) -> None:
+        """Take in a peer's summary; anything malformed is counted and dropped, never raised."""
+        now = time.monotonic()
         try:
             doc = wire.parse_summary(packet)
             node = doc["n"]
             if node not in self.node_index or node == self.me:
                 raise wire.WireError(f"unknown node {node!r}")
-            verdicts = [
-                PathVerdict(
-                    str(v[0]), str(v[1]), bool(v[2]), (), tuple(k for k in str(v[3]).split(",") if k), float(v[4])
-                )
-                for v in doc.get("v", [])
-            ]
-            stats = [
-                {"src": v[0], "dst": v[1], "loss": v[5], "owd_p50_us": v[6], "owd_p99_us": v[7]}
-                for v in doc.get("v", [])
-            ]
-            for src, dst, flat in doc.get("e", []):
+            paths = []
+            for v in doc.get("v", []):
+                if len(v) != 8 or not isinstance(v[0], str) or not isinstance(v[1], str):
+                    raise wire.WireError(f"malformed verdict entry {v!r:.80}")
+                src, dst = v[0], v[1]
                 if split_nic(dst)[0] != node:
                     continue  # a daemon speaks only for the paths it receives
+                kinds = tuple(k for k in str(v[3]).split(",") if k)
+                verdict = PathVerdict(src, dst, bool(v[2]), (), kinds, float(v[4]))
+                stats = {"src": src, "dst": dst, "loss": v[5], "owd_p50_us": v[6], "owd_p99_us": v[7]}
+                paths.append(((src, dst), verdict, stats))
+            minima = []
+            for src, dst, flat in doc.get("e", []):
+                if not isinstance(src, str) or not isinstance(dst, str):
+                    raise wire.WireError("malformed envelope entry")
+                if split_nic(dst)[0] != node:
+                    continue
                 arr = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
-                env = self.envelopes.get((src, dst))
-                if env is None:
-                    env = self.envelopes[(src, dst)] = clocksync.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
-                env.add_many(arr[:, 0], arr[:, 0] + arr[:, 1], np.ones(len(arr), dtype=bool))
+                minima.append(((src, dst), arr))
+            pairs = []
             for a, b, offset, drift, unc, at, samples in doc.get("c", []):
                 if a != node or b not in self.node_index:
                     continue  # a daemon speaks only for the pairs it fits
-                est = clocksync.PairEstimate(float(offset), float(drift), float(unc), int(samples), 0.0, int(at))
-                self.pair_estimates[(a, b)] = (time.monotonic(), est)
-        except (wire.WireError, KeyError, TypeError, ValueError, IndexError) as exc:
+                if not all(math.isfinite(float(x)) for x in (offset, drift, unc)) or float(unc) <= 0:
+                    raise wire.WireError(f"non-finite clock estimate for {a}-{b}")
+                pairs.append(
+                    (
+                        (a, b),
+                        clocksync.PairEstimate(float(offset), float(drift), float(unc), int(samples), 0.0, int(at)),
+                    )
+                )
+        except Exception as exc:  # a keyed peer sending nonsense must not stop this loop
             self.counters["rejected"] += 1
             log.debug("lens on %s: summary dropped: %s", self.me, exc)
             return
         self.counters["summaries_received"] += 1
-        self.remote[node] = (time.monotonic(), verdicts, stats)
+        self.remote_seen[node] = now
+        for key, verdict, stats in paths:
+            self.remote_paths[key] = (now, verdict, stats)
+        for key, arr in minima:
+            env = self.envelopes.get(key)
+            if env is None:
+                env = self.envelopes[key] = clocksync.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
+            env.add_many(arr[:, 0], arr[:, 0] + arr[:, 1], np.ones(len(arr), dtype=bool))
+        for key, est in pairs:
+            self.pair_estimates[key] = (now, est)
 
     # ----- clocks ---------------------------------------------------------------------------
 
@@ -545,9 +573,7 @@ class Lens:
             results.append((stats, pw.judge(stats, self.th, src_node in heard)))
         self.last_stats = results
         verdicts = [v for _, v in results if v is not None]
-        for _node, (t, remote, _stats) in self.remote.items():
-            if now - t < REMOTE_FRESH_S:
-                verdicts += remote
+        verdicts += [v for t, v, _ in self.remote_paths.values() if now - t < REMOTE_FRESH_S]
         found = self.localizer.localize(verdicts) if self.localizer and any(v.bad for v in verdicts) else []
         self._track(found, now)
         self._snapshot = self._build_snapshot()
@@ -558,7 +584,7 @@ class Lens:
         if suspect.nic is not None:
             return split_nic(suspect.nic)[0]
         now = time.monotonic()
-        alive = [n for n, (t, _, _) in self.remote.items() if now - t < REMOTE_FRESH_S] + [self.me]
+        alive = [n for n, t in self.remote_seen.items() if now - t < REMOTE_FRESH_S] + [self.me]
         return min(alive)
 
     def _track(self, found: list[Suspect], now: float) -> None:
@@ -659,11 +685,9 @@ class Lens:
         """The other daemons' latest word on the paths they receive (so one daemon shows the whole fabric)."""
         now = time.monotonic()
         out = []
-        for t, verdicts, stats in self.remote.values():
-            if now - t >= REMOTE_FRESH_S:
-                continue
-            for v, st in zip(verdicts, stats, strict=True):
-                out.append({**st, "verdict": v.to_dict()})
+        for t, verdict, stats in self.remote_paths.values():
+            if now - t < REMOTE_FRESH_S:
+                out.append({**stats, "verdict": verdict.to_dict()})
         return out
 
     def snapshot(self) -> dict[str, Any]:

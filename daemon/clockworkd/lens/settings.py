@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clockworkd.config.fields import setting
+from clockworkd.config_fields import setting
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,10 @@ class LensConfig:
         "NICs it does not name hang on one switch per rail. Empty = inferred per rail from LinkPass's fabric map.",
     )
     pair_every: int = setting(
-        4,
-        "Every Nth probe is a coded pair (two back to back); pairs whose receive spacing matches their send "
-        "spacing were not queued and feed the clock sync. 0 = no pairs (no clock sync).",
+        1,
+        "Every Nth tick, one probe of each NIC (to the next peer in turn) is a coded pair (two back to back); "
+        "pairs whose receive spacing matches their send spacing were not queued and feed the clock sync. "
+        "0 = no pairs (no clock sync).",
         min=0,
     )
     window_s: float = setting(
@@ -48,9 +49,10 @@ class LensConfig:
         300.0, "A path is jittery when its jitter rose this much above its baseline, microseconds.", min=1
     )
     train_interval_ms: float = setting(
-        500.0,
+        250.0,
         "Each NIC sends a probe train (train_bytes back to back) to its next peer this often; the receive "
-        "dispersion gives the path's rate, which reveals a degraded (rate-limited) link. 0 = no trains.",
+        "dispersion gives the path's rate, which reveals a degraded (rate-limited) link (two slow trains in a "
+        "row make a path slow). 0 = no trains.",
         min=0,
     )
     train_bytes: int = setting(65536, "Bytes in one probe train (packets of 1400 bytes).", min=2800)

@@ -1,6 +1,6 @@
 """The documented-field helper every configuration dataclass uses (the schema's single convention).
 
-Kept apart from :mod:`clockworkd.config.schema` so that components defining their own section
+Kept outside the :mod:`clockworkd.config` package (whose import loads the whole schema) so that components defining their own section
 (``clockworkd.lens.settings``) can use it without importing the whole schema.
 """
 
