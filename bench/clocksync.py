@@ -18,6 +18,7 @@ import argparse
 import itertools
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=4, help="sandbox nodes (default 4)")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear the sandbox down when killed
     if args.quick:
         args.duration, args.warmup = 15.0, 12.0
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -110,10 +111,11 @@ def run_trial(box: Sandbox, daemons: NodeDaemons, trial: Trial, off: str, timeou
 
 
 def healthy_watch(daemons: NodeDaemons, seconds: float) -> list[str]:
+    """Every suspect raised while nothing is wrong, as 'link (kinds)'."""
     seen: set[str] = set()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        seen |= set(suspects(daemons))
+        seen |= {f"{link} ({','.join(s.get('kinds', []))})" for link, s in suspects(daemons).items()}
         time.sleep(0.5)
     return sorted(seen)
 
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=4, help="sandbox nodes (default 4)")
     parser.add_argument("--seed", type=int, default=None)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear the sandbox down when killed
     if args.quick:
         args.trials, args.healthy_s = 1, 8.0
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement per setting (default 20)")
     parser.add_argument("--interval-ms", type=float, default=10.0, help="probe interval (default 10)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # tear the sandbox down when killed
     if args.quick:
         args.nodes, args.peers, args.seconds = 9, "2,8", 5.0
     peers = [int(p) for p in args.peers.split(",")]

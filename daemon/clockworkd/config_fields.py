@@ -1,7 +1,7 @@
 """The documented-field helper every configuration dataclass uses (the schema's single convention).
 
-Kept outside the :mod:`clockworkd.config` package (whose import loads the whole schema) so that components defining their own section
-(``clockworkd.lens.settings``) can use it without importing the whole schema.
+Kept outside the :mod:`clockworkd.config` package (whose import loads the whole schema) so that
+components defining their own section (``clockworkd.lens.settings``) can use it without an import cycle.
 """
 
 from __future__ import annotations

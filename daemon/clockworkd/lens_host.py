@@ -115,7 +115,7 @@ def start_lens(
         return f"disabled: {exc}"
     metrics = None
     if cfg.metrics_port:
-        metrics = MetricsServer(lens.snapshot, cfg.metrics_addr, cfg.metrics_port)
+        metrics = MetricsServer(lens.cached_snapshot, cfg.metrics_addr, cfg.metrics_port)
         try:
             metrics.start()
         except OSError as exc:

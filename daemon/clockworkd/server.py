@@ -27,6 +27,7 @@ error (or dropped when it cannot even be addressed), counted and logged; it neve
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pwd
 import signal
@@ -351,7 +352,8 @@ class Daemon:
             while not self._stopping:
                 now = time.monotonic()
                 wait_ms = min([1000.0, *((c.next_deadline() - now) * 1000 for c in hosted)])
-                ready = dict(poller.poll(max(0, int(wait_ms))))
+                # Round up: truncating would poll(0) for the last millisecond before every deadline (a spin).
+                ready = dict(poller.poll(max(0, math.ceil(wait_ms))))
                 for fd, component in owner.items():
                     if fd in ready:
                         component.on_readable(fd)

@@ -10,6 +10,7 @@ one differ by design; what matters is a sustained change.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +19,19 @@ from clockworkd.lens.model import NicId, PathStats, PathVerdict
 
 BASELINE_ALPHA = 0.05  # EWMA weight of one healthy window in a path's baseline
 TRAIN_STALE_S = 5.0  # a train older than this no longer says anything about the path
+
+
+def _quantiles(ordered: np.ndarray) -> tuple[float, float, float]:
+    """Min, median and 99th percentile of sorted values (linear interpolation, as numpy's default)."""
+    n = len(ordered)
+
+    def q(f: float) -> float:
+        pos = f * (n - 1)
+        lo = int(pos)
+        hi = min(lo + 1, n - 1)
+        return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+
+    return float(ordered[0]), q(0.5), q(0.99)
 
 
 @dataclass
@@ -67,7 +81,8 @@ class PathWindow:
     session: int = -1
     last_seq: int = -1
     last_rx: float = 0.0  # receiver's monotonic time of the newest probe
-    samples: deque[tuple[float, np.ndarray, np.ndarray]] = field(default_factory=deque)  # (t, seq, d_ns)
+    samples: deque[tuple[float, list[int], list[int]]] = field(default_factory=deque)  # (t, seqs, d_ns) per tick
+    pair_first: tuple[int, int, int, int] | None = None  # (seq, tx, rx on our clock, rx real) awaiting its second
     train_id: int = -1
     train_first_ns: int = 0
     train_last_ns: int = 0
@@ -79,14 +94,24 @@ class PathWindow:
     rate_learnt_at: float = -1.0  # time of the train last taught to the baseline
     baseline: Baseline = field(default_factory=Baseline)
 
-    def add(self, now: float, session: int, seq: np.ndarray, d_ns: np.ndarray) -> None:
-        """Probes of one batch (already sorted by arrival)."""
+    def add(self, now: float, session: int, seq: Sequence[int] | np.ndarray, d_ns: Sequence[int] | np.ndarray) -> None:
+        """Probes of one batch (in arrival order)."""
+        for q, d in zip(list(seq), list(d_ns), strict=True):
+            self.add_one(now, session, int(q), int(d))
+
+    def add_one(self, now: float, session: int, seq: int, d_ns: int) -> None:
+        """One probe: its sequence number and its delay reading (receiver clock minus sender clock, ns)."""
         if session != self.session:  # the sender restarted: its sequence numbers begin again
             self.session = session
             self.samples.clear()
             self.last_seq = -1
-        self.samples.append((now, seq, d_ns))
-        self.last_seq = max(self.last_seq, int(seq.max()))
+        if not self.samples or self.samples[-1][0] != now:
+            self.samples.append((now, [], []))
+        chunk = self.samples[-1]
+        chunk[1].append(seq)
+        chunk[2].append(d_ns)
+        if seq > self.last_seq:
+            self.last_seq = seq
         self.last_rx = now
 
     def add_train(self, train_id: int, index: int, count: int, rx_ns: int, size: int, now: float) -> None:
@@ -114,32 +139,27 @@ class PathWindow:
         """The window's figures; ``offset_ns`` = receiver clock minus sender clock (None = unknown)."""
         while self.samples and now - self.samples[0][0] > th.window_s:
             self.samples.popleft()
-        if self.samples:
-            seq = np.concatenate([s[1] for s in self.samples]).astype(np.int64)
-            d = np.concatenate([s[2] for s in self.samples])
-        else:
-            seq = np.zeros(0, dtype=np.int64)
-            d = np.zeros(0, dtype=np.int64)
-        received = len(np.unique(seq))
+        seq_list = [q for chunk in self.samples for q in chunk[1]]
+        d_list = [d for chunk in self.samples for d in chunk[2]]
+        received = len(set(seq_list))
         # Expected: from the first sequence number of the window to the newest, extended by what the
         # sender should have sent since the newest arrived (a path that went silent loses the rest).
         if received:
             silent = max(0.0, now - self.last_rx - 2 * th.interval_s)
-            newest = int(seq.max()) + int(silent / th.interval_s)
-            sent = max(received, newest - int(seq.min()) + 1)
+            newest = max(seq_list) + int(silent / th.interval_s)
+            sent = max(received, newest - min(seq_list) + 1)
         else:
             sent = int(th.window_s / th.interval_s)
         loss = 1.0 - received / sent if sent else 0.0
-        owd = jitter = None
-        p = (None, None, None)
+        jitter = None
+        p: tuple[float | None, float | None, float | None] = (None, None, None)
         if received:
-            order = np.argsort(seq, kind="stable")
-            ds = d[order].astype(np.float64)
+            ds = np.array(d_list, dtype=np.int64)
             if offset_ns is not None:
-                owd = (ds - offset_ns) / 1e3
-                p = tuple(float(v) for v in np.percentile(owd, [0, 50, 99]))
+                owd = np.sort((ds - round(offset_ns)).astype(np.float64) / 1e3)
+                p = _quantiles(owd)
             if len(ds) > 1:
-                jitter = float(np.mean(np.abs(np.diff(ds)))) / 1e3
+                jitter = float(np.mean(np.abs(np.diff(ds)))) / 1e3  # consecutive arrivals
         rate = None
         if self.last_rate is not None and now - self.last_rate[0] < TRAIN_STALE_S:
             rate = self.last_rate[1]

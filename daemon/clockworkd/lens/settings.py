@@ -35,9 +35,9 @@ class LensConfig:
     window_s: float = setting(
         2.0, "Sliding window of the path statistics (loss, one-way delay percentiles, jitter), seconds.", min=0.2
     )
-    evaluate_ms: float = setting(250.0, "How often paths are judged and the suspects recomputed, milliseconds.", min=10)
+    evaluate_ms: float = setting(500.0, "How often paths are judged and the suspects recomputed, milliseconds.", min=10)
     summary_ms: float = setting(
-        250.0, "How often each daemon tells the others what it measured (verdicts, delay envelopes), ms.", min=10
+        500.0, "How often each daemon tells the others what it measured (verdicts, delay envelopes), ms.", min=10
     )
     loss_min_lost: int = setting(
         2, "A path is lossy when at least this many probes of the window were lost (and above its baseline).", min=1
@@ -60,7 +60,13 @@ class LensConfig:
         0.1, "A path is rate-limited when its train rate falls below this share of its baseline.", min=0.0
     )
     raise_after: int = setting(2, "Evaluations in a row a suspect must be found before it is raised.", min=1)
-    clear_after: int = setting(4, "Evaluations in a row a suspect must be absent before it is cleared.", min=1)
+    clear_after: int = setting(3, "Evaluations in a row a suspect must be absent before it is cleared.", min=1)
+    clock_floor_us: float = setting(
+        4.0,
+        "Added (in quadrature) to every reported clock uncertainty: what software timestamps leave that no fit "
+        "can see (send-path delays that differ between nodes). Measured on the sandbox by bench/clocksync.py.",
+        min=0.0,
+    )
     reference_node: str = setting("", "The cluster's reference clock; empty = the first node name in sort order.")
     linkpass_handoff: bool = setting(
         True, "Hand suspect NIC paths to LinkPass as gray failures (traffic moves off them until they clear)."

@@ -1,0 +1,232 @@
+"""TorchPass's one configuration object: every knob of the launcher, the coordinator and the ranks.
+
+The launcher builds it (defaults, then ``--config FILE``, then ``--set KEY=VALUE``) and hands it to every
+rank as JSON in ``TORCHPASS_CONFIG``, so the coordinator and all ranks always agree on timeouts and seeds.
+A rank may override fields in :func:`torchpass.init`. Unknown keys are errors everywhere: a misspelt
+timeout silently falling back to a default is exactly the kind of surprise a fault-tolerance layer must not
+have. Fields follow the project's convention (``doc``, ``choices``, ``min`` in the field metadata), so a
+later wiring can show them in ``clockwork config show`` without a second source of truth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV_CONFIG", "ConfigError", "TorchPassConfig"]
+
+ENV_CONFIG = "TORCHPASS_CONFIG"
+
+
+_FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the key and what is allowed."""
+
+
+def _setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, min: float | None = None) -> Any:
+    """A documented dataclass field (same metadata keys as ``clockworkd.config_fields.setting``)."""
+    meta: dict[str, Any] = {"doc": doc}
+    if choices is not None:
+        meta["choices"] = choices
+    if min is not None:
+        meta["min"] = min
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class TorchPassConfig:
+    """Settings shared by the launcher, the per-job coordinator and every rank (see each field's doc)."""
+
+    backend: str = _setting(
+        "gloo",
+        "Collective backend: 'gloo' (CPU, tested here), 'nccl' (GPU; non-blocking communicators, aborted on "
+        "failure), or 'auto' (nccl when CUDA is available, else gloo).",
+        choices=("gloo", "nccl", "auto"),
+    )
+    seed: int = _setting(
+        0,
+        "Base seed. Before every step each rank reseeds its RNGs from (seed, rank slot, step), so a replacement "
+        "rank draws the same dropout masks as the rank it replaces without any RNG state being moved.",
+    )
+    reseed_python: bool = _setting(True, "Also reseed Python's `random` module at every step boundary.")
+    reseed_numpy: bool = _setting(True, "Also reseed NumPy's global generator at every step boundary (if importable).")
+    collective_timeout_s: float = _setting(
+        30.0,
+        "Timeout of every collective and point-to-point transfer (never the 30-minute default). A dead peer "
+        "whose sockets close is seen at once; this bounds a silently hung peer.",
+        min=0.1,
+    )
+    join_timeout_s: float = _setting(
+        300.0,
+        "How long the members of a new generation wait for each other at the rendezvous (covers a spare "
+        "building its model). Past it the generation counts as broken and the coordinator tries again.",
+        min=0.1,
+    )
+    heartbeat_interval_s: float = _setting(
+        1.0, "How often each rank's control thread tells the coordinator it is alive.", min=0.01
+    )
+    heartbeat_timeout_s: float = _setting(
+        15.0,
+        "The coordinator declares a rank dead when it has not been heard for this long (a hung or "
+        "silently lost process; an exiting process is seen at once by the launcher).",
+        min=0.1,
+    )
+    coordinator_timeout_s: float = _setting(
+        30.0,
+        "A rank that has not heard the coordinator for this long gives up (exits with an error): in local mode "
+        "the coordinator lives in the launcher, so this means the launcher is gone.",
+        min=0.1,
+    )
+    rpc_timeout_s: float = _setting(10.0, "Deadline of one short request to the coordinator.", min=0.1)
+    broken_grace_s: float = _setting(
+        2.0,
+        "After a rank reports a broken collective, how long the coordinator waits for a death notice before it "
+        "rebuilds the generation with the same members (a collective error with nobody dead).",
+        min=0.0,
+    )
+    spare_timeout_s: float = _setting(
+        600.0, "How long a vacant slot may wait for a spare before the job is declared failed.", min=0.1
+    )
+    max_failures: int = _setting(
+        32, "Member failures the job survives; one more fails the job (stops a crash loop).", min=0
+    )
+    store_prefix: str = _setting(
+        "torchpass", "Key prefix in the rendezvous stores; each generation uses PREFIX/gN/ so none collide."
+    )
+    transfer_chunk_mb: float = _setting(
+        64.0, "State is sent in chunks of at most this many MiB (bounds the extra memory of a transfer).", min=0.001
+    )
+    snapshot_buffers: bool = _setting(
+        True,
+        "Keep a copy of the model's buffers (e.g. BatchNorm statistics) at each committed step, so a step "
+        "abandoned after its forward pass can be undone. Costs one buffer copy per step; free without buffers.",
+    )
+    log_level: str = _setting(
+        "info",
+        "Level of TorchPass's own log on the ranks when the script configured no logging itself.",
+        choices=("debug", "info", "warning", "error"),
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = _FIELD_TYPES[str(f.type)]
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+                value = float(value)
+            if expected is int and isinstance(value, bool):
+                raise ConfigError(f"torchpass config: {f.name} must be an integer, not {value!r}")
+            if not isinstance(value, expected):
+                raise ConfigError(f"torchpass config: {f.name} must be {expected.__name__}, not {value!r}")
+            choices = f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise ConfigError(f"torchpass config: {f.name} must be one of {', '.join(choices)}; got {value!r}")
+            low = f.metadata.get("min")
+            if low is not None and value < low:
+                raise ConfigError(f"torchpass config: {f.name} must be >= {low}; got {value!r}")
+
+    # ----- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every valid key, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def docs(cls) -> dict[str, str]:
+        """Key -> documentation, for ``--help`` and generated docs."""
+        return {f.name: f.metadata["doc"] for f in fields(cls)}
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], base: TorchPassConfig | None = None) -> TorchPassConfig:
+        """``base`` (default: the defaults) with ``values`` applied; any unknown key is a :class:`ConfigError`."""
+        unknown = sorted(set(values) - set(cls.keys()))
+        if unknown:
+            raise ConfigError(
+                f"torchpass config: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(cls.keys())}"
+            )
+        return replace(base or cls(), **dict(values))
+
+    def with_overrides(self, **values: Any) -> TorchPassConfig:
+        """A copy with ``values`` applied (unknown keys are errors)."""
+        return type(self).from_mapping(values, base=self)
+
+    @classmethod
+    def from_file(cls, path: str | Path, base: TorchPassConfig | None = None) -> TorchPassConfig:
+        """Read a TOML (top-level keys or a ``[torchpass]`` table) or JSON file."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"torchpass config: cannot read {path}: {exc.strerror}") from None
+        try:
+            data: Any = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"torchpass config: {path} is not valid {path.suffix or 'TOML'}: {exc}") from None
+        if isinstance(data, dict) and isinstance(data.get("torchpass"), dict) and len(data) == 1:
+            data = data["torchpass"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"torchpass config: {path} must hold a table of settings")
+        return cls.from_mapping(data, base=base)
+
+    def with_assignment(self, assignment: str) -> TorchPassConfig:
+        """Apply one ``KEY=VALUE`` (the CLI's ``--set``); the value is parsed by the field's type."""
+        key, sep, raw = assignment.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"torchpass config: --set wants KEY=VALUE, got {assignment!r}")
+        defaults = {f.name: f for f in fields(self)}
+        if key not in defaults:
+            raise ConfigError(f"torchpass config: unknown key {key!r}; valid keys: {', '.join(self.keys())}")
+        default = defaults[key].default
+        value: Any
+        try:
+            if isinstance(default, bool):
+                if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(raw)
+                value = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif isinstance(default, int):
+                value = int(raw)
+            elif isinstance(default, float):
+                value = float(raw)
+            else:
+                value = raw
+        except ValueError:
+            raise ConfigError(f"torchpass config: {key} wants a {type(default).__name__}, got {raw!r}") from None
+        return self.with_overrides(**{key: value})
+
+    # ----- transport to the ranks -----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """Compact JSON, as passed in ``TORCHPASS_CONFIG``."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TorchPassConfig:
+        """The launcher's configuration from ``TORCHPASS_CONFIG`` (defaults when unset)."""
+        env = os.environ if environ is None else environ
+        raw = env.get(ENV_CONFIG, "")
+        if not raw:
+            return cls()
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"torchpass config: {ENV_CONFIG} is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"torchpass config: {ENV_CONFIG} must hold a JSON object")
+        return cls.from_mapping(data)
+
+
+# Every field must have a default (the dataclass is constructed with no arguments all over the code).
+assert all(f.default is not MISSING for f in fields(TorchPassConfig))
