@@ -1,0 +1,221 @@
+"""A rank's link to the coordinator: requests from the main thread, and a control thread for the rest.
+
+The per-step cost of fault tolerance lives here, so it is kept to reading two Python attributes: the
+control thread receives the coordinator's pushes (``generation``, ``stop``) and stores the newest generation
+number in :attr:`ControlChannel.latest_gen`; the training loop compares it with its own at each step
+boundary, and the DDP communication hook does the same before launching a collective. No per-step request
+is ever sent. The control thread also sends heartbeats (carrying the current step, for ``torchpass
+status``), notices a vanished coordinator, and calls back into the rank when a newer generation appears so a
+collective blocked on a silently dead peer can be aborted at once instead of waiting for its timeout.
+
+This module imports no torch; ``torchpass migrate`` and ``torchpass status`` use :class:`CoordinatorRpc`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from torchpass.protocol import ProtocolError, decode, encode
+
+__all__ = ["ControlChannel", "CoordinatorLost", "CoordinatorRefused", "CoordinatorRpc", "JobStopped"]
+
+log = logging.getLogger("clockwork.torchpass.control")
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator did not answer in time (in local mode: the launcher is gone)."""
+
+
+class CoordinatorRefused(RuntimeError):
+    """The coordinator answered with an error (the message says why)."""
+
+
+class JobStopped(RuntimeError):
+    """The coordinator ended the job: ``done`` True when it finished, False when it failed."""
+
+    def __init__(self, reason: str, done: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.done = done
+
+
+class CoordinatorRpc:
+    """Requests over one DEALER socket, from one thread; every request has an id its reply repeats."""
+
+    _ids = itertools.count(1)
+
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        timeout_s: float,
+        identity: bytes | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._sock = context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        if identity is not None:
+            self._sock.setsockopt(zmq.IDENTITY, identity)
+        self._sock.connect(endpoint)
+
+    def close(self) -> None:
+        """Close the socket (pending requests are dropped)."""
+        self._sock.close(0)
+
+    def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        """One round trip. Raises :class:`CoordinatorLost`, :class:`CoordinatorRefused` or :class:`JobStopped`."""
+        return self.wait(op, time.monotonic() + (timeout_s or self.timeout_s), **fields)
+
+    def wait(
+        self,
+        op: str,
+        deadline: float,
+        *,
+        interrupt: Callable[[], None] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Send once and wait for the reply until ``deadline`` (monotonic) — a long poll when the coordinator
+        parks the request. ``interrupt`` is called every quarter second and may raise to give up early."""
+        req_id = next(self._ids)
+        self._sock.send(encode(op, id=req_id, **fields))
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CoordinatorLost(f"no answer to {op} from the coordinator at {self.endpoint}")
+            if self._sock.poll(int(min(left, 0.25) * 1000) + 1, zmq.POLLIN):
+                try:
+                    reply = decode(self._sock.recv())
+                except ProtocolError as exc:
+                    log.warning("unreadable reply from the coordinator: %s", exc)
+                    continue
+                if reply.get("id") != req_id:
+                    continue  # a late answer to an abandoned request
+                if not reply.get("ok", False):
+                    raise CoordinatorRefused(str(reply.get("error", "refused")))
+                if reply.get("stop"):
+                    raise JobStopped(str(reply.get("reason", "")), bool(reply.get("done")))
+                return reply
+            if interrupt is not None:
+                interrupt()
+
+
+class ControlChannel:
+    """The rank's two sockets to the coordinator and the control thread that owns one of them."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        worker_id: str,
+        *,
+        heartbeat_interval_s: float,
+        coordinator_timeout_s: float,
+        rpc_timeout_s: float,
+    ) -> None:
+        self.endpoint = endpoint
+        self.worker_id = worker_id
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.coordinator_timeout_s = coordinator_timeout_s
+        self.latest_gen = -1  # newest generation the coordinator announced (read by the training loop)
+        self.stopped: JobStopped | None = None
+        self.lost = False
+        self.step = -1  # written by the training loop, reported in heartbeats
+        self.on_generation: Callable[[int], None] | None = None
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.rpc = CoordinatorRpc(self._context, endpoint, rpc_timeout_s, identity=f"{worker_id}.r".encode())
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torchpass-control", daemon=True)
+
+    def start(self) -> None:
+        """Start the control thread (after :meth:`call` ``register``, so the coordinator knows us)."""
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread and close both sockets."""
+        self._closing.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        self.rpc.close()
+        self._context.term()
+
+    def check(self) -> None:
+        """Raise if the job was stopped or the coordinator is lost (cheap; called while waiting)."""
+        if self.stopped is not None:
+            raise self.stopped
+        if self.lost:
+            raise CoordinatorLost(f"the coordinator at {self.endpoint} has been silent for {self.coordinator_timeout_s:g} s")
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """A short request (register, broken, joined, migrate, ...)."""
+        return self.rpc.call(op, wid=self.worker_id, **fields)
+
+    def wait(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        """A long poll (await_generation, finished); gives up when the coordinator goes silent."""
+        return self.rpc.wait(
+            op, time.monotonic() + timeout_s, interrupt=self._interrupt, wid=self.worker_id, **fields
+        )
+
+    def _interrupt(self) -> None:
+        if self.lost:
+            raise CoordinatorLost(f"the coordinator at {self.endpoint} went silent")
+
+    # ----- the control thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}.n".encode())
+        sock.connect(self.endpoint)
+        try:
+            sock.send(encode("hello", wid=self.worker_id, step=self.step))
+            last_heard = last_sent = time.monotonic()
+            while not self._closing.is_set():
+                wait_s = max(0.0, last_sent + self.heartbeat_interval_s - time.monotonic())
+                if sock.poll(int(wait_s * 1000) + 1, zmq.POLLIN):
+                    last_heard = time.monotonic()
+                    self.lost = False
+                    try:
+                        self._on_message(decode(sock.recv()))
+                    except ProtocolError as exc:
+                        log.warning("unreadable push from the coordinator: %s", exc)
+                now = time.monotonic()
+                if now - last_sent >= self.heartbeat_interval_s:
+                    sock.send(encode("hb", wid=self.worker_id, step=self.step), zmq.NOBLOCK)
+                    last_sent = now
+                if now - last_heard > self.coordinator_timeout_s and not self.lost:
+                    log.error("coordinator silent for %.1f s", now - last_heard)
+                    self.lost = True
+                    self._announce(1 << 62)
+        except zmq.ZMQError as exc:
+            if not self._closing.is_set():
+                log.error("control thread stopped: %s", exc)
+        finally:
+            sock.close(0)
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op in ("generation", "hb_ack"):
+            gen = int(msg.get("gen", -1))
+            if gen > self.latest_gen:
+                self.latest_gen = gen
+                self._announce(gen)
+        elif op == "stop":
+            self.stopped = JobStopped(str(msg.get("reason", "")), bool(msg.get("done")))
+            if not self.stopped.done:  # a failed job: unblock any collective; a finished one keeps its group
+                self._announce(1 << 62)
+
+    def _announce(self, gen: int) -> None:
+        callback = self.on_generation
+        if callback is not None:
+            try:
+                callback(gen)
+            except Exception:  # the control thread must survive a failing abort
+                log.exception("generation callback failed")

@@ -1,0 +1,724 @@
+"""The per-job coordinator: membership by generation, spares, and every recovery decision.
+
+It owns no training state and sits on no data path: ranks talk to it only when membership changes (start,
+failure, migration, end), never per step. It keeps, per generation, the map slot -> process, and makes a new
+generation whenever that map must change:
+
+* a member dies (the launcher saw its process exit, or its heartbeats stopped): its slot gets the first
+  ready spare, the generation number goes up, and every member is told at once (a push its control thread
+  turns into a local flag and, for a silently hung peer, into an abort of the broken collective);
+* a rank reports a broken collective and no death explains it within ``broken_grace_s``: the same members
+  rebuild their process group in a new generation;
+* a planned migration (``torchpass migrate``): the spare takes the slot and the departing rank hands it its
+  live state before leaving.
+
+The rendezvous of each generation lives in the store server of one of its live members, preferably a
+survivor, so no single process is the job's rendezvous for its whole life. In local mode this coordinator is
+one thread in the launcher. Under Slurm (a later wiring) a replica runs in every node's agent and the agent
+of the lowest live slot leads: :class:`LeaderSeam` is that seam; every request carries the sender's
+generation and slot so a newly elected leader can rebuild the membership from the ranks themselves.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
+
+from torchpass.config import TorchPassConfig
+from torchpass.events import EventSink, emit
+from torchpass.protocol import GenerationInfo, Handoff, ProtocolError, decode, encode
+
+__all__ = ["Coordinator", "LeaderSeam", "StaticLeader"]
+
+log = logging.getLogger("clockwork.torchpass.coordinator")
+
+FORMING, RUNNING, DONE, FAILED = "forming", "running", "done", "failed"
+
+
+class LeaderSeam(Protocol):
+    """Which coordinator replica leads, as seen by a rank or an agent.
+
+    Local mode has exactly one coordinator (:class:`StaticLeader`). The Slurm wiring runs one replica per
+    node agent and elects the replica of the lowest live slot; ranks then try :meth:`endpoints` in order and
+    re-register (with their generation, slot and committed step) when the leader changes.
+    """
+
+    def endpoints(self) -> list[str]:
+        """Coordinator endpoints to try, the presumed leader first."""
+        ...
+
+    def is_leader(self) -> bool:
+        """Whether the replica in this process leads (only the leader declares generations)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StaticLeader:
+    """The local-mode answer: one coordinator, always the leader."""
+
+    endpoint: str
+
+    def endpoints(self) -> list[str]:
+        """The one endpoint."""
+        return [self.endpoint]
+
+    def is_leader(self) -> bool:
+        """Always True."""
+        return True
+
+
+@dataclass
+class _Worker:
+    """What the coordinator knows of one rank or spare process."""
+
+    wid: str
+    role: str
+    pid: int = 0
+    host: str = ""
+    store_port: int = 0
+    alive: bool = True
+    registered: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    step: int = -1
+    notify_ident: bytes | None = None
+
+
+@dataclass
+class _Parked:
+    """A long-poll request answered later (await_generation, finished)."""
+
+    ident: bytes
+    req_id: int
+    op: str
+    after: int = -1
+
+
+@dataclass
+class _Recovery:
+    """Timestamps of the membership change in progress, for the recovered/migrated event."""
+
+    evidence_at: float  # first sign of trouble: a death notice or a broken-collective report (wall clock)
+    death_seen_at: float | None = None
+    declared_at: float | None = None
+    reasons: list[str] = field(default_factory=list)
+
+
+class Coordinator:
+    """Membership and recovery decisions for one job (thread-safe entry points marked so)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        config: TorchPassConfig,
+        *,
+        event_sink: EventSink | None = None,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        on_spare_taken: Callable[[str], None] | None = None,
+        on_evict: Callable[[str], None] | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError("world_size must be >= 1")
+        self.world_size = world_size
+        self.config = config
+        self.event_sink = event_sink
+        self.bind_host = bind_host
+        self.port = port
+        self.on_spare_taken = on_spare_taken
+        self.on_evict = on_evict
+        self.state = FORMING
+        self.failure_reason = ""
+        self.gen = -1
+        self.info: GenerationInfo | None = None
+        self.members: dict[int, str] = {}  # slot -> wid of the current (or forming) membership
+        self.vacant: set[int] = set()
+        self.spares: list[str] = []
+        self.failures = 0
+        self.workers: dict[str, _Worker] = {}
+        self._initial: dict[int, str] = {}
+        self._parked: dict[str, _Parked] = {}
+        self._joined: dict[str, dict[str, Any]] = {}
+        self._finished: dict[str, int] = {}
+        self._progressed = False
+        self._recovery: _Recovery | None = None
+        self._grace: tuple[int, float] | None = None
+        self._vacant_since: float | None = None
+        self._pending_handoff: Handoff | None = None
+        self._departing: str | None = None
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.finished_event = threading.Event()
+        self.endpoint = ""
+
+    # ----- life cycle (thread-safe) ---------------------------------------------------------
+
+    def start(self) -> str:
+        """Bind (port 0: a free port) and serve in a background thread; returns the endpoint."""
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        if self.port:
+            sock.bind(f"tcp://{self.bind_host}:{self.port}")
+        else:
+            self.port = sock.bind_to_random_port(f"tcp://{self.bind_host}")
+        self._sock = sock
+        self.endpoint = f"tcp://{self.bind_host}:{self.port}"
+        self._thread = threading.Thread(target=self._serve, name="torchpass-coordinator", daemon=True)
+        self._thread.start()
+        log.info("coordinator for %d slot(s) listening on %s", self.world_size, self.endpoint)
+        return self.endpoint
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._stopping.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def worker_exited(self, wid: str, role: str, code: int | None) -> None:
+        """The launcher saw process ``wid`` exit (thread-safe; handled on the coordinator's thread)."""
+        self._inbox.put(("exited", (wid, role, code, time.time())))
+        self._wake()
+
+    def expect_worker(self, wid: str, role: str) -> None:
+        """The launcher started ``wid`` (thread-safe); lets an exit before registration be attributed."""
+        self._inbox.put(("expect", (wid, role)))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    # ----- the loop -------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        assert self._sock is not None
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_check = time.monotonic()
+        while not self._stopping.is_set():
+            timeout = max(0.0, min(next_check, self._next_timer()) - time.monotonic())
+            ready = dict(poller.poll(int(timeout * 1000) + 1))
+            if self._stopping.is_set():
+                break
+            if ready.get(self._wake_r):
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            self._drain_inbox()
+            if ready.get(self._sock):
+                self._drain_socket()
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_heartbeats(now)
+                next_check = now + min(1.0, self.config.heartbeat_interval_s)
+            self._check_timers(now)
+
+    def _next_timer(self) -> float:
+        deadlines = [time.monotonic() + 1.0]
+        if self._grace is not None:
+            deadlines.append(self._grace[1])
+        if self._vacant_since is not None:
+            deadlines.append(self._vacant_since + self.config.spare_timeout_s)
+        return min(deadlines)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "exited":
+                wid, role, code, at = payload
+                rec = self.workers.setdefault(wid, _Worker(wid=wid, role=role))
+                if rec.alive:
+                    self._on_death(wid, f"exited with code {code}", at)
+            elif kind == "expect":
+                wid, role = payload
+                self.workers.setdefault(wid, _Worker(wid=wid, role=role))
+
+    def _drain_socket(self) -> None:
+        assert self._sock is not None
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            ident, payload = frames[0], frames[-1]
+            try:
+                msg = decode(payload)
+            except ProtocolError as exc:
+                log.warning("dropping malformed message from %r: %s", ident, exc)
+                continue
+            try:
+                self._handle(ident, msg)
+            except Exception:  # one bad request must not take the job's coordinator down
+                log.exception("error handling %s from %r", msg.get("op"), ident)
+                self._reply_error(ident, msg, "internal coordinator error (see its log)")
+
+    # ----- sending --------------------------------------------------------------------------
+
+    def _send(self, ident: bytes, payload: bytes) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([ident, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("could not send to %r: %s", ident, exc)
+
+    def _reply(self, ident: bytes, req_id: Any, **fields: Any) -> None:
+        self._send(ident, encode("reply", id=req_id, ok=True, **fields))
+
+    def _reply_error(self, ident: bytes, msg: dict[str, Any], message: str) -> None:
+        self._send(ident, encode("reply", id=msg.get("id"), ok=False, error=message))
+
+    def _push(self, wid: str, op: str, **fields: Any) -> None:
+        rec = self.workers.get(wid)
+        if rec is not None and rec.alive and rec.notify_ident is not None:
+            self._send(rec.notify_ident, encode(op, **fields))
+
+    # ----- requests -------------------------------------------------------------------------
+
+    def _handle(self, ident: bytes, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        wid = str(msg.get("wid", ""))
+        rec = self.workers.get(wid)
+        if rec is not None:
+            rec.last_seen = time.monotonic()
+        if op in ("hello", "hb"):
+            if rec is None:
+                return
+            rec.notify_ident = ident
+            rec.step = int(msg.get("step", rec.step))
+            if not rec.alive:
+                self._send(ident, encode("stop", reason="evicted: the coordinator counts this process as dead"))
+            else:
+                self._send(ident, encode("hb_ack", gen=self.gen, state=self.state))
+            return
+        handler = {
+            "register": self._on_register,
+            "await_generation": self._on_await,
+            "broken": self._on_broken,
+            "joined": self._on_joined,
+            "finished": self._on_finished,
+            "migrate": self._on_migrate,
+            "departed": self._on_departed,
+            "fatal": self._on_fatal,
+            "status": self._on_status,
+        }.get(op)
+        if handler is None:
+            self._reply_error(ident, msg, f"unknown op {op!r}")
+            return
+        if op not in ("register", "migrate", "status") and (rec is None or not rec.alive):
+            self._reply(ident, msg.get("id"), stop=True, done=False, reason="evicted or unknown worker")
+            return
+        handler(ident, msg)
+
+    def _on_register(self, ident: bytes, msg: dict[str, Any]) -> None:
+        wid, role = str(msg["wid"]), str(msg["role"])
+        rec = self.workers.setdefault(wid, _Worker(wid=wid, role=role))
+        if not rec.alive:
+            self._reply(ident, msg["id"], stop=True, done=False, reason="evicted")
+            return
+        rec.pid, rec.host, rec.store_port = int(msg["pid"]), str(msg["host"]), int(msg["store_port"])
+        rec.registered, rec.role = True, role
+        log.info("registered %s (%s, pid %d, store %s:%d)", wid, role, rec.pid, rec.host, rec.store_port)
+        if self.state in (DONE, FAILED):
+            self._reply(ident, msg["id"], stop=True, done=self.state == DONE, reason=self.failure_reason)
+            return
+        self._reply(ident, msg["id"], world_size=self.world_size)
+        if role == "spare":
+            self.spares.append(wid)
+            if self.vacant and self.state == RUNNING:
+                self._try_declare()
+        elif self.state == FORMING:
+            slot = int(role.split(":", 1)[1])
+            self._initial[slot] = wid
+            self._maybe_start()
+
+    def _on_await(self, ident: bytes, msg: dict[str, Any]) -> None:
+        wid, after = str(msg["wid"]), int(msg.get("after", -1))
+        if self.state in (DONE, FAILED):
+            self._reply(ident, msg["id"], stop=True, done=self.state == DONE, reason=self.failure_reason)
+            return
+        if self._entitled(wid) and self.info is not None and self.info.gen > after:
+            self._reply(ident, msg["id"], generation=self.info.to_wire())
+            return
+        self._parked[wid] = _Parked(ident, msg["id"], "await", after)
+
+    def _entitled(self, wid: str) -> bool:
+        """Whether ``wid`` takes part in the current generation (a member, or the departing handoff source)."""
+        info = self.info
+        if info is None:
+            return False
+        return wid in info.members.values() or (info.handoff is not None and info.handoff.source == wid)
+
+    def _on_broken(self, ident: bytes, msg: dict[str, Any]) -> None:
+        gen = int(msg["gen"])
+        self._reply(ident, msg["id"])
+        if gen != self.gen or self.state != RUNNING or self.vacant:
+            return
+        now = time.time()
+        if self._recovery is None:
+            self._recovery = _Recovery(evidence_at=float(msg.get("at", now)))
+        if self._grace is None:
+            self._grace = (gen, time.monotonic() + self.config.broken_grace_s)
+            emit(
+                self.event_sink,
+                log,
+                "torchpass.collective_error",
+                generation=gen,
+                reporter=msg["wid"],
+                slot=msg.get("slot"),
+                step=msg.get("step"),
+                error=str(msg.get("error", ""))[:300],
+            )
+
+    def _on_joined(self, ident: bytes, msg: dict[str, Any]) -> None:
+        self._reply(ident, msg["id"])
+        if int(msg["gen"]) != self.gen or self.info is None:
+            return
+        self._joined[str(msg["wid"])] = msg
+        if set(self._joined) >= set(self.info.members.values()):
+            self._generation_complete()
+
+    def _on_finished(self, ident: bytes, msg: dict[str, Any]) -> None:
+        wid, gen = str(msg["wid"]), int(msg["gen"])
+        if self.info is not None and gen < self.gen and self._entitled(wid):
+            self._reply(ident, msg["id"], generation=self.info.to_wire())
+            return
+        self._finished[wid] = int(msg["committed"])
+        self._parked[wid] = _Parked(ident, msg["id"], "finished")
+        if self.info is not None and not self.vacant and set(self._finished) >= set(self.info.members.values()):
+            self._finish()
+
+    def _on_migrate(self, ident: bytes, msg: dict[str, Any]) -> None:
+        slot = int(msg["slot"])
+        problem = ""
+        if self.state != RUNNING or self.info is None or not self._progressed:
+            problem = f"the job is not running a generation yet (state {self.state})"
+        elif self.vacant or self._pending_handoff is not None or self._departing is not None:
+            problem = "a membership change is already in progress"
+        elif slot not in self.members:
+            problem = f"no slot {slot} (slots 0..{self.world_size - 1})"
+        elif not self.spares:
+            problem = "no spare is ready"
+        if problem:
+            self._reply_error(ident, msg, f"cannot migrate slot {slot}: {problem}")
+            return
+        source = self.members.pop(slot)
+        src = self.workers[source]
+        self._departing = source
+        self._pending_handoff = Handoff(slot=slot, source=source, target=self.spares[0], host=src.host, port=src.store_port)
+        self.vacant.add(slot)
+        requester = str(msg.get("wid") or msg.get("requester") or "cli")
+        self._recovery = _Recovery(evidence_at=time.time(), death_seen_at=time.time())
+        self._recovery.reasons.append(f"migration of slot {slot} ({source}) requested by {requester}")
+        emit(self.event_sink, log, "torchpass.migration_requested", slot=slot, source=source, by=requester)
+        self._reply(ident, msg["id"], generation=self.gen + 1, target=self.spares[0])
+        self._try_declare()
+
+    def _on_departed(self, ident: bytes, msg: dict[str, Any]) -> None:
+        self._reply(ident, msg["id"])
+        emit(
+            self.event_sink,
+            log,
+            "torchpass.departed",
+            worker=msg["wid"],
+            generation=msg.get("gen"),
+            handoff_ok=bool(msg.get("handoff_ok")),
+            handoff_ms=msg.get("handoff_ms"),
+        )
+
+    def _on_fatal(self, ident: bytes, msg: dict[str, Any]) -> None:
+        self._reply(ident, msg["id"])
+        self._fail(f"{msg['wid']}: {msg.get('message', 'fatal error')}")
+
+    def _on_status(self, ident: bytes, msg: dict[str, Any]) -> None:
+        self._reply(ident, msg["id"], status=self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        """The coordinator's view: state, generation, members, spares, per-worker liveness and step."""
+        return {
+            "state": self.state,
+            "generation": self.gen,
+            "world_size": self.world_size,
+            "members": {str(k): v for k, v in sorted(self.members.items())},
+            "vacant": sorted(self.vacant),
+            "spares": list(self.spares),
+            "failures": self.failures,
+            "failure_reason": self.failure_reason,
+            "workers": {
+                w.wid: {"role": w.role, "alive": w.alive, "pid": w.pid, "step": w.step} for w in self.workers.values()
+            },
+        }
+
+    # ----- decisions ------------------------------------------------------------------------
+
+    def _maybe_start(self) -> None:
+        if self.state != FORMING:
+            return
+        if all(slot in self._initial or slot in self.vacant for slot in range(self.world_size)):
+            self.state = RUNNING
+            self.members = {s: w for s, w in self._initial.items() if self.workers[w].alive}
+            self.vacant |= set(range(self.world_size)) - set(self.members)
+            self._recovery = _Recovery(evidence_at=time.time())
+            self._recovery.reasons.append("start")
+            self._try_declare()
+
+    def _on_death(self, wid: str, why: str, at: float) -> None:
+        rec = self.workers[wid]
+        rec.alive = False
+        self._parked.pop(wid, None)
+        if wid in self.spares:
+            self.spares.remove(wid)
+            emit(self.event_sink, log, "torchpass.spare_lost", worker=wid, why=why)
+            return
+        if self.state in (DONE, FAILED):
+            return
+        if wid == self._departing:
+            self._departing = None
+            log.info("departing %s is gone (%s)", wid, why)
+            return
+        if self.state == FORMING:
+            if rec.role.startswith("slot:"):
+                slot = int(rec.role.split(":", 1)[1])
+                self._initial.pop(slot, None)
+                self.vacant.add(slot)
+                self.failures += 1
+                emit(self.event_sink, log, "torchpass.member_failed", slot=slot, worker=wid, why=why, generation=-1)
+                self._maybe_start()
+            return
+        slot = next((s for s, w in self.members.items() if w == wid), None)
+        if slot is None:
+            return
+        del self.members[slot]
+        self.vacant.add(slot)
+        self.failures += 1
+        if self._recovery is None:
+            self._recovery = _Recovery(evidence_at=at)
+        self._recovery.death_seen_at = self._recovery.death_seen_at or time.time()
+        self._recovery.reasons.append(f"slot {slot} ({wid}) {why}")
+        self._grace = None
+        emit(
+            self.event_sink,
+            log,
+            "torchpass.member_failed",
+            slot=slot,
+            worker=wid,
+            why=why,
+            generation=self.gen,
+            last_step=rec.step,
+            failures=self.failures,
+        )
+        if self.failures > self.config.max_failures:
+            self._fail(f"{self.failures} member failures exceed max_failures={self.config.max_failures}")
+            return
+        if not self.members:
+            self._fail("every member is gone: no replica holds the training state")
+            return
+        self._try_declare()
+
+    def _try_declare(self) -> None:
+        """Fill vacant slots with spares and announce a new generation (or wait for spares)."""
+        if self.state != RUNNING:
+            return
+        if len(self.spares) < len(self.vacant):
+            if self._vacant_since is None:
+                self._vacant_since = time.monotonic()
+                emit(
+                    self.event_sink,
+                    log,
+                    "torchpass.waiting_for_spare",
+                    vacant=sorted(self.vacant),
+                    spares=len(self.spares),
+                    generation=self.gen,
+                )
+            return
+        replaced: dict[int, str] = {}
+        for slot in sorted(self.vacant):
+            if self._pending_handoff is not None and slot == self._pending_handoff.slot:
+                wid = self._pending_handoff.target
+                self.spares.remove(wid)
+            else:
+                wid = self.spares.pop(0)
+            self.members[slot] = wid
+            replaced[slot] = wid
+            if self.on_spare_taken is not None:
+                self.on_spare_taken(wid)  # the local launcher starts a new spare to refill the pool
+        self.vacant.clear()
+        self._vacant_since = None
+        self._grace = None
+        survivors = [s for s in sorted(self.members) if self.members[s] not in replaced.values()]
+        host_slot = (survivors or sorted(self.members))[0]
+        host = self.workers[self.members[host_slot]]
+        recovery = self._recovery or _Recovery(evidence_at=time.time())
+        recovery.declared_at = time.time()
+        self._recovery = recovery
+        self.gen += 1
+        reason = "; ".join(recovery.reasons) or "collective error with no member lost: rebuild"
+        self.info = GenerationInfo(
+            gen=self.gen,
+            world_size=self.world_size,
+            members=dict(self.members),
+            store_host=host.host,
+            store_port=host.store_port,
+            reason=reason,
+            expect_state=self._progressed,
+            replaced=replaced,
+            handoff=self._pending_handoff,
+        )
+        self._pending_handoff = None
+        self._joined = {}
+        self._finished = {}
+        emit(
+            self.event_sink,
+            log,
+            "torchpass.generation",
+            generation=self.gen,
+            reason=reason,
+            members={str(k): v for k, v in sorted(self.members.items())},
+            replaced={str(k): v for k, v in replaced.items()},
+            store=f"{host.host}:{host.store_port} (slot {host_slot})",
+            handoff=None if self.info.handoff is None else self.info.handoff.source,
+        )
+        wire = self.info.to_wire()
+        notify = set(self.members.values())
+        if self.info.handoff is not None:
+            notify.add(self.info.handoff.source)
+        for wid in notify:
+            self._push(wid, "generation", gen=self.gen)
+        for wid, parked in list(self._parked.items()):
+            if wid not in notify:
+                continue
+            if parked.op == "await" and parked.after >= self.gen:
+                continue
+            del self._parked[wid]
+            self._reply(parked.ident, parked.req_id, generation=wire)
+
+    def _generation_complete(self) -> None:
+        """Every member of the current generation resumed: record how long the change took."""
+        assert self.info is not None
+        info, rec = self.info, self._recovery
+        self._recovery = None
+        reports = list(self._joined.values())
+        now = time.time()
+
+        def worst(key: str) -> float:
+            return round(max((float(r.get(key) or 0.0) for r in reports), default=0.0), 1)
+
+        newcomers = [r for r in reports if r["wid"] in info.replaced.values()]
+        fields: dict[str, Any] = {
+            "generation": info.gen,
+            "reason": info.reason,
+            "step": max(int(r["resume_step"]) for r in reports),
+            "slots": sorted(info.replaced),
+            "source_slots": sorted({int(r["source"]) for r in reports if r.get("source") is not None}),
+            "received_by": sorted(int(r["slot"]) for r in reports if r.get("received")),
+            "rebuild_ms": worst("rebuild_ms"),
+            "transfer_ms": worst("transfer_ms"),
+            "transfer_bytes": int(max((r.get("transfer_bytes") or 0) for r in reports)),
+        }
+        if rec is not None and rec.declared_at is not None:
+            fields["detect_ms"] = round(1000 * ((rec.death_seen_at or rec.declared_at) - rec.evidence_at), 1)
+            fields["decide_ms"] = round(1000 * (rec.declared_at - (rec.death_seen_at or rec.evidence_at)), 1)
+            first_error = [float(r["first_error_at"]) for r in reports if r.get("first_error_at")]
+            if first_error:
+                fields["survivors_error_ms"] = round(1000 * (min(first_error) - rec.evidence_at), 1)
+            if newcomers:
+                fields["spare_ready_ms"] = round(
+                    1000 * (max(float(r["arrived_at"]) for r in newcomers) - rec.declared_at), 1
+                )
+            fields["total_ms"] = round(1000 * (now - rec.evidence_at), 1)
+        if info.handoff is not None:
+            kind = "torchpass.migrated"
+            fields["handoff_ok"] = any(r.get("handoff_ok") for r in newcomers)
+        elif not self._progressed:
+            kind = "torchpass.started"
+        else:
+            kind = "torchpass.recovered"
+        self._progressed = True
+        emit(self.event_sink, log, kind, **fields)
+
+    def _finish(self) -> None:
+        assert self.info is not None
+        self.state = DONE
+        steps = sorted(set(self._finished.values()))
+        emit(
+            self.event_sink,
+            log,
+            "torchpass.finished",
+            generation=self.gen,
+            committed=steps,
+            failures=self.failures,
+        )
+        self._stop_all(done=True, reason="job finished")
+
+    def _fail(self, reason: str) -> None:
+        if self.state in (DONE, FAILED):
+            return
+        self.state = FAILED
+        self.failure_reason = reason
+        emit(self.event_sink, log, "torchpass.failed", reason=reason, generation=self.gen, failures=self.failures)
+        self._stop_all(done=False, reason=reason)
+
+    def _stop_all(self, *, done: bool, reason: str) -> None:
+        for parked in self._parked.values():
+            self._reply(parked.ident, parked.req_id, stop=True, done=done, reason=reason)
+        self._parked.clear()
+        for wid in self.workers:
+            self._push(wid, "stop", done=done, reason=reason)
+        self.finished_event.set()
+
+    # ----- timers ---------------------------------------------------------------------------
+
+    def _check_heartbeats(self, now: float) -> None:
+        limit = self.config.heartbeat_timeout_s
+        for rec in list(self.workers.values()):
+            if rec.alive and rec.registered and now - rec.last_seen > limit:
+                log.warning("%s silent for %.1f s: counting it as dead", rec.wid, now - rec.last_seen)
+                self._on_death(rec.wid, f"silent for {now - rec.last_seen:.1f} s (no heartbeat)", time.time())
+                if self.on_evict is not None:
+                    self.on_evict(rec.wid)
+
+    def _check_timers(self, now: float) -> None:
+        if self._grace is not None and now >= self._grace[1]:
+            gen, _ = self._grace
+            self._grace = None
+            if gen == self.gen and self.state == RUNNING and not self.vacant:
+                if self._recovery is None:
+                    self._recovery = _Recovery(evidence_at=time.time())
+                self._recovery.reasons.append("collective error with no member lost: rebuild")
+                self._try_declare()
+        if self._vacant_since is not None and now - self._vacant_since > self.config.spare_timeout_s:
+            self._fail(f"no spare for slot(s) {sorted(self.vacant)} within {self.config.spare_timeout_s:g} s")

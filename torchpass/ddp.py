@@ -1,0 +1,103 @@
+"""DistributedDataParallel whose gradient traffic survives process-group rebuilds.
+
+The model the user gets back from ``ctx.wrap_model`` is a real :class:`DistributedDataParallel` (``.module``,
+``no_sync()``, ``state_dict()`` keys all as usual), with three changes that let TorchPass swap the process
+group underneath it without rebuilding it:
+
+* it is constructed over a private one-rank group, so DDP itself never runs a collective (its init-time
+  broadcast and shape check would otherwise need every rank at once, including a spare that is still
+  building its model);
+* a communication hook averages each gradient bucket over the *current* generation's default group. When
+  the collective fails (a peer died) or a newer generation was announced, the hook does not raise into
+  ``loss.backward()``: it marks the step abandoned and returns the bucket unchanged; the wrapped optimizer
+  then skips its update and the step boundary recovers and re-runs the step;
+* ``find_unused_parameters=True`` is forced. It is what stops DDP from re-bucketing after its first
+  iteration: every rank, a newcomer included, and every generation keeps one bucket layout, so buckets line
+  up across ranks and each gradient element is always summed in the same order (bitwise-reproducible
+  averages). The price is one autograd-graph traversal per forward pass (the same trade TorchFT makes).
+
+Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forward, as DDP's
+``broadcast_buffers`` does, through the same failure-tolerant path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from torchpass.context import Context
+
+__all__ = ["TorchPassDDP"]
+
+# DDP arguments TorchPass decides itself (see the module docstring).
+_RESERVED = (
+    "process_group",
+    "init_sync",
+    "find_unused_parameters",
+    "static_graph",
+    "device_mesh",
+    "forward_sync_buffers",
+    "bucket_cap_mb_list",
+)
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def _allreduce_hook(ctx: Context, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a bucket over the current generation; never raise (a failure abandons the step)."""
+    buffer = bucket.buffer()
+    if not ctx._collective_allowed():
+        return _completed(buffer)
+    buffer.div_(ctx.world_size)
+    try:
+        work = dist.all_reduce(buffer, async_op=True)
+    except Exception as exc:
+        ctx._abandon_step(exc)
+        return _completed(buffer)
+    assert work is not None
+
+    def finish(future: torch.futures.Future[Any]) -> torch.Tensor:
+        try:
+            future.value()
+        except Exception as exc:  # runs on a backend thread: record, never raise into backward()
+            ctx._abandon_step(exc)
+        return buffer
+
+    return work.get_future().then(finish)
+
+
+class TorchPassDDP(DistributedDataParallel):
+    """DDP over a private one-rank group, with TorchPass's failure-tolerant gradient averaging."""
+
+    def __init__(self, module: nn.Module, ctx: Context, *, broadcast_buffers: bool = True, **ddp_kwargs: Any) -> None:
+        reserved = sorted(set(ddp_kwargs) & set(_RESERVED))
+        if reserved:
+            raise TypeError(f"ctx.wrap_model sets {', '.join(reserved)} itself (see torchpass.ddp)")
+        super().__init__(
+            module,
+            process_group=ctx._backend.local_group(),
+            init_sync=False,
+            find_unused_parameters=True,
+            forward_sync_buffers=False,
+            **ddp_kwargs,
+        )
+        self._tp_ctx = ctx
+        self._tp_buffers = [b for b in module.buffers()] if broadcast_buffers else []
+        hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = _allreduce_hook
+        self.register_comm_hook(ctx, hook)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Broadcast buffers from slot 0 (failure-tolerant), then DDP's forward."""
+        if self._tp_buffers:
+            self._tp_ctx._broadcast_buffers(self._tp_buffers)
+        return super().forward(*inputs, **kwargs)

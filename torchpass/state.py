@@ -1,0 +1,242 @@
+"""The training state that moves between ranks, and how it travels.
+
+What moves: the model's ``state_dict`` (parameters and buffers), every wrapped optimizer's ``state_dict``
+(moment buffers, step counts, hyper-parameters), every registered object's ``state_dict`` (LR scheduler,
+grad scaler, user state) and the committed step, which is also the data position (batches are indexed by
+step). RNG state does not move: every rank reseeds at each step boundary from (seed, slot, step), so a
+replacement draws exactly what the rank it replaces would have drawn (see :mod:`torchpass.rng`).
+
+How it travels, from one healthy replica to one receiver, over the generation's process group with
+point-to-point sends (so several receivers can be fed by several sources in parallel):
+
+1. a header (two int64: metadata length, payload length);
+2. the metadata: a pickled description of the state with every tensor replaced by :class:`TensorRef`, plus
+   each tensor's dtype and shape (so a brand-new spare, whose optimizer has no state yet, knows what to
+   allocate). Pickle is acceptable here because the peer is another rank of the same job on the job's own
+   process group;
+3. the payload: every tensor's bytes, back to back in a deterministic order (model tensors in ``state_dict``
+   order, then optimizers', then registered objects'), each aligned to 64 bytes and sent in chunks of at
+   most ``transfer_chunk_mb``. Model tensors are received straight into the live parameters.
+
+Every byte is copied, never recomputed: the receiver ends bitwise equal to the source.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["StateMismatchError", "StateParts", "TensorRef", "recv_state", "send_state"]
+
+ALIGN = 64
+FORMAT_VERSION = 1
+
+
+class StateMismatchError(RuntimeError):
+    """The receiver's model or optimizers do not match the source's (a different script or model)."""
+
+
+class TensorRef(NamedTuple):
+    """Stands in for a tensor inside pickled metadata: its index in the payload."""
+
+    index: int
+
+
+@dataclass
+class StateParts:
+    """The objects whose state a rank sends or receives (what the user wrapped and registered)."""
+
+    model: nn.Module | None = None
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # name -> object with state_dict/load_state_dict
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor moved into ``tensors`` and replaced by a :class:`TensorRef`."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return TensorRef(len(tensors) - 1)
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, _strip(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strip(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, TensorRef):
+        items = [_strip(v, tensors) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return obj
+
+
+def _fill(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """Inverse of :func:`_strip`."""
+    if isinstance(obj, TensorRef):
+        return tensors[obj.index]
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, _fill(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_fill(v, tensors) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    return obj
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise StateMismatchError(f"unknown dtype {name!r} in received state")
+    return dtype
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * torch.empty((), dtype=dtype).element_size()
+
+
+def _offsets(layout: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[list[int], int]:
+    """Aligned byte offset of each tensor in the payload, and the payload's length."""
+    offsets, position = [], 0
+    for dtype_name, shape in layout:
+        offsets.append(position)
+        size = _nbytes(shape, _dtype(dtype_name))
+        position += (size + ALIGN - 1) // ALIGN * ALIGN
+    return offsets, position
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (a 0-d tensor counts as one element)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _chunks(total: int, chunk: int) -> Iterator[tuple[int, int]]:
+    start = 0
+    while start < total:
+        yield start, min(total, start + chunk)
+        start += chunk
+
+
+def _overlaps(offsets: Sequence[int], sizes: Sequence[int], lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
+    """(tensor index, from, to) of the payload byte ranges inside [lo, hi)."""
+    for i, (off, size) in enumerate(zip(offsets, sizes, strict=True)):
+        a, b = max(lo, off), min(hi, off + size)
+        if a < b:
+            yield i, a, b
+
+
+def describe(parts: StateParts, committed: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The metadata and the tensors (in payload order) of this rank's state."""
+    tensors: list[torch.Tensor] = []
+    model_entries: list[tuple[str, tuple[int, ...], str]] = []
+    if parts.model is not None:
+        for name, tensor in parts.model.state_dict().items():
+            model_entries.append((name, tuple(tensor.shape), str(tensor.dtype)))
+            tensors.append(tensor.detach())
+    optim = [_strip(opt.state_dict(), tensors) for opt in parts.optimizers]
+    extra = {name: _strip(obj.state_dict(), tensors) for name, obj in parts.extra.items()}
+    meta = {
+        "version": FORMAT_VERSION,
+        "committed": committed,
+        "model": model_entries,
+        "optim": optim,
+        "extra": extra,
+        "layout": [(str(t.dtype), tuple(t.shape)) for t in tensors],
+    }
+    return meta, tensors
+
+
+def send_state(parts: StateParts, committed: int, dst: int, device: torch.device, chunk_bytes: int) -> int:
+    """Send this rank's state to rank ``dst`` of the current group; returns the payload bytes sent."""
+    meta, tensors = describe(parts, committed)
+    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    offsets, total = _offsets(meta["layout"])
+    dist.send(torch.tensor([len(blob), total], dtype=torch.int64, device=device), dst)
+    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst)
+    sources = [_as_bytes(t.contiguous()) for t in tensors]
+    sizes = [s.numel() for s in sources]
+    for lo, hi in _chunks(total, chunk_bytes):
+        buf = torch.zeros(hi - lo, dtype=torch.uint8, device=device)
+        for i, a, b in _overlaps(offsets, sizes, lo, hi):
+            buf[a - lo : b - lo].copy_(sources[i][a - offsets[i] : b - offsets[i]])
+        dist.send(buf, dst)
+    return total
+
+
+def recv_state(parts: StateParts, src: int, device: torch.device, chunk_bytes: int) -> tuple[int, int]:
+    """Receive a state from rank ``src`` into ``parts``; returns (committed step, payload bytes).
+
+    Raises :class:`StateMismatchError` when the model or optimizers differ from the sender's, and whatever
+    the process group raises when the sender dies: the caller must then treat this rank's state as lost.
+    """
+    header = torch.empty(2, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    blob_len, total = (int(v) for v in header.tolist())
+    blob = torch.empty(blob_len, dtype=torch.uint8, device=device)
+    dist.recv(blob, src)
+    meta = pickle.loads(blob.cpu().numpy().tobytes())
+    if meta.get("version") != FORMAT_VERSION:
+        raise StateMismatchError(f"state format {meta.get('version')} from rank {src}, expected {FORMAT_VERSION}")
+    layout = [(name, tuple(shape)) for name, shape in meta["layout"]]
+    offsets, expected_total = _offsets(layout)
+    if expected_total != total:
+        raise StateMismatchError(f"payload of {total} bytes does not match its layout ({expected_total})")
+    destinations = _destinations(parts, meta, layout, device)
+    targets = [_as_bytes(d) for d in destinations]
+    sizes = [t.numel() for t in targets]
+    for lo, hi in _chunks(total, chunk_bytes):
+        buf = torch.empty(hi - lo, dtype=torch.uint8, device=device)
+        dist.recv(buf, src)
+        for i, a, b in _overlaps(offsets, sizes, lo, hi):
+            targets[i][a - offsets[i] : b - offsets[i]].copy_(buf[a - lo : b - lo])
+    _apply(parts, meta, destinations)
+    return int(meta["committed"]), total
+
+
+def _destinations(
+    parts: StateParts, meta: dict[str, Any], layout: list[tuple[str, tuple[int, ...]]], device: torch.device
+) -> list[torch.Tensor]:
+    """Where each received tensor goes: the live model tensors first, fresh tensors for the rest."""
+    out: list[torch.Tensor] = []
+    model_entries = meta["model"]
+    if parts.model is not None:
+        local = parts.model.state_dict()
+        names = [name for name, _, _ in model_entries]
+        if names != list(local):
+            missing = sorted(set(names) ^ set(local))[:5]
+            raise StateMismatchError(f"model state differs from the sender's (e.g. {missing})")
+        for name, shape, dtype_name in model_entries:
+            tensor = local[name]
+            if tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != dtype_name:
+                raise StateMismatchError(
+                    f"model tensor {name}: local {tuple(tensor.shape)} {tensor.dtype}, sender {tuple(shape)} {dtype_name}"
+                )
+            if not tensor.is_contiguous():
+                raise StateMismatchError(f"model tensor {name} is not contiguous; cannot receive in place")
+            out.append(tensor)
+    elif model_entries:
+        raise StateMismatchError("the sender has a model and this rank wrapped none")
+    if len(meta["optim"]) != len(parts.optimizers):
+        raise StateMismatchError(f"sender has {len(meta['optim'])} optimizer(s), this rank {len(parts.optimizers)}")
+    if set(meta["extra"]) != set(parts.extra):
+        raise StateMismatchError(f"registered state differs: sender {sorted(meta['extra'])}, here {sorted(parts.extra)}")
+    for dtype_name, shape in layout[len(out) :]:
+        out.append(torch.empty(shape, dtype=_dtype(dtype_name), device=device))
+    return out
+
+
+def _apply(parts: StateParts, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    for optimizer, state in zip(parts.optimizers, meta["optim"], strict=True):
+        optimizer.load_state_dict(_fill(state, tensors))
+    for name, state in meta["extra"].items():
+        parts.extra[name].load_state_dict(_fill(state, tensors))
