@@ -37,10 +37,11 @@ def say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of a process."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
 def measure(daemons: NodeDaemons, settings: dict[str, str], seconds: float, warmup: float) -> dict[str, float]:
@@ -53,11 +54,15 @@ def measure(daemons: NodeDaemons, settings: dict[str, str], seconds: float, warm
     dt = time.monotonic() - t0
     c1 = {n: cpu_seconds(p) for n, p in pids.items()}
     s1 = {n: (daemons.request(n, "lens") or {}).get("counters", {}).get("probes_sent", 0) for n in pids}
-    cpu = [100 * (c1[n] - c0[n]) / dt for n in pids]
+    user = [100 * (c1[n][0] - c0[n][0]) / dt for n in pids]
+    system = [100 * (c1[n][1] - c0[n][1]) / dt for n in pids]
+    cpu = [u + k for u, k in zip(user, system, strict=True)]
     rate = [(s1[n] - s0[n]) / dt for n in pids]
     return {
         "cpu_median_pct": round(statistics.median(cpu), 2),
         "cpu_max_pct": round(max(cpu), 2),
+        "user_median_pct": round(statistics.median(user), 2),
+        "system_median_pct": round(statistics.median(system), 2),
         "probes_per_s_median": round(statistics.median(rate), 1),
     }
 
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             m["lens_pct"] = round(m["cpu_median_pct"] - base["cpu_median_pct"], 2)
             rows.append(m)
             say(
-                f"  {k:>2} peers/NIC: daemon CPU median {m['cpu_median_pct']:5.2f} % (max {m['cpu_max_pct']:5.2f} %), "
+                f"  {k:>2} peers/NIC: daemon CPU median {m['cpu_median_pct']:5.2f} % (max {m['cpu_max_pct']:5.2f} %; "
+                f"user {m['user_median_pct']:5.2f} %, kernel {m['system_median_pct']:5.2f} %), "
                 f"Lens's share {m['lens_pct']:5.2f} % of a core, {m['probes_per_s_median']:.0f} probes/s sent"
             )
         daemons.stop_all()

@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ class CommBackend(ABC):
     def device(self) -> torch.device:
         """Where tensors must be for this backend's collectives (and for state transfer)."""
 
-    def prepare_env(self) -> None:
+    def prepare_env(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Set the environment this backend needs before any group exists (called once, at init)."""
 
     @abstractmethod
@@ -111,7 +112,7 @@ class CommBackend(ABC):
                     log.debug("destroy_process_group: %s", exc)
             self.generation = -1
 
-    def _forget(self) -> None:
+    def _forget(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Drop what :meth:`abort` would act on (called under the lock)."""
 
     @property
@@ -194,7 +195,7 @@ class NcclBackend(CommBackend):
 
     # c10d settings: errors and timeouts surface in the Work objects (and so in TorchPass's hook) instead of
     # the watchdog tearing the process down; TorchPass aborts the communicator itself.
-    ENV = {
+    ENV: ClassVar[dict[str, str]] = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort the communicator, keep the process
         "TORCH_NCCL_BLOCKING_WAIT": "0",
         "TORCH_NCCL_ENABLE_MONITORING": "0",  # the heartbeat monitor would kill a rank stuck in recovery
@@ -251,8 +252,9 @@ class NcclBackend(CommBackend):
         nccl = dist.ProcessGroupNCCL(store, 0, 1, options)
         group = dist.ProcessGroup(store, 0, 1)
         group._register_backend(self.device, dist.ProcessGroup.BackendType.NCCL, nccl)
-        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                                dist.ProcessGroupGloo(store, 0, 1, self.timeout))
+        group._register_backend(
+            torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, dist.ProcessGroupGloo(store, 0, 1, self.timeout)
+        )
         group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
         return group
 

@@ -151,7 +151,7 @@ class ControlChannel:
         if self.stopped is not None:
             raise self.stopped
         if self.lost:
-            raise CoordinatorLost(f"the coordinator at {self.endpoint} has been silent for {self.coordinator_timeout_s:g} s")
+            raise CoordinatorLost(f"coordinator {self.endpoint} silent for {self.coordinator_timeout_s:g} s")
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """A short request (register, broken, joined, migrate, ...)."""
@@ -159,9 +159,7 @@ class ControlChannel:
 
     def wait(self, op: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
         """A long poll (await_generation, finished); gives up when the coordinator goes silent."""
-        return self.rpc.wait(
-            op, time.monotonic() + timeout_s, interrupt=self._interrupt, wid=self.worker_id, **fields
-        )
+        return self.rpc.wait(op, time.monotonic() + timeout_s, interrupt=self._interrupt, wid=self.worker_id, **fields)
 
     def _interrupt(self) -> None:
         if self.lost:

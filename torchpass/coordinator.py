@@ -439,7 +439,7 @@ class Coordinator:
         source = self.members.pop(slot)
         src = self.workers[source]
         self._departing = source
-        self._pending_handoff = Handoff(slot=slot, source=source, target=self.spares[0], host=src.host, port=src.store_port)
+        self._pending_handoff = Handoff(slot, source, self.spares[0], src.host, src.store_port)
         self.vacant.add(slot)
         requester = str(msg.get("wid") or msg.get("requester") or "cli")
         self._recovery = _Recovery(evidence_at=time.time(), death_seen_at=time.time())

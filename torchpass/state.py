@@ -219,7 +219,7 @@ def _destinations(
             tensor = local[name]
             if tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != dtype_name:
                 raise StateMismatchError(
-                    f"model tensor {name}: local {tuple(tensor.shape)} {tensor.dtype}, sender {tuple(shape)} {dtype_name}"
+                    f"model tensor {name}: here {tuple(tensor.shape)} {tensor.dtype}, sent {tuple(shape)} {dtype_name}"
                 )
             if not tensor.is_contiguous():
                 raise StateMismatchError(f"model tensor {name} is not contiguous; cannot receive in place")
@@ -229,7 +229,7 @@ def _destinations(
     if len(meta["optim"]) != len(parts.optimizers):
         raise StateMismatchError(f"sender has {len(meta['optim'])} optimizer(s), this rank {len(parts.optimizers)}")
     if set(meta["extra"]) != set(parts.extra):
-        raise StateMismatchError(f"registered state differs: sender {sorted(meta['extra'])}, here {sorted(parts.extra)}")
+        raise StateMismatchError(f"registered state: sender {sorted(meta['extra'])}, here {sorted(parts.extra)}")
     for dtype_name, shape in layout[len(out) :]:
         out.append(torch.empty(shape, dtype=_dtype(dtype_name), device=device))
     return out
