@@ -97,6 +97,12 @@ class TorchPassConfig:
     max_failures: int = _setting(
         32, "Member failures the job survives; one more fails the job (stops a crash loop).", min=0
     )
+    max_resets: int = _setting(
+        5,
+        "Consecutive generations rebuilt with the same members (a collective error, nobody dead) before the job "
+        "is declared failed: an error that survives that many rebuilds is not transient.",
+        min=0,
+    )
     store_prefix: str = _setting(
         "torchpass", "Key prefix in the rendezvous stores; each generation uses PREFIX/gN/ so none collide."
     )

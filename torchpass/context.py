@@ -57,7 +57,7 @@ from torchpass.ddp import TorchPassDDP
 from torchpass.events import EventSink, emit
 from torchpass.protocol import GenerationInfo, LaunchEnv
 from torchpass.rng import reseed
-from torchpass.state import StateMismatchError, StateParts, recv_state, send_state
+from torchpass.state import StateError, StateParts, recv_state, send_state
 
 __all__ = ["Context", "TorchPassError", "init"]
 
@@ -208,9 +208,10 @@ class Context:
     def register(self, name: str, obj: Any) -> Any:
         """Add ``obj`` (anything with ``state_dict``/``load_state_dict``) to the state that moves.
 
-        LR schedulers and grad scalers are gated like the optimizer (their per-step update is skipped in an
-        abandoned step). Any other object is copied at every committed step and restored when a step is
-        abandoned, so keep it small, or update it only from an :meth:`on_commit` callback. Register before
+        A grad scaler is gated like the optimizer (its ``update()`` keeps the old scale in an abandoned step,
+        without the GPU sync a copy of its state would cost). Any other object, an LR scheduler included, is
+        copied at every committed step and restored when a step is abandoned, so keep it small (a scheduler's
+        state is a few numbers), or update it only from an :meth:`on_commit` callback. Register before
         ``ctx.steps`` starts.
         """
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -219,25 +220,12 @@ class Context:
             raise TorchPassError(f"ctx.register: {name!r} is already registered")
         if self.generation >= 0:
             raise TorchPassError("ctx.register must be called before ctx.steps starts")
-        if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
-            self._gate(obj, "step")
-        elif isinstance(obj, torch.amp.GradScaler):
+        if isinstance(obj, torch.amp.GradScaler):
             self._gate_scaler(obj)
         else:
             self._snapshots[name] = copy.deepcopy(obj.state_dict())
         self._parts.extra[name] = obj
         return obj
-
-    def _gate(self, obj: Any, method: str) -> None:
-        inner = getattr(obj, method)
-        ctx = self
-
-        def gated(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if ctx._abandoned:
-                return None
-            return inner(*args, **kwargs)
-
-        setattr(obj, method, types.MethodType(gated, obj))
 
     def _gate_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """``update()`` must still reset the scaler's per-step bookkeeping; only its scale is kept."""
@@ -600,7 +588,7 @@ class Context:
                         self._committed, nbytes = recv_state(self._parts, src, device, chunk)
                     self._has_state = True
                     source_of_me = src
-            except StateMismatchError as exc:
+            except StateError as exc:
                 self._fatal(str(exc))
             except Exception as exc:
                 raise _Broken(f"state transfer {src}->{dst} failed: {exc}") from None
@@ -682,7 +670,7 @@ class Context:
             self._has_state = True
             self.log.info("received %d bytes of state (step %d) from %s", nbytes, self._committed, info.handoff.source)
             return True
-        except StateMismatchError as exc:
+        except StateError as exc:
             self._fatal(str(exc))
         except Exception as exc:
             self._has_state, self._committed = False, -1

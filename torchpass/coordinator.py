@@ -154,6 +154,7 @@ class Coordinator:
         self._grace: tuple[int, float] | None = None
         self._vacant_since: float | None = None
         self._pending_handoff: Handoff | None = None
+        self._resets = 0  # consecutive same-member rebuilds since a generation last completed
         self._departing: str | None = None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
@@ -587,6 +588,7 @@ class Coordinator:
         self._recovery = recovery
         self.gen += 1
         reason = "; ".join(recovery.reasons) or "collective error with no member lost: rebuild"
+        recovery.reasons = []
         self.info = GenerationInfo(
             gen=self.gen,
             world_size=self.world_size,
@@ -631,6 +633,7 @@ class Coordinator:
         assert self.info is not None
         info, rec = self.info, self._recovery
         self._recovery = None
+        self._resets = 0
         reports = list(self._joined.values())
         now = time.time()
 
@@ -716,6 +719,10 @@ class Coordinator:
             gen, _ = self._grace
             self._grace = None
             if gen == self.gen and self.state == RUNNING and not self.vacant:
+                self._resets += 1
+                if self._resets > self.config.max_resets:
+                    self._fail(f"generation {gen} failed to form {self._resets} times with no member lost")
+                    return
                 if self._recovery is None:
                     self._recovery = _Recovery(evidence_at=time.time())
                 self._recovery.reasons.append("collective error with no member lost: rebuild")

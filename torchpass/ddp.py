@@ -18,9 +18,10 @@ group underneath it without rebuilding it:
 
 Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forward, as DDP's
 ``broadcast_buffers`` does, through the same failure-tolerant path.
-"""
 
-from __future__ import annotations
+(No ``from __future__ import annotations`` here: DDP checks the hook's annotations against the real
+``dist.GradBucket`` and ``Future[Tensor]`` objects.)
+"""
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,7 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return future
 
 
-def _allreduce_hook(ctx: Context, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _allreduce_hook(ctx: "Context", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket over the current generation; never raise (a failure abandons the step)."""
     buffer = bucket.buffer()
     if not ctx._collective_allowed():
@@ -79,7 +80,7 @@ def _allreduce_hook(ctx: Context, bucket: dist.GradBucket) -> torch.futures.Futu
 class TorchPassDDP(DistributedDataParallel):
     """DDP over a private one-rank group, with TorchPass's failure-tolerant gradient averaging."""
 
-    def __init__(self, module: nn.Module, ctx: Context, *, broadcast_buffers: bool = True, **ddp_kwargs: Any) -> None:
+    def __init__(self, module: nn.Module, ctx: "Context", *, broadcast_buffers: bool = True, **ddp_kwargs: Any) -> None:
         reserved = sorted(set(ddp_kwargs) & set(_RESERVED))
         if reserved:
             raise TypeError(f"ctx.wrap_model sets {', '.join(reserved)} itself (see torchpass.ddp)")

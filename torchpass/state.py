@@ -33,14 +33,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["StateMismatchError", "StateParts", "TensorRef", "recv_state", "send_state"]
+__all__ = ["StateError", "StateParts", "TensorRef", "recv_state", "send_state"]
 
 ALIGN = 64
 FORMAT_VERSION = 1
 
 
-class StateMismatchError(RuntimeError):
-    """The receiver's model or optimizers do not match the source's (a different script or model)."""
+class StateError(RuntimeError):
+    """A state problem retrying cannot fix: the receiver's model or optimizers do not match the sender's (a
+    different script or model), or an object refused its own state_dict. Transport errors are not this."""
 
 
 class TensorRef(NamedTuple):
@@ -94,7 +95,7 @@ def _fill(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise StateMismatchError(f"unknown dtype {name!r} in received state")
+        raise StateError(f"unknown dtype {name!r} in received state")
     return dtype
 
 
@@ -137,6 +138,13 @@ def _overlaps(offsets: Sequence[int], sizes: Sequence[int], lo: int, hi: int) ->
 
 def describe(parts: StateParts, committed: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """The metadata and the tensors (in payload order) of this rank's state."""
+    try:
+        return _describe(parts, committed)
+    except Exception as exc:
+        raise StateError(f"cannot capture this rank's state: {type(exc).__name__}: {exc}") from exc
+
+
+def _describe(parts: StateParts, committed: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     model_entries: list[tuple[str, tuple[int, ...], str]] = []
     if parts.model is not None:
@@ -176,7 +184,7 @@ def send_state(parts: StateParts, committed: int, dst: int, device: torch.device
 def recv_state(parts: StateParts, src: int, device: torch.device, chunk_bytes: int) -> tuple[int, int]:
     """Receive a state from rank ``src`` into ``parts``; returns (committed step, payload bytes).
 
-    Raises :class:`StateMismatchError` when the model or optimizers differ from the sender's, and whatever
+    Raises :class:`StateError` when the model or optimizers differ from the sender's, and whatever
     the process group raises when the sender dies: the caller must then treat this rank's state as lost.
     """
     header = torch.empty(2, dtype=torch.int64, device=device)
@@ -186,11 +194,11 @@ def recv_state(parts: StateParts, src: int, device: torch.device, chunk_bytes: i
     dist.recv(blob, src)
     meta = pickle.loads(blob.cpu().numpy().tobytes())
     if meta.get("version") != FORMAT_VERSION:
-        raise StateMismatchError(f"state format {meta.get('version')} from rank {src}, expected {FORMAT_VERSION}")
+        raise StateError(f"state format {meta.get('version')} from rank {src}, expected {FORMAT_VERSION}")
     layout = [(name, tuple(shape)) for name, shape in meta["layout"]]
     offsets, expected_total = _offsets(layout)
     if expected_total != total:
-        raise StateMismatchError(f"payload of {total} bytes does not match its layout ({expected_total})")
+        raise StateError(f"payload of {total} bytes does not match its layout ({expected_total})")
     destinations = _destinations(parts, meta, layout, device)
     targets = [_as_bytes(d) for d in destinations]
     sizes = [t.numel() for t in targets]
@@ -214,29 +222,32 @@ def _destinations(
         names = [name for name, _, _ in model_entries]
         if names != list(local):
             missing = sorted(set(names) ^ set(local))[:5]
-            raise StateMismatchError(f"model state differs from the sender's (e.g. {missing})")
+            raise StateError(f"model state differs from the sender's (e.g. {missing})")
         for name, shape, dtype_name in model_entries:
             tensor = local[name]
             if tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != dtype_name:
-                raise StateMismatchError(
+                raise StateError(
                     f"model tensor {name}: here {tuple(tensor.shape)} {tensor.dtype}, sent {tuple(shape)} {dtype_name}"
                 )
             if not tensor.is_contiguous():
-                raise StateMismatchError(f"model tensor {name} is not contiguous; cannot receive in place")
+                raise StateError(f"model tensor {name} is not contiguous; cannot receive in place")
             out.append(tensor)
     elif model_entries:
-        raise StateMismatchError("the sender has a model and this rank wrapped none")
+        raise StateError("the sender has a model and this rank wrapped none")
     if len(meta["optim"]) != len(parts.optimizers):
-        raise StateMismatchError(f"sender has {len(meta['optim'])} optimizer(s), this rank {len(parts.optimizers)}")
+        raise StateError(f"sender has {len(meta['optim'])} optimizer(s), this rank {len(parts.optimizers)}")
     if set(meta["extra"]) != set(parts.extra):
-        raise StateMismatchError(f"registered state: sender {sorted(meta['extra'])}, here {sorted(parts.extra)}")
+        raise StateError(f"registered state: sender {sorted(meta['extra'])}, here {sorted(parts.extra)}")
     for dtype_name, shape in layout[len(out) :]:
         out.append(torch.empty(shape, dtype=_dtype(dtype_name), device=device))
     return out
 
 
 def _apply(parts: StateParts, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
-    for optimizer, state in zip(parts.optimizers, meta["optim"], strict=True):
-        optimizer.load_state_dict(_fill(state, tensors))
-    for name, state in meta["extra"].items():
-        parts.extra[name].load_state_dict(_fill(state, tensors))
+    try:
+        for optimizer, state in zip(parts.optimizers, meta["optim"], strict=True):
+            optimizer.load_state_dict(_fill(state, tensors))
+        for name, state in meta["extra"].items():
+            parts.extra[name].load_state_dict(_fill(state, tensors))
+    except Exception as exc:
+        raise StateError(f"cannot load the received state: {type(exc).__name__}: {exc}") from exc

@@ -177,9 +177,47 @@ def test_clear_undoes_every_kind_at_once(sandbox: Sandbox) -> None:
     assert loss_share(sandbox, "node1", rail_ip(sandbox, "node4", "nic1"), count=50) == 0.0
 
 
+def test_node_crash_kills_everything_in_it_and_restore_brings_it_back_empty(sandbox: Sandbox) -> None:
+    on_node(sandbox, "node4", "sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 &")
+    before = subprocess.run(["ip", "netns", "pids", "node4"], capture_output=True, text=True).stdout.split()
+    assert len(before) >= 2  # slurmd and the sleeper at least
+    result = cli(sandbox, "fault", "node", "node4", "crash")
+    assert result.returncode == 0, result.stderr
+    assert "node node4 crashed" in result.stdout
+    assert subprocess.run(["ip", "netns", "pids", "node4"], capture_output=True, text=True).stdout.split() == []
+    for nic in ("nic0", "nic1"):
+        assert not reachable(sandbox, "node1", rail_ip(sandbox, "node4", nic))
+        assert "state DOWN" in link_flags(FABRIC_NS, sandbox.layout().node("node4").nic(nic).port)
+    assert sandbox.status()["faults"] == {"node node4 -": "crash"}
+
+    result = cli(sandbox, "fault", "node", "node4", "restore")
+    assert result.returncode == 0, result.stderr
+    assert all(reachable_again(sandbox, "node1", rail_ip(sandbox, "node4", nic)) for nic in ("nic0", "nic1"))
+    pids = subprocess.run(["ip", "netns", "pids", "node4"], capture_output=True, text=True).stdout.split()
+    cmdlines = [open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[0] for p in pids]
+    assert any(c.endswith(b"slurmd") for c in cmdlines) and not any(c.endswith(b"sleep") for c in cmdlines)
+    deadline = time.monotonic() + 60
+    while not sandbox.node_states().get("node4", "").startswith("IDLE"):
+        assert time.monotonic() < deadline, f"node4 did not come back IDLE: {sandbox.node_states()}"
+        time.sleep(0.5)
+    assert sandbox.status()["faults"] == {}
+
+
+def test_clear_restores_a_crashed_node(sandbox: Sandbox) -> None:
+    assert cli(sandbox, "fault", "node", "node3", "crash").returncode == 0
+    assert cli(sandbox, "fault", "clear").returncode == 0
+    assert reachable_again(sandbox, "node1", rail_ip(sandbox, "node3", "nic0"))
+    assert sandbox.status()["faults"] == {}
+    deadline = time.monotonic() + 60
+    while not sandbox.node_states().get("node3", "").startswith("IDLE"):
+        assert time.monotonic() < deadline, f"node3 did not come back IDLE: {sandbox.node_states()}"
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
+        (["node", "node1", "explode"], "`fault node` needs NODE crash|restore"),
         (["loss", "node1", "nic0", "150"], "fault loss: invalid value '150' (expected a percentage 0..100"),
         (["link", "node1", "nic0", "sideways"], "fault link: invalid value 'sideways' (expected down or up)"),
         (["rate", "node1", "nic0", "fast"], "fault rate: invalid value 'fast'"),

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from clockworkd.cli.context import CliContext, pass_ctx
-from clockworkd.errors import SandboxError
+from clockworkd.errors import ConfigError, SandboxError
 from clockworkd.sandbox.cluster import Sandbox, require_root
 from clockworkd.sandbox.daemons import NodeDaemons
 from clockworkd.sandbox.faults import KINDS
@@ -125,7 +125,7 @@ def exec(state: CliContext, node: str, command: tuple[str, ...]) -> None:
     "  clockwork sandbox fault loss node1 nic1 1\n"
     "  clockwork sandbox fault rate node3 nic0 100mbit\n  clockwork sandbox fault clear"
 )
-@click.argument("kind", type=click.Choice([*KINDS, "clear"]))
+@click.argument("kind", type=click.Choice([*KINDS, "node", "clear"]))
 @click.argument("node", required=False)
 @click.argument("nic", required=False)
 @click.argument("value", required=False)
@@ -139,9 +139,21 @@ def fault(state: CliContext, kind: str, node: str | None, nic: str | None, value
     blackhole NODE NIC on|off    switch port stops forwarding, carrier stays up (gray failure)
     loss NODE NIC PERCENT        random drops both ways (0 = none)
     rate NODE NIC RATE|off       token-bucket limit both ways, e.g. 100mbit
+    node NODE crash|restore      the whole node dies (every process killed, links dark) / comes back empty
     clear                        undo every fault, restore the baseline routes
     """
     box = _sandbox(state)
+    if kind == "node":
+        action = nic
+        if not node or action not in ("crash", "restore") or value:
+            raise ConfigError("`fault node` needs NODE crash|restore, e.g. fault node node3 crash")
+        if action == "crash":
+            killed = box.crash_node(node)
+            click.echo(f"node {node} crashed: {killed} processes killed, its links are dark")
+        else:
+            box.restore_node(node)
+            click.echo(f"node {node} restored: links up, slurmd restarted (no daemons, no jobs)")
+        return
     if kind == "clear":
         if node or nic or value:
             raise click.UsageError("`fault clear` takes no further arguments")

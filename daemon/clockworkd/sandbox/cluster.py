@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from clockworkd import curve_keys
 from clockworkd.config.schema import SandboxConfig
 from clockworkd.errors import NeedRootError, SandboxError, SlurmError
 from clockworkd.sandbox import fabric, faults, processes, slurm_files
+from clockworkd.sandbox.fabric import baseline_routes as fabric_baseline_routes
 from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, FABRIC_NS, Layout, build_layout
 from clockworkd.sandbox.paths import StatePaths
 from clockworkd.sandbox.shell import missing_programs, netns_path, run
@@ -437,8 +439,53 @@ class Sandbox:
     def clear_faults(self) -> None:
         require_root("clockwork sandbox fault clear")
         st = self.require_up()
+        for node in [key.split()[1] for key in st.faults if key.startswith("node ")]:
+            self.restore_node(node)
+        st = self.require_up()  # restore_node saved its own changes (slurmd's new pid)
         faults.clear(build_layout(st.config), st.faults)
         st.save(self.paths.state_file)
+
+    def crash_node(self, node: str) -> int:
+        """A whole node dies at once: every process in it is SIGKILLed and its links go dark.
+
+        The switch ports of its NICs and its management port go down (the node's side of each cable is
+        gone with it), so peers see silence, not a reset. Returns how many processes were killed.
+        """
+        require_root("clockwork sandbox fault node")
+        st = self.require_up()
+        spec = build_layout(st.config).node(node)
+        pids = processes.netns_pids([node])
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        ports = [nic.port for nic in spec.nics] + [spec.mgmt_port]
+        run(["ip", "-n", FABRIC_NS, "-batch", "-"], input="".join(f"link set {p} down\n" for p in ports))
+        st.faults[f"node {node} -"] = "crash"
+        st.save(self.paths.state_file)
+        return len(pids)
+
+    def restore_node(self, node: str) -> None:
+        """The crashed node comes back empty: links up, baseline routes, a fresh slurmd (no daemons, no jobs)."""
+        require_root("clockwork sandbox fault node")
+        st = self.require_up()
+        layout = build_layout(st.config)
+        spec = layout.node(node)
+        ports = [nic.port for nic in spec.nics] + [spec.mgmt_port]
+        run(["ip", "-n", FABRIC_NS, "-batch", "-"], input="".join(f"link set {p} up\n" for p in ports))
+        node_cmds = [f"link set {nic.name} up" for nic in spec.nics] + fabric_baseline_routes(layout, spec)
+        run(["ip", "-n", node, "-batch", "-"], input="\n".join(node_cmds) + "\n")
+        st.faults.pop(f"node {node} -", None)
+        st.save(self.paths.state_file)
+        self._restart_slurmd(st, node)
+
+    def _restart_slurmd(self, st: SandboxState, node: str) -> None:
+        name = f"slurmd-{node}"
+        if name in st.pids and processes.alive(st.pids[name]):
+            return
+        argv = [*node_prefix(self.paths, node), "slurmd", "-D", "-N", node, "-f", str(self.paths.slurm_conf)]
+        self._start(st, name, argv, env={"SLURM_CONF": str(self.paths.slurm_conf)})
 
     def exec_argv(self, node: str, argv: Sequence[str]) -> list[str]:
         """The full argv that runs ``argv`` on ``node`` (namespaces as the node's slurmd sees them)."""
