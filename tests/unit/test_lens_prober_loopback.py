@@ -201,6 +201,10 @@ def test_three_nodes_measure_a_healthy_loopback_fabric() -> None:
             assert lens.snapshot()["reference"] == "n1"
             status = lens.status()
             assert status["paths"] == 2 and status["bad_paths"] == 0 and status["suspects"] == []
+            # Echoes: every path has round trips, measured on the receiver's clock alone, and they are
+            # about the sum of the two one-way delays (here both directions cross the same loopback).
+            for p in lens.snapshot()["paths"]:
+                assert p["rtt_min_us"] is not None and 0 < p["rtt_min_us"] <= p["rtt_p50_us"] < 5000, (name, p)
         assert c.events == []
 
 

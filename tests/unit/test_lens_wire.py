@@ -30,7 +30,7 @@ def _verify(packet: bytes, key: bytes = KEY, length: int | None = None) -> bool:
 
 def test_header_round_trips_through_the_numpy_view() -> None:
     packet = _probe(seq=2**32 + 41, aux=(3 << 16) | 46)
-    assert len(packet) == wire.PROBE_BYTES == 40
+    assert len(packet) == wire.PROBE_BYTES == 48
     assert _verify(packet)
     h = np.frombuffer(packet, dtype=wire.DTYPE)[0]
     assert h["magic"] == wire.MAGIC

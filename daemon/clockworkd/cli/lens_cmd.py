@@ -23,7 +23,7 @@ from clockworkd.errors import ClockworkError, DaemonUnavailableError
 from clockworkd.lens import render
 from linkpass.fabric import FabricError, FabricMap
 
-METRICS = ("p50", "min", "p99", "loss")
+METRICS = ("p50", "min", "p99", "loss", "rtt")
 
 
 def _candidates(state: CliContext, nodes: tuple[str, ...]) -> list[str]:
@@ -110,7 +110,7 @@ def suspects(state: CliContext, nodes: tuple[str, ...], as_json: bool) -> None:
 @json_option
 @pass_ctx
 def matrix(state: CliContext, metric: str, nodes: tuple[str, ...], as_json: bool) -> None:
-    """One-way delay or loss between every pair of NICs (rows send, columns receive)."""
+    """One-way delay, loss or round trip between every pair of NICs (rows send, columns receive)."""
     merged = render.merge(collect(state, nodes))
     if as_json:
         click.echo(json.dumps([merged.paths[k] for k in sorted(merged.paths)], indent=2, sort_keys=True))

@@ -60,6 +60,8 @@ class PathStats:
     owd_p99_us: float | None = None
     jitter_us: float | None = None  # mean absolute difference of consecutive one-way delays
     rate_mbps: float | None = None  # from the last probe train's dispersion, when trains run
+    rtt_min_us: float | None = None  # round trip from echoes (no clock sync needed): min and median
+    rtt_p50_us: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)  # flat: a copy of the fields (asdict's deep copy costs 10x)

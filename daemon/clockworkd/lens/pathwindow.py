@@ -88,6 +88,9 @@ class PathWindow:
     pending_d: list[int] = field(default_factory=list)
     blocks: deque[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=deque)  # (t, seq, d)
     pair_first: tuple[int, int, int, int] | None = None  # (seq, tx, rx on our clock, rx real) awaiting its second
+    echo_seq: int = -1  # newest probe received (echoed back to the sender in our probes to it)
+    echo_rx_clock: int = 0  # when it arrived, our clock (ns)
+    rtts: deque[tuple[float, int]] = field(default_factory=deque)  # (when, round trip ns)
     train_id: int = -1
     train_first_ns: int = 0
     train_last_ns: int = 0
@@ -110,7 +113,7 @@ class PathWindow:
             self.session = session
             self.pending_t, self.pending_seq, self.pending_d = [], [], []
             self.blocks.clear()
-            self.last_seq = -1
+            self.last_seq = self.echo_seq = -1
         self.pending_t.append(now)
         self.pending_seq.append(seq)
         self.pending_d.append(d_ns)
@@ -182,6 +185,12 @@ class PathWindow:
                 p = _quantiles(owd)
             if len(ds) > 1:
                 jitter = float(np.mean(np.abs(np.diff(ds)))) / 1e3  # consecutive arrivals
+        while self.rtts and self.rtts[0][0] < horizon:
+            self.rtts.popleft()
+        rtt_min = rtt_p50 = None
+        if self.rtts:
+            rt = np.sort(np.array([r for _, r in self.rtts], dtype=np.float64)) / 1e3
+            rtt_min, rtt_p50 = float(rt[0]), _quantiles(rt)[1]
         rate = None
         if self.last_rate is not None and now - self.last_rate[0] < TRAIN_STALE_S:
             rate = self.last_rate[1]
@@ -197,6 +206,8 @@ class PathWindow:
             p[2],
             jitter,
             rate,
+            rtt_min,
+            rtt_p50,
         )
 
     def judge(self, stats: PathStats, th: Thresholds, sender_alive: bool) -> PathVerdict | None:

@@ -60,12 +60,30 @@ class GrayTarget(Protocol):
     def set_gray(self, peer: str, rail: str, reason: str | None) -> bool: ...
 
 
+ECHO_RING = 1024  # transmit times kept per path for echoes (10 s of probes at 10 ms)
+
+
 @dataclass
 class OutPath:
     peer: NicId
     addr: bytes  # struct sockaddr_in of the peer NIC's probe port
     dst: tuple[int, int]  # (node index, NIC index)
     seq: int = 0
+    sent_seq: list[int] = field(default_factory=lambda: [-1] * ECHO_RING)  # seq -> transmit time, for echoes
+    sent_tx: list[int] = field(default_factory=lambda: [0] * ECHO_RING)
+    reverse: PathWindow | None = None  # the peer's probes to this NIC (what we echo back)
+
+    def echo(self, tx: int) -> tuple[int, int]:
+        """(seq, hold ns) of the newest probe received on the reverse path, or no echo."""
+        rev = self.reverse
+        if rev is None or rev.echo_seq < 0:
+            return 0, wire.NO_ECHO
+        hold = tx - rev.echo_rx_clock
+        return (rev.echo_seq & 0xFFFFFFFF, hold) if 0 <= hold < wire.NO_ECHO else (0, wire.NO_ECHO)
+
+    def sent(self, seq: int, tx: int) -> None:
+        slot = seq % ECHO_RING
+        self.sent_seq[slot], self.sent_tx[slot] = seq & 0xFFFFFFFF, tx
 
 
 @dataclass
@@ -194,6 +212,12 @@ class Lens:
                 key = (self.node_index[snode], self.nic_names[snode].index(sname), j)
                 self.incoming[key] = PathWindow(src, nic)
             self.local.append(local)
+        out_by_pair = {(local.nic, path.peer): path for local in self.local for path in local.out}
+        for pw in self.incoming.values():
+            out = out_by_pair.get((pw.dst, pw.src))
+            pw.reverse_out = out
+            if out is not None:
+                out.reverse = pw
         log.info(
             "lens on %s: NICs %s, %d outgoing and %d incoming paths, probe every %g ms, reference clock %s%s",
             self.me,
@@ -277,19 +301,20 @@ class Lens:
                 if k == first:
                     continue
                 path.seq += 1
-                head = wire.header(wire.PROBE, 0, src, path.dst, path.seq, tx, self.session)
+                path.sent(path.seq, tx)
+                head = wire.header(wire.PROBE, 0, src, path.dst, path.seq, tx, self.session, 0, *path.echo(tx))
                 messages.append((wire.sign(self.key, head), path.addr))
             if first >= 0:
                 path = local.out[first]
                 path.seq += 2
                 tx = self._clock_ns()
-                messages[:0] = [
-                    (
-                        wire.sign(self.key, wire.header(wire.PROBE, flag, src, path.dst, seq, tx, self.session)),
-                        path.addr,
-                    )
-                    for flag, seq in ((wire.PAIR_FIRST, path.seq - 1), (wire.PAIR_SECOND, path.seq))
-                ]
+                echo = path.echo(tx)
+                pair = []
+                for flag, seq in ((wire.PAIR_FIRST, path.seq - 1), (wire.PAIR_SECOND, path.seq)):
+                    path.sent(seq, tx)
+                    head = wire.header(wire.PROBE, flag, src, path.dst, seq, tx, self.session, 0, *echo)
+                    pair.append((wire.sign(self.key, head), path.addr))
+                messages[:0] = pair
             self._send(local, messages, "probes_sent")
 
     def _send_trains(self) -> None:
@@ -424,7 +449,7 @@ class Lens:
             if cut or not rx_ns or length < tag_end:
                 rejected += 1
                 continue
-            magic, kind, flags, sn, snic, dnic, dn, seq, tx, session, aux = unpack(payload, off)
+            magic, kind, flags, sn, snic, dnic, dn, seq, tx, session, aux, echo_seq, hold = unpack(payload, off)
             if kind == wire.SUMMARY:  # a body follows the header: the general check
                 authentic = wire.verify(key, payload[off:], length)
             else:  # probes and trains: header + tag, checked inline (the hot path)
@@ -451,6 +476,13 @@ class Lens:
                 probes += 1
                 rx_clock = self.seam.apply(rx_ns) if self.seam else rx_ns
                 pw.add_one(now, session, seq, rx_clock - tx)
+                if seq > pw.echo_seq:
+                    pw.echo_seq, pw.echo_rx_clock = seq, rx_clock
+                out = pw.reverse_out
+                if hold != wire.NO_ECHO and out is not None and out.sent_seq[echo_seq % ECHO_RING] == echo_seq:
+                    rtt = rx_clock - out.sent_tx[echo_seq % ECHO_RING] - hold  # both ends on our clock
+                    if 0 < rtt < 10_000_000_000:
+                        pw.rtts.append((now, rtt))
                 if flags == wire.PAIR_FIRST:
                     pw.pair_first = (seq, tx, rx_clock, rx_ns)
                 elif flags == wire.PAIR_SECOND and pw.pair_first is not None and pw.pair_first[0] == seq - 1:

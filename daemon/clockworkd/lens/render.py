@@ -29,15 +29,22 @@ from rich.text import Text
 
 from clockworkd.lens.model import NicId, split_nic
 
-Metric = Literal["p50", "min", "p99", "loss"]
+Metric = Literal["p50", "min", "p99", "loss", "rtt"]
 
 CROSS_RAIL = "cross-rail"
-_METRIC_KEY: dict[str, str] = {"p50": "owd_p50_us", "min": "owd_min_us", "p99": "owd_p99_us", "loss": "loss"}
+_METRIC_KEY: dict[str, str] = {
+    "p50": "owd_p50_us",
+    "min": "owd_min_us",
+    "p99": "owd_p99_us",
+    "loss": "loss",
+    "rtt": "rtt_p50_us",
+}
 _METRIC_TITLE: dict[str, str] = {
     "p50": "One-way delay p50 (µs)",
     "min": "One-way delay min (µs)",
     "p99": "One-way delay p99 (µs)",
     "loss": "Loss (%)",
+    "rtt": "Round trip p50 (µs, from echoes)",
 }
 # A delay this many times the rail's median delay is worth a look (yellow) / is plainly wrong (red),
 # even before the path's own baseline flags it. Loss: any is worth a look, 1% is bad for RDMA.

@@ -1,9 +1,11 @@
-"""Probe, train and summary packets: a fixed 32-byte header, a payload, an 8-byte keyed BLAKE2b tag.
+"""Probe, train and summary packets: a fixed 40-byte header, a payload, an 8-byte keyed BLAKE2b tag.
 
 Header (little-endian): magic ``CWL1``, kind, flags, source node index, source NIC index,
 destination NIC index, destination node index, sequence number (per directed NIC pair), the sender's
 transmit time (its clock, ns), the sender's session (random per daemon start: a restarted peer's
-sequence numbers start again), and ``aux`` (train: index << 16 | count; summary: body length).
+sequence numbers start again), ``aux`` (train: index << 16 | count; summary: body length), and the
+echo (probe: the newest sequence number the sender received on the reverse path, and how long it had
+held it by then, ns; the receiver turns that into a round trip with its own two timestamps).
 
 Node and NIC indices are positions in the sorted fabric map that every daemon shares, so a packet
 names its path in 8 bytes. Every packet is authenticated with a key all daemons share: nobody on
@@ -24,8 +26,9 @@ MAGIC = b"CWL1"
 PROBE, TRAIN, SUMMARY = 1, 2, 3
 PAIR_FIRST, PAIR_SECOND = 1, 2
 TAG = 8
-HEADER = struct.Struct("<4sBBHBBHIqII")
-HEADER_BYTES = HEADER.size  # 32
+HEADER = struct.Struct("<4sBBHBBHIqIIII")
+HEADER_BYTES = HEADER.size  # 40
+NO_ECHO = 0xFFFFFFFF  # echo hold value: nothing to echo
 PROBE_BYTES = HEADER_BYTES + TAG
 TRAIN_PACKET = 1400
 MAX_SUMMARY_BODY = 7000
@@ -44,6 +47,8 @@ DTYPE = np.dtype(
         ("tx_ns", "<i8"),
         ("session", "<u4"),
         ("aux", "<u4"),
+        ("echo_seq", "<u4"),
+        ("echo_hold_ns", "<u4"),
         ("tag", "S8"),
     ]
 )
@@ -67,8 +72,24 @@ def header(
     tx_ns: int,
     session: int,
     aux: int = 0,
+    echo_seq: int = 0,
+    echo_hold_ns: int = NO_ECHO,
 ) -> bytes:
-    return HEADER.pack(MAGIC, kind, flags, src[0], src[1], dst[1], dst[0], seq & 0xFFFFFFFF, tx_ns, session, aux)
+    return HEADER.pack(
+        MAGIC,
+        kind,
+        flags,
+        src[0],
+        src[1],
+        dst[1],
+        dst[0],
+        seq & 0xFFFFFFFF,
+        tx_ns,
+        session,
+        aux,
+        echo_seq,
+        echo_hold_ns,
+    )
 
 
 def sign(key: bytes, head: bytes, body: bytes = b"", pad_to: int = 0) -> bytes:
