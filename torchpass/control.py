@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -132,6 +133,7 @@ class ControlChannel:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.rpc = CoordinatorRpc(self._context, endpoint, rpc_timeout_s, identity=f"{worker_id}.r".encode())
         self._closing = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # close() wakes the control thread at once
         self._thread = threading.Thread(target=self._run, name="torchpass-control", daemon=True)
 
     def start(self) -> None:
@@ -141,10 +143,13 @@ class ControlChannel:
     def close(self) -> None:
         """Stop the thread and close both sockets."""
         self._closing.set()
+        os.write(self._wake_w, b"x")
         if self._thread.is_alive():
             self._thread.join(timeout=2)
         self.rpc.close()
         self._context.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def check(self) -> None:
         """Raise if the job was stopped or the coordinator is lost (cheap; called while waiting)."""
@@ -172,12 +177,15 @@ class ControlChannel:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}.n".encode())
         sock.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             sock.send(encode("hello", wid=self.worker_id, step=self.step))
             last_heard = last_sent = time.monotonic()
             while not self._closing.is_set():
                 wait_s = max(0.0, last_sent + self.heartbeat_interval_s - time.monotonic())
-                if sock.poll(int(wait_s * 1000) + 1, zmq.POLLIN):
+                if dict(poller.poll(int(wait_s * 1000) + 1)).get(sock):
                     last_heard = time.monotonic()
                     self.lost = False
                     try:

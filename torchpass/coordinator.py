@@ -158,6 +158,7 @@ class Coordinator:
         self._departing: str | None = None
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
@@ -706,6 +707,8 @@ class Coordinator:
     # ----- timers ---------------------------------------------------------------------------
 
     def _check_heartbeats(self, now: float) -> None:
+        if self.state in (DONE, FAILED):
+            return  # processes are exiting; their silence means nothing now
         limit = self.config.heartbeat_timeout_s
         for rec in list(self.workers.values()):
             if rec.alive and rec.registered and now - rec.last_seen > limit:

@@ -94,6 +94,7 @@ class LocalLauncher:
         self._spawned_spares = 0
         self._requests: queue.Queue[tuple[str, str]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._signal: int | None = None
         self.coordinator = Coordinator(
