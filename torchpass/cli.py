@@ -13,6 +13,7 @@ import logging
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 
@@ -113,7 +114,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return launcher.run()
 
 
-def _request(endpoint: str, op: str, **fields: object) -> dict[str, object]:
+def _request(endpoint: str, op: str, **fields: Any) -> dict[str, Any]:
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     rpc = CoordinatorRpc(context, endpoint, timeout_s=5.0)
     try:

@@ -35,6 +35,7 @@ import atexit
 import copy
 import ctypes
 import datetime
+import importlib
 import logging
 import os
 import signal
@@ -42,7 +43,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ class _RankLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """Prefixes every message with the rank's slot, generation, step and worker id."""
 
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        ctx: Context = self.extra["ctx"]  # type: ignore[index]
+        ctx = cast(Context, self.extra["ctx"])  # type: ignore[index]
         return f"[slot {ctx.slot} g{ctx.generation} step {ctx._step} {ctx.worker_id}] {msg}", kwargs
 
 
@@ -136,6 +137,7 @@ class Context:
         self._snapshots: dict[str, Any] = {}  # generic registered state at the last commit
         self._buffers: list[torch.Tensor] = []
         self._buffer_shadow: list[torch.Tensor] = []
+        self._group_shadow: list[list[dict[str, Any]]] = []  # optimizer hyper-parameters at the last commit
         self._commit_hooks: list[Callable[[int], None]] = []
         self._pending: GenerationInfo | None = None
         self._step = -1
@@ -299,9 +301,18 @@ class Context:
             callback(step)
 
     def _snapshot_local_state(self) -> None:
-        """Remember buffers and generic registered state as of the last commit (to undo an abandoned step)."""
+        """Remember what a step may change outside the optimizer's update, as of the last commit: buffers,
+        optimizer hyper-parameters (an LR scheduler edits ``param_groups`` directly) and generic registered
+        state. An abandoned step is undone from these copies."""
         for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
             shadow.copy_(live)
+        self._group_shadow = [
+            [
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups
+            ]
+            for optimizer in self._parts.optimizers
+        ]
         for name in self._snapshots:
             self._snapshots[name] = copy.deepcopy(self._parts.extra[name].state_dict())
 
@@ -311,6 +322,9 @@ class Context:
         with torch.no_grad():
             for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
                 live.copy_(shadow)
+        for optimizer, groups in zip(self._parts.optimizers, self._group_shadow, strict=True):
+            for group, saved in zip(optimizer.param_groups, groups, strict=True):
+                group.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()})
         for name, snapshot in self._snapshots.items():
             self._parts.extra[name].load_state_dict(copy.deepcopy(snapshot))
         self._zero_grads()
@@ -363,6 +377,9 @@ class Context:
         except Exception as exc:
             self._abandon_step(exc)
             return False
+
+    def _local_group(self) -> dist.ProcessGroup:
+        return self._backend.local_group()
 
     def _on_generation(self, gen: int) -> None:
         """Control thread: a newer generation exists, so any collective of an older one is doomed: abort it."""
@@ -724,6 +741,9 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
         rpc_timeout_s=cfg.rpc_timeout_s,
     )
     ctx = Context(cfg, env, channel, backend, store_server, event_sink, coordinator)
+    # DDP's constructor imports torch._dynamo lazily (about 1 s here). Pay it before registering, so that a
+    # spare is fully warm when the coordinator can first hand it a slot.
+    importlib.import_module("torch._dynamo")
     try:
         channel.call("register", pid=os.getpid(), host=env.host, store_port=store_server.port, role=env.role)
     except JobStopped as stop:

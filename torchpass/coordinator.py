@@ -125,6 +125,7 @@ class Coordinator:
         bind_host: str = "127.0.0.1",
         port: int = 0,
         on_spare_taken: Callable[[str], None] | None = None,
+        on_spare_needed: Callable[[], None] | None = None,
         on_evict: Callable[[str], None] | None = None,
     ) -> None:
         if world_size < 1:
@@ -135,6 +136,7 @@ class Coordinator:
         self.bind_host = bind_host
         self.port = port
         self.on_spare_taken = on_spare_taken
+        self.on_spare_needed = on_spare_needed
         self.on_evict = on_evict
         self.state = FORMING
         self.failure_reason = ""
@@ -156,6 +158,7 @@ class Coordinator:
         self._pending_handoff: Handoff | None = None
         self._resets = 0  # consecutive same-member rebuilds since a generation last completed
         self._departing: str | None = None
+        self._departed = False  # the departing rank reported its handoff (successful or not)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -319,7 +322,9 @@ class Coordinator:
             rec.last_seen = time.monotonic()
         if op in ("hello", "hb"):
             if rec is None:
-                return
+                if not wid:
+                    return
+                rec = self.workers[wid] = _Worker(wid=wid, role="?")  # its register may still be in flight
             rec.notify_ident = ident
             rec.step = int(msg.get("step", rec.step))
             if not rec.alive:
@@ -416,6 +421,9 @@ class Coordinator:
 
     def _on_finished(self, ident: bytes, msg: dict[str, Any]) -> None:
         wid, gen = str(msg["wid"]), int(msg["gen"])
+        if self.state in (DONE, FAILED):
+            self._reply(ident, msg["id"], stop=True, done=self.state == DONE, reason=self.failure_reason)
+            return
         if self.info is not None and gen < self.gen and self._entitled(wid):
             self._reply(ident, msg["id"], generation=self.info.to_wire())
             return
@@ -441,6 +449,7 @@ class Coordinator:
         source = self.members.pop(slot)
         src = self.workers[source]
         self._departing = source
+        self._departed = False
         self._pending_handoff = Handoff(slot, source, self.spares[0], src.host, src.store_port)
         self.vacant.add(slot)
         requester = str(msg.get("wid") or msg.get("requester") or "cli")
@@ -452,6 +461,8 @@ class Coordinator:
 
     def _on_departed(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._reply(ident, msg["id"])
+        if msg["wid"] == self._departing:
+            self._departed = True
         emit(
             self.event_sink,
             log,
@@ -511,6 +522,13 @@ class Coordinator:
         if wid == self._departing:
             self._departing = None
             log.info("departing %s is gone (%s)", wid, why)
+            info = self.info
+            if not self._departed and info is not None and info.handoff is not None and info.handoff.source == wid:
+                # It died before handing its state over: the spare must not wait for it. A new generation
+                # without a handoff makes the spare take the state from a replica instead.
+                self._recovery = self._recovery or _Recovery(evidence_at=at)
+                self._recovery.reasons.append(f"departing {wid} {why} before its handoff")
+                self._try_declare()
             return
         if self.state == FORMING:
             if rec.role.startswith("slot:"):
@@ -521,9 +539,10 @@ class Coordinator:
                 emit(self.event_sink, log, "torchpass.member_failed", slot=slot, worker=wid, why=why, generation=-1)
                 self._maybe_start()
             return
-        slot = next((s for s, w in self.members.items() if w == wid), None)
-        if slot is None:
+        held = [s for s, w in self.members.items() if w == wid]
+        if not held:
             return
+        slot = held[0]
         del self.members[slot]
         self.vacant.add(slot)
         self.failures += 1
@@ -558,6 +577,8 @@ class Coordinator:
         if len(self.spares) < len(self.vacant):
             if self._vacant_since is None:
                 self._vacant_since = time.monotonic()
+                if self.on_spare_needed is not None:
+                    self.on_spare_needed()  # the local launcher starts one; under Slurm: borrow or wait
                 emit(
                     self.event_sink,
                     log,
@@ -654,16 +675,18 @@ class Coordinator:
             "transfer_bytes": int(max((r.get("transfer_bytes") or 0) for r in reports)),
         }
         if rec is not None and rec.declared_at is not None:
-            fields["detect_ms"] = round(1000 * ((rec.death_seen_at or rec.declared_at) - rec.evidence_at), 1)
-            fields["decide_ms"] = round(1000 * (rec.declared_at - (rec.death_seen_at or rec.evidence_at)), 1)
+            # The first sign of the failure: the launcher/daemon seeing the exit, a rank's broken report, or a
+            # survivor's collective failing (which can come first: a closed socket is seen in microseconds).
             first_error = [float(r["first_error_at"]) for r in reports if r.get("first_error_at")]
-            if first_error:
-                fields["survivors_error_ms"] = round(1000 * (min(first_error) - rec.evidence_at), 1)
+            evidence = min([rec.evidence_at, *first_error])
+            known = rec.death_seen_at or rec.declared_at
+            fields["detect_ms"] = round(1000 * (known - evidence), 1)
+            fields["decide_ms"] = round(1000 * (rec.declared_at - known), 1)
             if newcomers:
                 fields["spare_ready_ms"] = round(
                     1000 * (max(float(r["arrived_at"]) for r in newcomers) - rec.declared_at), 1
                 )
-            fields["total_ms"] = round(1000 * (now - rec.evidence_at), 1)
+            fields["total_ms"] = round(1000 * (now - evidence), 1)
         if info.handoff is not None:
             kind = "torchpass.migrated"
             fields["handoff_ok"] = any(r.get("handoff_ok") for r in newcomers)

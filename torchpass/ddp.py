@@ -24,17 +24,37 @@ Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forwar
 """
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-if TYPE_CHECKING:
-    from torchpass.context import Context
+__all__ = ["StepGuard", "TorchPassDDP"]
 
-__all__ = ["TorchPassDDP"]
+
+class StepGuard(Protocol):
+    """What the DDP wrapper needs from the rank's context (:class:`torchpass.context.Context` provides it)."""
+
+    world_size: int
+
+    def _collective_allowed(self) -> bool:
+        """Whether a collective may start now (False once the step is abandoned or the generation is stale)."""
+        ...
+
+    def _abandon_step(self, error: BaseException | str) -> None:
+        """Mark the current step abandoned (callable from any thread)."""
+        ...
+
+    def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
+        """Broadcast buffers from slot 0, abandoning the step instead of raising."""
+        ...
+
+    def _local_group(self) -> dist.ProcessGroup:
+        """The private one-rank group DDP is constructed over."""
+        ...
+
 
 # DDP arguments TorchPass decides itself (see the module docstring).
 _RESERVED = (
@@ -54,7 +74,7 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return future
 
 
-def _allreduce_hook(ctx: "Context", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket over the current generation; never raise (a failure abandons the step)."""
     buffer = bucket.buffer()
     if not ctx._collective_allowed():
@@ -80,13 +100,13 @@ def _allreduce_hook(ctx: "Context", bucket: dist.GradBucket) -> torch.futures.Fu
 class TorchPassDDP(DistributedDataParallel):
     """DDP over a private one-rank group, with TorchPass's failure-tolerant gradient averaging."""
 
-    def __init__(self, module: nn.Module, ctx: "Context", *, broadcast_buffers: bool = True, **ddp_kwargs: Any) -> None:
+    def __init__(self, module: nn.Module, ctx: StepGuard, *, broadcast_buffers: bool = True, **ddp_kwargs: Any) -> None:
         reserved = sorted(set(ddp_kwargs) & set(_RESERVED))
         if reserved:
             raise TypeError(f"ctx.wrap_model sets {', '.join(reserved)} itself (see torchpass.ddp)")
         super().__init__(
             module,
-            process_group=ctx._backend.local_group(),
+            process_group=ctx._local_group(),
             init_sync=False,
             find_unused_parameters=True,
             forward_sync_buffers=False,

@@ -103,6 +103,7 @@ class LocalLauncher:
             event_sink=event_sink,
             bind_host=host,
             on_spare_taken=lambda wid: self._request("spare_taken", wid),
+            on_spare_needed=lambda: self._request("spare_needed", ""),
             on_evict=lambda wid: self._request("kill", wid),
         )
 
@@ -212,7 +213,7 @@ class LocalLauncher:
                 what, wid = self._requests.get_nowait()
             except queue.Empty:
                 return
-            if what == "spare_taken":
+            if what in ("spare_taken", "spare_needed"):
                 limit = self.spares + self.config.max_failures
                 ended = self.coordinator.finished_event.is_set()
                 if self.respawn_spares and self._spawned_spares < limit and not ended:

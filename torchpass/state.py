@@ -47,7 +47,7 @@ class StateError(RuntimeError):
 class TensorRef(NamedTuple):
     """Stands in for a tensor inside pickled metadata: its index in the payload."""
 
-    index: int
+    position: int
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
 def _fill(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
     """Inverse of :func:`_strip`."""
     if isinstance(obj, TensorRef):
-        return tensors[obj.index]
+        return tensors[obj.position]
     if isinstance(obj, OrderedDict):
         return OrderedDict((k, _fill(v, tensors)) for k, v in obj.items())
     if isinstance(obj, dict):

@@ -138,7 +138,18 @@ def test_a_path_that_went_silent_loses_the_rest_of_the_window() -> None:
     assert stats.received == 50
     assert stats.sent == 50 + silent
     assert stats.loss == pytest.approx(1 - 50 / 98, abs=1e-5)
-    assert verdict is not None and verdict.bad and verdict.kinds == ("loss",)
+    # Silent for half a second while its sender lives: the path stopped delivering, it is dead.
+    assert verdict is not None and verdict.bad and verdict.kinds == ("dead",)
+    assert "stopped delivering" in verdict.reasons[0]
+
+
+def test_a_short_gap_is_loss_not_death() -> None:
+    feed = Feed()
+    feed.healthy(4)
+    now = feed.window(missing={40, 41, 42})  # three probes lost mid-window, the path delivers again
+    stats, verdict = feed.judge(now)
+    assert stats.loss == pytest.approx(0.03)
+    assert verdict is not None and verdict.kinds == ("loss",)
 
 
 def test_no_samples_with_the_sender_alive_is_dead() -> None:

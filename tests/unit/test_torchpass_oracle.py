@@ -6,7 +6,8 @@ small piece of registered user state. This file is also the rank script: execute
 
 Faults are injected by the rank script itself through ``CW_TEST_KILL`` (``slot:step:phase``, comma
 separated): it SIGKILLs its own process in the forward pass, inside backward while gradient buckets are being
-all-reduced, or inside the optimizer step. ``slot:gen:transfer`` kills the rank while it sends or receives
+all-reduced, or inside the optimizer step; ``freeze`` stops it with SIGSTOP instead (a silent rank whose
+sockets stay open). ``slot:gen:transfer`` kills the rank while it sends or receives
 state during the recovery into generation ``gen`` (a failure during recovery). A marker file makes each
 kill happen once, so the replacement in the same slot does not kill itself too. ``CW_TEST_MIGRATE``
 (``slot:step``) makes a rank request the planned migration of ``slot`` at ``step``.
@@ -83,7 +84,7 @@ def _rank_main() -> int:
             return  # already done once: the replacement must not kill itself too
         os.write(fd, f"{time.time()}\n".encode())
         os.close(fd)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if phase == "freeze" else signal.SIGKILL)
 
     def sink(kind: str, fields: dict[str, Any]) -> None:
         if kind == "torchpass.joined" and fields["received"]:
@@ -104,6 +105,7 @@ def _rank_main() -> int:
     ctx.on_commit(lambda step: journal(ctx.slot, f"commit {ctx.generation} {step}"))
 
     model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "forward"))
+    model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "freeze"))
     model[0].weight.register_hook(lambda grad: maybe_kill(ctx.slot, ctx.step, "backward"))  # late in backward
     opt.register_step_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "optimizer"))
 
@@ -162,7 +164,9 @@ class Run:
         return [e["fields"] for e in self.events if e["kind"] == kind]
 
 
-def _run(base: Path, name: str, *, kill: str = "", migrate: str = "", spares: int = 1) -> Run:
+def _run(
+    base: Path, name: str, *, kill: str = "", migrate: str = "", spares: int = 1, settings: tuple[str, ...] = ()
+) -> Run:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MIGRATE=migrate, CW_TEST_STEPS=str(STEPS))
@@ -182,6 +186,7 @@ def _run(base: Path, name: str, *, kill: str = "", migrate: str = "", spares: in
         "collective_timeout_s=20",
         "--set",
         "join_timeout_s=60",
+        *(arg for setting in settings for arg in ("--set", setting)),
         str(SCRIPT),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
@@ -334,3 +339,18 @@ def test_planned_migration(base: Path, reference: Run) -> None:
     assert departed and departed[0]["handoff_ok"]
     assert not run.of_kind("torchpass.member_failed")
     print(f"migrated slot 2: {json.dumps(migrated[0], sort_keys=True)}")
+
+
+def test_silent_rank_is_evicted_and_replaced(base: Path, reference: Run) -> None:
+    """A rank frozen with SIGSTOP keeps its sockets open: only its missing heartbeats reveal it. The survivors'
+    blocked all-reduce is aborted when the new generation is announced, long before the collective timeout."""
+    started = time.monotonic()
+    run = _run(base, "freeze", kill="1:10:freeze", settings=("heartbeat_timeout_s=2", "heartbeat_interval_s=0.2"))
+    run.check_ok()
+    assert time.monotonic() - started < 60
+    _assert_same_final_state(run, reference)
+    _assert_each_step_once(run)
+    failed = run.of_kind("torchpass.member_failed")
+    assert len(failed) == 1 and "no heartbeat" in failed[0]["why"]
+    fields = _recovered(run, 1)
+    assert fields["total_ms"] < 15000  # heartbeat timeout + recovery, not the 20 s collective timeout

@@ -19,6 +19,7 @@ from clockworkd.lens.model import NicId, PathStats, PathVerdict
 
 BASELINE_ALPHA = 0.05  # EWMA weight of one healthy window in a path's baseline
 TRAIN_STALE_S = 5.0  # a train older than this no longer says anything about the path
+DEAD_AFTER_S = 0.25  # a path silent this long (its sender alive elsewhere) is dead, not just lossy
 
 
 def _quantiles(ordered: np.ndarray) -> tuple[float, float, float]:
@@ -101,6 +102,7 @@ class PathWindow:
     prev_rate: tuple[float, float] | None = None  # the train before: a rate verdict needs both slow
     rate_learnt_at: float = -1.0  # time of the train last taught to the baseline
     baseline: Baseline = field(default_factory=Baseline)
+    silent_s: float = 0.0  # how long the path has been quiet, as of the last stats()
 
     def add(self, now: float, session: int, seq: Sequence[int] | np.ndarray, d_ns: Sequence[int] | np.ndarray) -> None:
         """Probes of one batch (in arrival order)."""
@@ -142,8 +144,10 @@ class PathWindow:
         self.train_got = 0
         self.train_id = -1
 
-    def stats(self, now: float, offset_ns: float | None, th: Thresholds) -> PathStats:
-        """The window's figures; ``offset_ns`` = receiver clock minus sender clock (None = unknown)."""
+    def stats(self, now: float, offset_ns: float | None, th: Thresholds, offset_rate: float = 0.0) -> PathStats:
+        """The window's figures; ``offset_ns`` = receiver clock minus sender clock now (None = unknown),
+        changing at ``offset_rate`` ns per ns (the two clocks' relative drift): each sample is corrected
+        with the offset of its own moment."""
         if self.pending_seq:
             self.blocks.append(
                 (
@@ -161,15 +165,18 @@ class PathWindow:
             keep = t >= horizon
             self.blocks[0] = (t[keep], q[keep], d[keep])
         if len(self.blocks) == 1:
-            seqs, ds = self.blocks[0][1], self.blocks[0][2]
+            ts, seqs, ds = self.blocks[0]
         elif self.blocks:
+            ts = np.concatenate([b[0] for b in self.blocks])
             seqs = np.concatenate([b[1] for b in self.blocks])
             ds = np.concatenate([b[2] for b in self.blocks])
         else:
+            ts = np.zeros(0)
             seqs = ds = np.zeros(0, dtype=np.int64)
         received = len(np.unique(seqs)) if len(seqs) else 0
         # Expected: from the first sequence number of the window to the newest, extended by what the
         # sender should have sent since the newest arrived (a path that went silent loses the rest).
+        self.silent_s = now - self.last_rx if received else 0.0
         if received:
             silent = max(0.0, now - self.last_rx - 2 * th.interval_s)
             newest = int(seqs.max()) + int(silent / th.interval_s)
@@ -181,7 +188,10 @@ class PathWindow:
         p: tuple[float | None, float | None, float | None] = (None, None, None)
         if received:
             if offset_ns is not None:
-                owd = np.sort((ds - round(offset_ns)).astype(np.float64) / 1e3)
+                corrected = (ds - round(offset_ns)).astype(np.float64)
+                if offset_rate:
+                    corrected += offset_rate * (now - ts) * 1e9  # the offset was smaller by drift x age
+                owd = np.sort(corrected / 1e3)
                 p = _quantiles(owd)
             if len(ds) > 1:
                 jitter = float(np.mean(np.abs(np.diff(ds)))) / 1e3  # consecutive arrivals
@@ -223,8 +233,12 @@ class PathWindow:
         kinds: list[str] = []
         score = 0.0
         lost = stats.sent - stats.received
-        if stats.received == 0:
-            reasons.append("no probe arrived in the window")
+        if stats.received == 0 or self.silent_s > DEAD_AFTER_S:
+            reasons.append(
+                "no probe arrived in the window"
+                if stats.received == 0
+                else f"no probe for {self.silent_s * 1000:.0f} ms (the path stopped delivering)"
+            )
             kinds.append("dead")
             score = 1.0
         elif lost >= th.loss_min_lost and stats.loss > 3 * b.loss + 0.002:

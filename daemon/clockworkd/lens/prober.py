@@ -159,6 +159,7 @@ class Lens:
         self._summaries_seen: dict[str, deque[tuple[int, int, bytes]]] = {}  # node -> recent (session, seq, tag)
         self.solution: clocksync.GraphSolution | None = None
         self.pair_estimates: dict[tuple[str, str], tuple[float, clocksync.PairEstimate]] = {}
+        self.drift: dict[str, float] = {}  # node -> d(offset to the reference)/dt, ns per ns
         self.clock_tracker = clocksync.SuspectTracker()
         self.clock_suspects: set[tuple[str, str]] = set()  # pairs whose offsets persistently break loops
         self.solved_at_real_ns = 0  # real time of the last solution (benchmarks compare against seam truth)
@@ -586,8 +587,17 @@ class Lens:
         now = time.monotonic()
         fresh = {pair: est for pair, (t, est) in self.pair_estimates.items() if now - t < PAIR_FRESH_S}
         if fresh:
-            self.solution = clocksync.solve_graph(fresh, self.reference, self._clock_ns(), nodes=self.nodes)
+            at = self._clock_ns()
+            self.solution = clocksync.solve_graph(fresh, self.reference, at, nodes=self.nodes)
             self.solved_at_real_ns = time.time_ns()
+            # The same a second earlier gives each node's drift against the reference: one-way delays
+            # over a window are corrected sample by sample with it (100 ppm is 200 µs over a 2 s window).
+            before = clocksync.solve_graph(fresh, self.reference, at - 1_000_000_000, nodes=self.nodes)
+            self.drift = {
+                n: (off - before.offsets_ns[n]) / 1e9
+                for n, off in self.solution.offsets_ns.items()
+                if n in before.offsets_ns
+            }
             persistent = set(self.clock_tracker.update(self.solution))
             for a, b in sorted(persistent - self.clock_suspects):
                 log.warning(
@@ -608,6 +618,10 @@ class Lens:
             return None
         return sol.relative(src_node, self.me)
 
+    def offset_rate(self, src_node: str) -> float:
+        """How fast that offset changes (ns per ns): this node's drift minus the sender's."""
+        return self.drift.get(self.me, 0.0) - self.drift.get(src_node, 0.0)
+
     # ----- judging and localizing -----------------------------------------------------------
 
     def evaluate(self, now: float) -> None:
@@ -619,7 +633,7 @@ class Lens:
             if pw.train_got and now - pw.last_rx > 0.2:
                 pw.finish_train(now)
             src_node = split_nic(pw.src)[0]
-            stats = pw.stats(now, self.offset_ns(src_node), self.th)
+            stats = pw.stats(now, self.offset_ns(src_node), self.th, self.offset_rate(src_node))
             results.append((stats, pw.judge(stats, self.th, src_node in heard)))
         self.last_stats = results
         verdicts = [v for _, v in results if v is not None]

@@ -1,0 +1,66 @@
+"""TorchPassConfig: one documented dataclass, unknown keys and wrong types rejected, faithful transport to ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torchpass.config import ENV_CONFIG, ConfigError, TorchPassConfig
+
+
+def test_every_field_is_documented_and_defaults_are_valid() -> None:
+    cfg = TorchPassConfig()
+    docs = TorchPassConfig.docs()
+    assert set(docs) == set(TorchPassConfig.keys())
+    assert all(len(doc) > 20 for doc in docs.values())
+    assert cfg.collective_timeout_s < 1800  # never torch's 30-minute default
+
+
+def test_unknown_keys_are_errors_everywhere(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key.*colective_timeout_s"):
+        TorchPassConfig.from_mapping({"colective_timeout_s": 3})
+    with pytest.raises(ConfigError, match="unknown key"):
+        TorchPassConfig().with_overrides(nope=1)
+    with pytest.raises(ConfigError, match="unknown key"):
+        TorchPassConfig().with_assignment("nope=1")
+    path = tmp_path / "tp.toml"
+    path.write_text("[torchpass]\nseed = 3\ntypo = 1\n")
+    with pytest.raises(ConfigError, match="typo"):
+        TorchPassConfig.from_file(path)
+
+
+def test_types_choices_and_bounds_are_checked() -> None:
+    with pytest.raises(ConfigError, match="backend must be one of"):
+        TorchPassConfig(backend="mpi")
+    with pytest.raises(ConfigError, match="seed must be int"):
+        TorchPassConfig(seed="1")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="seed must be an integer"):
+        TorchPassConfig(seed=True)
+    with pytest.raises(ConfigError, match=r">= 0\.1"):
+        TorchPassConfig(collective_timeout_s=0.0)
+    assert TorchPassConfig(collective_timeout_s=5).collective_timeout_s == 5.0  # int accepted for a float
+
+
+def test_set_assignments_parse_by_field_type() -> None:
+    cfg = TorchPassConfig().with_assignment("seed=7").with_assignment("reseed_numpy=off")
+    cfg = cfg.with_assignment("collective_timeout_s=2.5").with_assignment("backend=auto")
+    assert (cfg.seed, cfg.reseed_numpy, cfg.collective_timeout_s, cfg.backend) == (7, False, 2.5, "auto")
+    with pytest.raises(ConfigError, match="wants a int"):
+        cfg.with_assignment("seed=x")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        cfg.with_assignment("seed")
+
+
+def test_files_and_environment_round_trip(tmp_path: Path) -> None:
+    toml = tmp_path / "tp.toml"
+    toml.write_text("seed = 11\nmax_failures = 2\n")
+    json_file = tmp_path / "tp.json"
+    json_file.write_text('{"seed": 12}')
+    assert TorchPassConfig.from_file(toml).seed == 11
+    assert TorchPassConfig.from_file(json_file).seed == 12
+    cfg = TorchPassConfig(seed=5, backend="auto", join_timeout_s=9.0)
+    assert TorchPassConfig.from_env({ENV_CONFIG: cfg.to_json()}) == cfg
+    assert TorchPassConfig.from_env({}) == TorchPassConfig()
+    with pytest.raises(ConfigError, match="not JSON"):
+        TorchPassConfig.from_env({ENV_CONFIG: "{"})

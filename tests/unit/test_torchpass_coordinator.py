@@ -1,0 +1,302 @@
+"""The coordinator's decisions, driven by fake ranks over its real ZeroMQ socket (no torch, no processes).
+
+Each fake rank speaks the wire protocol exactly as :mod:`torchpass.context` does (a request DEALER and a
+control DEALER), so these tests pin the protocol: who gets which generation, when spares are used, how a
+collective error without a death is handled, what a migration announces, when the job is done or failed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from torchpass.cli import main as cli_main
+from torchpass.config import TorchPassConfig
+from torchpass.control import CoordinatorRefused, CoordinatorRpc, JobStopped
+from torchpass.coordinator import DONE, FAILED, Coordinator
+from torchpass.protocol import GenerationInfo, decode, encode
+
+
+class Events:
+    """A thread-safe event sink that remembers (kind, fields)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, dict[str, Any]]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, fields: dict[str, Any]) -> None:
+        with self._lock:
+            self.items.append((kind, fields))
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [f for k, f in self.items if k == kind]
+
+
+class FakeRank:
+    """A rank without torch: registers, long-polls, reports, and reads its control socket."""
+
+    def __init__(self, context: zmq.Context[zmq.Socket[bytes]], endpoint: str, wid: str, role: str, port: int):
+        self.wid, self.role, self.port = wid, role, port
+        self.rpc = CoordinatorRpc(context, endpoint, 2.0, identity=f"{wid}.r".encode())
+        self.control = context.socket(zmq.DEALER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.setsockopt(zmq.IDENTITY, f"{wid}.n".encode())
+        self.control.connect(endpoint)
+        self.control.send(encode("hello", wid=wid, step=-1))
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        return self.rpc.call(op, wid=self.wid, **fields)
+
+    def register(self) -> None:
+        self.call("register", pid=1000 + int(self.wid[1:]), host="127.0.0.1", store_port=self.port, role=self.role)
+
+    def await_generation(self, after: int, timeout: float = 3.0) -> GenerationInfo:
+        reply = self.rpc.wait("await_generation", time.monotonic() + timeout, wid=self.wid, after=after)
+        return GenerationInfo.from_wire(reply["generation"])
+
+    def joined(self, info: GenerationInfo, **extra: Any) -> None:
+        slot = info.slot_of(self.wid)
+        self.call("joined", gen=info.gen, slot=slot, resume_step=0, arrived_at=time.time(), **extra)
+
+    def pushes(self, timeout: float = 0.5) -> list[dict[str, Any]]:
+        out, deadline = [], time.monotonic() + timeout
+        while self.control.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            out.append(decode(self.control.recv()))
+        return out
+
+    def close(self) -> None:
+        self.rpc.close()
+        self.control.close(0)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _start(world: int, events: Events, **cfg: Any) -> tuple[Coordinator, list[str], list[str]]:
+    taken: list[str] = []
+    evicted: list[str] = []
+    config = TorchPassConfig(**{"heartbeat_timeout_s": 60.0, "broken_grace_s": 0.05, **cfg})
+    coord = Coordinator(world, config, event_sink=events, on_spare_taken=taken.append, on_evict=evicted.append)
+    coord.start()
+    return coord, taken, evicted
+
+
+def _ranks(zctx: zmq.Context[zmq.Socket[bytes]], coord: Coordinator, roles: list[str]) -> list[FakeRank]:
+    ranks = [FakeRank(zctx, coord.endpoint, f"w{i}", role, 40000 + i) for i, role in enumerate(roles)]
+    for rank in ranks:
+        rank.register()
+    return ranks
+
+
+def _wait_for(predicate: Any, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    events = Events()
+    coord, taken, _ = _start(2, events)
+    try:
+        a, b, spare = _ranks(zctx, coord, ["slot:0", "slot:1", "spare"])
+        g0 = a.await_generation(-1)
+        assert g0.gen == 0 and g0.members == {0: "w0", 1: "w1"} and not g0.expect_state
+        assert (g0.store_host, g0.store_port) == ("127.0.0.1", a.port)  # lowest slot hosts the rendezvous
+        assert b.await_generation(-1) == g0
+        a.joined(g0)
+        b.joined(g0)
+        _wait_for(lambda: events.of("torchpass.started"))
+
+        coord.worker_exited("w1", "slot:1", -9)
+        g1 = a.await_generation(0)
+        assert g1.gen == 1 and g1.members == {0: "w0", 1: "w2"} and g1.replaced == {1: "w2"}
+        assert g1.expect_state and g1.store_port == a.port  # a survivor, never the newcomer, hosts it
+        assert spare.await_generation(-1) == g1
+        assert any(p["op"] == "generation" and p["gen"] == 1 for p in a.pushes())
+        assert taken == ["w2"]
+        failed = events.of("torchpass.member_failed")
+        assert failed == [failed[0]] and failed[0]["slot"] == 1 and failed[0]["generation"] == 0
+
+        a.joined(g1, first_error_at=time.time())
+        spare.joined(g1, received=True, source=0, transfer_bytes=123, rebuild_ms=4.0, transfer_ms=2.0)
+        _wait_for(lambda: events.of("torchpass.recovered"))
+        recovered = events.of("torchpass.recovered")[0]
+        assert recovered["slots"] == [1] and recovered["received_by"] == [1] and recovered["source_slots"] == [0]
+        for key in ("detect_ms", "decide_ms", "spare_ready_ms", "total_ms", "rebuild_ms", "transfer_ms"):
+            assert recovered[key] >= 0, key
+
+        outcomes: list[BaseException] = []
+
+        def finish(rank: FakeRank) -> None:
+            try:
+                rank.rpc.wait("finished", time.monotonic() + 3, wid=rank.wid, gen=1, committed=41)
+            except JobStopped as exc:
+                outcomes.append(exc)
+
+        waiter = threading.Thread(target=finish, args=(a,))
+        waiter.start()
+        time.sleep(0.1)
+        assert coord.state != DONE  # parked until every member finished
+        finish(spare)
+        waiter.join(5)
+        assert len(outcomes) == 2 and all(isinstance(o, JobStopped) and o.done for o in outcomes)
+        assert coord.state == DONE and events.of("torchpass.finished")[0]["committed"] == [41]
+    finally:
+        coord.stop()
+
+
+def test_collective_error_without_death_rebuilds_then_gives_up(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    events = Events()
+    coord, _, _ = _start(2, events, max_resets=1)
+    try:
+        a, b = _ranks(zctx, coord, ["slot:0", "slot:1"])
+        g0 = a.await_generation(-1)
+        b.await_generation(-1)
+        a.joined(g0)
+        b.joined(g0)
+        a.call("broken", gen=0, slot=0, step=5, committed=4, error="Connection reset", at=time.time())
+        g1 = a.await_generation(0)
+        assert g1.gen == 1 and g1.members == g0.members and g1.replaced == {}
+        assert "no member lost" in g1.reason and events.of("torchpass.collective_error")
+        a.call("broken", gen=1, slot=0, step=5, committed=4, error="again", at=time.time())
+        with pytest.raises(JobStopped) as stop:
+            b.await_generation(1)
+        assert not stop.value.done and "failed to form" in stop.value.reason
+        assert coord.state == FAILED
+    finally:
+        coord.stop()
+
+
+def test_vacant_slot_waits_for_a_spare(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    events = Events()
+    coord, _, _ = _start(2, events)
+    try:
+        a, _b = _ranks(zctx, coord, ["slot:0", "slot:1"])
+        g0 = a.await_generation(-1)
+        coord.worker_exited("w1", "slot:1", 1)
+        _wait_for(lambda: events.of("torchpass.waiting_for_spare"))
+        late = FakeRank(zctx, coord.endpoint, "w7", "spare", 40007)
+        late.register()
+        g1 = a.await_generation(g0.gen)
+        assert g1.members == {0: "w0", 1: "w7"}
+    finally:
+        coord.stop()
+
+
+def test_initial_rank_lost_before_registering_gets_a_spare(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    events = Events()
+    coord, _, _ = _start(2, events)
+    try:
+        coord.expect_worker("w1", "slot:1")
+        coord.worker_exited("w1", "slot:1", 1)
+        a = FakeRank(zctx, coord.endpoint, "w0", "slot:0", 40000)
+        spare = FakeRank(zctx, coord.endpoint, "w2", "spare", 40002)
+        a.register()
+        spare.register()
+        g0 = a.await_generation(-1)
+        assert g0.gen == 0 and g0.members == {0: "w0", 1: "w2"} and not g0.expect_state
+    finally:
+        coord.stop()
+
+
+def test_planned_migration_announces_a_handoff(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    events = Events()
+    coord, _, _ = _start(2, events)
+    try:
+        a, b = _ranks(zctx, coord, ["slot:0", "slot:1"])
+        g0 = a.await_generation(-1)
+        b.await_generation(-1)
+        with pytest.raises(CoordinatorRefused, match="not running a generation yet"):
+            a.call("migrate", slot=1)
+        a.joined(g0)
+        b.joined(g0)
+        _wait_for(lambda: events.of("torchpass.started"))
+        with pytest.raises(CoordinatorRefused, match="no spare is ready"):
+            a.call("migrate", slot=1)
+        spare = FakeRank(zctx, coord.endpoint, "w2", "spare", 40002)
+        spare.register()
+        with pytest.raises(CoordinatorRefused, match="no slot 5"):
+            a.call("migrate", slot=5)
+        reply = a.call("migrate", slot=1)
+        assert reply["target"] == "w2" and reply["generation"] == 1
+        g1 = b.await_generation(0)  # the departing rank is told too, although it is no member
+        assert g1.members == {0: "w0", 1: "w2"} and g1.handoff is not None
+        assert (g1.handoff.source, g1.handoff.target, g1.handoff.port) == ("w1", "w2", b.port)
+        b.call("departed", gen=1, handoff_ok=True, handoff_ms=3.0)
+        coord.worker_exited("w1", "slot:1", 0)  # it leaves cleanly after its handoff: no failure
+        a.joined(g1)
+        spare.joined(g1, handoff_ok=True, received=False)
+        _wait_for(lambda: events.of("torchpass.migrated"))
+        assert events.of("torchpass.migrated")[0]["handoff_ok"] and not events.of("torchpass.member_failed")
+    finally:
+        coord.stop()
+
+
+def test_departing_rank_lost_before_handoff_triggers_a_plain_generation(
+    zctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    events = Events()
+    coord, _, _ = _start(2, events)
+    try:
+        a, b, spare = _ranks(zctx, coord, ["slot:0", "slot:1", "spare"])
+        g0 = a.await_generation(-1)
+        b.await_generation(-1)
+        a.joined(g0)
+        b.joined(g0)
+        _wait_for(lambda: events.of("torchpass.started"))
+        a.call("migrate", slot=1)
+        g1 = spare.await_generation(-1)
+        assert g1.handoff is not None
+        coord.worker_exited("w1", "slot:1", -9)  # dies before handing its state over
+        g2 = spare.await_generation(g1.gen)
+        assert g2.handoff is None and g2.members == g1.members and "before its handoff" in g2.reason
+        assert not events.of("torchpass.member_failed")
+    finally:
+        coord.stop()
+
+
+def test_silent_rank_is_evicted(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    events = Events()
+    coord, _, evicted = _start(1, events, heartbeat_timeout_s=0.3, heartbeat_interval_s=0.05)
+    try:
+        (a,) = _ranks(zctx, coord, ["slot:0"])
+        a.await_generation(-1)
+        _wait_for(lambda: evicted == ["w0"])
+        assert "no heartbeat" in events.of("torchpass.member_failed")[0]["why"]
+        assert coord.state == FAILED  # the only member is gone: nobody holds the state
+    finally:
+        coord.stop()
+
+
+def test_cli_status_and_migrate(zctx: zmq.Context[zmq.Socket[bytes]], capsys: pytest.CaptureFixture[str]) -> None:
+    events = Events()
+    coord, _, _ = _start(1, events)
+    try:
+        (a,) = _ranks(zctx, coord, ["slot:0"])
+        a.joined(a.await_generation(-1))
+        _wait_for(lambda: events.of("torchpass.started"))
+        assert cli_main(["status", "--coordinator", coord.endpoint]) == 0
+        out = capsys.readouterr().out
+        assert "generation 0" in out and "slot 0: w0" in out
+        assert cli_main(["migrate", "--coordinator", coord.endpoint, "--slot", "0"]) == 1
+        assert "no spare is ready" in capsys.readouterr().err
+    finally:
+        coord.stop()
+
+
+def test_cli_run_requires_local(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["run", "train.py"]) == 2
+    assert "--local" in capsys.readouterr().err
+    assert cli_main(["run", "--local", "--set", "nope=1", "train.py"]) == 2
+    assert "unknown key" in capsys.readouterr().err

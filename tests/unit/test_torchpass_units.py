@@ -1,0 +1,244 @@
+"""TorchPass's pieces, one at a time: per-step RNG, step-indexed data, the state format, rollback, gloo abort.
+
+The in-process tests run a one-rank job (``tp.init()`` without a launcher starts its own coordinator), which
+is enough to exercise an abandoned step end to end: rollback, recovery into a new generation, redo with the
+same batch and the same dropout masks. The gloo abort test uses two real processes, one of them frozen with
+SIGSTOP: the situation (a silent peer) where only an abort, not a closed socket, frees the survivor.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import torchpass as tp
+from torchpass.data import StepLoader, batch_source
+from torchpass.protocol import ENV_COORDINATOR, LaunchEnv
+from torchpass.rng import reseed, step_seed
+from torchpass.state import StateParts, TensorRef, _chunks, _fill, _offsets, _overlaps, _strip, describe
+
+# ----- RNG and data position --------------------------------------------------------------------
+
+
+def test_step_seed_is_stable_and_distinct() -> None:
+    assert step_seed(0, 1, 2) == step_seed(0, 1, 2)
+    seeds = {step_seed(s, r, k) for s in range(3) for r in range(4) for k in range(50)}
+    assert len(seeds) == 3 * 4 * 50
+    assert all(0 <= v < 2**63 for v in seeds)
+    reseed(5, 2, 9)
+    a = (torch.rand(3), random.random())
+    reseed(5, 2, 9)
+    b = (torch.rand(3), random.random())
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def test_step_loader_shards_every_global_batch_and_reshuffles_per_epoch() -> None:
+    data = TensorDataset(torch.arange(100).float())
+    loader = StepLoader(data, batch_size=4, seed=1)
+    world = 3
+    per_epoch = loader.steps_per_epoch(world)
+    assert per_epoch == 100 // 12
+    for step in range(per_epoch):
+        shards = [loader.indices(step, slot, world) for slot in range(world)]
+        assert all(len(s) == 4 for s in shards)
+        assert len(set().union(*map(set, shards))) == 12  # disjoint shares of one global batch
+    epoch0 = [i for step in range(per_epoch) for slot in range(world) for i in loader.indices(step, slot, world)]
+    assert len(set(epoch0)) == len(epoch0)
+    assert loader.indices(per_epoch, 0, world) != loader.indices(0, 0, world)  # epoch 1 is reshuffled
+    assert loader.indices(5, 2, world) == StepLoader(data, batch_size=4, seed=1).indices(5, 2, world)
+    (batch,) = loader.batch(3, 1, world)
+    assert batch.tolist() == [float(i) for i in loader.indices(3, 1, world)]
+
+
+def test_step_loader_with_workers_resumes_at_any_step() -> None:
+    data = TensorDataset(torch.arange(64).float())
+    loader = StepLoader(data, batch_size=4, seed=2, num_workers=1)
+    sequence = [loader.batch(step, 0, 2)[0].tolist() for step in (0, 1, 2, 5, 6, 1)]
+    direct = [[float(i) for i in loader.indices(step, 0, 2)] for step in (0, 1, 2, 5, 6, 1)]
+    assert sequence == direct
+
+
+def test_batch_source_accepts_the_documented_shapes() -> None:
+    assert batch_source(None, lambda: 0, 1)(3) is None
+    assert batch_source(lambda s: s * 2, lambda: 0, 1)(3) == 6
+    assert batch_source(["a", "b"], lambda: 0, 1)(1) == "b"
+    with pytest.raises(TypeError, match="StepLoader"):
+        batch_source(torch.utils.data.DataLoader(TensorDataset(torch.zeros(2))), lambda: 0, 1)
+
+
+# ----- the state format -------------------------------------------------------------------------
+
+
+def test_strip_and_fill_round_trip_nested_state() -> None:
+    state = {"a": torch.ones(2), "b": [torch.zeros(1), 3, ("x", torch.arange(3))], "c": OrderedDict(k=torch.eye(2))}
+    tensors: list[torch.Tensor] = []
+    stripped = _strip(state, tensors)
+    assert len(tensors) == 4 and stripped["a"] == TensorRef(0) and isinstance(stripped["c"], OrderedDict)
+    back = _fill(stripped, tensors)
+    assert torch.equal(back["b"][2][1], torch.arange(3)) and back["b"][1] == 3
+
+
+def test_payload_layout_is_aligned_and_chunks_cover_it() -> None:
+    layout = [("torch.float32", (3,)), ("torch.int64", ()), ("torch.bool", (5,)), ("torch.float16", (7, 2))]
+    offsets, total = _offsets(layout)
+    assert offsets == [0, 64, 128, 192] and total == 256
+    sizes = [12, 8, 5, 28]
+    covered: dict[int, int] = {}
+    for lo, hi in _chunks(total, 50):
+        for i, a, b in _overlaps(offsets, sizes, lo, hi):
+            covered[i] = covered.get(i, 0) + (b - a)
+    assert covered == dict(enumerate(sizes))
+
+
+def test_describe_lists_model_optimizer_and_registered_state() -> None:
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    meta, tensors = describe(StateParts(model, [opt], {"sched": torch.optim.lr_scheduler.StepLR(opt, 3)}), 7)
+    assert meta["committed"] == 7
+    assert [name for name, _, _ in meta["model"]] == list(model.state_dict())
+    assert len(tensors) == len(model.state_dict()) + 4 * 3  # 4 parameters: exp_avg, exp_avg_sq, step
+    assert "sched" in meta["extra"]
+
+
+# ----- an abandoned step, end to end in a one-rank job -------------------------------------------
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.samples = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.samples = state["samples"]
+
+
+def _one_rank_run(abandon_at: int | None) -> tuple[list[tuple[int, float]], dict[str, Any]]:
+    ctx = tp.init(broken_grace_s=0.01, heartbeat_interval_s=0.2, log_level="warning")
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
+        ddp = ctx.wrap_model(model)
+        opt = ctx.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        sched = ctx.register("sched", torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+        tally = ctx.register("tally", _Tally())
+        data = [torch.randn(5, 6, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+        seen: list[tuple[int, float]] = []
+        for step, batch in ctx.steps(data, 6):
+            loss = ddp(batch).square().mean()
+            seen.append((step, loss.item()))
+            loss.backward()
+            if step == abandon_at and sum(1 for s, _ in seen if s == step) == 1:
+                ctx._abandon_step("injected by the test")  # as the DDP hook does when a peer dies
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            tally.samples += len(batch)
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+        state["tally"] = tally.samples
+        state["generation"] = ctx.generation
+        return seen, state
+    finally:
+        ctx.close()
+
+
+def test_abandoned_step_is_rolled_back_and_redone_identically(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_COORDINATOR, raising=False)
+    clean, clean_state = _one_rank_run(None)
+    faulted, faulted_state = _one_rank_run(3)
+    assert [s for s, _ in faulted] == [0, 1, 2, 3, 3, 4, 5]  # step 3 yielded again, nothing else
+    assert faulted[3] == faulted[4] == clean[3]  # same batch, same dropout mask, same state: same loss
+    assert faulted_state.pop("generation") == 1 and clean_state.pop("generation") == 0
+    assert faulted_state["tally"] == clean_state["tally"] == 30
+    for part in ("model", "sched"):
+        assert faulted_state[part].keys() == clean_state[part].keys()
+    for name, tensor in clean_state["model"].items():
+        assert torch.equal(tensor, faulted_state["model"][name]), name  # BatchNorm statistics included
+    for index, slots in clean_state["opt"]["state"].items():
+        assert torch.equal(slots["momentum_buffer"], faulted_state["opt"]["state"][index]["momentum_buffer"])
+    assert clean_state["opt"]["param_groups"] == faulted_state["opt"]["param_groups"]  # the LR too
+    assert clean_state["sched"] == faulted_state["sched"]
+
+
+def test_launch_environment_contract() -> None:
+    env = LaunchEnv("tcp://127.0.0.1:5", "w3", "slot:2", 4, "10.0.0.1", "77", True)
+    assert LaunchEnv.from_environ(env.to_environ()) == env
+    assert env.initial_slot == 2
+    assert LaunchEnv.from_environ({}) is None
+
+
+# ----- aborting a gloo collective stuck on a silent peer -------------------------------------------
+
+_ABORT_SCRIPT = textwrap.dedent(
+    """
+    import datetime, os, signal, sys, threading, time
+    import torch, torch.distributed as dist
+    from torchpass.backends import GlooBackend
+    from torchpass.config import TorchPassConfig
+
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=datetime.timedelta(seconds=20))
+    backend = GlooBackend(TorchPassConfig(collective_timeout_s=30))
+    backend.form_group(dist.PrefixStore("g0", store), rank, 2, 0, {port})
+    data = torch.ones(1000)
+    dist.all_reduce(data)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # silent: alive, sockets open, never answers
+    threading.Timer(0.5, backend.abort).start()
+    started = time.monotonic()
+    try:
+        dist.all_reduce(data)
+        print("no error")
+    except RuntimeError:
+        print(f"aborted after {time.monotonic() - started:.2f} s")
+    backend.destroy()
+    """
+)
+
+
+def test_gloo_abort_frees_a_collective_blocked_on_a_silent_peer(tmp_path: Path) -> None:
+    import socket
+
+    script = tmp_path / "abort.py"
+    script.write_text(_ABORT_SCRIPT)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    peers = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(port)], env=env, stdout=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    try:
+        out, _ = peers[0].communicate(timeout=60)
+    finally:
+        peers[1].send_signal(signal.SIGKILL)
+        peers[1].wait()
+    assert "aborted after" in out, out
+    assert float(out.split("after ")[1].split()[0]) < 5.0  # not the 30 s collective timeout
+
+
+def test_example_script_trains_alone() -> None:
+    """examples/train_torchpass.py runs as a one-rank job without a launcher (its own coordinator)."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_torchpass.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPASS_")}
+    done = subprocess.run(
+        [sys.executable, str(example), "--steps", "6"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 0 loss" in done.stdout and "slot 0: final weights sha256 " in done.stdout
