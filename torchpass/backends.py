@@ -135,14 +135,40 @@ class CommBackend(ABC):
         return group
 
 
+_BOUND_GLOO = "torchpass_gloo"
+_bound_gloo_host = ""
+
+
+def _bound_gloo(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Backend:
+    """A gloo backend whose device listens on :data:`_bound_gloo_host` (see :class:`GlooBackend`)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=_bound_gloo_host)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
 class GlooBackend(CommBackend):
-    """gloo over TCP; abort = shut down the group's own sockets (unblocks a collective in milliseconds)."""
+    """gloo over TCP; abort = shut down the group's own sockets (unblocks a collective in milliseconds).
+
+    ``bind_host`` (Slurm mode: the node's stable address) makes gloo listen on that address. Neither
+    ``GLOO_SOCKET_IFNAME`` (the node address may sit on no interface of its own: LinkPass moves its routes
+    between NICs) nor ``init_process_group('gloo')`` (it ignores gloo options) can say so, hence a backend
+    registered under the name ``torchpass_gloo``, which is plain ``ProcessGroupGloo`` with a device created for
+    that address. ``dist.get_backend()`` then answers ``torchpass_gloo``. Without ``bind_host`` gloo picks its
+    device as usual (``GLOO_SOCKET_IFNAME``, else the hostname's address).
+    """
 
     name = "gloo"
 
-    def __init__(self, config: TorchPassConfig) -> None:
+    def __init__(self, config: TorchPassConfig, bind_host: str = "") -> None:
         super().__init__(config)
         self._sockets: dict[int, str] = {}
+        self.bind_host = bind_host
+        if bind_host:
+            global _bound_gloo_host
+            _bound_gloo_host = bind_host
+            if _BOUND_GLOO not in dist.Backend.backend_list:
+                dist.Backend.register_backend(_BOUND_GLOO, _bound_gloo, devices=["cpu"])
 
     @property
     def device(self) -> torch.device:
@@ -152,7 +178,8 @@ class GlooBackend(CommBackend):
     def form_group(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
         """Create the group and remember the peer sockets it opened (gloo connects the full mesh eagerly)."""
         before = _socket_fds()
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+        backend = _BOUND_GLOO if self.bind_host else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
         after = _socket_fds()
         opened = {fd: link for fd, link in after.items() if before.get(fd) != link}
         with self._lock:
@@ -259,8 +286,9 @@ class NcclBackend(CommBackend):
         return group
 
 
-def make_backend(config: TorchPassConfig, local_rank: int = 0) -> CommBackend:
-    """The backend ``config.backend`` names ('auto': NCCL when CUDA is usable, else gloo)."""
+def make_backend(config: TorchPassConfig, local_rank: int = 0, gloo_host: str = "") -> CommBackend:
+    """The backend ``config.backend`` names ('auto': NCCL when CUDA is usable, else gloo bound to
+    ``gloo_host`` when given)."""
     name = config.backend
     if name == "auto":
         name = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
@@ -268,4 +296,4 @@ def make_backend(config: TorchPassConfig, local_rank: int = 0) -> CommBackend:
         if not (torch.cuda.is_available() and dist.is_nccl_available()):
             raise RuntimeError("backend 'nccl' needs CUDA and a torch build with NCCL; use backend='gloo' here")
         return NcclBackend(config, local_rank)
-    return GlooBackend(config)
+    return GlooBackend(config, gloo_host)

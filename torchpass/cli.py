@@ -1,8 +1,9 @@
 """The ``torchpass`` command: run a job, migrate a rank, look at a running job, list the settings.
 
-``torchpass run --local`` is implemented here; under Slurm (``srun torchpass run ...`` inside an
-``sbatch --clockwork-ft`` job) the launcher is wired in a later change and this command says so. The command
-imports no torch; the ranks do.
+``torchpass run --local`` runs every process on this machine (:mod:`torchpass.launcher`). Without
+``--local``, inside a Slurm job step (``srun --ntasks-per-node=1 torchpass run ...`` in an
+``sbatch --clockwork-ft --clockwork-spares=standby`` job), each srun task becomes its node's agent
+(:mod:`torchpass.agent`). The command imports no torch; the ranks do.
 """
 
 from __future__ import annotations
@@ -50,16 +51,38 @@ def _parser() -> argparse.ArgumentParser:
         help="launch a training script with spare ranks and a coordinator",
         description="Start NPROC ranks and SPARES standby processes running SCRIPT, and the job's coordinator. "
         "A rank that dies is replaced by a spare, which receives the training state from a healthy replica; "
-        "training resumes at the same step. Prints the coordinator's address (for `torchpass migrate`).",
+        "training resumes at the same step. With --local every process runs on this machine and the "
+        "coordinator's address is printed (for `torchpass migrate`). Without it, run one task per node under "
+        "srun: the first N tasks train, the others wait as spares (N and S from --nproc/--spares, else one spare "
+        "for --clockwork-spares=standby), and every task runs a coordinator replica; `clockwork migrate JOBID "
+        "--rank R` finds the leader.",
         epilog=_settings_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--local", action="store_true", help="run every process on this machine (gloo on 127.0.0.1)")
-    run.add_argument("--nproc", type=int, default=2, metavar="N", help="training ranks (slots); default 2")
-    run.add_argument("--spares", type=int, default=1, metavar="S", help="standby processes; default 1")
+    run.add_argument(
+        "--nproc", type=int, metavar="N", help="training ranks (slots); --local default 2, srun: tasks - spares"
+    )
+    run.add_argument(
+        "--spares",
+        type=int,
+        metavar="S",
+        help="standby processes (--local default 1) or standby nodes (srun: default 1 with "
+        "--clockwork-spares=standby, else 0)",
+    )
+    run.add_argument(
+        "--port",
+        type=int,
+        metavar="P",
+        help="srun: the agents' ports P and P+1 on every node (default: derived from the job id)",
+    )
     run.add_argument("--config", metavar="FILE", help="settings file (TOML, or JSON when named *.json)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one setting (repeatable)")
-    run.add_argument("--events", metavar="FILE", help="append every TorchPass event to FILE as JSON lines")
+    run.add_argument(
+        "--events",
+        metavar="FILE",
+        help="append every TorchPass event to FILE as JSON lines ({agent} in FILE: one file per srun agent)",
+    )
     run.add_argument("--coordinator-file", metavar="FILE", help="write the coordinator's address to FILE")
     run.add_argument("--no-respawn-spares", action="store_true", help="do not start a new spare when one takes a slot")
     run.add_argument("script", help="the training script (it calls torchpass.init())")
@@ -88,24 +111,20 @@ def _config(args: argparse.Namespace) -> TorchPassConfig:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if not args.local:
-        print(
-            f"{PROG} run: only --local is available yet (launching under srun is wired with Slurm later)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    if args.nproc < 1 or args.spares < 0:
+    if (args.nproc is not None and args.nproc < 1) or (args.spares is not None and args.spares < 0):
         print(f"{PROG} run: --nproc must be >= 1 and --spares >= 0", file=sys.stderr)
         return EXIT_USAGE
+    script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if not args.local:
+        return _cmd_run_slurm(args, script_args)
     from torchpass.launcher import LocalLauncher
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     launcher = LocalLauncher(
         args.script,
         script_args,
-        nproc=args.nproc,
-        spares=args.spares,
+        nproc=2 if args.nproc is None else args.nproc,
+        spares=1 if args.spares is None else args.spares,
         config=_config(args),
         event_sink=JsonlEventSink(args.events) if args.events else None,
         respawn_spares=not args.no_respawn_spares,
@@ -114,13 +133,43 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return launcher.run()
 
 
-def _request(endpoint: str, op: str, **fields: Any) -> dict[str, Any]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    rpc = CoordinatorRpc(context, endpoint, timeout_s=5.0)
+def _cmd_run_slurm(args: argparse.Namespace, script_args: list[str]) -> int:
+    from torchpass.agent import SlurmAgent
+    from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step
+
+    if not in_slurm_step():
+        print(
+            f"{PROG} run: not a task of a Slurm job step (SLURM_JOB_ID/SLURM_PROCID unset): run it with "
+            "`srun --ntasks-per-node=1` inside the job, or use --local",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[agent]: %(message)s")
     try:
-        return rpc.call(op, **fields)
+        layout = SlurmLayout.from_environ(spares=args.spares, nproc=args.nproc, port=args.port)
+        agent = SlurmAgent(args.script, script_args, layout, _config(args), events_file=args.events)
+        return agent.run()
+    except SlurmLayoutError as exc:
+        print(f"{PROG} run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _request(endpoint: str, op: str, **fields: Any) -> dict[str, Any]:
+    """One request; a passive replica's redirect to the leader is followed (Slurm mode)."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        for _ in range(3):
+            rpc = CoordinatorRpc(context, endpoint, timeout_s=5.0)
+            try:
+                return rpc.call(op, **fields)
+            except CoordinatorRefused as exc:
+                if not exc.leader or exc.leader == endpoint or not exc.leader.startswith("tcp://"):
+                    raise
+                endpoint = exc.leader
+            finally:
+                rpc.close()
+        raise CoordinatorLost(f"no coordinator replica says it leads (last tried {endpoint})")
     finally:
-        rpc.close()
         context.term()
 
 

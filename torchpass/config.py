@@ -85,6 +85,21 @@ class TorchPassConfig:
         min=0.1,
     )
     rpc_timeout_s: float = _setting(10.0, "Deadline of one short request to the coordinator.", min=0.1)
+    agent_heartbeat_interval_s: float = _setting(
+        0.25, "Slurm mode: how often each node agent tells every other agent it is alive.", min=0.01
+    )
+    agent_timeout_s: float = _setting(
+        2.0,
+        "Slurm mode: a node agent not heard for this long is lost, with every process it ran (a crashed node "
+        "is silent, it sends no reset). If it was the leader, the lowest agent still heard takes over.",
+        min=0.05,
+    )
+    agent_startup_timeout_s: float = _setting(
+        60.0,
+        "Slurm mode: how long the agents wait for a peer never heard from (srun starts them at slightly "
+        "different times) before counting it lost.",
+        min=0.1,
+    )
     broken_grace_s: float = _setting(
         2.0,
         "After a rank reports a broken collective, how long the coordinator waits for a death notice before it "

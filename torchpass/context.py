@@ -55,8 +55,8 @@ from torchpass.control import ControlChannel, CoordinatorLost, CoordinatorRefuse
 from torchpass.coordinator import Coordinator
 from torchpass.data import batch_source
 from torchpass.ddp import TorchPassDDP
-from torchpass.events import EventSink, emit
-from torchpass.protocol import GenerationInfo, LaunchEnv
+from torchpass.events import DaemonEventSink, EventSink, emit, tee
+from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, GenerationInfo, LaunchEnv
 from torchpass.rng import reseed
 from torchpass.state import StateError, StateParts, recv_state, send_state
 
@@ -96,7 +96,10 @@ def _configure_logging(level: str) -> None:
 
 
 def _die_with_parent() -> None:
-    """Local mode: the rank dies with its launcher (the launcher's main thread forked it)."""
+    """The rank dies with its launcher (local mode) or node agent (Slurm mode), whose main thread forked it.
+
+    Under Slurm this is what makes an agent's death a node's death: no orphan rank keeps training, or holding
+    a slot, after the agent that reports for it is gone."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -726,9 +729,12 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
     if env is None:
         coordinator = Coordinator(1, cfg)
         env = LaunchEnv(coordinator.start(), "w0", "slot:0", 1, "127.0.0.1", "", False)
-    if env.local:
+    if env.local or env.agent >= 0:
         _die_with_parent()
-    backend = make_backend(cfg, int(os.environ.get("LOCAL_RANK", "0")))
+    daemon_socket = os.environ.get(ENV_DAEMON_SOCKET, "")
+    if daemon_socket and env.job_id.isdigit():
+        event_sink = tee(event_sink, DaemonEventSink(int(env.job_id), daemon_socket))
+    backend = make_backend(cfg, int(os.environ.get("LOCAL_RANK", "0")), os.environ.get(ENV_GLOO_HOST, ""))
     backend.prepare_env()
     store_server = dist.TCPStore(
         env.host, 0, None, True, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s), wait_for_workers=False
@@ -745,7 +751,9 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
     # spare is fully warm when the coordinator can first hand it a slot.
     importlib.import_module("torch._dynamo")
     try:
-        channel.call("register", pid=os.getpid(), host=env.host, store_port=store_server.port, role=env.role)
+        channel.call(
+            "register", pid=os.getpid(), host=env.host, store_port=store_server.port, role=env.role, agent=env.agent
+        )
     except JobStopped as stop:
         ctx._stopped(stop)
     except CoordinatorLost as exc:

@@ -35,7 +35,13 @@ class CoordinatorLost(RuntimeError):
 
 
 class CoordinatorRefused(RuntimeError):
-    """The coordinator answered with an error (the message says why)."""
+    """The coordinator answered with an error (the message says why).
+
+    ``leader`` is set when the answer came from a passive replica (Slurm mode): where the leader is."""
+
+    def __init__(self, message: str, leader: str = "") -> None:
+        super().__init__(message)
+        self.leader = leader
 
 
 class JobStopped(RuntimeError):
@@ -101,7 +107,7 @@ class CoordinatorRpc:
                 if reply.get("id") != req_id:
                     continue  # a late answer to an abandoned request
                 if not reply.get("ok", False):
-                    raise CoordinatorRefused(str(reply.get("error", "refused")))
+                    raise CoordinatorRefused(str(reply.get("error", "refused")), str(reply.get("leader") or ""))
                 if reply.get("stop"):
                     raise JobStopped(str(reply.get("reason", "")), bool(reply.get("done")))
                 return reply

@@ -14,9 +14,13 @@ generation whenever that map must change:
 
 The rendezvous of each generation lives in the store server of one of its live members, preferably a
 survivor, so no single process is the job's rendezvous for its whole life. In local mode this coordinator is
-one thread in the launcher. Under Slurm (a later wiring) a replica runs in every node's agent and the agent
-of the lowest live slot leads: :class:`LeaderSeam` is that seam; every request carries the sender's
-generation and slot so a newly elected leader can rebuild the membership from the ranks themselves.
+one thread in the launcher. Under Slurm a replica runs in every node's agent (:mod:`torchpass.agent`) and
+only the leader's is *active*; the others are *passive*: they hold no decisions, answer the command line with
+a redirect to the leader, and keep whatever a rank sends them until they lead. The active replica hands a
+snapshot of its state to :attr:`replicate` after every change (the agent mesh copies it to every follower),
+and a follower that takes over (:meth:`take_over`) starts from that snapshot: it declares the lost node's
+processes dead and starts a fresh generation, numbered past anything its predecessor may have announced.
+:class:`LeaderSeam` is the view of who leads.
 
 This module imports no torch.
 """
@@ -91,6 +95,11 @@ class _Worker:
     last_seen: float = field(default_factory=time.monotonic)
     step: int = -1
     notify_ident: bytes | None = None
+    agent: int = -1  # Slurm mode: the node agent that runs it (its node's loss is this process's death)
+
+    def __post_init__(self) -> None:
+        if self.agent < 0:
+            self.agent = _agent_of(self.wid)
 
 
 @dataclass
@@ -113,6 +122,12 @@ class _Recovery:
     reasons: list[str] = field(default_factory=list)
 
 
+def _agent_of(wid: str) -> int:
+    """The agent index in a Slurm-mode worker id (``aK.N``), or -1 (local mode's ``wN``)."""
+    head = wid.split(".", 1)[0]
+    return int(head[1:]) if head.startswith("a") and head[1:].isdigit() else -1
+
+
 class Coordinator:
     """Membership and recovery decisions for one job (thread-safe entry points marked so)."""
 
@@ -127,6 +142,8 @@ class Coordinator:
         on_spare_taken: Callable[[str], None] | None = None,
         on_spare_needed: Callable[[], None] | None = None,
         on_evict: Callable[[str], None] | None = None,
+        active: bool = True,
+        replicate: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
@@ -169,6 +186,16 @@ class Coordinator:
         self._stopping = threading.Event()
         self.finished_event = threading.Event()
         self.endpoint = ""
+        # Replication (Slurm mode): only an active replica decides; a passive one keeps rank messages in
+        # _held until it leads, and points the command line at leader_hint.
+        self.active = active
+        self.replicate = replicate
+        self.leader_hint = ""
+        self.dead_agents: set[int] = set()
+        self._held: list[tuple[bytes, dict[str, Any]]] = []
+        self._exported: dict[str, Any] | None = None
+        self._gen_floor = 0  # the next generation number is at least this (raised by a takeover)
+        self._hold_declare = False  # batch several deaths into one generation
 
     # ----- life cycle (thread-safe) ---------------------------------------------------------
 
@@ -215,6 +242,26 @@ class Coordinator:
         self._inbox.put(("expect", (wid, role)))
         self._wake()
 
+    def take_over(
+        self, snapshot: dict[str, Any] | None, dead_agents: set[int], hints: dict[str, str], why: str, at: float
+    ) -> None:
+        """Become the active replica (thread-safe): adopt the predecessor's ``snapshot``, count every process of
+        ``dead_agents`` as dead (``hints``: wid -> role of processes the snapshot may not know yet; ``at``: when
+        they were last heard, wall clock), and start a fresh generation."""
+        self._inbox.put(("takeover", (snapshot, set(dead_agents), dict(hints), why, at)))
+        self._wake()
+
+    def step_down(self, leader: str) -> None:
+        """Become passive again (thread-safe): another replica won the leadership."""
+        self._inbox.put(("step_down", leader))
+        self._wake()
+
+    def agent_lost(self, agent: int, hints: dict[str, str], why: str, at: float) -> None:
+        """Node agent ``agent`` went silent (thread-safe): every process it ran is dead (``hints``, ``at`` as
+        for :meth:`take_over`)."""
+        self._inbox.put(("agent_lost", (agent, dict(hints), why, at)))
+        self._wake()
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
@@ -242,11 +289,14 @@ class Coordinator:
             self._drain_inbox()
             if ready.get(self._sock):
                 self._drain_socket()
+            if not self.active:
+                continue
             now = time.monotonic()
             if now >= next_check:
                 self._check_heartbeats(now)
                 next_check = now + min(1.0, self.config.heartbeat_interval_s)
             self._check_timers(now)
+            self._maybe_replicate()
 
     def _next_timer(self) -> float:
         deadlines = [time.monotonic() + 1.0]
@@ -270,6 +320,19 @@ class Coordinator:
             elif kind == "expect":
                 wid, role = payload
                 self.workers.setdefault(wid, _Worker(wid=wid, role=role))
+            elif kind == "takeover":
+                self._take_over(*payload)
+            elif kind == "step_down":
+                if self.active:
+                    log.warning("another replica leads (%s): this one turns passive", payload)
+                self.active = False
+                self.leader_hint = str(payload)
+            elif kind == "agent_lost":
+                agent, hints, why, at = payload
+                if self.active:
+                    self._lose_agents({agent}, hints, why, at)
+                else:
+                    self.dead_agents.add(agent)
 
     def _drain_socket(self) -> None:
         assert self._sock is not None
@@ -286,11 +349,142 @@ class Coordinator:
             except ProtocolError as exc:
                 log.warning("dropping malformed message from %r: %s", ident, exc)
                 continue
+            if not self.active:
+                self._hold(ident, msg)
+                continue
             try:
                 self._handle(ident, msg)
             except Exception:  # one bad request must not take the job's coordinator down
                 log.exception("error handling %s from %r", msg.get("op"), ident)
                 self._reply_error(ident, msg, "internal coordinator error (see its log)")
+
+    def _hold(self, ident: bytes, msg: dict[str, Any]) -> None:
+        """Passive replica: the command line is pointed at the leader; a rank's message waits until we lead
+        (a proxy only sends here once it believes this replica leads, so it will shortly)."""
+        if not msg.get("wid"):
+            hint = self.leader_hint or "unknown yet (an election is under way)"
+            self._send(
+                ident,
+                encode("reply", id=msg.get("id"), ok=False, error=f"not the leader: the leader is {hint}", leader=hint),
+            )
+            return
+        if len(self._held) < 100_000:
+            self._held.append((ident, msg))
+
+    # ----- replication (Slurm mode) ---------------------------------------------------------
+
+    def export_state(self) -> dict[str, Any]:
+        """Everything a successor needs to carry on (plain data for msgpack). Heartbeat times and steps are
+        left out: they change all the time and mean nothing in another process."""
+        return {
+            "state": self.state,
+            "failure_reason": self.failure_reason,
+            "gen": self.gen,
+            "info": None if self.info is None else self.info.to_wire(),
+            "members": {int(k): v for k, v in self.members.items()},
+            "vacant": sorted(self.vacant),
+            "spares": list(self.spares),
+            "failures": self.failures,
+            "progressed": self._progressed,
+            "resets": self._resets,
+            "initial": {int(k): v for k, v in self._initial.items()},
+            "departing": self._departing,
+            "departed": self._departed,
+            "dead_agents": sorted(self.dead_agents),
+            "workers": {
+                w.wid: {
+                    "role": w.role,
+                    "pid": w.pid,
+                    "host": w.host,
+                    "store_port": w.store_port,
+                    "alive": w.alive,
+                    "registered": w.registered,
+                    "agent": w.agent,
+                }
+                for w in self.workers.values()
+            },
+        }
+
+    def _import_state(self, snap: dict[str, Any]) -> None:
+        self.state = str(snap["state"])
+        self.failure_reason = str(snap["failure_reason"])
+        self.gen = int(snap["gen"])
+        self.info = None if snap["info"] is None else GenerationInfo.from_wire(snap["info"])
+        self.members = {int(k): str(v) for k, v in snap["members"].items()}
+        self.vacant = {int(v) for v in snap["vacant"]}
+        self.spares = [str(v) for v in snap["spares"]]
+        self.failures = int(snap["failures"])
+        self._progressed = bool(snap["progressed"])
+        self._resets = int(snap["resets"])
+        self._initial = {int(k): str(v) for k, v in snap["initial"].items()}
+        self._departing = snap["departing"]
+        self._departed = bool(snap["departed"])
+        self.dead_agents |= {int(a) for a in snap["dead_agents"]}
+        now = time.monotonic()
+        for wid, w in snap["workers"].items():
+            rec = self.workers.setdefault(wid, _Worker(wid=wid, role=str(w["role"])))
+            rec.role, rec.pid, rec.host = str(w["role"]), int(w["pid"]), str(w["host"])
+            rec.store_port = int(w["store_port"])
+            rec.alive = rec.alive and bool(w["alive"])
+            rec.registered, rec.agent, rec.last_seen = bool(w["registered"]), int(w["agent"]), now
+
+    def _maybe_replicate(self) -> None:
+        if self.replicate is None:
+            return
+        snap = self.export_state()
+        if snap != self._exported:
+            self._exported = snap
+            self.replicate(snap)
+
+    def _take_over(
+        self, snapshot: dict[str, Any] | None, dead: set[int], hints: dict[str, str], why: str, at: float
+    ) -> None:
+        if self.active:
+            return
+        if snapshot is not None:
+            self._import_state(snapshot)
+        self.active = True
+        # Skip one number: the lost leader may have announced a generation it had no time to replicate.
+        self._gen_floor = self.gen + 2
+        log.warning("taking over as the job's coordinator (generation %d, state %s): %s", self.gen, self.state, why)
+        if self.state == RUNNING:
+            self._recovery = self._recovery or _Recovery(evidence_at=at, death_seen_at=time.time())
+            self._lose_agents(dead, hints, why, at, force=True)
+        elif self.state == FORMING:
+            self._lose_agents(dead, hints, why, at)
+            self._maybe_start()
+        else:
+            self.dead_agents |= dead
+        held, self._held = self._held, []
+        for ident, msg in held:
+            try:
+                self._handle(ident, msg)
+            except Exception:
+                log.exception("error handling a held %s", msg.get("op"))
+        self._maybe_replicate()
+
+    def _lose_agents(self, agents: set[int], hints: dict[str, str], why: str, at: float, force: bool = False) -> None:
+        """Every process of ``agents`` is dead; one new generation covers them all (``force``: even when none
+        of them was a member, so that nothing depends on what a lost leader was in the middle of)."""
+        self.dead_agents |= agents
+        for wid, role in hints.items():
+            self.workers.setdefault(wid, _Worker(wid=wid, role=role))
+        gen = self.gen
+        self._hold_declare = True
+        try:
+            for rec in list(self.workers.values()):
+                if rec.alive and rec.agent in agents:
+                    self._on_death(rec.wid, why, at)
+        finally:
+            self._hold_declare = False
+        if self.state != RUNNING:
+            return
+        if self.vacant or (force and self.gen == gen):
+            if self._recovery is None:
+                self._recovery = _Recovery(evidence_at=at, death_seen_at=time.time())
+            if not self._recovery.reasons:
+                self._recovery.reasons.append(why)
+            self._try_declare()
 
     # ----- sending --------------------------------------------------------------------------
 
@@ -359,12 +553,15 @@ class Coordinator:
             return
         rec.pid, rec.host, rec.store_port = int(msg["pid"]), str(msg["host"]), int(msg["store_port"])
         rec.registered, rec.role = True, role
+        rec.agent = int(msg.get("agent", rec.agent if rec.agent >= 0 else _agent_of(wid)))
         log.info("registered %s (%s, pid %d, store %s:%d)", wid, role, rec.pid, rec.host, rec.store_port)
         if self.state in (DONE, FAILED):
             self._reply(ident, msg["id"], stop=True, done=self.state == DONE, reason=self.failure_reason)
             return
         self._reply(ident, msg["id"], world_size=self.world_size)
         if role == "spare":
+            if wid in self.spares or wid in self.members.values():
+                return  # registered again (through a proxy, after a leader change): nothing new
             self.spares.append(wid)
             if self.vacant and self.state == RUNNING:
                 self._try_declare()
@@ -380,6 +577,11 @@ class Coordinator:
             return
         if self._entitled(wid) and self.info is not None and self.info.gen > after:
             self._reply(ident, msg["id"], generation=self.info.to_wire())
+            return
+        if wid == self._departing and not self._entitled(wid) and after >= 0:
+            # Its slot went to a spare and the generation carrying the handoff is gone (a new leader took over
+            # meanwhile): the spare got the state from a replica; this rank has nothing left to do.
+            self._reply(ident, msg["id"], stop=True, done=True, reason="migrated away")
             return
         self._parked[wid] = _Parked(ident, msg["id"], "await", after)
 
@@ -513,11 +715,11 @@ class Coordinator:
         rec = self.workers[wid]
         rec.alive = False
         self._parked.pop(wid, None)
+        if self.state in (DONE, FAILED):
+            return  # processes leaving a finished job
         if wid in self.spares:
             self.spares.remove(wid)
             emit(self.event_sink, log, "torchpass.spare_lost", worker=wid, why=why)
-            return
-        if self.state in (DONE, FAILED):
             return
         if wid == self._departing:
             self._departing = None
@@ -572,7 +774,7 @@ class Coordinator:
 
     def _try_declare(self) -> None:
         """Fill vacant slots with spares and announce a new generation (or wait for spares)."""
-        if self.state != RUNNING:
+        if self.state != RUNNING or self._hold_declare:
             return
         if len(self.spares) < len(self.vacant):
             if self._vacant_since is None:
@@ -608,7 +810,7 @@ class Coordinator:
         recovery = self._recovery or _Recovery(evidence_at=time.time())
         recovery.declared_at = time.time()
         self._recovery = recovery
-        self.gen += 1
+        self.gen = max(self.gen + 1, self._gen_floor)
         reason = "; ".join(recovery.reasons) or "collective error with no member lost: rebuild"
         recovery.reasons = []
         self.info = GenerationInfo(

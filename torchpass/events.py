@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DaemonEventSink", "EventSink", "JsonlEventSink", "emit"]
+__all__ = ["DaemonEventSink", "EventSink", "JsonlEventSink", "TeeSink", "emit", "tee"]
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -47,31 +48,118 @@ class JsonlEventSink:
             out.write(line + "\n")
 
 
-class DaemonEventSink:
-    """Post events to this node's ``clockworkd`` (so they land in the job's event log and report).
+class TeeSink:
+    """Hands every event to several sinks (e.g. the ``--events`` file and the node daemon), each guarded."""
 
-    ``control_socket`` is the daemon's local control socket (the Slurm wiring knows it from the node's
-    configuration and passes it down; TorchPass itself reads no Clockwork configuration).
-
-    The client is created on first use; while the daemon is unreachable events are logged and dropped
-    (the log still has them), because a fault-tolerance layer must not stall on its own telemetry.
-    """
-
-    def __init__(self, job_id: int, control_socket: str | Path, timeout_s: float = 2.0) -> None:
-        self.job_id = job_id
-        self.control_socket = Path(control_socket)
-        self.timeout_s = timeout_s
-        self._client: Any = None
-        self._lock = threading.Lock()
+    def __init__(self, *sinks: EventSink | None) -> None:
+        self.sinks = [sink for sink in sinks if sink is not None]
         self._log = logging.getLogger("clockwork.torchpass.events")
 
     def __call__(self, kind: str, fields: dict[str, Any]) -> None:
-        with self._lock:
-            if self._client is None:
-                from clockworkd.client import DaemonClient  # lazy: torchpass -> clockworkd client only
-
-                self._client = DaemonClient(self.control_socket, self.timeout_s)
+        for sink in self.sinks:
             try:
-                self._client.post_event(self.job_id, kind, fields)
-            except Exception as exc:
-                self._log.warning("clockworkd did not take event %s: %s", kind, exc)
+                sink(kind, fields)
+            except Exception as exc:  # one broken sink must not starve the others
+                self._log.warning("event sink failed for %s: %s: %s", kind, type(exc).__name__, exc)
+
+
+def tee(*sinks: EventSink | None) -> EventSink | None:
+    """One sink for all the given ones (None when there is none, the sink itself when there is one)."""
+    present = [sink for sink in sinks if sink is not None]
+    if not present:
+        return None
+    return present[0] if len(present) == 1 else TeeSink(*present)
+
+
+class DaemonEventSink:
+    """Post events to this node's ``clockworkd`` (so they land in the job's event log and report).
+
+    Where the daemon listens: ``control_socket`` when given (a node agent resolves it once and passes it to its
+    ranks), else Clockwork's configuration (``config_path``, else ``$CLOCKWORK_CONFIG``) through
+    :meth:`clockworkd.client.DaemonClient.for_this_node`: TorchPass reads no Clockwork configuration itself.
+
+    Posting happens on a background thread with a bounded queue: the coordinator emits events in the middle
+    of a recovery and must never wait for its own telemetry. While the daemon is unreachable (or refuses, e.g.
+    the job is not registered with it), events are dropped with a rate-limited warning; the log still has
+    them. Nothing here can fail the job.
+    """
+
+    def __init__(
+        self,
+        job_id: int,
+        control_socket: str | Path | None = None,
+        *,
+        config_path: str | Path | None = None,
+        timeout_s: float = 2.0,
+        max_queue: int = 10_000,
+    ) -> None:
+        self.job_id = int(job_id)
+        self.control_socket = None if control_socket is None else Path(control_socket)
+        self.config_path = config_path
+        self.timeout_s = timeout_s
+        self.posted = 0
+        self.dropped = 0
+        self._queue: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=max_queue)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._disabled = ""
+        self._log = logging.getLogger("clockwork.torchpass.events")
+
+    def __call__(self, kind: str, fields: dict[str, Any]) -> None:
+        if self._disabled:
+            return
+        self._ensure_thread()
+        try:
+            self._queue.put_nowait((kind, dict(fields)))
+        except queue.Full:
+            self._drop(kind, "the queue to clockworkd is full")
+
+    def _ensure_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="torchpass-daemon-events", daemon=True)
+                self._thread.start()
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Post what is queued (for at most ``timeout_s``) and stop the thread."""
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            return
+        self._thread.join(timeout_s)
+
+    def _drop(self, kind: str, why: str) -> None:
+        self.dropped += 1
+        if self.dropped == 1 or self.dropped % 100 == 0:
+            self._log.warning("clockworkd did not take event %s (%d dropped so far): %s", kind, self.dropped, why)
+
+    def _client(self) -> Any:
+        from clockworkd.client import DaemonClient  # lazy: torchpass -> clockworkd client only
+
+        if self.control_socket is not None:
+            return DaemonClient(self.control_socket, self.timeout_s)
+        return DaemonClient.for_this_node(self.config_path, self.timeout_s)
+
+    def _run(self) -> None:
+        client: Any = None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            kind, fields = item
+            if client is None:
+                try:
+                    client = self._client()  # connects nothing yet: a failure here is a setup problem
+                except Exception as exc:  # clockworkd missing, or a bad Clockwork configuration
+                    self._disabled = f"{type(exc).__name__}: {exc}"
+                    self._log.warning("no events go to clockworkd: %s", self._disabled)
+                    break
+            try:
+                client.post_event(self.job_id, kind, fields)
+                self.posted += 1
+            except Exception as exc:  # unreachable, or refused: never the job's problem
+                self._drop(kind, f"{type(exc).__name__}: {exc}")
+        if client is not None:
+            client.close()

@@ -21,7 +21,10 @@ from typing import Any
 import msgpack
 
 __all__ = [
+    "ENV_AGENT",
     "ENV_COORDINATOR",
+    "ENV_DAEMON_SOCKET",
+    "ENV_GLOO_HOST",
     "ENV_HOST",
     "ENV_JOB_ID",
     "ENV_LOCAL",
@@ -45,6 +48,9 @@ ENV_WORLD_SIZE = "TORCHPASS_WORLD_SIZE"  # number of training slots (fixed for t
 ENV_HOST = "TORCHPASS_HOST"  # address this process binds its store server and collectives to
 ENV_JOB_ID = "TORCHPASS_JOB_ID"  # Slurm job id (for daemon events); empty in local mode
 ENV_LOCAL = "TORCHPASS_LOCAL"  # "1": local launcher; the rank dies with it (PR_SET_PDEATHSIG)
+ENV_AGENT = "TORCHPASS_AGENT"  # Slurm mode: index of the node agent that started this process (it dies with it)
+ENV_GLOO_HOST = "TORCHPASS_GLOO_HOST"  # Slurm mode: the address gloo's device binds to (the node's address)
+ENV_DAEMON_SOCKET = "TORCHPASS_DAEMON_SOCKET"  # the node daemon's control socket, for rank events ('' = none)
 
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -144,6 +150,7 @@ class LaunchEnv:
     host: str
     job_id: str
     local: bool
+    agent: int = -1  # Slurm mode: the node agent that started this process; -1 in local mode
 
     @property
     def initial_slot(self) -> int | None:
@@ -172,6 +179,7 @@ class LaunchEnv:
             host=env.get(ENV_HOST, "127.0.0.1"),
             job_id=env.get(ENV_JOB_ID, ""),
             local=env.get(ENV_LOCAL, "") == "1",
+            agent=int(env.get(ENV_AGENT) or -1),
         )
 
     def to_environ(self) -> dict[str, str]:
@@ -184,4 +192,5 @@ class LaunchEnv:
             ENV_HOST: self.host,
             ENV_JOB_ID: self.job_id,
             ENV_LOCAL: "1" if self.local else "0",
+            ENV_AGENT: str(self.agent),
         }

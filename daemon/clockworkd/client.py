@@ -58,6 +58,18 @@ class DaemonClient:
         return cls(DaemonPaths.from_config(cfg, node), cfg.request_timeout_s)
 
     @classmethod
+    def for_this_node(cls, config_path: str | Path | None = None, timeout_s: float | None = None) -> DaemonClient:
+        """This node's daemon, found through Clockwork's configuration (``config_path``, else
+        ``$CLOCKWORK_CONFIG``, else the default file): for programs that read no Clockwork configuration
+        themselves, such as TorchPass's node agents. Raises :class:`ConfigError` for a bad configuration."""
+        from clockworkd.config import load_config  # lazy: most clients are given their paths
+
+        client = cls.from_config(load_config(Path(config_path) if config_path else None).config.daemon)
+        if timeout_s is not None:
+            client.timeout_s = timeout_s
+        return client
+
+    @classmethod
     def for_peer(cls, endpoint: str, keys: CurveKeys, server_public: bytes, timeout_s: float = 5.0) -> DaemonClient:
         """A client for another daemon's CURVE socket (``tcp://ADDR:PORT``), as a daemon (root) makes it."""
         return cls(endpoint, timeout_s, curve=(keys, server_public))

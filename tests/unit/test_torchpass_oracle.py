@@ -7,7 +7,8 @@ small piece of registered user state. This file is also the rank script: execute
 Faults are injected by the rank script itself through ``CW_TEST_KILL`` (``slot:step:phase``, comma
 separated): it SIGKILLs its own process in the forward pass, inside backward while gradient buckets are being
 all-reduced, or inside the optimizer step; ``freeze`` stops it with SIGSTOP instead (a silent rank whose
-sockets stay open). ``slot:gen:transfer`` kills the rank while it sends or receives
+sockets stay open). ``node`` and ``nodestop`` (Slurm-mode tests) SIGKILL or SIGSTOP the rank's whole process
+group, that is the rank and its node agent together: a node crash. ``slot:gen:transfer`` kills the rank while it sends or receives
 state during the recovery into generation ``gen`` (a failure during recovery). A marker file makes each
 kill happen once, so the replacement in the same slot does not kill itself too. ``CW_TEST_MIGRATE``
 (``slot:step``) makes a rank request the planned migration of ``slot`` at ``step``.
@@ -84,6 +85,8 @@ def _rank_main() -> int:
             return  # already done once: the replacement must not kill itself too
         os.write(fd, f"{time.time()}\n".encode())
         os.close(fd)
+        if phase in ("node", "nodestop"):  # the whole "node": this rank and its agent (one process group)
+            os.killpg(os.getpgrp(), signal.SIGSTOP if phase == "nodestop" else signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGSTOP if phase == "freeze" else signal.SIGKILL)
 
     def sink(kind: str, fields: dict[str, Any]) -> None:
@@ -106,6 +109,8 @@ def _rank_main() -> int:
 
     model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "forward"))
     model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "freeze"))
+    model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "node"))
+    model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "nodestop"))
     model[0].weight.register_hook(lambda grad: maybe_kill(ctx.slot, ctx.step, "backward"))  # late in backward
     opt.register_step_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "optimizer"))
 

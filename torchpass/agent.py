@@ -1,0 +1,315 @@
+"""``srun torchpass run train.py``: the node agent, one per node of a Slurm job step.
+
+Inside ``sbatch --clockwork-ft --clockwork-spares=standby -N (N+S)``, ``srun --ntasks-per-node=1 torchpass
+run train.py`` starts one agent per node. Agent K (``SLURM_PROCID``) starts rank slot K when K < N and a spare
+otherwise, runs a coordinator replica, and takes part in the agents' mesh (:mod:`torchpass.mesh`), which
+elects the replica that leads. There is no process whose loss ends the job: the leader's node may crash like
+any other, and the lowest agent still heard takes over from the replicated state.
+
+What an agent does for its node:
+
+* starts its training process (rank or spare) with the environment TorchPass's ranks expect: the
+  coordinator endpoint is the agent's :class:`~torchpass.proxy.CoordinatorProxy` (forwarding to whichever
+  replica leads), the process binds its store server and gloo to the node's address (what the node name
+  resolves to), and it dies with the agent, so the agent's silence is the whole node's;
+* watches that process through a pidfd and tells the leader at once when it exits (through the mesh); when
+  it exits with an error while the node itself is fine, starts a new spare in its place, so a lost process
+  does not cost a node;
+* kills its process when the leader counts it lost (evicted), and leaves the job when the leader counts the
+  whole agent lost (a node that was silent too long: its slot already went to a spare);
+* reports: every event of the agent, its coordinator replica while it leads and its rank goes to the node
+  daemon when the job runs under Clockwork (``CLOCKWORK_CONFIG`` set), and to ``--events FILE``. Every agent
+  posts a ``torchpass.coordinator`` event (``{leader, endpoints, world_size, ...}``) to its node's daemon at
+  the start and whenever the leader changes: that is how ``clockwork migrate JOBID --rank R`` finds the
+  coordinator of a job.
+
+The agent exits with 0 when the job finished, 1 when it failed, 128 + N on signal N. This module imports no
+torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+
+from torchpass.config import ENV_CONFIG, TorchPassConfig
+from torchpass.coordinator import Coordinator
+from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
+from torchpass.mesh import FINAL_STATES, AgentMesh
+from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv
+from torchpass.proxy import CoordinatorProxy
+from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, clockwork_ft_mode
+
+__all__ = ["SlurmAgent", "daemon_control_socket"]
+
+log = logging.getLogger("clockwork.torchpass.agent")
+
+CONFIG_ENV = "CLOCKWORK_CONFIG"
+FINISH_WAIT_S = 10.0  # the leader waits this long for the other agents to see the end before it exits
+
+
+def daemon_control_socket(config_path: str) -> str:
+    """This node's daemon control socket per Clockwork's configuration ('' when it cannot be found).
+
+    Resolved once by the agent and handed to its ranks, so that no rank reads Clockwork's configuration."""
+    try:
+        from clockworkd.client import DaemonClient  # lazy: torchpass -> clockworkd client only
+
+        client = DaemonClient.for_this_node(config_path)
+    except Exception as exc:  # clockworkd missing or a bad configuration: events stay in the log only
+        log.warning("no events to the node daemon: %s: %s", type(exc).__name__, exc)
+        return ""
+    endpoint = client.endpoint
+    client.close()
+    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
+
+
+class SlurmAgent:
+    """One node's TorchPass agent; :meth:`run` blocks until the job ends and returns the exit status."""
+
+    def __init__(
+        self,
+        script: str,
+        script_args: list[str],
+        layout: SlurmLayout,
+        config: TorchPassConfig,
+        *,
+        events_file: str | None = None,
+        python: str = sys.executable,
+        exit_grace_s: float = 30.0,
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        self.script = script
+        self.script_args = script_args
+        self.layout = layout
+        self.python = python
+        self.exit_grace_s = exit_grace_s
+        self.environ = dict(os.environ if environ is None else environ)
+        # A survivor's broken collective must not trigger a same-members rebuild before a crashed node's
+        # silence has been noticed: wait at least as long as the agents take to count a node lost.
+        grace = config.agent_timeout_s + 2 * config.agent_heartbeat_interval_s
+        if config.broken_grace_s < grace:
+            config = dataclasses.replace(config, broken_grace_s=grace)
+        self.config = config
+        self.daemon_socket = ""
+        daemon_sink: EventSink | None = None
+        if self.environ.get(CONFIG_ENV):
+            self.daemon_socket = daemon_control_socket(self.environ[CONFIG_ENV])
+            if self.daemon_socket:
+                daemon_sink = DaemonEventSink(layout.job_id, self.daemon_socket)
+        self._daemon_sink = daemon_sink
+        jsonl = JsonlEventSink(events_file.replace("{agent}", str(layout.index))) if events_file else None
+        self.event_sink = tee(jsonl, daemon_sink)
+        self.coordinator = Coordinator(
+            layout.world_size,
+            config,
+            event_sink=self.event_sink,
+            bind_host=layout.address,
+            port=layout.port + 1,
+            active=layout.index == 0,
+        )
+        self.mesh = AgentMesh(layout, config, self.coordinator, event_sink=self.event_sink)
+        self.coordinator.replicate = self.mesh.publish
+        self.coordinator.leader_hint = self.mesh.leader_endpoint()
+        self.proxy = CoordinatorProxy(layout.address, self.mesh.leader_endpoint)
+        self.mesh.listeners.append(lambda _leader, _term: self.proxy.leader_changed())
+        self.mesh.listeners.append(lambda _leader, _term: self._announce())
+        self._child: subprocess.Popen[bytes] | None = None
+        self._child_wid = ""
+        self._child_role = ""
+        self._child_code: int | None = None
+        self._pidfd: int | None = None
+        self._started = 0
+        self._signal: int | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    # ----- start -----------------------------------------------------------------------------
+
+    def _announce(self) -> None:
+        """Tell the node daemon (and the event file) where this job's coordinator is now."""
+        emit(
+            self.event_sink,
+            log,
+            "torchpass.coordinator",
+            agent=self.layout.index,
+            node=self.layout.node,
+            leader=self.mesh.leader_endpoint(),
+            leader_agent=self.mesh.leader,
+            term=self.mesh.term,
+            endpoints=self.layout.coordinator_endpoints(),
+            world_size=self.layout.world_size,
+            spares=self.layout.spares,
+        )
+
+    def _environment(self, wid: str, role: str) -> dict[str, str]:
+        env = dict(self.environ)
+        launch = LaunchEnv(
+            self.proxy.endpoint,
+            wid,
+            role,
+            self.layout.world_size,
+            self.layout.address,
+            str(self.layout.job_id),
+            False,
+            agent=self.layout.index,
+        )
+        env.update(launch.to_environ())
+        env[ENV_CONFIG] = self.config.to_json()
+        env[ENV_GLOO_HOST] = self.layout.address
+        env[ENV_DAEMON_SOCKET] = self.daemon_socket
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _spawn(self, role: str) -> None:
+        wid = f"a{self.layout.index}.{self._started}"
+        self._started += 1
+        proc = subprocess.Popen([self.python, self.script, *self.script_args], env=self._environment(wid, role))
+        try:
+            self._pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+        self._child, self._child_wid, self._child_role, self._child_code = proc, wid, role, None
+        self.mesh.child_update(wid, role, None)
+        log.info("started %s (%s) pid %d", wid, role, proc.pid)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self._signal = signum
+        try:
+            os.write(self._wake_w, b"s")
+        except OSError:
+            pass
+
+    def run(self) -> int:
+        """Start the replica, the mesh, the proxy and this node's process; supervise until the job ends."""
+        try:
+            self.coordinator.start()
+            self.mesh.start()
+        except Exception as exc:
+            self.coordinator.stop()
+            raise SlurmLayoutError(
+                f"agent {self.layout.index} cannot listen on {self.layout.address} ports {self.layout.port} and "
+                f"{self.layout.port + 1} ({exc}): another job or program holds them; choose others with --port"
+            ) from None
+        self.proxy.start()
+        ft = clockwork_ft_mode(self.environ)
+        print(
+            f"torchpass: agent {self.layout.index}/{self.layout.agents} on {self.layout.node} ({self.layout.address}), "
+            f"job {self.layout.job_id}: {self.layout.world_size} rank(s), {self.layout.spares} spare(s); "
+            f"coordinator replicas on port {self.layout.port + 1}; clockwork-ft {ft or 'not set'}",
+            file=sys.stderr,
+        )
+        self._announce()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._spawn(self.layout.initial_role)
+            return self._supervise()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            self._terminate_child(grace_s=5.0)
+            self.proxy.stop()
+            self.mesh.stop()
+            self.coordinator.stop()
+            if self._daemon_sink is not None and isinstance(self._daemon_sink, DaemonEventSink):
+                self._daemon_sink.close()
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+
+    # ----- supervision -----------------------------------------------------------------------
+
+    def _child_alive(self) -> bool:
+        return self._child is not None and self._child_code is None
+
+    def _supervise(self) -> int:
+        ended_at: float | None = None
+        while True:
+            fds = [self._wake_r] + ([self._pidfd] if self._pidfd is not None and self._child_alive() else [])
+            select.select(fds, [], [], 0.05 if self._pidfd is None else 0.2)
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+            self._poll_child()
+            if self._signal is not None:
+                print(f"torchpass: signal {self._signal}: agent {self.layout.index} stops", file=sys.stderr)
+                return 128 + self._signal
+            if self.mesh.evicted.is_set():
+                self._terminate_child(grace_s=2.0)
+                print(
+                    f"torchpass: agent {self.layout.index} was counted lost by the job's coordinator (silent too "
+                    "long); its slot went to a spare: leaving the job",
+                    file=sys.stderr,
+                )
+                return 0
+            state = self.mesh.job_state()
+            if state in FINAL_STATES:
+                ended_at = ended_at or time.monotonic()
+                if self._child_alive() and time.monotonic() - ended_at > self.exit_grace_s:
+                    log.warning("%s still running %.0f s after the job ended", self._child_wid, self.exit_grace_s)
+                    self._terminate_child(grace_s=5.0)
+                if not self._child_alive():
+                    return self._finish(state)
+                continue
+            if self._child_alive() and self.mesh.worker_alive(self._child_wid) is False:
+                log.warning("the coordinator counts %s as dead (evicted): killing it", self._child_wid)
+                assert self._child is not None
+                self._child.kill()
+
+    def _poll_child(self, respawn: bool = True) -> None:
+        if self._child is None or self._child_code is not None:
+            return
+        code = self._child.poll()
+        if code is None:
+            return
+        self._child_code = code
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        log.info("%s (%s) exited with %d", self._child_wid, self._child_role, code)
+        self.proxy.forget(self._child_wid)
+        self.mesh.child_update(self._child_wid, self._child_role, code)
+        if not respawn or code == 0 or self.mesh.job_state() in FINAL_STATES or self.mesh.evicted.is_set():
+            return
+        if self._started > self.config.max_failures:
+            log.warning("not starting another spare on this node: %d processes started already", self._started)
+            return
+        self._spawn("spare")  # the node is fine, only its process died: keep it useful as a spare
+
+    def _finish(self, state: str) -> int:
+        self.mesh.finished = True
+        deadline = time.monotonic() + FINISH_WAIT_S
+        # The leader stays until every agent saw the end, so the ranks get their answers and nobody holds an
+        # election over a leader that simply left; a follower stays for a couple of heartbeats.
+        if self.mesh.is_leader():
+            while time.monotonic() < deadline and not self.mesh.live_peers_finished():
+                time.sleep(self.config.agent_heartbeat_interval_s)
+        else:
+            time.sleep(3 * self.config.agent_heartbeat_interval_s)
+        if state == "done":
+            return 0
+        print(f"torchpass: job failed: {self.mesh.failure_reason() or 'see the leader agent log'}", file=sys.stderr)
+        return 1
+
+    def _terminate_child(self, grace_s: float) -> None:
+        if not self._child_alive():
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+            return
+        assert self._child is not None
+        self._child.terminate()
+        try:
+            self._child.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
+        self._poll_child(respawn=False)

@@ -1,0 +1,271 @@
+"""Where this agent sits in a Slurm job step: which node, which slot or spare, and every peer's address.
+
+``srun torchpass run train.py`` inside ``sbatch --clockwork-ft --clockwork-spares=standby -N (N+S)`` starts
+one launcher agent per node (one srun task per node). Everything an agent needs to find the others comes from
+the environment srun gives every task, so no rendezvous service is needed before the agents can talk:
+
+* ``SLURM_JOB_ID``: the job (daemon events, the default port);
+* ``SLURM_PROCID`` / ``SLURM_NTASKS``: this agent's index and how many agents there are. The first N
+  agents hold the rank slots 0..N-1 at the start, the other S wait as spares;
+* ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``) and ``SLURM_NODEID``: the step's nodes. With one
+  task per node, task K runs on the K-th node of the list, so agent K's address is what that node's name
+  resolves to;
+* ``SLURMD_NODENAME`` (else the short hostname): this node's name.
+
+The node's stable address is what its name resolves to (not a NIC address: LinkPass moves the routes of that
+address between NICs), so the agent's sockets, the ranks' store servers and gloo all bind to it.
+
+How many of the tasks are spares: ``--spares S`` or ``--nproc N`` on the command line; else the
+``--clockwork-spares`` mode the SPANK plugin exported to the job (``CLOCKWORK_SPARES``, or
+``SLURM_SPANK_CLOCKWORK_SPARES`` under ``--export=NONE``): ``standby`` means one spare node, ``none`` none.
+``borrow`` (spares borrowed from other jobs) is a separate feature: here it counts as no standby spare.
+
+The agents' two ports (the agent mesh, and the coordinator replica one above it) are the same on every node,
+derived from the job id unless ``--port`` says otherwise, so each agent knows every peer's endpoints from the
+node list alone. The hostlist syntax is expanded here (``node[01-04,07],gpu3``) because TorchPass must not
+depend on Slurm's libraries or commands. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "PORT_BASE",
+    "PORT_SPAN",
+    "SlurmLayout",
+    "SlurmLayoutError",
+    "clockwork_ft_mode",
+    "clockwork_spares_mode",
+    "default_port",
+    "expand_hostlist",
+    "in_slurm_step",
+    "resolve_address",
+]
+
+log = logging.getLogger("clockwork.torchpass.slurm")
+
+# Agent ports: PORT_BASE + 2 * (job id % PORT_SPAN) for the mesh, one above it for the coordinator replica.
+# The range stays below Linux's ephemeral ports (32768+), so no outgoing connection can be holding it.
+PORT_BASE = 21000
+PORT_SPAN = 5000
+SPARE_MODE_VARIABLES = ("CLOCKWORK_SPARES", "SLURM_SPANK_CLOCKWORK_SPARES", "SPANK_CLOCKWORK_SPARES")
+FT_MODE_VARIABLES = ("CLOCKWORK_FT", "SLURM_SPANK_CLOCKWORK_FT", "SPANK_CLOCKWORK_FT")
+STANDBY_SPARES_DEFAULT = 1
+
+
+class SlurmLayoutError(ValueError):
+    """The job step does not have the shape TorchPass needs (the message says what and how to fix it)."""
+
+
+def in_slurm_step(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a task of a Slurm job step (what ``srun`` sets)."""
+    env = os.environ if environ is None else environ
+    return bool(env.get("SLURM_JOB_ID") and env.get("SLURM_PROCID"))
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """Expand Slurm's hostlist syntax: ``a[1-3,07],b`` -> ``a1 a2 a3 a07 b`` (zero padding kept)."""
+    names: list[str] = []
+    for item in _split_top_level(expr.strip()):
+        names += _expand_item(item)
+    return names
+
+
+def _split_top_level(expr: str) -> list[str]:
+    """Split at commas that are not inside brackets."""
+    items, depth, current = [], 0, []
+    for char in expr:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise SlurmLayoutError(f"hostlist {expr!r}: unbalanced ']'")
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise SlurmLayoutError(f"hostlist {expr!r}: unbalanced '['")
+    items.append("".join(current))
+    return [item.strip() for item in items if item.strip()]
+
+
+def _expand_item(item: str) -> list[str]:
+    match = re.search(r"\[([^\[\]]*)\]", item)
+    if match is None:
+        return [item]
+    head, tail = item[: match.start()], item[match.end() :]
+    out: list[str] = []
+    for part in match.group(1).split(","):
+        low, sep, high = part.strip().partition("-")
+        if not low.isdigit() or (sep and not high.isdigit()):
+            raise SlurmLayoutError(f"hostlist item {item!r}: bad range {part!r}")
+        if not sep:
+            values = [low]
+        else:
+            if int(high) < int(low):
+                raise SlurmLayoutError(f"hostlist item {item!r}: range {part!r} runs backwards")
+            width = len(low) if low.startswith("0") else 0
+            values = [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
+        for value in values:
+            out += _expand_item(head + value + tail)  # a later bracket in the same name
+    return out
+
+
+def resolve_address(name: str) -> str:
+    """The IPv4 address ``name`` resolves to: a node's stable address (what gloo and the stores bind to)."""
+    try:
+        infos = socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise SlurmLayoutError(f"node name {name!r} does not resolve to an address: {exc}") from None
+    return str(infos[0][4][0])
+
+
+def default_port(job_id: int) -> int:
+    """The agents' mesh port for ``job_id`` (the coordinator replica listens one above it)."""
+    return PORT_BASE + 2 * (job_id % PORT_SPAN)
+
+
+def clockwork_spares_mode(environ: Mapping[str, str] | None = None) -> str:
+    """The job's ``--clockwork-spares`` mode as the SPANK plugin exported it ('' when not a Clockwork job)."""
+    env = os.environ if environ is None else environ
+    return next((env[v].strip() for v in SPARE_MODE_VARIABLES if env.get(v, "").strip()), "")
+
+
+def clockwork_ft_mode(environ: Mapping[str, str] | None = None) -> str:
+    """The job's ``--clockwork-ft`` mode ('' when the job was not submitted with it)."""
+    env = os.environ if environ is None else environ
+    return next((env[v].strip() for v in FT_MODE_VARIABLES if env.get(v, "").strip()), "")
+
+
+@dataclass(frozen=True)
+class SlurmLayout:
+    """This agent's place in the job step and the addresses of every agent."""
+
+    job_id: int
+    index: int  # SLURM_PROCID: agent index; agent K < world_size starts rank slot K
+    world_size: int  # N: training slots
+    spares: int  # S: standby agents (SLURM_NTASKS = N + S)
+    nodes: tuple[str, ...]  # node name of agent K
+    addresses: tuple[str, ...]  # stable address of agent K's node
+    port: int  # mesh port on every node; the coordinator replica uses port + 1
+
+    @property
+    def agents(self) -> int:
+        """How many agents (srun tasks) the job step has."""
+        return len(self.nodes)
+
+    @property
+    def node(self) -> str:
+        """This agent's node name."""
+        return self.nodes[self.index]
+
+    @property
+    def address(self) -> str:
+        """This node's stable address."""
+        return self.addresses[self.index]
+
+    @property
+    def initial_role(self) -> str:
+        """``slot:K`` for the first N agents, ``spare`` for the others."""
+        return f"slot:{self.index}" if self.index < self.world_size else "spare"
+
+    def mesh_endpoint(self, agent: int) -> str:
+        """Where agent ``agent`` listens for its peers' heartbeats."""
+        return f"tcp://{self.addresses[agent]}:{self.port}"
+
+    def coordinator_endpoint(self, agent: int) -> str:
+        """Where agent ``agent``'s coordinator replica listens."""
+        return f"tcp://{self.addresses[agent]}:{self.port + 1}"
+
+    def coordinator_endpoints(self) -> list[str]:
+        """Every replica's endpoint, in agent order."""
+        return [self.coordinator_endpoint(k) for k in range(self.agents)]
+
+    @classmethod
+    def from_environ(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        spares: int | None = None,
+        nproc: int | None = None,
+        port: int | None = None,
+    ) -> SlurmLayout:
+        """Read the layout srun gave this task; ``spares``/``nproc``/``port`` are the command line's."""
+        env = os.environ if environ is None else environ
+        if not in_slurm_step(env):
+            raise SlurmLayoutError(
+                "not a task of a Slurm job step (SLURM_JOB_ID/SLURM_PROCID unset): run it with srun inside the "
+                "job, or use --local"
+            )
+        job_id = _int(env, "SLURM_JOB_ID")
+        index = _int(env, "SLURM_PROCID")
+        ntasks = _int(env, "SLURM_NTASKS", env.get("SLURM_NPROCS", ""))
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        nodes = expand_hostlist(nodelist)
+        if len(nodes) != ntasks:
+            raise SlurmLayoutError(
+                f"the step has {ntasks} task(s) on {len(nodes)} node(s) ({nodelist}): TorchPass needs exactly one "
+                "agent per node (srun --ntasks-per-node=1)"
+            )
+        node_id = env.get("SLURM_NODEID")
+        if node_id is not None and node_id.isdigit() and int(node_id) != index:
+            raise SlurmLayoutError(
+                f"task {index} runs on node index {node_id}: TorchPass needs task K on the K-th node "
+                "(srun --ntasks-per-node=1 with the default block distribution)"
+            )
+        mode = clockwork_spares_mode(env)
+        count = _spare_count(ntasks, spares, nproc, mode)
+        own = env.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
+        if own != nodes[index] and own.split(".", 1)[0] != nodes[index]:
+            raise SlurmLayoutError(
+                f"task {index} runs on {own} but the node list puts {nodes[index]} there: TorchPass needs task K "
+                "on the K-th node (srun --ntasks-per-node=1)"
+            )
+        addresses = tuple(resolve_address(name) for name in nodes)
+        if len(set(addresses)) != len(addresses):
+            raise SlurmLayoutError(f"two nodes resolve to the same address: {dict(zip(nodes, addresses, strict=True))}")
+        if env.get("TORCHPASS_PORT") and port is None:
+            port = _int(env, "TORCHPASS_PORT")
+        chosen = port if port is not None else default_port(job_id)
+        if not 1024 <= chosen < 65535:
+            raise SlurmLayoutError(f"port {chosen} out of range (1024..65534)")
+        return cls(job_id, index, ntasks - count, count, tuple(nodes), addresses, chosen)
+
+
+def _int(env: Mapping[str, str], name: str, fallback: str = "") -> int:
+    raw = env.get(name, fallback)
+    try:
+        return int(raw)
+    except ValueError:
+        raise SlurmLayoutError(f"{name}={raw!r} is not an integer") from None
+
+
+def _spare_count(ntasks: int, spares: int | None, nproc: int | None, mode: str) -> int:
+    """How many of ``ntasks`` agents are spares (see the module docstring for the rules)."""
+    if spares is not None and nproc is not None and spares + nproc != ntasks:
+        raise SlurmLayoutError(f"--nproc {nproc} + --spares {spares} != {ntasks} tasks in the step")
+    if spares is None and nproc is not None:
+        spares = ntasks - nproc
+    if spares is None:
+        if mode == "standby":
+            spares = STANDBY_SPARES_DEFAULT
+        else:
+            if mode == "borrow":
+                log.warning("--clockwork-spares=borrow: borrowing spares is not available here; no standby spare")
+            spares = 0
+    if spares < 0 or spares >= ntasks:
+        raise SlurmLayoutError(
+            f"{spares} spare(s) out of {ntasks} task(s): at least one task must train (give --spares or --nproc)"
+        )
+    if mode == "none" and spares:
+        log.warning("the job was submitted with --clockwork-spares=none but %d task(s) wait as spares", spares)
+    return spares
