@@ -139,9 +139,9 @@ _BOUND_GLOO = "torchpass_gloo"
 _bound_gloo_host = ""
 
 
-def _bound_gloo(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Backend:
+def _bound_gloo(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
     """A gloo backend whose device listens on :data:`_bound_gloo_host` (see :class:`GlooBackend`)."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, stable since torch 1.x
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=_bound_gloo_host)]
     return dist.ProcessGroupGloo(store, rank, world_size, options)

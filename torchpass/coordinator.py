@@ -52,9 +52,11 @@ FORMING, RUNNING, DONE, FAILED = "forming", "running", "done", "failed"
 class LeaderSeam(Protocol):
     """Which coordinator replica leads, as seen by a rank or an agent.
 
-    Local mode has exactly one coordinator (:class:`StaticLeader`). The Slurm wiring runs one replica per
-    node agent and elects the replica of the lowest live slot; ranks then try :meth:`endpoints` in order and
-    re-register (with their generation, slot and committed step) when the leader changes.
+    Local mode has exactly one coordinator (:class:`StaticLeader`). In Slurm mode every node agent runs a
+    replica and :class:`torchpass.mesh.AgentMesh` elects the leader (agent 0 at the start, then the lowest agent
+    still heard); ranks never choose: their agent's proxy forwards to :meth:`endpoints`' first entry and
+    replays their pending requests when it changes. The command line uses the other entries when the first
+    does not answer.
     """
 
     def endpoints(self) -> list[str]:
@@ -196,6 +198,7 @@ class Coordinator:
         self._exported: dict[str, Any] | None = None
         self._gen_floor = 0  # the next generation number is at least this (raised by a takeover)
         self._hold_declare = False  # batch several deaths into one generation
+        self._dirty = True  # something replicated may have changed since the last snapshot
 
     # ----- life cycle (thread-safe) ---------------------------------------------------------
 
@@ -295,8 +298,11 @@ class Coordinator:
             if now >= next_check:
                 self._check_heartbeats(now)
                 next_check = now + min(1.0, self.config.heartbeat_interval_s)
+                self._dirty = True  # timers may have changed something: compare once a second at most
             self._check_timers(now)
-            self._maybe_replicate()
+            if self._dirty:
+                self._dirty = False
+                self._maybe_replicate()
 
     def _next_timer(self) -> float:
         deadlines = [time.monotonic() + 1.0]
@@ -312,6 +318,7 @@ class Coordinator:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            self._dirty = True
             if kind == "exited":
                 wid, role, code, at = payload
                 rec = self.workers.setdefault(wid, _Worker(wid=wid, role=role))
@@ -352,6 +359,8 @@ class Coordinator:
             if not self.active:
                 self._hold(ident, msg)
                 continue
+            if msg["op"] not in ("hb", "hello"):
+                self._dirty = True  # heartbeats change nothing that is replicated: no snapshot per heartbeat
             try:
                 self._handle(ident, msg)
             except Exception:  # one bad request must not take the job's coordinator down

@@ -48,6 +48,22 @@ class JsonlEventSink:
             out.write(line + "\n")
 
 
+def _fit(fields: dict[str, Any], limit: int) -> dict[str, Any]:
+    """``fields`` with its largest values elided until its JSON fits in ``limit`` bytes (a generation of a
+    job with thousands of ranks lists them all; the full event stays in the log and the events file)."""
+    sizes = {key: len(json.dumps(value, default=str)) for key, value in fields.items()}
+    if sum(sizes.values()) + 8 * len(sizes) <= limit:
+        return fields
+    out = dict(fields)
+    total = sum(sizes.values()) + 8 * len(sizes)
+    for key in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        if total <= limit:
+            break
+        out[key] = f"<{sizes[key]} bytes elided; see the TorchPass log>"
+        total -= sizes[key] - len(out[key])
+    return out
+
+
 class TeeSink:
     """Hands every event to several sinks (e.g. the ``--events`` file and the node daemon), each guarded."""
 
@@ -97,6 +113,7 @@ class DaemonEventSink:
         self.control_socket = None if control_socket is None else Path(control_socket)
         self.config_path = config_path
         self.timeout_s = timeout_s
+        self.max_fields_bytes = 16_384  # the daemon refuses large requests (64 KiB by default)
         self.posted = 0
         self.dropped = 0
         self._queue: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=max_queue)
@@ -157,7 +174,7 @@ class DaemonEventSink:
                     self._log.warning("no events go to clockworkd: %s", self._disabled)
                     break
             try:
-                client.post_event(self.job_id, kind, fields)
+                client.post_event(self.job_id, kind, _fit(fields, self.max_fields_bytes))
                 self.posted += 1
             except Exception as exc:  # unreachable, or refused: never the job's problem
                 self._drop(kind, f"{type(exc).__name__}: {exc}")

@@ -79,7 +79,9 @@ def expand_hostlist(expr: str) -> list[str]:
 
 def _split_top_level(expr: str) -> list[str]:
     """Split at commas that are not inside brackets."""
-    items, depth, current = [], 0, []
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in expr:
         if char == "[":
             depth += 1

@@ -1,6 +1,7 @@
 """Static rules over the source tree, checked with ``ast`` (nothing is imported or executed).
 
-- torch is imported only by torchpass/ (and examples/, an ordinary user script; tests/ may test either);
+- torch is imported only by torchpass/ (and examples/, an ordinary user script; bench/, whose scripts run real
+  training; tests/ may test either);
 - dependency direction: linkpass depends on no other Clockwork package, clockworkd not on slurm_hooks
   or torchpass (every import counts, including ones inside functions);
 - no import cycles among clockworkd.*, slurm_hooks.*, linkpass.*, torchpass.*;
@@ -25,7 +26,7 @@ PACKAGES = {
     "torchpass": ROOT / "torchpass",
 }
 SKIP_DIRS = {"build", "dist", "__pycache__", "node_modules"}
-TORCH_ALLOWED = {"torchpass", "examples", "tests"}
+TORCH_ALLOWED = {"torchpass", "examples", "bench", "tests"}
 
 
 def _source_files(base: Path = ROOT) -> Iterator[Path]:

@@ -54,7 +54,8 @@ class FakeRank:
         return self.rpc.call(op, wid=self.wid, **fields)
 
     def register(self) -> None:
-        self.call("register", pid=1000 + int(self.wid[1:]), host="127.0.0.1", store_port=self.port, role=self.role)
+        pid = 1000 + int("".join(c for c in self.wid if c.isdigit()))  # w3 -> 1003, a3.0 -> 1030
+        self.call("register", pid=pid, host="127.0.0.1", store_port=self.port, role=self.role)
 
     def await_generation(self, after: int, timeout: float = 3.0) -> GenerationInfo:
         reply = self.rpc.wait("await_generation", time.monotonic() + timeout, wid=self.wid, after=after)

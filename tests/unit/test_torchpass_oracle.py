@@ -8,10 +8,10 @@ Faults are injected by the rank script itself through ``CW_TEST_KILL`` (``slot:s
 separated): it SIGKILLs its own process in the forward pass, inside backward while gradient buckets are being
 all-reduced, or inside the optimizer step; ``freeze`` stops it with SIGSTOP instead (a silent rank whose
 sockets stay open). ``node`` and ``nodestop`` (Slurm-mode tests) SIGKILL or SIGSTOP the rank's whole process
-group, that is the rank and its node agent together: a node crash. ``slot:gen:transfer`` kills the rank while it sends or receives
-state during the recovery into generation ``gen`` (a failure during recovery). A marker file makes each
-kill happen once, so the replacement in the same slot does not kill itself too. ``CW_TEST_MIGRATE``
-(``slot:step``) makes a rank request the planned migration of ``slot`` at ``step``.
+group, that is the rank and its node agent together: a node crash. ``slot:gen:transfer`` kills the rank
+while it sends or receives state during the recovery into generation ``gen`` (a failure during recovery).
+A marker file makes each kill happen once, so the replacement in the same slot does not kill itself too.
+``CW_TEST_MIGRATE`` (``slot:step``) makes a rank request the planned migration of ``slot`` at ``step``.
 
 The oracle:
 

@@ -19,6 +19,7 @@ from clockworkd.cli.context import CliContext, parse_sets
 from clockworkd.cli.demo_cmd import demo
 from clockworkd.cli.keys_cmd import keys
 from clockworkd.cli.lens_cmd import lens
+from clockworkd.cli.migrate_cmd import migrate
 from clockworkd.cli.node_cmd import node
 from clockworkd.cli.sandbox_cmd import sandbox
 from clockworkd.errors import ClockworkError
@@ -63,6 +64,7 @@ cli.add_command(demo)
 cli.add_command(node)
 cli.add_command(keys)
 cli.add_command(lens)
+cli.add_command(migrate)
 
 
 def run(argv: Sequence[str]) -> int:

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""TorchPass's cost with no fault: steps/s of one model with plain DDP, with TorchPass and with TorchFT.
+
+The same training job (``bench/torchpass_workload.py``: an MLP, AdamW, fixed per-step batches, one thread
+per rank) runs as ``--nproc`` local ranks on 127.0.0.1 over gloo in each of three forms:
+
+* **ddp**: plain ``DistributedDataParallel``, started like torchrun would (a TCPStore, ``RANK``...);
+* **torchpass**: ``torchpass run --local --nproc N --spares 0`` (the spare pool is left empty so that no idle
+  process competes for the CPU; a waiting spare costs nothing per step anyway);
+* **torchft**: TorchFT 0.2 (``pip install -e '.[bench]'``): N replica groups of one process each, a
+  lighthouse in this process, ``min_replica_size`` = N, the default asynchronous quorum.
+
+The forms are alternated round by round (``--rounds``, the order rotating), so slow phases of a shared
+machine hit all three alike; each run's steps/s is timed inside rank 0 over the steps after ``--warmup``.
+The table shows the median per form and the ratio to plain DDP. Goal (DESIGN.md): TorchPass < 1 % overhead,
+and below TorchFT's. The overhead is a constant per step (a Python hook per gradient bucket, an autograd-graph
+traversal for ``find_unused_parameters``, a step-boundary check), so it shrinks as steps get longer: raise
+``--hidden``/``--batch`` for steps closer to a GPU's tens of milliseconds.
+
+``--quick`` runs in under a minute. The last line printed is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from torchpass_jobs import (
+    Lighthouse,
+    ddp_rank,
+    free_port,
+    say,
+    torchft_replica,
+    torchft_status,
+    torchpass_job,
+    wait_all,
+)
+
+MODES = ("ddp", "torchpass", "torchft")
+
+
+def run_ddp(args: argparse.Namespace, out: Path) -> None:
+    port = free_port()
+    codes = wait_all([ddp_rank(args, out, rank, port) for rank in range(args.nproc)], args.timeout)
+    if any(codes):
+        raise RuntimeError(f"ddp ranks exited with {codes}; see {out}")
+
+
+def run_torchpass(args: argparse.Namespace, out: Path) -> None:
+    code = wait_all([torchpass_job(args, out, spares=0)], args.timeout)[0]
+    if code:
+        raise RuntimeError(f"torchpass run exited with {code}; see {out}/torchpass.err")
+
+
+def run_torchft(args: argparse.Namespace, out: Path) -> None:
+    with Lighthouse(out, min_replicas=args.nproc) as lighthouse:
+        procs = [torchft_replica(args, out, replica, lighthouse.address) for replica in range(args.nproc)]
+        codes = wait_all(procs, args.timeout)
+    if any(codes):
+        raise RuntimeError(f"torchft replicas exited with {codes}; see {out}")
+
+
+RUNNERS = {"ddp": run_ddp, "torchpass": run_torchpass, "torchft": run_torchft}
+
+
+def one_run(args: argparse.Namespace, mode: str, work: Path, index: int) -> float:
+    out = work / f"{mode}-{index}"
+    out.mkdir()
+    RUNNERS[mode](args, out)
+    result = json.loads((out / "result-0.json").read_text())
+    return float(result["steps_per_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (replicas for TorchFT); default 2")
+    parser.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
+    parser.add_argument("--warmup", type=int, default=30, help="steps not timed at the start of each run")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each form, alternated (default 5)")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--layers", type=int, default=3, help="hidden layers (default 3)")
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank per step (default 64)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
+    parser.add_argument("--skip-torchft", action="store_true", help="leave TorchFT out")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, step files)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 120 steps (under a minute)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 2, 120, 20
+    torchft_note = "left out (--skip-torchft)" if args.skip_torchft else torchft_status()
+    modes = [m for m in MODES if m != "torchft" or not torchft_note]
+    work = Path(tempfile.mkdtemp(prefix="tp-overhead-"))
+    say(
+        f"torchpass_overhead: {args.nproc} ranks on 127.0.0.1 (gloo), MLP {args.layers}x{args.hidden}, batch "
+        f"{args.batch}, {args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds of {', '.join(modes)}"
+    )
+    if torchft_note:
+        say(f"torchft: {torchft_note}")
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    started = time.monotonic()
+    try:
+        for round_index in range(args.rounds):
+            order = modes[round_index % len(modes) :] + modes[: round_index % len(modes)]
+            for mode in order:
+                rate = one_run(args, mode, work, round_index)
+                samples[mode].append(rate)
+                say(f"  round {round_index + 1}: {mode:<9} {rate:8.2f} steps/s ({1000 / rate:6.2f} ms/step)")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    median = {m: statistics.median(v) for m, v in samples.items()}
+    base = median["ddp"]
+    say("")
+    say(f"{'form':<10} {'steps/s':>9} {'ms/step':>8} {'vs ddp':>7} {'overhead':>9} {'spread':>14}")
+    rows: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        ratio = median[mode] / base
+        overhead = 100 * (base / median[mode] - 1)  # extra time per step, relative to plain DDP
+        low, high = min(samples[mode]), max(samples[mode])
+        rows[mode] = {
+            "steps_per_s": round(median[mode], 3),
+            "ms_per_step": round(1000 / median[mode], 3),
+            "ratio_to_ddp": round(ratio, 4),
+            "overhead_pct": round(overhead, 2),
+            "samples": [round(v, 3) for v in samples[mode]],
+        }
+        say(
+            f"{mode:<10} {median[mode]:>9.2f} {1000 / median[mode]:>8.2f} {ratio:>7.3f} {overhead:>8.1f}% "
+            f"{low:>6.1f}..{high:<6.1f}"
+        )
+    if "torchft" not in rows:
+        say(f"{'torchft':<10} {'-':>9}  {torchft_note}")
+    goals = {"torchpass_under_1pct": rows["torchpass"]["overhead_pct"] < 1.0}
+    if "torchft" in rows:
+        goals["torchpass_below_torchft"] = rows["torchpass"]["overhead_pct"] < rows["torchft"]["overhead_pct"]
+    say(f"goals (TorchPass < 1 % over plain DDP, and below TorchFT): {goals}  ({time.monotonic() - started:.0f} s)")
+    print(
+        json.dumps(
+            {
+                "bench": "torchpass_overhead",
+                "nproc": args.nproc,
+                "model": {"hidden": args.hidden, "layers": args.layers, "batch": args.batch},
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "rounds": args.rounds,
+                "forms": rows,
+                "torchft": torchft_note or "ok",
+                "goals_met": goals,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

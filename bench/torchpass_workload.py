@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""The training job the TorchPass benchmarks run, in each of its three forms: one rank (or replica) process.
+
+``bench/torchpass_overhead.py`` and ``bench/torchpass_vs_restart.py`` start this script as their ranks, so
+the three systems train exactly the same model on exactly the same batches:
+
+* ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over gloo (``RANK``/``WORLD_SIZE``/
+  ``MASTER_ADDR``/``MASTER_PORT`` from the launcher). With ``--ckpt`` it is the checkpoint-restart baseline:
+  it resumes from the checkpoint when one exists and rank 0 saves one every ``--ckpt-every`` steps
+  (``torch.save`` to a temporary file, then an atomic rename);
+* ``torchpass``: the same loop under ``torchpass run --local`` (``tp.init``, ``wrap_model``, ``wrap_optimizer``,
+  ``ctx.steps``);
+* ``torchft``: one TorchFT replica group of one process (``torchft.Manager`` with a ``ProcessGroupGloo``,
+  ``torchft.DistributedDataParallel`` and ``OptimizerWrapper``; ``REPLICA_ID``/``NUM_REPLICAS``/
+  ``TORCHFT_LIGHTHOUSE`` from the launcher), its own TCPStore.
+
+The model is an MLP (``--layers`` x ``--hidden``, AdamW); the batch of (step, rank) comes from a generator
+seeded by both, so every form sees the same data. Every process uses one intra-op thread (the benchmarks
+compare coordination overhead, not BLAS scaling, and must not starve the machine).
+
+What a process records, under ``--out``:
+
+* ``steps-<rank>.log``: one line per step *executed* (``step time``), appended as it starts, so a step
+  that is redone after a failure shows up twice: that is the "computed twice" count;
+* ``result-<rank>.json`` on a clean finish: steps/s over the steps after ``--warmup``;
+* with ``--crash-steps S1,S2,...``: at step Sk, rank ``(k + 1) % world`` kills itself with SIGKILL in its
+  forward pass (a marker file makes each crash happen once, so a replacement does not crash again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def make_model(hidden: int, layers: int, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    mods: list[nn.Module] = [nn.Linear(64, hidden), nn.ReLU()]
+    for _ in range(layers - 1):
+        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
+    mods.append(nn.Linear(hidden, 8))
+    return nn.Sequential(*mods)
+
+
+def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step * 1000 + rank)
+    return torch.randn(size, 64, generator=gen), torch.randn(size, 8, generator=gen)
+
+
+class Recorder:
+    """The per-rank step log, the crash schedule and the timing."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
+        self.out = Path(args.out)
+        self.rank = rank
+        self.world = world
+        self.warmup = args.warmup
+        self.crashes = [int(s) for s in args.crash_steps.split(",") if s]
+        self.log = open(self.out / f"steps-{rank}.log", "a")  # open for the process's life
+        self.t_warm: float | None = None
+        self.timed = 0
+
+    def executed(self, step: int) -> None:
+        """Record that ``step`` is (being) computed by this rank."""
+        self.log.write(f"{step} {time.time():.6f}\n")
+        self.log.flush()
+
+    def begin(self, step: int, record: bool = True) -> None:
+        """A step starts: record it, start the clock after the warm-up, crash when it is this rank's turn."""
+        if record:
+            self.executed(step)
+        if step == self.warmup:
+            self.t_warm = time.perf_counter()
+        if step >= self.warmup:
+            self.timed += 1
+        for k, when in enumerate(self.crashes):
+            if when == step and (k + 1) % self.world == self.rank:
+                try:
+                    fd = os.open(self.out / f"crashed-{when}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    continue
+                os.write(fd, f"{time.time()} rank {self.rank}\n".encode())
+                os.close(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def finish(self, mode: str, extra: dict[str, Any] | None = None) -> None:
+        seconds = time.perf_counter() - self.t_warm if self.t_warm is not None else 0.0
+        result = {
+            "mode": mode,
+            "rank": self.rank,
+            "timed_steps": self.timed,
+            "seconds": round(seconds, 4),
+            "steps_per_s": round(self.timed / seconds, 3) if seconds > 0 else None,
+            **(extra or {}),
+        }
+        (self.out / f"result-{self.rank}.json").write_text(json.dumps(result))
+        self.log.close()
+
+
+def train_ddp(args: argparse.Namespace) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        rank == 0,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    model = make_model(args.hidden, args.layers)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start = 0
+    ckpt = Path(args.ckpt) if args.ckpt else None
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        start = int(state["next_step"])
+    rec = Recorder(args, rank, world)
+    for step in range(start, args.steps):
+        rec.begin(step)
+        x, y = batch(step, rank, args.batch)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if ckpt is not None and rank == 0 and (step + 1) % args.ckpt_every == 0:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "next_step": step + 1}, tmp)
+            os.replace(tmp, ckpt)
+    rec.finish("ddp", {"resumed_at": start})
+    dist.destroy_process_group()
+
+
+def train_torchpass(args: argparse.Namespace) -> None:
+    import torch._dynamo  # what tp.init pre-imports: done before the spare says it is ready
+
+    import torchpass as tp
+
+    model = make_model(args.hidden, args.layers)  # built before init: a spare is warm when it is needed
+    out = Path(args.out)
+    if os.environ.get("TORCHPASS_ROLE") == "spare":
+        (out / f"spare-ready-{os.environ.get('TORCHPASS_WORKER_ID', os.getpid())}").touch()
+    ctx = tp.init()
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("spare-ready-*"))) < args.wait_spares and time.monotonic() < deadline:
+        time.sleep(0.05)  # on a cluster spares wait on nodes of their own: do not train while they start here
+    ddp = ctx.wrap_model(model)
+    opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    rec = Recorder(args, ctx.slot, ctx.world_size)
+    for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), args.steps):
+        rec.begin(step)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    rec.finish("torchpass")
+    ctx.close()
+
+
+def train_torchft(args: argparse.Namespace) -> None:
+    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+    from torchft.optim import OptimizerWrapper
+
+    replica, world = int(os.environ["REPLICA_ID"]), int(os.environ["NUM_REPLICAS"])
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    model = make_model(args.hidden, args.layers)
+    opt_inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt_inner.state_dict()}
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        opt_inner.load_state_dict(state["optim"])
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=datetime.timedelta(seconds=10)),
+        min_replica_size=args.min_replicas or world,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"bench{replica}",
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
+        timeout=datetime.timedelta(seconds=10),
+        hostname="127.0.0.1",
+    )
+    ddp = DistributedDataParallel(manager, model)
+    opt = OptimizerWrapper(manager, opt_inner)
+    rec = Recorder(args, replica, world)
+    reduced = 0
+    while manager.current_step() < args.steps:
+        step = manager.current_step()
+        opt.zero_grad()
+        rec.begin(step, record=False)
+        x, y = batch(step, replica, args.batch)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        opt.step()
+        # Recorded after the fact: a respawned replica's first iteration heals it (it receives a peer's state
+        # and jumps ahead); that is no computed step. A discarded step (not committed) is one.
+        if manager.current_step() in (step, step + 1):
+            rec.executed(step)
+        if manager.num_participants() < world:
+            reduced += 1
+    rec.finish("torchft", {"reduced_width_steps": reduced})
+    manager.shutdown(wait=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("ddp", "torchpass", "torchft"))
+    parser.add_argument("--out", required=True, help="folder for the step logs and results")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20, help="steps excluded from the timing")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--crash-steps", default="", help="comma-separated steps at which one rank SIGKILLs itself")
+    parser.add_argument("--ckpt", default="", help="ddp: checkpoint file (resume from it; save every --ckpt-every)")
+    parser.add_argument("--ckpt-every", type=int, default=50)
+    parser.add_argument("--min-replicas", type=int, default=0, help="torchft: min_replica_size (default: all)")
+    parser.add_argument(
+        "--wait-spares", type=int, default=0, help="torchpass: start training once this many spares are ready"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    {"ddp": train_ddp, "torchpass": train_torchpass, "torchft": train_torchft}[args.mode](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

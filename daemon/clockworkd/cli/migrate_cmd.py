@@ -1,0 +1,190 @@
+"""``clockwork migrate JOBID --rank R``: move one rank of a running TorchPass job to a spare, live.
+
+How the job's coordinator is found: every TorchPass node agent posts a ``torchpass.coordinator`` event to its
+node daemon when it starts and whenever the coordinator's leader changes (``{leader, endpoints, world_size,
+spares, agent, term}``). The newest such event of the job says where the leader is; ``endpoints`` lists every
+replica, so a stale record still works: a passive replica answers with a redirect to the leader, and a dead
+one is skipped after a timeout. The record lives in the daemon's per-job event log, which the job's own user
+may read (no file under a spool folder, which a user's process could not write, and no shared filesystem
+needed). The daemon asked is this host's, or ``--node``'s; when this host's daemon does not know the job and
+the nodes' run folders are reachable from here (``{node}`` in ``[daemon] run_dir``, as in the sandbox), the
+job's nodes (from Slurm) are asked in turn. On a real cluster run the command on one of the job's nodes
+(``srun --jobid JOBID --overlap -N1 clockwork migrate JOBID --rank R``).
+
+The request itself speaks TorchPass's coordinator wire format (a msgpack map with ``op`` and ``id`` over a
+ZeroMQ DEALER; the reply repeats the id) without importing TorchPass: the CLI must not import torch, and the
+dependency direction is torchpass -> clockworkd, never the reverse. The coordinator answers at once; the
+rank moves at its next step boundary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+import click
+import msgpack
+import zmq
+
+from clockworkd.cli.context import CliContext, pass_ctx
+from clockworkd.client import DaemonClient
+from clockworkd.daemon_paths import local_node_name
+from clockworkd.errors import ClockworkError, DaemonError
+
+COORDINATOR_EVENT = "torchpass.coordinator"
+MAX_REDIRECTS = 3
+_ids = itertools.count(int(time.time() * 1000) % 1_000_000)
+
+
+class NotTorchPassJobError(ClockworkError):
+    """The job exists but no TorchPass agent ever registered a coordinator for it."""
+
+    exit_code = 2
+
+
+def coordinator_record(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest ``torchpass.coordinator`` record among a job's events (None: not a TorchPass job)."""
+    records = [e for e in events if e.get("kind") == COORDINATOR_EVENT and isinstance(e.get("fields"), dict)]
+    if not records:
+        return None
+    newest = max(records, key=lambda e: (float(e.get("time", 0)), int(e["fields"].get("term", 0))))
+    return dict(newest["fields"])
+
+
+def _events_from(cfg_daemon: Any, node: str, job_id: int) -> list[dict[str, Any]] | None:
+    """The job's events on ``node``'s daemon; None when that daemon does not know the job (or is not there)."""
+    try:
+        with DaemonClient.from_config(cfg_daemon, node) as client:
+            return client.job_events(job_id)
+    except DaemonError as exc:
+        if exc.code in ("unknown_job", "unavailable"):
+            return None
+        raise
+
+
+def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[str, Any]:
+    """The job's coordinator record, from this node's daemon (or ``node``'s), else from the job's nodes."""
+    loaded = state.load().config
+    cfg = loaded.daemon
+    here = local_node_name(cfg)
+    asked = [node or here]
+    events = _events_from(cfg, asked[0], job_id)
+    if events is None and node is None and "{node}" in cfg.run_dir:
+        for other in _job_nodes(loaded, job_id):
+            if other in asked:
+                continue
+            asked.append(other)
+            events = _events_from(cfg, other, job_id)
+            if events is not None:
+                break
+    if events is None:
+        where = ", ".join(asked)
+        raise ClockworkError(
+            f"job {job_id} is not known to the Clockwork daemon on {where}: run this command on one of the job's "
+            f"nodes (e.g. srun --jobid {job_id} --overlap -N1 clockwork migrate {job_id} --rank R), or name one "
+            "with --node"
+        )
+    record = coordinator_record(events)
+    if record is None:
+        raise NotTorchPassJobError(
+            f"job {job_id} is not a TorchPass job: no coordinator was registered for it (launch the training with "
+            "`srun torchpass run ...` inside an `sbatch --clockwork-ft` job)"
+        )
+    return record
+
+
+def _job_nodes(loaded: Any, job_id: int) -> list[str]:
+    """The job's nodes according to Slurm ([] when Slurm cannot say)."""
+    from clockworkd.slurm import from_config  # lazy: only needed when the local daemon does not know the job
+
+    try:
+        info = from_config(loaded.slurm).job(job_id)
+    except ClockworkError:
+        return []
+    return list(info.nodes) if info is not None else []
+
+
+def _call(endpoint: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+    """One request to a coordinator replica; None when it does not answer in time."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+    try:
+        sock.connect(endpoint)
+        sock.send(msgpack.packb(request, use_bin_type=True))
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                break
+            try:
+                reply = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
+            except (ValueError, msgpack.UnpackException):
+                continue
+            if isinstance(reply, dict) and reply.get("id") == request["id"]:
+                return reply
+        return None
+    finally:
+        sock.close(0)
+        context.term()
+
+
+def request_migration(record: dict[str, Any], rank: int, timeout_s: float, requester: str) -> dict[str, Any]:
+    """Ask the job's leading coordinator to migrate ``rank``; the reply (``target``, ``generation``)."""
+    world = int(record.get("world_size", 0))
+    if world and not 0 <= rank < world:
+        raise ClockworkError(f"rank {rank} is out of range: the job trains on ranks 0..{world - 1}", exit_code=2)
+    endpoints = [str(record["leader"])] if record.get("leader") else []
+    endpoints += [str(e) for e in record.get("endpoints", []) if str(e) not in endpoints]
+    if not endpoints:
+        raise ClockworkError("the job's coordinator record names no endpoint")
+    tried: list[str] = []
+    queue = list(endpoints)
+    while queue and len(tried) < len(endpoints) + MAX_REDIRECTS:
+        endpoint = queue.pop(0)
+        if endpoint in tried:
+            continue
+        tried.append(endpoint)
+        request = {"op": "migrate", "id": next(_ids), "slot": rank, "requester": requester}
+        reply = _call(endpoint, request, timeout_s)
+        if reply is None:
+            continue  # a replica on a lost node: try the next
+        if reply.get("ok"):
+            return reply
+        leader = str(reply.get("leader") or "")
+        if leader.startswith("tcp://") and leader not in tried:
+            queue.insert(0, leader)  # a passive replica: it knows who leads
+            continue
+        raise ClockworkError(f"the coordinator refused: {reply.get('error', 'no reason given')}")
+    raise ClockworkError(
+        f"no coordinator replica of the job answered within {timeout_s:g} s (tried {', '.join(tried)})", exit_code=3
+    )
+
+
+@click.command()
+@click.argument("job_id", type=click.IntRange(min=1))
+@click.option("--rank", "rank", type=click.IntRange(min=0), required=True, help="The rank (slot) to move.")
+@click.option("--node", "node_name", metavar="NODE", help="Whose daemon to ask (default: this host's).")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=5.0,
+    show_default=True,
+    help="Seconds to wait for each coordinator replica.",
+)
+@pass_ctx
+def migrate(state: CliContext, job_id: int, rank: int, node_name: str | None, timeout_s: float) -> None:
+    """Move rank RANK of TorchPass job JOB_ID to a spare at its next step boundary.
+
+    The rank sends its live training state straight to the spare, which takes its place; the rank then exits
+    cleanly and training continues at the next step, with no checkpoint and no step done twice.
+    """
+    record = find_coordinator(state, job_id, node_name)
+    reply = request_migration(record, rank, timeout_s, requester=f"clockwork migrate (uid {os.getuid()})")
+    click.echo(
+        f"job {job_id}: rank {rank} moves to spare {reply.get('target')} in generation {reply.get('generation')} "
+        "(at its next step boundary)"
+    )

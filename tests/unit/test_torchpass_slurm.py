@@ -1,0 +1,295 @@
+"""Slurm mode without Slurm and without torch: the step layout, the replicated coordinator, the agents' mesh
+(heartbeats, election, takeover from a replicated snapshot) and the proxy that moves ranks to a new leader.
+
+The meshes, coordinator replicas and proxies run in this process, one per simulated node on 127.0.0.x
+(Linux routes all of 127/8 to the loopback, so each "node" has its own address and the same ports, as on a
+cluster), with heartbeat timings short enough for a test. Fake ranks speak the real wire protocol through the
+proxies. A node crash is the node's mesh going silent (its thread stopped) together with its coordinator.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import zmq
+
+from tests.unit.test_torchpass_coordinator import Events, FakeRank
+from torchpass.config import TorchPassConfig
+from torchpass.coordinator import FAILED, RUNNING, Coordinator
+from torchpass.mesh import AgentMesh
+from torchpass.proxy import CoordinatorProxy
+from torchpass.slurm_layout import (
+    SlurmLayout,
+    SlurmLayoutError,
+    default_port,
+    expand_hostlist,
+)
+
+# ----- the layout ------------------------------------------------------------------------------
+
+
+def test_hostlist_expansion() -> None:
+    assert expand_hostlist("n[1-3],gpu7") == ["n1", "n2", "n3", "gpu7"]
+    assert expand_hostlist("node[01-03,10]") == ["node01", "node02", "node03", "node10"]
+    assert expand_hostlist("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
+    assert expand_hostlist("127.0.0.[1-4]") == ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
+    for bad in ("n[1-", "n]1[", "n[3-1]", "n[a-b]"):
+        with pytest.raises(SlurmLayoutError):
+            expand_hostlist(bad)
+
+
+def _env(procid: int, ntasks: int = 4, **extra: str) -> dict[str, str]:
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": str(procid),
+        "SLURM_NTASKS": str(ntasks),
+        "SLURM_NODEID": str(procid),
+        "SLURM_STEP_NODELIST": f"127.0.0.[1-{ntasks}]",
+        "SLURMD_NODENAME": f"127.0.0.{procid + 1}",
+        **extra,
+    }
+
+
+def test_layout_from_slurm_environment() -> None:
+    layout = SlurmLayout.from_environ(_env(3, CLOCKWORK_SPARES="standby"))
+    assert (layout.job_id, layout.index, layout.world_size, layout.spares) == (4242, 3, 3, 1)
+    assert layout.initial_role == "spare" and layout.address == "127.0.0.4"
+    assert layout.port == default_port(4242)
+    assert layout.coordinator_endpoints()[0] == f"tcp://127.0.0.1:{layout.port + 1}"
+    assert SlurmLayout.from_environ(_env(1, CLOCKWORK_SPARES="standby")).initial_role == "slot:1"
+    # the count: --spares, --nproc, SPANK's mode (also under --export=NONE), nothing
+    assert SlurmLayout.from_environ(_env(0), spares=2).world_size == 2
+    assert SlurmLayout.from_environ(_env(0), nproc=3).spares == 1
+    assert SlurmLayout.from_environ(_env(0, SLURM_SPANK_CLOCKWORK_SPARES="standby")).spares == 1
+    assert SlurmLayout.from_environ(_env(0, CLOCKWORK_SPARES="none")).spares == 0
+    assert SlurmLayout.from_environ(_env(0)).spares == 0
+    assert SlurmLayout.from_environ(_env(0, TORCHPASS_PORT="30000")).port == 30000
+    assert SlurmLayout.from_environ(_env(0), port=31000).port == 31000
+
+
+@pytest.mark.parametrize(
+    ("env", "kwargs", "message"),
+    [
+        ({"SLURM_JOB_ID": "1"}, {}, "not a task of a Slurm job step"),
+        (_env(0, SLURM_NTASKS="8"), {}, "exactly one agent per node"),
+        (_env(1, SLURM_NODEID="0"), {}, "task K on the K-th node"),
+        (_env(1, SLURMD_NODENAME="127.0.0.3"), {}, "runs on 127.0.0.3"),
+        (_env(0), {"spares": 4}, "at least one task must train"),
+        (_env(0), {"spares": 1, "nproc": 2}, "!= 4 tasks"),
+        (_env(0, SLURM_STEP_NODELIST="nosuchnode-x[1-4].invalid"), {}, "does not resolve"),
+    ],
+)
+def test_layout_errors_say_what_to_fix(env: dict[str, str], kwargs: dict[str, Any], message: str) -> None:
+    if "nosuchnode" in env.get("SLURM_STEP_NODELIST", ""):
+        env["SLURMD_NODENAME"] = "nosuchnode-x1.invalid"
+    with pytest.raises(SlurmLayoutError, match=message):
+        SlurmLayout.from_environ(env, **kwargs)
+
+
+# ----- replicated coordinators, the mesh and the proxies, in process -------------------------------
+
+
+def _free_port_pair(addresses: list[str]) -> int:
+    """A port P such that P and P+1 are free on every address."""
+    for _ in range(200):
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        if port > 65000:
+            continue
+        try:
+            held = []
+            for address in addresses:
+                for p in (port, port + 1):
+                    s = socket.socket()
+                    s.bind((address, p))
+                    held.append(s)
+            for s in held:
+                s.close()
+            return port
+        except OSError:
+            for s in held:
+                s.close()
+    raise RuntimeError("no free port pair")
+
+
+@dataclass
+class Node:
+    """One simulated node: its coordinator replica, mesh and proxy."""
+
+    layout: SlurmLayout
+    coordinator: Coordinator
+    mesh: AgentMesh
+    proxy: CoordinatorProxy
+    events: Events
+    up: bool = True
+
+    def crash(self) -> None:
+        """The node goes silent: its mesh, coordinator and proxy stop (no reset is sent to anybody)."""
+        self.up = False
+        self.mesh.stop()
+        self.proxy.stop()
+        self.coordinator.stop()
+
+
+@pytest.fixture
+def cluster() -> Iterator[list[Node]]:
+    nodes: list[Node] = []
+    addresses = [f"127.0.0.{k + 1}" for k in range(4)]
+    port = _free_port_pair(addresses)
+    config = TorchPassConfig(
+        agent_heartbeat_interval_s=0.02,
+        agent_timeout_s=0.3,
+        agent_startup_timeout_s=5.0,
+        heartbeat_timeout_s=60.0,
+        broken_grace_s=0.5,
+    )
+    for k in range(4):
+        layout = SlurmLayout(4242, k, 3, 1, tuple(addresses), tuple(addresses), port)
+        events = Events()
+        coord = Coordinator(3, config, event_sink=events, bind_host=addresses[k], port=port + 1, active=k == 0)
+        mesh = AgentMesh(layout, config, coord, event_sink=events)
+        coord.replicate = mesh.publish
+        coord.leader_hint = mesh.leader_endpoint()
+        proxy = CoordinatorProxy(addresses[k], mesh.leader_endpoint)
+        mesh.listeners.append(lambda _l, _t, proxy=proxy: proxy.leader_changed())  # type: ignore[misc]
+        nodes.append(Node(layout, coord, mesh, proxy, events))
+    for node in nodes:
+        node.coordinator.start()
+        node.mesh.start()
+        node.proxy.start()
+    yield nodes
+    for node in nodes:
+        if node.up:
+            node.crash()
+
+
+def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _start_ranks(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> list[FakeRank]:
+    roles = ["slot:0", "slot:1", "slot:2", "spare"]
+    ranks = [FakeRank(zctx, cluster[k].proxy.endpoint, f"a{k}.0", roles[k], 41000 + k) for k in range(4)]
+    for rank in ranks:
+        rank.register()
+    g0 = ranks[0].await_generation(-1)
+    assert g0.members == {0: "a0.0", 1: "a1.0", 2: "a2.0"}
+    for rank in ranks[:3]:
+        rank.joined(g0)
+    _wait_for(lambda: cluster[0].events.of("torchpass.started"))
+    return ranks
+
+
+def test_followers_hold_the_leaders_state(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
+    _start_ranks(zctx, cluster)
+    for node in cluster[1:]:
+        _wait_for(lambda node=node: node.mesh.job_state() == RUNNING)  # type: ignore[misc]
+        assert not node.coordinator.active and node.mesh.leader == 0
+        assert node.mesh.worker_alive("a3.0") is True
+    assert cluster[0].mesh.is_leader() and cluster[0].mesh.endpoints()[0] == cluster[0].layout.coordinator_endpoint(0)
+
+
+def test_leader_node_crash_moves_the_coordinator(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
+    ranks = _start_ranks(zctx, cluster)
+    _wait_for(lambda: cluster[1].mesh.job_state() == RUNNING)
+    crashed_at = time.monotonic()
+    cluster[0].crash()  # the leader's node, with slot 0's rank
+    # a survivor long-polls for the next generation through its proxy; the new leader must answer it
+    g = ranks[1].await_generation(0, timeout=5.0)
+    took = time.monotonic() - crashed_at
+    assert g.members == {0: "a3.0", 1: "a1.0", 2: "a2.0"} and g.replaced == {0: "a3.0"}
+    assert g.gen >= 2  # one number skipped: the lost leader may have announced one it did not replicate
+    assert 0.25 < took < 3.0, took
+    assert cluster[1].mesh.is_leader() and cluster[1].coordinator.active
+    elected = cluster[1].events.of("torchpass.leader_elected")
+    assert elected and elected[0]["previous"] == 0 and elected[0]["lost"] == [0] and elected[0]["term"] == 1
+    assert cluster[1].events.of("torchpass.member_failed")[0]["slot"] == 0
+    for node in cluster[2:]:
+        _wait_for(lambda node=node: node.mesh.leader == 1)  # type: ignore[misc]
+        assert not node.coordinator.active
+    assert ranks[3].await_generation(-1, timeout=3.0) == g  # the spare, through its own proxy
+    assert ranks[2].await_generation(0, timeout=3.0) == g
+    for rank in (ranks[1], ranks[2], ranks[3]):
+        rank.joined(g)
+    _wait_for(lambda: cluster[1].events.of("torchpass.recovered"))
+    assert cluster[1].events.of("torchpass.recovered")[0]["slots"] == [0]
+
+
+def test_silent_follower_is_declared_lost(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
+    ranks = _start_ranks(zctx, cluster)
+    cluster[2].crash()
+    g = ranks[0].await_generation(0, timeout=5.0)
+    assert g.members == {0: "a0.0", 1: "a1.0", 2: "a3.0"}
+    lost = cluster[0].events.of("torchpass.agent_lost")
+    assert [e["agent"] for e in lost] == [2] and lost[0]["silent_ms"] >= 300
+    assert cluster[0].mesh.is_leader()  # nothing moved: the leader is fine
+    _wait_for(lambda: 2 in cluster[1].mesh.dead)  # the followers learn it from the snapshot
+
+
+def test_a_rank_exit_reaches_the_leader_through_the_mesh(
+    zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]
+) -> None:
+    ranks = _start_ranks(zctx, cluster)
+    cluster[2].proxy.forget("a2.0")
+    cluster[2].mesh.child_update("a2.0", "slot:2", -9)  # what the agent does when its pidfd fires
+    g = ranks[0].await_generation(0, timeout=2.0)
+    assert g.replaced == {2: "a3.0"}
+    failed = cluster[0].events.of("torchpass.member_failed")
+    assert failed[0]["why"] == "exited with code -9" and failed[0]["slot"] == 2
+
+
+def test_passive_replica_redirects_the_command_line(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
+    from torchpass.cli import main as cli_main
+
+    _start_ranks(zctx, cluster)
+    passive = cluster[2].layout.coordinator_endpoint(2)
+    assert cli_main(["status", "--coordinator", passive]) == 0  # follows the redirect to agent 0
+
+
+def test_takeover_without_a_snapshot_rebuilds_from_the_ranks(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A replica that never received a snapshot (the leader died at once) starts from what the ranks say."""
+    events = Events()
+    config = TorchPassConfig(heartbeat_timeout_s=60.0)
+    coord = Coordinator(2, config, event_sink=events, active=False)
+    coord.start()
+    try:
+        a = FakeRank(zctx, coord.endpoint, "a0.0", "slot:0", 41100)
+        b = FakeRank(zctx, coord.endpoint, "a1.0", "slot:1", 41101)
+        early = threading.Thread(target=a.register)  # answered only once the replica leads
+        early.start()
+        time.sleep(0.2)
+        assert not events.items and early.is_alive()  # passive: nothing decided, the request is held
+        coord.take_over(None, {2}, {"a2.0": "spare"}, "test", time.time())
+        early.join(2.0)
+        b.register()
+        g = b.await_generation(-1)
+        assert g.members == {0: "a0.0", 1: "a1.0"} and coord.state == RUNNING
+    finally:
+        coord.stop()
+
+
+def test_losing_every_member_fails_the_job(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
+    _start_ranks(zctx, cluster)
+    for k in (1, 3, 2):
+        cluster[0].coordinator.agent_lost(k, {}, "test", time.time())
+    cluster[0].coordinator.worker_exited("a0.0", "slot:0", -9)
+    _wait_for(lambda: cluster[0].coordinator.state == FAILED)
+    assert "no replica holds the training state" in cluster[0].coordinator.failure_reason
