@@ -101,12 +101,14 @@ def test_failed_bring_up_tears_down_what_it_built(sandbox_manager: SandboxManage
     assert (Path(cfg.state_dir) / "log" / "slurmctld.log").exists()  # the logs stay for the post-mortem
 
 
-def test_state_folder_that_is_not_a_sandbox_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "precious.txt").write_text("do not delete")
-    result = subprocess.run([CLOCKWORK, "sandbox", "up", "--state", str(tmp_path)], capture_output=True, text=True)
+def test_state_folder_that_is_not_a_sandbox_is_refused(short_tmp: Path) -> None:
+    # short_tmp, not tmp_path: pytest's own folder names grow with its run counter and would trip the
+    # socket-length check first.
+    (short_tmp / "precious.txt").write_text("do not delete")
+    result = subprocess.run([CLOCKWORK, "sandbox", "up", "--state", str(short_tmp)], capture_output=True, text=True)
     assert result.returncode == 3
     assert "is not a sandbox state folder" in result.stderr
-    assert (tmp_path / "precious.txt").read_text() == "do not delete"
+    assert (short_tmp / "precious.txt").read_text() == "do not delete"
 
 
 def test_state_folder_too_long_for_slurm_sockets_is_refused(tmp_path: Path) -> None:
