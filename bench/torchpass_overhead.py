@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """TorchPass's cost with no fault: steps/s of one model with plain DDP, with TorchPass and with TorchFT.
 
-The same training job (``bench/torchpass_workload.py``: an MLP, AdamW, fixed per-step batches, one thread
+The same training job (``bench/support/torchpass_workload.py``: an MLP, AdamW, fixed per-step batches, one thread
 per rank) runs as ``--nproc`` local ranks on 127.0.0.1 over gloo in each of three forms:
 
 * **ddp**: plain ``DistributedDataParallel``, started like torchrun would (a TCPStore, ``RANK``...);
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchpass_jobs import (
+from support.torchpass_jobs import (
     Lighthouse,
     ddp_rank,
     free_port,

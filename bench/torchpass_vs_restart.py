@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The same job with rank crashes, three ways: TorchPass, checkpoint-restart, and TorchFT, side by side.
 
-The job (``bench/torchpass_workload.py``: an MLP, AdamW, ``--nproc`` local ranks on 127.0.0.1 over gloo)
+The job (``bench/support/torchpass_workload.py``: an MLP, AdamW, ``--nproc`` local ranks on 127.0.0.1 over gloo)
 trains ``--steps`` steps (default 600); one rank is SIGKILLed every ``--crash-every`` steps (default 150),
 halfway between two checkpoints by default (``--crash-offset``, the average case for checkpoint-restart):
 crashes at steps 175, 325 and 475. Each system handles the same crashes its own way:
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchpass_jobs import (
+from support.torchpass_jobs import (
     Lighthouse,
     ddp_rank,
     free_port,

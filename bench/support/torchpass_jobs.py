@@ -1,7 +1,7 @@
 """Starting the benchmark job's processes in its three forms (plain DDP, TorchPass, TorchFT), for the bench scripts.
 
 Shared by ``bench/torchpass_overhead.py`` and ``bench/torchpass_vs_restart.py`` so both run the job the same
-way: every rank is ``bench/torchpass_workload.py`` on 127.0.0.1 over gloo (``GLOO_SOCKET_IFNAME=lo``), one
+way: every rank is ``bench/support/torchpass_workload.py`` on 127.0.0.1 over gloo (``GLOO_SOCKET_IFNAME=lo``), one
 thread each, stderr to a file in the run's folder. TorchFT's lighthouse runs as its own process (the
 ``torchft_lighthouse`` program the package installs), so its log does not mix with the table. No torch here.
 """
