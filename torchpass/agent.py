@@ -18,7 +18,8 @@ What an agent does for its node:
 * kills its process when the leader counts it lost (evicted), and leaves the job when the leader counts the
   whole agent lost (a node that was silent too long: its slot already went to a spare);
 * reports: every event of the agent, its coordinator replica while it leads and its rank goes to the node
-  daemon when the job runs under Clockwork (``CLOCKWORK_CONFIG`` set), and to ``--events FILE``. Every agent
+  daemon when the job runs under Clockwork (``--clockwork-ft``, or ``CLOCKWORK_CONFIG`` set), and to
+  ``--events FILE``. Every agent
   posts a ``torchpass.coordinator`` event (``{leader, endpoints, world_size, ...}``) to its node's daemon at
   the start and whenever the leader changes: that is how ``clockwork migrate JOBID --rank R`` finds the
   coordinator of a job.
@@ -43,9 +44,10 @@ from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
 from torchpass.mesh import FINAL_STATES, AgentMesh
+from torchpass.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv
 from torchpass.proxy import CoordinatorProxy
-from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, clockwork_ft_mode
+from torchpass.slurm_layout import ENV_AGENT_INDEX, SlurmLayout, SlurmLayoutError, clockwork_ft_mode
 
 __all__ = ["SlurmAgent", "daemon_control_socket"]
 
@@ -62,7 +64,7 @@ def daemon_control_socket(config_path: str) -> str:
     try:
         from clockworkd.client import DaemonClient  # lazy: torchpass -> clockworkd client only
 
-        client = DaemonClient.for_this_node(config_path)
+        client = DaemonClient.for_this_node(config_path or None)
     except Exception as exc:  # clockworkd missing or a bad configuration: events stay in the log only
         log.warning("no events to the node daemon: %s: %s", type(exc).__name__, exc)
         return ""
@@ -100,8 +102,8 @@ class SlurmAgent:
         self.config = config
         self.daemon_socket = ""
         daemon_sink: EventSink | None = None
-        if self.environ.get(CONFIG_ENV):
-            self.daemon_socket = daemon_control_socket(self.environ[CONFIG_ENV])
+        if self.environ.get(CONFIG_ENV) or clockwork_ft_mode(self.environ):  # else not a Clockwork job
+            self.daemon_socket = daemon_control_socket(self.environ.get(CONFIG_ENV, ""))
             if self.daemon_socket:
                 daemon_sink = DaemonEventSink(layout.job_id, self.daemon_socket)
         self._daemon_sink = daemon_sink
@@ -249,7 +251,9 @@ class SlurmAgent:
                     "long); its slot went to a spare: leaving the job",
                     file=sys.stderr,
                 )
-                return 0
+                # In its own step the launcher must not take this for the job's end; in a shared srun step a
+                # non-zero status would fail the whole step although the job goes on.
+                return AGENT_EXIT_LEFT if self.environ.get(ENV_AGENT_INDEX) else AGENT_EXIT_DONE
             state = self.mesh.job_state()
             if state in FINAL_STATES:
                 ended_at = ended_at or time.monotonic()
@@ -295,9 +299,9 @@ class SlurmAgent:
         else:
             time.sleep(3 * self.config.agent_heartbeat_interval_s)
         if state == "done":
-            return 0
+            return AGENT_EXIT_DONE
         print(f"torchpass: job failed: {self.mesh.failure_reason() or 'see the leader agent log'}", file=sys.stderr)
-        return 1
+        return AGENT_EXIT_FAILED
 
     def _terminate_child(self, grace_s: float) -> None:
         if not self._child_alive():

@@ -135,17 +135,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_run_slurm(args: argparse.Namespace, script_args: list[str]) -> int:
     from torchpass.agent import SlurmAgent
+    from torchpass.node_steps import NodeSteps, in_batch_script
     from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step
 
-    if not in_slurm_step():
+    if not in_batch_script() and not in_slurm_step():
         print(
-            f"{PROG} run: not a task of a Slurm job step (SLURM_JOB_ID/SLURM_PROCID unset): run it with "
-            "`srun --ntasks-per-node=1` inside the job, or use --local",
+            f"{PROG} run: not inside a Slurm job (SLURM_JOB_ID unset): run it in the job's batch script "
+            "(one step per node), with `srun --ntasks-per-node=1` inside the job, or use --local",
             file=sys.stderr,
         )
         return EXIT_USAGE
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[agent]: %(message)s")
     try:
+        if in_batch_script():
+            return NodeSteps(args.argv).run()
         layout = SlurmLayout.from_environ(spares=args.spares, nproc=args.nproc, port=args.port)
         agent = SlurmAgent(args.script, script_args, layout, _config(args), events_file=args.events)
         return agent.run()
@@ -197,7 +200,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchpass`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv  # the batch-script launcher starts `torchpass` with the same arguments in every node's step
     try:
         if args.command == "run":
             return _cmd_run(args)

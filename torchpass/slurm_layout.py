@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "ENV_AGENT_INDEX",
+    "ENV_NODES",
     "PORT_BASE",
     "PORT_SPAN",
     "SlurmLayout",
@@ -57,6 +59,9 @@ PORT_SPAN = 5000
 SPARE_MODE_VARIABLES = ("CLOCKWORK_SPARES", "SLURM_SPANK_CLOCKWORK_SPARES", "SPANK_CLOCKWORK_SPARES")
 FT_MODE_VARIABLES = ("CLOCKWORK_FT", "SLURM_SPANK_CLOCKWORK_FT", "SPANK_CLOCKWORK_FT")
 STANDBY_SPARES_DEFAULT = 1
+# Set by the batch-script launcher (:mod:`torchpass.node_steps`) for its one-task-per-node steps:
+ENV_NODES = "TORCHPASS_NODES"  # the job's nodes, comma separated: agent K runs on the K-th
+ENV_AGENT_INDEX = "TORCHPASS_AGENT_INDEX"  # this step's agent index
 
 
 class SlurmLayoutError(ValueError):
@@ -209,21 +214,13 @@ class SlurmLayout:
                 "job, or use --local"
             )
         job_id = _int(env, "SLURM_JOB_ID")
-        index = _int(env, "SLURM_PROCID")
-        ntasks = _int(env, "SLURM_NTASKS", env.get("SLURM_NPROCS", ""))
-        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
-        nodes = expand_hostlist(nodelist)
-        if len(nodes) != ntasks:
-            raise SlurmLayoutError(
-                f"the step has {ntasks} task(s) on {len(nodes)} node(s) ({nodelist}): TorchPass needs exactly one "
-                "agent per node (srun --ntasks-per-node=1)"
-            )
-        node_id = env.get("SLURM_NODEID")
-        if node_id is not None and node_id.isdigit() and int(node_id) != index:
-            raise SlurmLayoutError(
-                f"task {index} runs on node index {node_id}: TorchPass needs task K on the K-th node "
-                "(srun --ntasks-per-node=1 with the default block distribution)"
-            )
+        if env.get(ENV_AGENT_INDEX):  # one step per node (the batch-script launcher): it says who is where
+            nodes = [n for n in env.get(ENV_NODES, "").split(",") if n]
+            index, ntasks = _int(env, ENV_AGENT_INDEX), len(nodes)
+            if not 0 <= index < ntasks:
+                raise SlurmLayoutError(f"{ENV_AGENT_INDEX}={index} is not an index of {ENV_NODES}={nodes}")
+        else:
+            index, ntasks, nodes = _step_tasks(env)
         mode = clockwork_spares_mode(env)
         count = _spare_count(ntasks, spares, nproc, mode)
         own = env.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
@@ -241,6 +238,26 @@ class SlurmLayout:
         if not 1024 <= chosen < 65535:
             raise SlurmLayoutError(f"port {chosen} out of range (1024..65534)")
         return cls(job_id, index, ntasks - count, count, tuple(nodes), addresses, chosen)
+
+
+def _step_tasks(env: Mapping[str, str]) -> tuple[int, int, list[str]]:
+    """(this task's index, tasks, nodes) of a step with one task per node (``srun --ntasks-per-node=1``)."""
+    index = _int(env, "SLURM_PROCID")
+    ntasks = _int(env, "SLURM_NTASKS", env.get("SLURM_NPROCS", ""))
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+    nodes = expand_hostlist(nodelist)
+    if len(nodes) != ntasks:
+        raise SlurmLayoutError(
+            f"the step has {ntasks} task(s) on {len(nodes)} node(s) ({nodelist}): TorchPass needs exactly one "
+            "agent per node (srun --ntasks-per-node=1)"
+        )
+    node_id = env.get("SLURM_NODEID")
+    if node_id is not None and node_id.isdigit() and int(node_id) != index:
+        raise SlurmLayoutError(
+            f"task {index} runs on node index {node_id}: TorchPass needs task K on the K-th node "
+            "(srun --ntasks-per-node=1 with the default block distribution)"
+        )
+    return index, ntasks, nodes
 
 
 def _int(env: Mapping[str, str], name: str, fallback: str = "") -> int:

@@ -1,9 +1,10 @@
 """Slurm mode, as real processes: one ``torchpass run`` agent per simulated node, node crashes included.
 
 Each test starts N + S agents exactly as ``srun --ntasks-per-node=1 torchpass run`` would: the same command,
-with the Slurm variables srun sets (``SLURM_JOB_ID``, ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODEID``,
-``SLURM_STEP_NODELIST``, ``SLURMD_NODENAME``) and the SPANK plugin's ``CLOCKWORK_SPARES=standby``. Node K is
-the address 127.0.0.(K+1): every agent, store server and gloo device binds to its own node's address (all of
+with the Slurm variables srun sets (``SLURM_JOB_ID``, ``SLURM_PROCID``, ``SLURM_STEP_ID``, ``SLURM_NTASKS``,
+``SLURM_NODEID``, ``SLURM_STEP_NODELIST``, ``SLURMD_NODENAME``) and the SPANK plugin's
+``CLOCKWORK_SPARES=standby``. Node K is the address 127.0.0.(K+1): every agent, store server and gloo device
+binds to its own node's address (all of
 127/8 is the loopback), and the agents' ports are the same on every node, as on a cluster. Each agent runs in
 a session of its own, so its process group is its node: the rank script of the oracle
 (:mod:`tests.unit.test_torchpass_oracle`) crashes a node by SIGKILLing (``node``) or SIGSTOPping
@@ -108,6 +109,7 @@ def _run_agents(
         env.update(
             SLURM_JOB_ID=str(JOB_ID),
             SLURM_PROCID=str(k),
+            SLURM_STEP_ID="0",
             SLURM_NTASKS=str(agents),
             SLURM_NODEID=str(k),
             SLURM_JOB_NODELIST=f"127.0.0.[1-{agents}]",

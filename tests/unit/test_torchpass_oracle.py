@@ -8,9 +8,12 @@ Faults are injected by the rank script itself through ``CW_TEST_KILL`` (``slot:s
 separated): it SIGKILLs its own process in the forward pass, inside backward while gradient buckets are being
 all-reduced, or inside the optimizer step; ``freeze`` stops it with SIGSTOP instead (a silent rank whose
 sockets stay open). ``node`` and ``nodestop`` (Slurm-mode tests) SIGKILL or SIGSTOP the rank's whole process
-group, that is the rank and its node agent together: a node crash. ``slot:gen:transfer`` kills the rank
+group, that is the rank and its node agent together: a node crash. ``crashnode`` (sandbox tests) writes
+``crash-request-<slot>-<step>`` naming its Slurm node and waits there for the test to crash that whole node
+(``clockwork sandbox fault node NODE crash``). ``slot:gen:transfer`` kills the rank
 while it sends or receives state during the recovery into generation ``gen`` (a failure during recovery).
 A marker file makes each kill happen once, so the replacement in the same slot does not kill itself too.
+``CW_TEST_STEP_SLEEP`` (seconds) slows every step down, so a test can act while the job runs.
 ``CW_TEST_MIGRATE`` (``slot:step``) makes a rank request the planned migration of ``slot`` at ``step``.
 
 The oracle:
@@ -71,6 +74,7 @@ def _rank_main() -> int:
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
     migrate = os.environ.get("CW_TEST_MIGRATE", "")
+    step_sleep = float(os.environ.get("CW_TEST_STEP_SLEEP", "0"))
 
     def journal(slot: int, line: str) -> None:
         with open(out / f"journal-slot{slot}.txt", "a") as f:
@@ -85,6 +89,11 @@ def _rank_main() -> int:
             return  # already done once: the replacement must not kill itself too
         os.write(fd, f"{time.time()}\n".encode())
         os.close(fd)
+        if phase == "crashnode":  # the test crashes this whole node; wait here until then
+            node = os.environ.get("SLURMD_NODENAME", "")
+            (out / f"crash-request-{slot}-{when}").write_text(f"{node} {time.time()}\n")
+            while True:
+                time.sleep(1)
         if phase in ("node", "nodestop"):  # the whole "node": this rank and its agent (one process group)
             os.killpg(os.getpgrp(), signal.SIGSTOP if phase == "nodestop" else signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGSTOP if phase == "freeze" else signal.SIGKILL)
@@ -111,6 +120,7 @@ def _rank_main() -> int:
     model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "freeze"))
     model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "node"))
     model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "nodestop"))
+    model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "crashnode"))
     model[0].weight.register_hook(lambda grad: maybe_kill(ctx.slot, ctx.step, "backward"))  # late in backward
     opt.register_step_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "optimizer"))
 
@@ -131,6 +141,8 @@ def _rank_main() -> int:
         opt.zero_grad()
         sched.step()
         tally.samples += len(x)
+        if step_sleep:
+            time.sleep(step_sleep)
 
     final = {
         "model": model.state_dict(),
@@ -225,10 +237,10 @@ def _assert_bitwise_equal(a: Any, b: Any, where: str) -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def _assert_same_final_state(run: Run, reference: Run) -> None:
+def _assert_same_final_state(run: Run, reference: Run, *, nproc: int = NPROC, steps: int = STEPS) -> None:
     expected = _final(reference, 0)
-    assert expected["committed"] == STEPS - 1
-    for slot in range(NPROC):
+    assert expected["committed"] == steps - 1
+    for slot in range(nproc):
         _assert_bitwise_equal(_final(run, slot), expected, f"slot {slot}")
 
 
@@ -237,10 +249,12 @@ def _journal(run: Run, slot: int) -> list[tuple[str, int, int, int]]:
     return [(kind, int(gen), int(step), int(pid)) for kind, gen, step, pid in (line.split() for line in lines)]
 
 
-def _assert_each_step_once(run: Run) -> dict[int, list[tuple[str, int, int, int]]]:
+def _assert_each_step_once(
+    run: Run, *, nproc: int = NPROC, steps: int = STEPS
+) -> dict[int, list[tuple[str, int, int, int]]]:
     """Per slot: commits are 0..N-1 in order, each once; an adopted state is the step the slot had to reach."""
     journals = {}
-    for slot in range(NPROC):
+    for slot in range(nproc):
         entries = _journal(run, slot)
         next_step = 0
         for kind, _gen, step, _pid in entries:
@@ -250,7 +264,7 @@ def _assert_each_step_once(run: Run) -> dict[int, list[tuple[str, int, int, int]
             else:  # adopted a replica's state as of `step`: the step it was doing, or (fresh start) -1 / the last
                 assert step in (next_step - 1, next_step), f"slot {slot}: adopted {step} at {next_step}: {entries}"
                 next_step = step + 1
-        assert next_step == STEPS, f"slot {slot} ended at {next_step}: {entries}"
+        assert next_step == steps, f"slot {slot} ended at {next_step}: {entries}"
         journals[slot] = entries
     return journals
 

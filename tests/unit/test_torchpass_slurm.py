@@ -23,6 +23,7 @@ from tests.unit.test_torchpass_coordinator import Events, FakeRank
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator import FAILED, RUNNING, Coordinator
 from torchpass.mesh import AgentMesh
+from torchpass.node_steps import NodeSteps, cpus_per_node, in_batch_script
 from torchpass.proxy import CoordinatorProxy
 from torchpass.slurm_layout import (
     SlurmLayout,
@@ -90,6 +91,49 @@ def test_layout_errors_say_what_to_fix(env: dict[str, str], kwargs: dict[str, An
         env["SLURMD_NODENAME"] = "nosuchnode-x1.invalid"
     with pytest.raises(SlurmLayoutError, match=message):
         SlurmLayout.from_environ(env, **kwargs)
+
+
+# ----- the batch-script launcher: one agent step per node -------------------------------------------
+
+
+def test_batch_script_launcher_plans_one_step_per_node_with_the_batch_host_last() -> None:
+    env = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "127.0.0.[1-4]",
+        "SLURM_JOB_CPUS_PER_NODE": "2(x3),1",
+        "SLURMD_NODENAME": "127.0.0.1",
+        "SLURM_PROCID": "0",
+    }
+    assert in_batch_script(env) and not in_batch_script(dict(env, SLURM_STEP_ID="0"))
+    plan = NodeSteps(["run", "train.py", "--lr", "1"], srun="srun", python="py", environ=env).commands()
+    assert [node for node, _, _ in plan] == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.1"]
+    node, cmd, step_env = plan[2]
+    assert cmd[:5] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=127.0.0.4", "--kill-on-bad-exit=0"]
+    assert "--cpus-per-task=1" in cmd and cmd[-7:] == ["py", "-m", "torchpass", "run", "train.py", "--lr", "1"]
+    assert step_env["TORCHPASS_AGENT_INDEX"] == "2"
+    step_env.update(SLURM_STEP_ID="0", SLURMD_NODENAME=node)
+    layout = SlurmLayout.from_environ(step_env, spares=1)
+    assert (layout.index, layout.node, layout.world_size, layout.spares) == (2, "127.0.0.4", 3, 1)
+    assert layout.nodes[-1] == "127.0.0.1"  # the batch host starts as the spare
+
+
+@pytest.mark.parametrize(
+    ("expr", "count", "expected"),
+    [("4", 1, [4]), ("2(x3),1", 4, [2, 2, 2, 1]), ("8(x2)", 2, [8, 8])],
+)
+def test_cpus_per_node_expands_slurms_counts(expr: str, count: int, expected: list[int]) -> None:
+    assert cpus_per_node(expr, count) == expected
+
+
+@pytest.mark.parametrize(("expr", "count"), [("2(x3)", 2), ("two", 1), ("2(3)", 1)])
+def test_cpus_per_node_errors_name_the_value(expr: str, count: int) -> None:
+    with pytest.raises(SlurmLayoutError, match="SLURM_JOB_CPUS_PER_NODE"):
+        cpus_per_node(expr, count)
+
+
+def test_batch_script_launcher_needs_two_nodes() -> None:
+    with pytest.raises(SlurmLayoutError, match="at least two"):
+        NodeSteps(["run", "x.py"], environ={"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n1"}).commands()
 
 
 # ----- replicated coordinators, the mesh and the proxies, in process -------------------------------

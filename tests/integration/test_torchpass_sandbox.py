@@ -1,0 +1,216 @@
+"""TorchPass on the sandbox's real Slurm: faulted jobs end bitwise equal to the fault-free job.
+
+The job is the oracle's deterministic training with dropout (the rank script of
+``tests/unit/test_torchpass_oracle.py``, which also holds the assertions), 4 ranks on 4 sandbox nodes and one
+standby node: ``sbatch -N5 --no-kill --clockwork-ft --clockwork-spares=standby`` whose batch script runs
+``torchpass run`` (one agent step per node). Faults land at a random step and a random point of it (forward,
+backward while buckets are all-reduced, optimizer step); the seed is printed, and ``CW_TEST_SEED`` replays it.
+
+* SIGKILL of one rank, and of rank 0;
+* a node crash (``clockwork sandbox fault node NODE crash``: every process in it killed, its links dark) while
+  its rank is at the chosen point, and a crash of the node whose agent leads the coordinator;
+* two failures five steps apart (a SIGKILL, then a node crash);
+* planned migration with ``clockwork migrate JOBID --rank R`` through the node daemons.
+
+Each run's final parameters, optimizer, scheduler and registered state on every slot are ``torch.equal`` to
+the fault-free run's, and every slot's journal shows each step committed exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clockworkd.sandbox.cluster import Sandbox
+from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
+from tests.unit import test_torchpass_oracle as oracle
+
+NODES = 5
+NPROC = 4
+STEPS = 60
+STEP_SLEEP_S = 0.08  # ~5 s of training: time for a migration request to land mid-job
+JOB_TIMEOUT_S = 240
+SEED = int(os.environ.get("CW_TEST_SEED", str(int(time.time()))))
+PHASES = ("forward", "backward", "optimizer")
+
+
+def _fault(rng: random.Random, slot: int, first: int = 8, last: int = 40, phase: str = "") -> tuple[int, str]:
+    """A random (step, phase) for ``slot``; ``phase`` fixes the point (a node crash waits in forward)."""
+    return rng.randint(first, last), phase or rng.choice(PHASES)
+
+
+@pytest.fixture(scope="module")
+def box(sandbox_manager: SandboxManager) -> Sandbox:
+    sandbox = sandbox_manager.ensure_up(nodes=NODES, accounting=False)
+    sandbox.clear_faults()
+    print(f"fault seed {SEED} (CW_TEST_SEED={SEED} replays these faults)")
+    return sandbox
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("torchpass-sandbox")
+
+
+def _events(out: Path) -> list[dict[str, object]]:
+    events = []
+    for path in sorted(out.glob("events-*.jsonl")):
+        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(events, key=lambda e: float(str(e.get("time", 0))))
+
+
+def _committed(out: Path, slot: int) -> int:
+    journal = out / f"journal-slot{slot}.txt"
+    steps = [int(line.split()[2]) for line in journal.read_text().splitlines()] if journal.exists() else []
+    return max(steps, default=-1)
+
+
+def _run(box: Sandbox, base: Path, name: str, *, kill: str = "", migrate: tuple[int, int] | None = None) -> oracle.Run:
+    """Submit the job, crash the nodes its ranks ask for, migrate when asked, wait for its end."""
+    out = base / name
+    out.mkdir()
+    env = dict(
+        slurm_env(box),
+        CW_TEST_DIR=str(out),
+        CW_TEST_KILL=kill,
+        CW_TEST_STEPS=str(STEPS),
+        CW_TEST_STEP_SLEEP=str(STEP_SLEEP_S),
+        OMP_NUM_THREADS="1",
+        CLOCKWORK_CONFIG=str(box.paths.clockwork_toml),  # what `eval "$(clockwork sandbox env)"` sets
+    )
+    command = (
+        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl --set collective_timeout_s=20 "
+        f"{oracle.SCRIPT}"
+    )
+    options = [f"-N{NODES}", "--no-kill", "--clockwork-ft", "--clockwork-spares=standby", f"--output={out}/job.out"]
+    submit = subprocess.run(
+        ["sbatch", "--parsable", *options, f"--wrap={command}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job_id = int(submit.stdout.strip().split(";")[0])
+    slurm = box.slurm()
+    crashed: list[str] = []
+    handled: set[str] = set()
+    migrated = ""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    info = slurm.job(job_id)
+    while time.monotonic() < deadline:
+        for request in sorted(out.glob("crash-request-*")):
+            if request.name not in handled:
+                handled.add(request.name)
+                node = request.read_text().split()[0]
+                box.crash_node(node)
+                crashed.append(node)
+        if migrate is not None and not migrated and _committed(out, 0) >= migrate[1]:
+            proc = subprocess.run(  # on one of the job's nodes, as on a real cluster
+                box.exec_argv("node2", [CLOCKWORK, "migrate", str(job_id), "--rank", str(migrate[0])]),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            migrated = f"rc {proc.returncode}: {proc.stdout}{proc.stderr}"
+            assert proc.returncode == 0, migrated
+        info = slurm.job(job_id)
+        # A crashed node keeps its job COMPLETING until Slurm hears from it again: bring it back at the end.
+        if info is not None and (info.finished or (crashed and "COMPLETING" in info.state)):
+            break
+        time.sleep(0.05)
+    for node in crashed:
+        box.restore_node(node)
+    output = (out / "job.out").read_text() if (out / "job.out").exists() else ""
+    assert info is not None and (info.finished or "COMPLETING" in info.state), f"job {job_id}: {info}\n{output[-6000:]}"
+    returncode = int(info.exit_code.split(":")[0]) if info.exit_code else -1
+    run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}\nmigrate: {migrated}", _events(out))
+    _wait_gone(box, job_id)
+    return run
+
+
+def _wait_gone(box: Sandbox, job_id: int, timeout_s: float = 60) -> None:
+    """The next job needs every node: wait until this one has left them (a restored node reports in)."""
+    slurm = box.slurm()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = slurm.job(job_id)
+        if info is None or info.finished:
+            if all("IDLE" in node.state[:1] for node in slurm.nodes()):
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} still holds nodes: {slurm.job(job_id)} {slurm.nodes()}")
+
+
+def _check(run: oracle.Run, reference: oracle.Run) -> dict[int, list[tuple[str, int, int, int]]]:
+    run.check_ok()
+    oracle._assert_same_final_state(run, reference, nproc=NPROC, steps=STEPS)
+    return oracle._assert_each_step_once(run, nproc=NPROC, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def reference(box: Sandbox, base: Path) -> oracle.Run:
+    run = _run(box, base, "reference")
+    run.check_ok()
+    return run
+
+
+def test_fault_free_job_is_consistent(reference: oracle.Run) -> None:
+    oracle._assert_each_step_once(reference, nproc=NPROC, steps=STEPS)
+    assert not reference.of_kind("torchpass.recovered")
+    expected = oracle._final(reference, 0)
+    for slot in range(1, NPROC):
+        oracle._assert_bitwise_equal(oracle._final(reference, slot), expected, f"slot {slot}")
+
+
+@pytest.mark.parametrize("slot", [2, 0], ids=["rank", "rank0"])
+def test_sigkill_of_a_rank(box: Sandbox, base: Path, reference: oracle.Run, slot: int) -> None:
+    step, phase = _fault(random.Random(SEED + slot), slot)
+    run = _run(box, base, f"kill-{slot}", kill=f"{slot}:{step}:{phase}")
+    journals = _check(run, reference)
+    assert len({pid for *_, pid in journals[slot]}) == 2, "the slot was not taken over by another process"
+    oracle._recovered(run, slot)
+
+
+def _leader_slot(reference: oracle.Run) -> int:
+    """The slot whose node's agent led the coordinator (agent K starts slot K)."""
+    records = [e["fields"] for e in reference.events if e["kind"] == "torchpass.coordinator"]
+    agents = {int(str(f["agent"])) for f in records if isinstance(f, dict) and "agent" in f}
+    return min(agents) if agents else 0
+
+
+@pytest.mark.parametrize("which", ["rank-node", "coordinator-node"])
+def test_node_crash(box: Sandbox, base: Path, reference: oracle.Run, which: str) -> None:
+    slot = 1 if which == "rank-node" else _leader_slot(reference)
+    step, phase = _fault(random.Random(SEED + 10 + slot), slot, phase="crashnode")
+    run = _run(box, base, f"crash-{which}", kill=f"{slot}:{step}:{phase}")
+    assert "crashed: ['node" in run.output, run.output[-3000:]
+    _check(run, reference)
+    fields = oracle._recovered(run, slot)
+    assert "silent" in str(fields["reason"]), fields
+
+
+def test_two_failures_five_steps_apart(box: Sandbox, base: Path, reference: oracle.Run) -> None:
+    step, phase = _fault(random.Random(SEED + 20), 1, last=30)
+    run = _run(box, base, "two-failures", kill=f"1:{step}:{phase},3:{step + 5}:crashnode")
+    _check(run, reference)
+    oracle._recovered(run, 1)
+    oracle._recovered(run, 3)
+    assert len(run.of_kind("torchpass.member_failed")) == 2
+
+
+def test_planned_migration_with_clockwork_migrate(box: Sandbox, base: Path, reference: oracle.Run) -> None:
+    run = _run(box, base, "migrate", migrate=(2, random.Random(SEED + 30).randint(8, 30)))
+    assert "migrate: rc 0" in run.output, run.output[-3000:]
+    journals = _check(run, reference)
+    assert len({pid for *_, pid in journals[2]}) == 2
+    moved = run.of_kind("torchpass.migrated")
+    assert moved and moved[0]["slots"] == [2] and moved[0]["handoff_ok"], moved
+    assert not run.of_kind("torchpass.member_failed")
