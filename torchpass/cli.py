@@ -1,9 +1,10 @@
 """The ``torchpass`` command: run a job, migrate a rank, look at a running job, list the settings.
 
 ``torchpass run --local`` runs every process on this machine (:mod:`torchpass.launcher`). Without
-``--local``, inside a Slurm job step (``srun --ntasks-per-node=1 torchpass run ...`` in an
-``sbatch --clockwork-ft --clockwork-spares=standby`` job), each srun task becomes its node's agent
-(:mod:`torchpass.agent`). The command imports no torch; the ranks do.
+``--local``, in the batch script of an ``sbatch --clockwork-ft --clockwork-spares=standby --no-kill`` job, it
+starts one job step per node (:mod:`torchpass.node_steps`), each running ``torchpass run`` again as that
+node's agent (:mod:`torchpass.agent`); a task per node of one srun step becomes an agent directly. The
+command imports no torch; the ranks do.
 """
 
 from __future__ import annotations
@@ -52,36 +53,37 @@ def _parser() -> argparse.ArgumentParser:
         description="Start NPROC ranks and SPARES standby processes running SCRIPT, and the job's coordinator. "
         "A rank that dies is replaced by a spare, which receives the training state from a healthy replica; "
         "training resumes at the same step. With --local every process runs on this machine and the "
-        "coordinator's address is printed (for `torchpass migrate`). Without it, run one task per node under "
-        "srun: the first N tasks train, the others wait as spares (N and S from --nproc/--spares, else one spare "
-        "for --clockwork-spares=standby), and every task runs a coordinator replica; `clockwork migrate JOBID "
-        "--rank R` finds the leader.",
+        "coordinator's address is printed (for `torchpass migrate`). Without it, run it in the batch script of "
+        "an `sbatch --no-kill --clockwork-ft` job: it starts one job step per node (a node crash then ends only "
+        "its own step), each running a node agent; N nodes train and the others wait as spares (N and S from "
+        "--nproc/--spares, else one spare for --clockwork-spares=standby; the batch host starts as a spare), and "
+        "every agent runs a coordinator replica; `clockwork migrate JOBID --rank R` finds the leader.",
         epilog=_settings_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--local", action="store_true", help="run every process on this machine (gloo on 127.0.0.1)")
     run.add_argument(
-        "--nproc", type=int, metavar="N", help="training ranks (slots); --local default 2, srun: tasks - spares"
+        "--nproc", type=int, metavar="N", help="training ranks (slots); --local default 2, Slurm: nodes - spares"
     )
     run.add_argument(
         "--spares",
         type=int,
         metavar="S",
-        help="standby processes (--local default 1) or standby nodes (srun: default 1 with "
+        help="standby processes (--local default 1) or standby nodes (Slurm: default 1 with "
         "--clockwork-spares=standby, else 0)",
     )
     run.add_argument(
         "--port",
         type=int,
         metavar="P",
-        help="srun: the agents' ports P and P+1 on every node (default: derived from the job id)",
+        help="Slurm: the agents' ports P and P+1 on every node (default: derived from the job id)",
     )
     run.add_argument("--config", metavar="FILE", help="settings file (TOML, or JSON when named *.json)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one setting (repeatable)")
     run.add_argument(
         "--events",
         metavar="FILE",
-        help="append every TorchPass event to FILE as JSON lines ({agent} in FILE: one file per srun agent)",
+        help="append every TorchPass event to FILE as JSON lines ({agent} in FILE: one file per node agent)",
     )
     run.add_argument("--coordinator-file", metavar="FILE", help="write the coordinator's address to FILE")
     run.add_argument("--no-respawn-spares", action="store_true", help="do not start a new spare when one takes a slot")

@@ -11,10 +11,13 @@ group underneath it without rebuilding it:
   the collective fails (a peer died) or a newer generation was announced, the hook does not raise into
   ``loss.backward()``: it marks the step abandoned and returns the bucket unchanged; the wrapped optimizer
   then skips its update and the step boundary recovers and re-runs the step;
-* ``find_unused_parameters=True`` is forced. It is what stops DDP from re-bucketing after its first
-  iteration: every rank, a newcomer included, and every generation keeps one bucket layout, so buckets line
-  up across ranks and each gradient element is always summed in the same order (bitwise-reproducible
-  averages). The price is one autograd-graph traversal per forward pass (the same trade TorchFT makes).
+* DDP never re-buckets: its reducer would otherwise rebuild the buckets in gradient-ready order after the
+  first iteration, so a newcomer's first step (initial layout) would not line up with the survivors'
+  (rebuilt layout) and the averages would stop being bitwise reproducible. DDP's Python side asks the
+  reducer to rebuild before each forward; the reducer is wrapped so that this request is declined. Every
+  rank, newcomer and generation keeps the construction-time layout (parameters in reverse order, cut at
+  ``bucket_cap_mb``). ``find_unused_parameters`` stays the user's choice (default False: no autograd-graph
+  traversal per step, unlike TorchFT, which forces it on).
 
 Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forward, as DDP's
 ``broadcast_buffers`` does, through the same failure-tolerant path.
@@ -60,7 +63,6 @@ class StepGuard(Protocol):
 _RESERVED = (
     "process_group",
     "init_sync",
-    "find_unused_parameters",
     "static_graph",
     "device_mesh",
     "forward_sync_buffers",
@@ -97,6 +99,22 @@ def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Fu
     return work.get_future().then(finish)
 
 
+class _FixedBuckets:
+    """DDP's reducer, except that it declines to rebuild its buckets (everything else goes to the reducer).
+
+    DDP calls ``reducer._rebuild_buckets()`` from Python before each forward; the C++ side never does. The
+    comm hook is registered on the real reducer before this wrapper is installed."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
 class TorchPassDDP(DistributedDataParallel):
     """DDP over a private one-rank group, with TorchPass's failure-tolerant gradient averaging."""
 
@@ -105,17 +123,13 @@ class TorchPassDDP(DistributedDataParallel):
         if reserved:
             raise TypeError(f"ctx.wrap_model sets {', '.join(reserved)} itself (see torchpass.ddp)")
         super().__init__(
-            module,
-            process_group=ctx._local_group(),
-            init_sync=False,
-            find_unused_parameters=True,
-            forward_sync_buffers=False,
-            **ddp_kwargs,
+            module, process_group=ctx._local_group(), init_sync=False, forward_sync_buffers=False, **ddp_kwargs
         )
         self._tp_ctx = ctx
         self._tp_buffers = [b for b in module.buffers()] if broadcast_buffers else []
         hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = _allreduce_hook
         self.register_comm_hook(ctx, hook)
+        self.reducer = _FixedBuckets(self.reducer)  # type: ignore[assignment]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Broadcast buffers from slot 0 (failure-tolerant), then DDP's forward."""

@@ -24,7 +24,9 @@ What a process records, under ``--out``:
   that is redone after a failure shows up twice: that is the "computed twice" count;
 * ``result-<rank>.json`` on a clean finish: steps/s over the steps after ``--warmup``;
 * with ``--crash-steps S1,S2,...``: at step Sk, rank ``(k + 1) % world`` kills itself with SIGKILL in its
-  forward pass (a marker file makes each crash happen once, so a replacement does not crash again).
+  forward pass (a marker file makes each crash happen once, so a replacement does not crash again);
+* with ``--node-crash-step S`` (sandbox, ``bench/torchpass_recovery.py``): at step S, rank 1 writes
+  ``crash-request`` (its Slurm node and the time) and waits there for the benchmark to crash its whole node.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Recorder:
         self.world = world
         self.warmup = args.warmup
         self.crashes = [int(s) for s in args.crash_steps.split(",") if s]
+        self.node_crash_step = args.node_crash_step
         self.log = open(self.out / f"steps-{rank}.log", "a")  # open for the process's life
         self.t_warm: float | None = None
         self.timed = 0
@@ -93,6 +96,15 @@ class Recorder:
                 os.write(fd, f"{time.time()} rank {self.rank}\n".encode())
                 os.close(fd)
                 os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.node_crash_step and self.rank == 1:
+            try:
+                fd = os.open(self.out / "crash-request", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return
+            os.write(fd, f"{os.environ.get('SLURMD_NODENAME', '')} {time.time()}\n".encode())
+            os.close(fd)
+            while True:  # the benchmark crashes this node now
+                time.sleep(1)
 
     def finish(self, mode: str, extra: dict[str, Any] | None = None) -> None:
         seconds = time.perf_counter() - self.t_warm if self.t_warm is not None else 0.0
@@ -232,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--crash-steps", default="", help="comma-separated steps at which one rank SIGKILLs itself")
+    parser.add_argument("--node-crash-step", type=int, default=-1, help="sandbox: rank 1's node crashes at this step")
     parser.add_argument("--ckpt", default="", help="ddp: checkpoint file (resume from it; save every --ckpt-every)")
     parser.add_argument("--ckpt-every", type=int, default=50)
     parser.add_argument("--min-replicas", type=int, default=0, help="torchft: min_replica_size (default: all)")

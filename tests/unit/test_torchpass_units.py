@@ -233,6 +233,63 @@ def test_gloo_abort_frees_a_collective_blocked_on_a_silent_peer(tmp_path: Path) 
     assert float(out.split("after ")[1].split()[0]) < 5.0  # not the 30 s collective timeout
 
 
+_BUCKETS_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, torch.distributed as dist
+    from torch import nn
+    from torchpass.ddp import TorchPassDDP
+
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
+
+    class Reversed(nn.Module):  # registered c, b, a but used a -> b -> c: gradients get ready c, b, a
+        def __init__(self):
+            super().__init__()
+            self.c, self.b, self.a = nn.Linear(8, 4), nn.Linear(8, 8), nn.Linear(4, 8)
+
+        def forward(self, x):
+            return self.c(self.b(self.a(x)))
+
+    class Guard:
+        world_size = 1
+        def _collective_allowed(self): return True
+        def _abandon_step(self, error): raise AssertionError(error)
+        def _broadcast_buffers(self, buffers): pass
+        def _local_group(self): return dist.group.WORLD
+
+    out = {}
+    for kind in ("plain", "torchpass"):
+        model = Reversed()
+        ddp = (nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001) if kind == "plain"
+               else TorchPassDDP(model, Guard(), bucket_cap_mb=0.0001))
+        before = ddp._get_ddp_logging_data()["bucket_sizes"]
+        for _ in range(3):
+            ddp(torch.randn(2, 4)).sum().backward()
+        data = ddp._get_ddp_logging_data()
+        out[kind] = {"rebuilt": data["has_rebuilt_buckets"], "before": before, "after": data["bucket_sizes"],
+                     "unused": ddp.find_unused_parameters}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_ddp_wrapper_keeps_the_construction_time_buckets(tmp_path: Path) -> None:
+    """Plain DDP re-buckets in gradient-ready order after its first step; TorchPass's must not (a newcomer's
+    first step would not line up with the survivors'), and it needs no graph traversal for that."""
+    import json
+
+    script = tmp_path / "buckets.py"
+    script.write_text(_BUCKETS_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "pg")], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["plain"]["rebuilt"] == 1, result  # the situation exists: plain DDP does re-bucket
+    assert result["torchpass"]["rebuilt"] == 0, result
+    assert result["torchpass"]["after"] == result["torchpass"]["before"], result
+    assert result["torchpass"]["unused"] is False, result
+
+
 def test_example_script_trains_alone() -> None:
     """examples/train_torchpass.py runs as a one-rank job without a launcher (its own coordinator)."""
     example = Path(__file__).resolve().parents[2] / "examples" / "train_torchpass.py"
