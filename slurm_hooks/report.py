@@ -23,7 +23,19 @@ COUNTED = {
 }
 
 
+#: Event fields that hold secrets (TorchPass's job key, for ``clockwork migrate``): never copied into a report.
+SECRET_FIELDS = ("key",)
+
+
+def _redacted(event: dict[str, Any]) -> dict[str, Any]:
+    fields = event.get("fields")
+    if not isinstance(fields, dict) or not any(name in fields for name in SECRET_FIELDS):
+        return event
+    return {**event, "fields": {k: "(redacted)" if k in SECRET_FIELDS else v for k, v in fields.items()}}
+
+
 def build(ctx: HookContext, events: list[dict[str, Any]], daemon: str) -> dict[str, Any]:
+    events = [_redacted(e) for e in events]
     kinds = Counter(str(e.get("kind", "")) for e in events)
     return {
         "job_id": ctx.job_id,

@@ -38,3 +38,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _integration_prerequisites(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("integration"):
         require_root_and_slurm()
+
+
+@pytest.fixture
+def job_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A TorchPass job key in this process's environment, as a launcher sets it (hex); for tests that run
+    coordinators, meshes or proxies in-process. Child processes inherit it."""
+    from clockworkd.jobkey import ENV_JOB_KEY, JobKey
+
+    key = JobKey.new().hex
+    monkeypatch.setenv(ENV_JOB_KEY, key)
+    return key

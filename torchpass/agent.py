@@ -40,6 +40,7 @@ import sys
 import time
 from types import FrameType
 
+from torchpass.auth import job_key
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
@@ -107,8 +108,9 @@ class SlurmAgent:
             if self.daemon_socket:
                 daemon_sink = DaemonEventSink(layout.job_id, self.daemon_socket)
         self._daemon_sink = daemon_sink
-        jsonl = JsonlEventSink(events_file.replace("{agent}", str(layout.index))) if events_file else None
-        self.event_sink = tee(jsonl, daemon_sink)
+        self._jsonl_sink = JsonlEventSink(events_file.replace("{agent}", str(layout.index))) if events_file else None
+        self.event_sink = tee(self._jsonl_sink, daemon_sink)
+        self.key = job_key()  # every socket of the job needs it; without one the agent stops here
         self.coordinator = Coordinator(
             layout.world_size,
             config,
@@ -137,20 +139,26 @@ class SlurmAgent:
     # ----- start -----------------------------------------------------------------------------
 
     def _announce(self) -> None:
-        """Tell the node daemon (and the event file) where this job's coordinator is now."""
-        emit(
-            self.event_sink,
-            log,
-            "torchpass.coordinator",
-            agent=self.layout.index,
-            node=self.layout.node,
-            leader=self.mesh.leader_endpoint(),
-            leader_agent=self.mesh.leader,
-            term=self.mesh.term,
-            endpoints=self.layout.coordinator_endpoints(),
-            world_size=self.layout.world_size,
-            spares=self.layout.spares,
-        )
+        """Tell the node daemon (and the event file) where this job's coordinator is now.
+
+        Only the daemon's copy carries the job key (for ``clockwork migrate``): the daemon shows a job's events
+        to its owner and root alone, while the log and the events file may be readable by others."""
+        fields = {
+            "agent": self.layout.index,
+            "node": self.layout.node,
+            "leader": self.mesh.leader_endpoint(),
+            "leader_agent": self.mesh.leader,
+            "term": self.mesh.term,
+            "endpoints": self.layout.coordinator_endpoints(),
+            "world_size": self.layout.world_size,
+            "spares": self.layout.spares,
+        }
+        emit(self._jsonl_sink, log, "torchpass.coordinator", **fields)
+        if self._daemon_sink is not None:  # not through emit(): that would log the key
+            try:
+                self._daemon_sink("torchpass.coordinator", {**fields, "key": self.key.hex})
+            except Exception as exc:
+                log.warning("the node daemon did not take the coordinator record: %s: %s", type(exc).__name__, exc)
 
     def _environment(self, wid: str, role: str) -> dict[str, str]:
         env = dict(self.environ)

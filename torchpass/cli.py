@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from torchpass.auth import ENV_JOB_KEY, JobKeyError, read_coordinator_file
 from torchpass.config import ConfigError, TorchPassConfig
 from torchpass.control import CoordinatorLost, CoordinatorRefused, CoordinatorRpc
 from torchpass.events import JsonlEventSink
@@ -28,6 +31,10 @@ __all__ = ["main"]
 PROG = "torchpass"
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+COORDINATOR_HELP = (
+    "the coordinator file `torchpass run --local` printed (address and job key), or tcp://HOST:PORT with the "
+    "job key in TORCHPASS_JOB_KEY"
+)
 
 
 def _settings_epilog() -> str:
@@ -96,11 +103,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Planned migration: at its next step boundary rank SLOT sends its live state to a spare, "
         "which takes its slot, and exits cleanly. Training continues at the next step.",
     )
-    migrate.add_argument("--coordinator", required=True, metavar="ADDR", help="tcp://HOST:PORT (printed by run)")
+    migrate.add_argument("--coordinator", required=True, metavar="FILE|ADDR", help=COORDINATOR_HELP)
     migrate.add_argument("--slot", required=True, type=int, metavar="R", help="the rank slot to move")
 
     status = commands.add_parser("status", help="show a running job's generation, members and spares")
-    status.add_argument("--coordinator", required=True, metavar="ADDR", help="tcp://HOST:PORT (printed by run)")
+    status.add_argument("--coordinator", required=True, metavar="FILE|ADDR", help=COORDINATOR_HELP)
     status.add_argument("--json", action="store_true", help="print the raw JSON")
     return parser
 
@@ -159,8 +166,19 @@ def _cmd_run_slurm(args: argparse.Namespace, script_args: list[str]) -> int:
         return EXIT_USAGE
 
 
-def _request(endpoint: str, op: str, **fields: Any) -> dict[str, Any]:
-    """One request; a passive replica's redirect to the leader is followed (Slurm mode)."""
+def _request(target: str, op: str, **fields: Any) -> dict[str, Any]:
+    """One request; a passive replica's redirect to the leader is followed (Slurm mode).
+
+    ``target`` is the coordinator file `torchpass run --local` wrote (address and job key), or an address
+    (the job key then comes from ``TORCHPASS_JOB_KEY``)."""
+    if target.startswith("tcp://"):
+        endpoint = target
+    else:
+        try:
+            endpoint, key = read_coordinator_file(Path(target))
+        except OSError as exc:
+            raise JobKeyError(f"--coordinator {target}: neither tcp://HOST:PORT nor a readable file ({exc})") from None
+        os.environ[ENV_JOB_KEY] = key.hex
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         for _ in range(3):
@@ -211,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "migrate":
             return _cmd_migrate(args)
         return _cmd_status(args)
-    except ConfigError as exc:
+    except (ConfigError, JobKeyError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except CoordinatorRefused as exc:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchpass.auth import ENV_JOB_KEY, JobKey
 from torchpass.backends import CommBackend, make_backend
 from torchpass.config import TorchPassConfig
 from torchpass.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
@@ -727,6 +728,8 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
     env = LaunchEnv.from_environ()
     coordinator = None
     if env is None:
+        if JobKey.from_environ() is None:  # alone, this process is the whole job: it makes the job's key
+            os.environ[ENV_JOB_KEY] = JobKey.new().hex
         coordinator = Coordinator(1, cfg)
         env = LaunchEnv(coordinator.start(), "w0", "slot:0", 1, "127.0.0.1", "", False)
     if env.local or env.agent >= 0:

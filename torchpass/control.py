@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from torchpass.auth import connect_as_client
 from torchpass.protocol import ProtocolError, decode, encode
 
 __all__ = ["ControlChannel", "CoordinatorLost", "CoordinatorRefused", "CoordinatorRpc", "JobStopped"]
@@ -72,6 +73,7 @@ class CoordinatorRpc:
         self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         if identity is not None:
             self._sock.setsockopt(zmq.IDENTITY, identity)
+        connect_as_client(self._sock)
         self._sock.connect(endpoint)
 
     def close(self) -> None:
@@ -182,6 +184,7 @@ class ControlChannel:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}.n".encode())
+        connect_as_client(sock)
         sock.connect(self.endpoint)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)

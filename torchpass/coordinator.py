@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from torchpass.auth import serve
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
 from torchpass.protocol import GenerationInfo, Handoff, ProtocolError, decode, encode
@@ -209,6 +210,7 @@ class Coordinator:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        serve(sock)
         if self.port:
             sock.bind(f"tcp://{self.bind_host}:{self.port}")
         else:

@@ -25,11 +25,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from torchpass.auth import ENV_JOB_KEY, JobKey, write_coordinator_file
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import DONE, Coordinator
 from torchpass.events import EventSink
@@ -87,7 +89,13 @@ class LocalLauncher:
         self.respawn_spares = respawn_spares
         self.python = python
         self.host = host
-        self.coordinator_file = coordinator_file
+        # The job's key: every socket of the job is CURVE-authenticated with it (torchpass.auth). The
+        # coordinator thread reads it from this process's environment, the children inherit it.
+        self.key = JobKey.from_environ() or JobKey.new()
+        os.environ[ENV_JOB_KEY] = self.key.hex
+        self.coordinator_file = Path(
+            coordinator_file or Path(tempfile.gettempdir()) / f"torchpass-{os.getpid()}.coordinator"
+        )
         self.exit_grace_s = exit_grace_s
         self.children: dict[str, _Child] = {}
         self._next_id = 0
@@ -154,9 +162,12 @@ class LocalLauncher:
     def run(self) -> int:
         """Start everything, supervise until the job ends, and return the launcher's exit status."""
         endpoint = self.coordinator.start()
-        print(f"torchpass: coordinator {endpoint} ({self.nproc} ranks, {self.spares} spares)", file=sys.stderr)
-        if self.coordinator_file:
-            Path(self.coordinator_file).write_text(endpoint + "\n")
+        write_coordinator_file(self.coordinator_file, endpoint, self.key)
+        print(
+            f"torchpass: coordinator {endpoint} ({self.nproc} ranks, {self.spares} spares); its address and the "
+            f"job key are in {self.coordinator_file}: torchpass status --coordinator {self.coordinator_file}",
+            file=sys.stderr,
+        )
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for slot in range(self.nproc):

@@ -40,6 +40,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from torchpass.auth import connect_as_client, serve
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator import Coordinator
 from torchpass.events import EventSink, emit
@@ -173,6 +174,7 @@ class AgentMesh:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESH_MESSAGE)
+        serve(router)
         router.bind(self.layout.mesh_endpoint(self.me))
         self._router = router
         for k in self._peers:
@@ -180,6 +182,7 @@ class AgentMesh:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.SNDHWM, 64)  # a dead peer must not pile up snapshots
             dealer.setsockopt(zmq.IDENTITY, f"agent{self.me}".encode())
+            connect_as_client(dealer)
             dealer.connect(self.layout.mesh_endpoint(k))
             self._dealers[k] = dealer
         self._thread = threading.Thread(target=self._run, name="torchpass-mesh", daemon=True)

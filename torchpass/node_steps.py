@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
+from torchpass.auth import ENV_JOB_KEY, JobKey
 from torchpass.slurm_layout import ENV_AGENT_INDEX, ENV_NODES, SlurmLayoutError, expand_hostlist
 
 __all__ = [
@@ -103,9 +104,10 @@ class NodeSteps:
         batch_host = self.environ.get("SLURMD_NODENAME", "")
         if batch_host in nodes:
             nodes = [n for n in nodes if n != batch_host] + [batch_host]
+        key = JobKey.from_environ(self.environ) or JobKey.new()  # one per job: every agent and rank gets it
         out = []
         for index, node in enumerate(nodes):
-            env = dict(self.environ, **{ENV_NODES: ",".join(nodes), ENV_AGENT_INDEX: str(index)})
+            env = dict(self.environ, **{ENV_NODES: ",".join(nodes), ENV_AGENT_INDEX: str(index), ENV_JOB_KEY: key.hex})
             cmd = [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=0"]
             cmd += [f"--cpus-per-task={cpus[node]}"] if cpus[node] else []
             cmd += ["--job-name=torchpass-agent", self.python, "-m", "torchpass", *self.argv]

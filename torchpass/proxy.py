@@ -30,6 +30,7 @@ from typing import Any
 
 import zmq
 
+from torchpass.auth import connect_as_client, serve
 from torchpass.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
 
 __all__ = ["CoordinatorProxy"]
@@ -60,6 +61,7 @@ class CoordinatorProxy:
         front = self._ctx.socket(zmq.ROUTER)
         front.setsockopt(zmq.LINGER, 0)
         front.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        serve(front)
         port = front.bind_to_random_port(f"tcp://{self.bind_host}")
         self._front = front
         self.endpoint = f"tcp://{self.bind_host}:{port}"
@@ -120,6 +122,7 @@ class CoordinatorProxy:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
                 sock.setsockopt(zmq.IDENTITY, ident)
+                connect_as_client(sock)
                 sock.connect(target)
                 upstream[ident] = sock
                 owner[sock] = ident

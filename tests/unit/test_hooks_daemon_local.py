@@ -91,10 +91,14 @@ def test_epilog_writes_the_report_and_unregisters_even_without_slurm(site: dict[
     assert runner.main(["prolog"], env) == 0
     with DaemonClient(paths(site)) as client:
         client.post_event(77, "link.failover", {"nic": "nic0"})
+        client.post_event(77, "torchpass.coordinator", {"leader": "tcp://n1:21000", "key": "ab" * 32})
     assert runner.main(["epilog"], env) == 0  # the AdminComment fails (no Slurm here): logged, not fatal
-    report = json.loads((paths(site).reports_dir / "77.json").read_text())
+    text = (paths(site).reports_dir / "77.json").read_text()
+    report = json.loads(text)
     assert report["counts"] == {"link failovers": 1, "migrations": 0, "rollbacks": 0}
-    assert [e["kind"] for e in report["events"]][:2] == ["job.registered", "link.failover"]
+    assert [e["kind"] for e in report["events"]][:3] == ["job.registered", "link.failover", "torchpass.coordinator"]
+    assert report["events"][2]["fields"] == {"leader": "tcp://n1:21000", "key": "(redacted)"}  # no job key
+    assert "ab" * 32 not in text
     with DaemonClient(paths(site)) as client:
         assert {j["job_id"]: j for j in client.jobs()}[77]["state"] == "ended"
     assert "hook failed (ignored" in site["log"].read_text()

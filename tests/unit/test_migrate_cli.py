@@ -19,10 +19,13 @@ import zmq
 
 from clockworkd.cli import migrate_cmd
 from clockworkd.cli.main import run
+from clockworkd.jobkey import ENV_JOB_KEY, JobKey
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 from tests.unit.test_torchpass_coordinator import Events, FakeRank
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator import Coordinator
+
+pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
 
 __all__ = ["daemons", "scratch"]  # fixtures used by name below
 
@@ -84,13 +87,14 @@ def _closed_endpoint() -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
-def _post_record(daemon: RunningDaemon, leader: str, endpoints: list[str], world_size: int = 2) -> None:
+def _post_record(
+    daemon: RunningDaemon, leader: str, endpoints: list[str], world_size: int = 2, key: str | None = None
+) -> None:
+    """What an agent posts; the job key is the one the in-process coordinators serve with."""
+    fields = {"leader": leader, "endpoints": endpoints, "world_size": world_size, "spares": 1, "agent": 1, "term": 0}
+    fields["key"] = key if key is not None else os.environ[ENV_JOB_KEY]
     with daemon.client() as client:
-        client.post_event(
-            JOB,
-            "torchpass.coordinator",
-            {"leader": leader, "endpoints": endpoints, "world_size": world_size, "spares": 1, "agent": 1, "term": 0},
-        )
+        client.post_event(JOB, "torchpass.coordinator", fields)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -102,7 +106,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 def test_not_a_torchpass_job(capsys: pytest.CaptureFixture[str], live: tuple[Path, RunningDaemon]) -> None:
     config, _ = live
     code, _, err = _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "0")
-    assert code == 2 and f"job {JOB} is not a TorchPass job" in err and "srun torchpass run" in err
+    assert code == 2 and f"job {JOB} is not a TorchPass job" in err and "`torchpass run ...` in the batch script" in err
 
 
 def test_unknown_job(capsys: pytest.CaptureFixture[str], live: tuple[Path, RunningDaemon]) -> None:
@@ -179,3 +183,18 @@ def test_the_refusal_is_shown(
     assert _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "0")[0] == 0
     code, _, err = _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "1")
     assert code == 1 and "the coordinator refused: cannot migrate slot 1" in err
+
+
+def test_a_record_with_the_wrong_key_gets_no_answer(
+    capsys: pytest.CaptureFixture[str],
+    live: tuple[Path, RunningDaemon],
+    job: tuple[Coordinator, Coordinator, Events],
+) -> None:
+    """The coordinators admit only holders of the job key: with another key the handshake fails, nothing is
+    asked, and the CLI says no replica answered."""
+    config, daemon = live
+    active, _, events = job
+    _post_record(daemon, active.endpoint, [active.endpoint], key=JobKey.new().hex)
+    code, _, err = _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "1", "--timeout", "0.5")
+    assert code == 3 and "no coordinator replica of the job answered" in err
+    assert not events.of("torchpass.migration_requested")

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from clockworkd.cli.main import run as clockwork
+from clockworkd.jobkey import JobKey
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 from tests.unit.test_torchpass_oracle import (
     NPROC,
@@ -104,6 +105,7 @@ def _run_agents(
     port = _free_port_pair(addresses)
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
+    key = JobKey.new().hex  # what a user exports before `srun torchpass run`
     for k in range(agents):
         env = {key: v for key, v in os.environ.items() if not key.startswith(("SLURM", "CLOCKWORK_", "TORCHPASS"))}
         env.update(
@@ -117,6 +119,7 @@ def _run_agents(
             SLURMD_NODENAME=addresses[k],
             CLOCKWORK_FT="aware",
             CLOCKWORK_SPARES="standby",
+            TORCHPASS_JOB_KEY=key,
             CW_TEST_DIR=str(out),
             CW_TEST_KILL=kill,
             CW_TEST_MIGRATE="",

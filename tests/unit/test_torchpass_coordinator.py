@@ -15,11 +15,14 @@ from typing import Any
 import pytest
 import zmq
 
+from torchpass.auth import connect_as_client
 from torchpass.cli import main as cli_main
 from torchpass.config import TorchPassConfig
 from torchpass.control import CoordinatorRefused, CoordinatorRpc, JobStopped
 from torchpass.coordinator import DONE, FAILED, Coordinator
 from torchpass.protocol import GenerationInfo, decode, encode
+
+pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
 
 
 class Events:
@@ -47,6 +50,7 @@ class FakeRank:
         self.control = context.socket(zmq.DEALER)
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.setsockopt(zmq.IDENTITY, f"{wid}.n".encode())
+        connect_as_client(self.control)
         self.control.connect(endpoint)
         self.control.send(encode("hello", wid=wid, step=-1))
 
@@ -301,3 +305,27 @@ def test_cli_run_requires_local(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--local" in capsys.readouterr().err
     assert cli_main(["run", "--local", "--set", "nope=1", "train.py"]) == 2
     assert "unknown key" in capsys.readouterr().err
+
+
+def test_only_holders_of_the_job_key_are_answered(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A plain TCP client and a CURVE client with another job's key get no answer; the job's own does."""
+    from clockworkd.jobkey import JobKey
+    from torchpass.auth import job_key
+
+    events = Events()
+    coord, _, _ = _start(2, events)
+    try:
+        replies = {}
+        for name, key in (("plain", None), ("other job", JobKey.new()), ("this job", job_key())):
+            sock = zctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if key is not None:
+                key.connect_as_client(sock)
+            sock.connect(coord.endpoint)
+            sock.send(encode("status", id=1))
+            replies[name] = decode(sock.recv()) if sock.poll(1500) else None
+            sock.close()
+        assert replies["plain"] is None and replies["other job"] is None, replies
+        assert replies["this job"] is not None and replies["this job"]["ok"], replies
+    finally:
+        coord.stop()

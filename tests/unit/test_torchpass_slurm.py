@@ -32,6 +32,8 @@ from torchpass.slurm_layout import (
     expand_hostlist,
 )
 
+pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
+
 # ----- the layout ------------------------------------------------------------------------------
 
 

@@ -13,8 +13,9 @@ job's nodes (from Slurm) are asked in turn. On a real cluster run the command on
 
 The request itself speaks TorchPass's coordinator wire format (a msgpack map with ``op`` and ``id`` over a
 ZeroMQ DEALER; the reply repeats the id) without importing TorchPass: the CLI must not import torch, and the
-dependency direction is torchpass -> clockworkd, never the reverse. The coordinator answers at once; the
-rank moves at its next step boundary.
+dependency direction is torchpass -> clockworkd, never the reverse. It is CURVE-authenticated with the job's
+key, which the record carries (:mod:`clockworkd.jobkey`; the daemon shows a job's events only to its owner
+and root). The coordinator answers at once; the rank moves at its next step boundary.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from clockworkd.cli.context import CliContext, pass_ctx
 from clockworkd.client import DaemonClient
 from clockworkd.daemon_paths import local_node_name
 from clockworkd.errors import ClockworkError, DaemonError
+from clockworkd.jobkey import JobKey
 
 COORDINATOR_EVENT = "torchpass.coordinator"
 MAX_REDIRECTS = 3
@@ -90,7 +92,7 @@ def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[s
     if record is None:
         raise NotTorchPassJobError(
             f"job {job_id} is not a TorchPass job: no coordinator was registered for it (launch the training with "
-            "`srun torchpass run ...` inside an `sbatch --clockwork-ft` job)"
+            "`torchpass run ...` in the batch script of an `sbatch --clockwork-ft` job)"
         )
     return record
 
@@ -106,13 +108,14 @@ def _job_nodes(loaded: Any, job_id: int) -> list[str]:
     return list(info.nodes) if info is not None else []
 
 
-def _call(endpoint: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+def _call(endpoint: str, key: JobKey, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
     """One request to a coordinator replica; None when it does not answer in time."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
     try:
+        key.connect_as_client(sock)
         sock.connect(endpoint)
         sock.send(msgpack.packb(request, use_bin_type=True))
         deadline = time.monotonic() + timeout_s
@@ -140,6 +143,9 @@ def request_migration(record: dict[str, Any], rank: int, timeout_s: float, reque
     endpoints += [str(e) for e in record.get("endpoints", []) if str(e) not in endpoints]
     if not endpoints:
         raise ClockworkError("the job's coordinator record names no endpoint")
+    if not record.get("key"):
+        raise ClockworkError("the job's coordinator record has no job key: its TorchPass is too old to be migrated")
+    key = JobKey.from_hex(str(record["key"]), where="the job's coordinator record")
     tried: list[str] = []
     queue = list(endpoints)
     while queue and len(tried) < len(endpoints) + MAX_REDIRECTS:
@@ -148,7 +154,7 @@ def request_migration(record: dict[str, Any], rank: int, timeout_s: float, reque
             continue
         tried.append(endpoint)
         request = {"op": "migrate", "id": next(_ids), "slot": rank, "requester": requester}
-        reply = _call(endpoint, request, timeout_s)
+        reply = _call(endpoint, key, request, timeout_s)
         if reply is None:
             continue  # a replica on a lost node: try the next
         if reply.get("ok"):

@@ -1,0 +1,66 @@
+"""Every TorchPass socket is CURVE-encrypted and admits only processes holding the job's key.
+
+The key (:class:`clockworkd.jobkey.JobKey`) comes from ``TORCHPASS_JOB_KEY``: the launcher makes one per job
+(``torchpass run`` in a batch script or with ``--local``) and passes it to every agent and rank; a
+``srun torchpass run`` step must be given one by the user. Listening sockets call :func:`serve` before they
+bind, connecting sockets :func:`connect_as_client` before they connect. Without a key nothing is served:
+there is no unauthenticated mode.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import zmq
+
+from clockworkd.jobkey import ENV_JOB_KEY, JobKey, JobKeyError
+
+__all__ = [
+    "ENV_JOB_KEY",
+    "JobKey",
+    "JobKeyError",
+    "connect_as_client",
+    "job_key",
+    "read_coordinator_file",
+    "serve",
+    "write_coordinator_file",
+]
+
+
+def job_key() -> JobKey:
+    """This job's key from the environment; JobKeyError says how to get one when it is missing."""
+    key = JobKey.from_environ()
+    if key is None:
+        raise JobKeyError(
+            f"{ENV_JOB_KEY} is not set: TorchPass's sockets admit only the job's own processes. `torchpass run` "
+            "in the batch script (or with --local) makes a key itself; for `srun torchpass run`, export one "
+            f"first: export {ENV_JOB_KEY}=$(python3 -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+    return key
+
+
+def serve(sock: zmq.Socket[bytes]) -> None:
+    """Make a listening socket a CURVE server of this job (call before bind)."""
+    job_key().serve(sock)
+
+
+def connect_as_client(sock: zmq.Socket[bytes]) -> None:
+    """Make a connecting socket a CURVE client of this job (call before connect)."""
+    job_key().connect_as_client(sock)
+
+
+def write_coordinator_file(path: Path, endpoint: str, key: JobKey) -> None:
+    """Write the coordinator's address and the job key for ``torchpass status/migrate`` (mode 0600)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{endpoint}\n{key.hex}\n")
+
+
+def read_coordinator_file(path: Path) -> tuple[str, JobKey]:
+    """(endpoint, key) from a file :func:`write_coordinator_file` wrote."""
+    lines = path.read_text().split()
+    if len(lines) != 2 or not lines[0].startswith("tcp://"):
+        raise JobKeyError(f"{path}: not a TorchPass coordinator file (an address and a job key)")
+    return lines[0], JobKey.from_hex(lines[1], where=str(path))
