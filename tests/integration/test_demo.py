@@ -1,4 +1,5 @@
-"""`make demo`'s command runs end to end: cluster up, training job across 3 nodes, loss curve, tear-down."""
+"""`make demo`'s command runs end to end: cluster up, a training job across 3 nodes with its loss curve, a
+TorchPass job that loses a node and carries on at the same step, tear-down."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from tests.integration.conftest import CLOCKWORK, SandboxManager
 from tests.integration.test_lifecycle import assert_nothing_left
 
 
-def test_demo_runs_training_across_three_nodes_and_cleans_up(sandbox_manager: SandboxManager, short_tmp: Path) -> None:
+def test_demo_survives_a_node_crash_and_cleans_up(sandbox_manager: SandboxManager, short_tmp: Path) -> None:
     sandbox_manager.ensure_down()
     state = short_tmp / "demo-state"
     try:
         result = subprocess.run(
-            [CLOCKWORK, "--set", f"sandbox.state_dir={state}", "demo", "--steps", "6"],
+            [CLOCKWORK, "--set", f"sandbox.state_dir={state}", "demo", "--steps", "6", "--ft-steps", "120"],
             capture_output=True,
             text=True,
             timeout=240,
@@ -26,11 +27,19 @@ def test_demo_runs_training_across_three_nodes_and_cleans_up(sandbox_manager: Sa
     finally:  # even if the demo hung or was killed, leave no cluster behind
         Sandbox(replace(SandboxConfig(), state_dir=str(state))).down()
     assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert "ended COMPLETED" in out
-    losses = [float(m) for m in re.findall(r"\| step \d+ loss ([0-9.]+)", out)]
+    scene1, _, scene2 = result.stdout.partition("Step 4.")
+    assert "ended COMPLETED" in scene1
+    losses = [float(m) for m in re.findall(r"\| step \d+ loss ([0-9.]+)", scene1)]
     assert len(losses) == 6 and losses[-1] < losses[0]
-    assert "loss vs step" in out and "final weights sha256" in out
+    assert "loss vs step" in scene1 and "final weights sha256" in scene1
     for i in (1, 2, 3):
-        assert f"rank {i - 1} on node{i} (198.18.0.{i}) done" in out
+        assert f"rank {i - 1} on node{i} (198.18.0.{i}) done" in scene1
+    # Scene 2: a node of the TorchPass job crashes; the job carries on at the same step, same weights everywhere.
+    assert ">>> node3 crashes now" in scene2 and "torchpass.recovered" in scene2, scene2
+    recovered_at = int(re.search(r"torchpass\.recovered .*step (\d+)", scene2).group(1))  # type: ignore[union-attr]
+    steps_after = [int(s) for s in re.findall(r"\| step (\d+) loss .* \(generation 1\)", scene2)]
+    assert steps_after and min(steps_after) >= recovered_at and max(steps_after) == 119, scene2
+    hashes = re.findall(r"slot (\d): final weights sha256 ([0-9a-f]{64})", scene2)
+    assert sorted(slot for slot, _ in hashes) == ["0", "1", "2"] and len({h for _, h in hashes}) == 1, scene2
+    assert "batch script exit 0:0" in scene2
     assert_nothing_left(state)

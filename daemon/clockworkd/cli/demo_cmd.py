@@ -113,7 +113,7 @@ def _short(line: str) -> str:
         data = json.loads(fields)
     except ValueError:
         return line
-    keep = ("reason", "step", "detect_ms", "total_ms", "slots")
+    keep = ("why", "slot", "reason", "step", "detect_ms", "total_ms", "slots")
     return f"{kind} " + ", ".join(f"{k} {data[k]}" for k in keep if k in data)
 
 
