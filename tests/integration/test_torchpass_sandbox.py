@@ -39,11 +39,12 @@ STEP_SLEEP_S = 0.08  # ~5 s of training: time for a migration request to land mi
 JOB_TIMEOUT_S = 240
 SEED = int(os.environ.get("CW_TEST_SEED", str(int(time.time()))))
 PHASES = ("forward", "backward", "optimizer")
+CRASH_PHASES = ("crashnode", "crashnode-backward", "crashnode-optimizer")  # the rank waits there for the crash
 
 
-def _fault(rng: random.Random, slot: int, first: int = 8, last: int = 40, phase: str = "") -> tuple[int, str]:
-    """A random (step, phase) for ``slot``; ``phase`` fixes the point (a node crash waits in forward)."""
-    return rng.randint(first, last), phase or rng.choice(PHASES)
+def _fault(rng: random.Random, first: int = 8, last: int = 40, phases: tuple[str, ...] = PHASES) -> tuple[int, str]:
+    """A random step and point within it."""
+    return rng.randint(first, last), rng.choice(phases)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,7 @@ def test_fault_free_job_is_consistent(reference: oracle.Run) -> None:
 
 @pytest.mark.parametrize("slot", [2, 0], ids=["rank", "rank0"])
 def test_sigkill_of_a_rank(box: Sandbox, base: Path, reference: oracle.Run, slot: int) -> None:
-    step, phase = _fault(random.Random(SEED + slot), slot)
+    step, phase = _fault(random.Random(SEED + slot))
     run = _run(box, base, f"kill-{slot}", kill=f"{slot}:{step}:{phase}")
     journals = _check(run, reference)
     assert len({pid for *_, pid in journals[slot]}) == 2, "the slot was not taken over by another process"
@@ -189,7 +190,7 @@ def _leader_slot(reference: oracle.Run) -> int:
 @pytest.mark.parametrize("which", ["rank-node", "coordinator-node"])
 def test_node_crash(box: Sandbox, base: Path, reference: oracle.Run, which: str) -> None:
     slot = 1 if which == "rank-node" else _leader_slot(reference)
-    step, phase = _fault(random.Random(SEED + 10 + slot), slot, phase="crashnode")
+    step, phase = _fault(random.Random(SEED + 10 + slot), phases=CRASH_PHASES)
     run = _run(box, base, f"crash-{which}", kill=f"{slot}:{step}:{phase}")
     assert "crashed: ['node" in run.output, run.output[-3000:]
     _check(run, reference)
@@ -198,8 +199,9 @@ def test_node_crash(box: Sandbox, base: Path, reference: oracle.Run, which: str)
 
 
 def test_two_failures_five_steps_apart(box: Sandbox, base: Path, reference: oracle.Run) -> None:
-    step, phase = _fault(random.Random(SEED + 20), 1, last=30)
-    run = _run(box, base, "two-failures", kill=f"1:{step}:{phase},3:{step + 5}:crashnode")
+    rng = random.Random(SEED + 20)
+    step, phase = _fault(rng, last=30)
+    run = _run(box, base, "two-failures", kill=f"1:{step}:{phase},3:{step + 5}:{rng.choice(CRASH_PHASES)}")
     _check(run, reference)
     oracle._recovered(run, 1)
     oracle._recovered(run, 3)

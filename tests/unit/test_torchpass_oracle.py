@@ -8,7 +8,8 @@ Faults are injected by the rank script itself through ``CW_TEST_KILL`` (``slot:s
 separated): it SIGKILLs its own process in the forward pass, inside backward while gradient buckets are being
 all-reduced, or inside the optimizer step; ``freeze`` stops it with SIGSTOP instead (a silent rank whose
 sockets stay open). ``node`` and ``nodestop`` (Slurm-mode tests) SIGKILL or SIGSTOP the rank's whole process
-group, that is the rank and its node agent together: a node crash. ``crashnode`` (sandbox tests) writes
+group, that is the rank and its node agent together: a node crash. ``crashnode`` (in the forward pass),
+``crashnode-backward`` and ``crashnode-optimizer`` (sandbox tests) write
 ``crash-request-<slot>-<step>`` naming its Slurm node and waits there for the test to crash that whole node
 (``clockwork sandbox fault node NODE crash``). ``slot:gen:transfer`` kills the rank
 while it sends or receives state during the recovery into generation ``gen`` (a failure during recovery).
@@ -89,7 +90,7 @@ def _rank_main() -> int:
             return  # already done once: the replacement must not kill itself too
         os.write(fd, f"{time.time()}\n".encode())
         os.close(fd)
-        if phase == "crashnode":  # the test crashes this whole node; wait here until then
+        if phase.startswith("crashnode"):  # the test crashes this whole node; wait here until then
             node = os.environ.get("SLURMD_NODENAME", "")
             (out / f"crash-request-{slot}-{when}").write_text(f"{node} {time.time()}\n")
             while True:
@@ -122,7 +123,9 @@ def _rank_main() -> int:
     model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "nodestop"))
     model.register_forward_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "crashnode"))
     model[0].weight.register_hook(lambda grad: maybe_kill(ctx.slot, ctx.step, "backward"))  # late in backward
+    model[0].weight.register_hook(lambda grad: maybe_kill(ctx.slot, ctx.step, "crashnode-backward"))
     opt.register_step_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "optimizer"))
+    opt.register_step_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "crashnode-optimizer"))
 
     generator = torch.Generator().manual_seed(7)
     x_all = torch.randn(480, 16, generator=generator)
