@@ -31,6 +31,15 @@ def _say(text: str = "") -> None:
     click.echo(text)
 
 
+def _read_from(path: Path, pos: int) -> tuple[str, int]:
+    """What a growing file holds past ``pos``, and the new position ('' while the file does not exist)."""
+    if not path.exists():
+        return "", pos
+    with open(path) as f:
+        f.seek(pos)
+        return f.read(), f.tell()
+
+
 def _follow(box: Sandbox, job_id: int, out: Path, timeout_s: float) -> str:
     """Stream the job's output file while it runs; return the job's final state."""
     slurm = box.slurm()
@@ -38,13 +47,9 @@ def _follow(box: Sandbox, job_id: int, out: Path, timeout_s: float) -> str:
     while time.monotonic() < deadline:
         info = slurm.job(job_id)
         state = info.state if info else "UNKNOWN"
-        if out.exists():
-            with open(out) as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-            for line in chunk.splitlines():
-                _say(f"    | {line}")
+        chunk, pos = _read_from(out, pos)
+        for line in chunk.splitlines():
+            _say(f"    | {line}")
         if info is None or info.finished:
             return state
         if info.restart_count > 0:
@@ -75,12 +80,7 @@ def _scene_node_crash(box: Sandbox, steps: int, crash_at: int) -> None:
     while time.monotonic() < deadline:
         info = slurm.job(job_id)
         state = info.state if info else "UNKNOWN"
-        chunk = ""
-        if path.exists():
-            with open(path) as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
+        chunk, pos = _read_from(path, pos)
         for line in chunk.splitlines():
             if SCENE2_LINES.search(line):
                 _say(f"    | {_short(line)}")

@@ -21,6 +21,7 @@ from clockworkd.cli.keys_cmd import keys
 from clockworkd.cli.lens_cmd import lens
 from clockworkd.cli.migrate_cmd import migrate
 from clockworkd.cli.node_cmd import node
+from clockworkd.cli.report_cmd import report
 from clockworkd.cli.sandbox_cmd import sandbox
 from clockworkd.cli.simulate_cmd import simulate_cmd
 from clockworkd.errors import ClockworkError
@@ -67,6 +68,7 @@ cli.add_command(keys)
 cli.add_command(lens)
 cli.add_command(migrate)
 cli.add_command(simulate_cmd, name="simulate")
+cli.add_command(report)
 
 
 def run(argv: Sequence[str]) -> int:

@@ -30,9 +30,10 @@ import msgpack
 import zmq
 
 from clockworkd.cli.context import CliContext, pass_ctx
-from clockworkd.client import DaemonClient
+from clockworkd.cli.job_events import events_from as _events_from
+from clockworkd.cli.job_events import job_nodes as _job_nodes
 from clockworkd.daemon_paths import local_node_name
-from clockworkd.errors import ClockworkError, DaemonError
+from clockworkd.errors import ClockworkError
 from clockworkd.jobkey import JobKey
 
 COORDINATOR_EVENT = "torchpass.coordinator"
@@ -53,17 +54,6 @@ def coordinator_record(events: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     newest = max(records, key=lambda e: (float(e.get("time", 0)), int(e["fields"].get("term", 0))))
     return dict(newest["fields"])
-
-
-def _events_from(cfg_daemon: Any, node: str, job_id: int) -> list[dict[str, Any]] | None:
-    """The job's events on ``node``'s daemon; None when that daemon does not know the job (or is not there)."""
-    try:
-        with DaemonClient.from_config(cfg_daemon, node) as client:
-            return client.job_events(job_id)
-    except DaemonError as exc:
-        if exc.code in ("unknown_job", "unavailable"):
-            return None
-        raise
 
 
 def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[str, Any]:
@@ -95,17 +85,6 @@ def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[s
             "`torchpass run ...` in the batch script of an `sbatch --clockwork-ft` job)"
         )
     return record
-
-
-def _job_nodes(loaded: Any, job_id: int) -> list[str]:
-    """The job's nodes according to Slurm ([] when Slurm cannot say)."""
-    from clockworkd.slurm import from_config  # lazy: only needed when the local daemon does not know the job
-
-    try:
-        info = from_config(loaded.slurm).job(job_id)
-    except ClockworkError:
-        return []
-    return list(info.nodes) if info is not None else []
 
 
 def _call(endpoint: str, key: JobKey, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:

@@ -1,0 +1,171 @@
+"""``clockwork report JOBID``: what happened to a job, joined with its Slurm accounting record.
+
+The events come from the node daemons (this host's, and those of the job's nodes when their run folders are
+reachable from here, as in the sandbox) and, for a node whose daemon no longer knows the job, from the report
+the Epilog wrote there. The accounting record comes from ``sacct`` (state, nodes, start/end, exit code,
+requeues, AdminComment); without slurmdbd the live ``squeue`` view is used and the report says so. The story
+itself (incidents, resolutions, durations, savings) is :mod:`clockworkd.job_story`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from clockworkd.cli.context import CliContext, pass_ctx
+from clockworkd.cli.job_events import events_from, job_nodes
+from clockworkd.daemon_paths import DaemonPaths, local_node_name
+from clockworkd.errors import ClockworkError
+from clockworkd.job_story import JobStory, build_story
+
+
+def _gather(loaded: Any, job_id: int, nodes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every node's events of the job (deduplicated), and where they came from."""
+    cfg = loaded.daemon
+    here = local_node_name(cfg)
+    candidates = [here] + ([n for n in nodes if n != here] if "{node}" in cfg.run_dir else [])
+    seen: set[tuple[str, int, str]] = set()
+    events: list[dict[str, Any]] = []
+    sources: list[str] = []
+    for node in candidates:
+        found = events_from(cfg, node, job_id)
+        origin = f"{node} (daemon)"
+        if found is None:
+            report = DaemonPaths.from_config(cfg, node).reports_dir / f"{job_id}.json"
+            found = _report_events(report)
+            origin = f"{node} (Epilog report)"
+        if found is None:
+            continue
+        sources.append(origin)
+        for event in found:
+            key = (str(event.get("node", node)), int(event.get("seq", 0)), str(event.get("kind", "")))
+            if key not in seen:
+                seen.add(key)
+                events.append(event)
+    return events, sources
+
+
+def _report_events(path: Path) -> list[dict[str, Any]] | None:
+    try:
+        return list(json.loads(path.read_text()).get("events", []))
+    except (OSError, ValueError):
+        return None
+
+
+def _accounting(loaded: Any, job_id: int) -> dict[str, Any]:
+    """The job's accounting summary: sacct's record, else slurmctld's live view, else why neither."""
+    from clockworkd.slurm import from_config
+
+    slurm = from_config(loaded.slurm)
+    try:
+        records = slurm.accounting(job_id, all_steps=True)
+    except ClockworkError as exc:
+        records, note = [], f"no accounting ({exc})"
+    else:
+        note = ""
+    job = next((r for r in records if not r.is_step), None)
+    if job is not None:
+        return {
+            "source": "sacct",
+            "state": job.state,
+            "nodes": job.nodes,
+            "start": job.start,
+            "end": job.end,
+            "exit_code": job.exit_code,
+            "admin_comment": job.admin_comment,
+            "steps": [
+                {"step": r.job_id, "state": r.state, "nodes": r.nodes, "exit_code": r.exit_code}
+                for r in records
+                if r.is_step
+            ],
+        }
+    try:
+        info = slurm.job(job_id)
+    except ClockworkError as exc:
+        return {"source": "none", "note": f"{note or 'no accounting record'}; slurmctld: {exc}"}
+    if info is None:
+        return {"source": "none", "note": note or "Slurm knows no such job"}
+    return {
+        "source": "slurmctld",
+        "state": info.state,
+        "nodes": info.nodes,
+        "exit_code": info.exit_code,
+        "requeues": info.restart_count,
+        "admin_comment": info.admin_comment,
+        "note": note,
+    }
+
+
+def _render(story: JobStory, sources: list[str]) -> None:
+    acct = story.accounting
+    if acct.get("source") in ("sacct", "slurmctld"):
+        span = f", {acct['start']} -> {acct['end'] or 'running'}" if acct.get("start") else ""
+        click.echo(
+            f"Job {story.job_id}: {acct['state']}, exit {acct.get('exit_code') or '?'}, nodes "
+            f"{','.join(acct.get('nodes') or []) or '?'}{span} (from {acct['source']})"
+        )
+        if acct.get("admin_comment"):
+            click.echo(f"  AdminComment: {acct['admin_comment']}")
+        for step in acct.get("steps", []):
+            click.echo(f"  step {step['step']}: {step['state']} exit {step['exit_code']} on {','.join(step['nodes'])}")
+    else:
+        click.echo(f"Job {story.job_id}: {acct.get('note', 'no Slurm record')}")
+    click.echo(f"\nTimeline: {len(story.incidents)} incident(s) from {story.events} event(s) ({', '.join(sources)})")
+    start = min((i.time for i in story.incidents), default=0.0)
+    for incident in story.incidents:
+        stamp = time.strftime("%H:%M:%S", time.localtime(incident.time))
+        click.echo(
+            f"  {stamp} +{incident.time - start:7.1f}s  {incident.node:<8} {incident.what:<14} {incident.detail}"
+        )
+        click.echo(f"  {'':>19}{'':<9}{'':<15}-> {incident.resolution}")
+    click.echo(
+        f"\nSaved against checkpoint-restart (a checkpoint every {story.checkpoint_interval_s / 60:g} min, a "
+        f"restart costing {story.restart_cost_s:g} s, {story.nodes} node(s)): {story.saved_node_h:.2f} node-hours "
+        f"over {story.faults} fault(s) resolved without a rollback."
+    )
+
+
+@click.command()
+@click.argument("job_id", type=click.IntRange(min=1))
+@click.option(
+    "--checkpoint-interval-min",
+    type=click.FloatRange(min=0.1),
+    default=30.0,
+    show_default=True,
+    help="The checkpoint interval the savings are counted against.",
+)
+@click.option(
+    "--restart-cost-s",
+    type=click.FloatRange(min=0),
+    default=600.0,
+    show_default=True,
+    help="What one checkpoint restart costs (requeue, start, reload).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for tools.")
+@pass_ctx
+def report(
+    state: CliContext, job_id: int, checkpoint_interval_min: float, restart_cost_s: float, as_json: bool
+) -> None:
+    """Show what happened to job JOB_ID: each fault, how it was resolved, how long that took, what it saved."""
+    loaded = state.load().config
+    accounting = _accounting(loaded, job_id)
+    nodes = list(accounting.get("nodes") or []) or job_nodes(loaded, job_id)
+    events, sources = _gather(loaded, job_id, nodes)
+    if not events and accounting.get("source") == "none":
+        raise ClockworkError(f"job {job_id}: no Clockwork events and no Slurm record ({accounting.get('note')})")
+    story = build_story(
+        job_id,
+        events,
+        accounting,
+        nodes=max(1, len(nodes)),
+        checkpoint_interval_s=checkpoint_interval_min * 60,
+        restart_cost_s=restart_cost_s,
+    )
+    if as_json:
+        click.echo(json.dumps({**story.to_dict(), "sources": sources}, indent=2, default=str))
+        return
+    _render(story, sources)

@@ -1,0 +1,148 @@
+"""What happened to one job: its faults, how each was resolved, how long that took, and what it saved.
+
+``clockwork report JOBID`` gathers the job's events from the node daemons (every node logs what happened
+there) and its accounting record from Slurm; this module turns them into a story. It is pure: events and
+accounting rows in, a :class:`JobStory` out, so it is tested without a cluster.
+
+Incidents, one per fault the product handled:
+
+* ``rank replaced``: ``torchpass.member_failed`` followed by the ``torchpass.recovered`` that names its slot
+  (a spare took the slot, state from a replica): duration = the recovery's ``total_ms``;
+* ``rank migrated``: ``torchpass.migrated`` (planned or health-driven live migration);
+* ``link failover`` / ``link failback``: LinkPass moved a NIC's traffic (``route_ms``);
+* ``gray failure``: Fleet Lens raised ``lens.suspect`` (resolved when ``lens.clear`` names the same target);
+* ``rollback``: ``job.rollback`` (the job went back to a checkpoint: nothing saved).
+
+What a resolved fault saved, against checkpoint-restart with a checkpoint every ``interval`` and a restart
+that costs ``restart``: on average half an interval of lost work plus the restart, minus what the repair
+took, for every node of the job. A migration or a failback is planned work, not a fault: it saves nothing,
+and neither does a gray failure that only raised a suspicion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Incident", "JobStory", "build_story"]
+
+#: Incidents that stand for a fault which, without Clockwork, would have killed the job.
+FAULTS = ("rank replaced", "link failover")
+
+
+@dataclass
+class Incident:
+    """One fault (or planned move) and how it was resolved."""
+
+    time: float
+    node: str
+    what: str  # rank replaced, rank migrated, link failover, link failback, gray failure, rollback
+    detail: str
+    resolution: str
+    duration_s: float | None = None  # how long the repair took (None: not measured, or still open)
+    saved_node_h: float = 0.0  # node-hours saved against checkpoint-restart
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class JobStory:
+    """A job's incidents in time order, its accounting summary and the savings."""
+
+    job_id: int
+    incidents: list[Incident]
+    accounting: dict[str, Any]
+    nodes: int
+    checkpoint_interval_s: float
+    restart_cost_s: float
+    events: int
+
+    @property
+    def saved_node_h(self) -> float:
+        return sum(i.saved_node_h for i in self.incidents)
+
+    @property
+    def faults(self) -> int:
+        return sum(1 for i in self.incidents if i.what in FAULTS)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["saved_node_h"] = round(self.saved_node_h, 3)
+        out["faults"] = self.faults
+        return out
+
+
+def _saved(duration_s: float | None, nodes: int, interval_s: float, restart_s: float) -> float:
+    """Node-hours a repair saved against checkpoint-restart (never negative)."""
+    lost = interval_s / 2 + restart_s - (duration_s or 0.0)
+    return max(0.0, lost) * nodes / 3600
+
+
+def build_story(
+    job_id: int,
+    events: list[dict[str, Any]],
+    accounting: dict[str, Any],
+    *,
+    nodes: int,
+    checkpoint_interval_s: float = 1800.0,
+    restart_cost_s: float = 600.0,
+) -> JobStory:
+    """The story of ``job_id`` from its events (any order, any node) and its accounting summary."""
+    ordered = sorted(events, key=lambda e: (float(e.get("time", 0)), str(e.get("node", "")), int(e.get("seq", 0))))
+    incidents: list[Incident] = []
+    open_failures: dict[int, Incident] = {}  # slot -> its rank-replaced incident, until recovered
+    open_suspects: dict[str, Incident] = {}
+    for event in ordered:
+        kind, f = str(event.get("kind", "")), event.get("fields") or {}
+        at, node = float(event.get("time", 0)), str(event.get("node", ""))
+        if kind == "torchpass.member_failed":
+            detail = f"rank {f.get('slot')}: {f.get('why', '?')}"
+            incident = Incident(at, node, "rank replaced", detail, "open", fields=f)
+            incidents.append(incident)
+            open_failures[int(f.get("slot", -1))] = incident
+        elif kind == "torchpass.recovered":
+            for slot in f.get("slots", []):
+                incident = open_failures.pop(int(slot), None)
+                if incident is None:
+                    continue
+                incident.duration_s = float(f.get("total_ms", 0)) / 1000
+                sources = ", ".join(str(s) for s in f.get("source_slots", []))
+                incident.resolution = (
+                    f"a spare took rank {slot} with state from rank {sources or '?'} in {incident.duration_s:.2f} s "
+                    f"(detect {float(f.get('detect_ms', 0)) / 1000:.2f} s, transfer {f.get('transfer_ms', '?')} ms, "
+                    f"rebuild {f.get('rebuild_ms', '?')} ms), resumed at step {f.get('step', '?')}"
+                )
+                incident.fields = {**incident.fields, **f}
+        elif kind == "torchpass.migrated":
+            ms = float(f.get("total_ms", 0))
+            detail = f"ranks {', '.join(str(s) for s in f.get('slots', []))} moved live"
+            resolution = f"moved in {ms / 1000:.2f} s at step {f.get('step', '?')}" + (
+                "" if f.get("handoff_ok", True) else " (the live hand-off failed: state came from a replica)"
+            )
+            incidents.append(Incident(at, node, "rank migrated", detail, resolution, ms / 1000, fields=f))
+        elif kind in ("link.failover", "link.failback"):
+            ms = float(f.get("route_ms", 0))
+            peers = ", ".join(f.get("peers", []))
+            what = kind.replace(".", " ")
+            detail = f"{f.get('nic', '?')} -> {f.get('via', '?')} for {peers or '?'}: {f.get('reason', '?')}"
+            incidents.append(Incident(at, node, what, detail, f"routes moved in {ms:.0f} ms", ms / 1000, fields=f))
+        elif kind == "lens.suspect":
+            target = str(f.get("target") or f.get("link") or f.get("nic") or "?")
+            if target in open_suspects:
+                continue  # an update of the same suspicion
+            kinds = f.get("kinds", [])
+            detail = f"{target} ({f.get('direction', '?')}, {', '.join(kinds) if isinstance(kinds, list) else kinds})"
+            incident = Incident(at, node, "gray failure", detail, "open", fields=f)
+            incidents.append(incident)
+            open_suspects[target] = incident
+        elif kind == "lens.clear":
+            target = str(f.get("target") or f.get("link") or f.get("nic") or "?")
+            incident = open_suspects.pop(target, None)
+            if incident is not None:
+                incident.duration_s = at - incident.time
+                incident.resolution = f"path healthy again after {incident.duration_s:.1f} s"
+        elif kind == "job.rollback":
+            incidents.append(Incident(at, node, "rollback", str(f.get("reason", "")), "restarted from a checkpoint"))
+    for incident in incidents:
+        if incident.what in FAULTS and incident.resolution != "open":
+            incident.saved_node_h = _saved(incident.duration_s, nodes, checkpoint_interval_s, restart_cost_s)
+    return JobStory(job_id, incidents, accounting, nodes, checkpoint_interval_s, restart_cost_s, len(events))

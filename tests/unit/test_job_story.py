@@ -1,0 +1,90 @@
+"""The job story behind ``clockwork report``: incidents paired with their resolutions, in time order across
+nodes, and the savings against checkpoint-restart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from clockworkd.job_story import build_story
+
+
+def _event(seq: int, at: float, node: str, kind: str, **fields: Any) -> dict[str, Any]:
+    return {"seq": seq, "time": at, "node": node, "kind": kind, "fields": fields, "job_id": 9}
+
+
+EVENTS = [  # deliberately out of order, from three nodes
+    _event(
+        7,
+        130.0,
+        "node1",
+        "torchpass.recovered",
+        slots=[1],
+        source_slots=[0],
+        total_ms=2250.0,
+        detect_ms=2100.0,
+        transfer_ms=16.1,
+        rebuild_ms=113.6,
+        step=35,
+    ),
+    _event(
+        3,
+        100.0,
+        "node2",
+        "link.failover",
+        nic="nic1",
+        via="nic2",
+        peers=["node3"],
+        reason="carrier lost",
+        route_ms=41.0,
+    ),
+    _event(6, 128.0, "node1", "torchpass.member_failed", slot=1, why="agent 1 (node3) silent for 2100 ms"),
+    _event(1, 90.0, "node1", "job.registered"),
+    _event(4, 110.0, "node2", "lens.suspect", link="node2/nic1>rail1", direction="up", kinds=["loss"]),
+    _event(5, 112.0, "node2", "lens.suspect", link="node2/nic1>rail1", direction="both", kinds=["loss"]),
+    _event(8, 140.0, "node2", "lens.clear", link="node2/nic1>rail1"),
+    _event(9, 150.0, "node1", "torchpass.migrated", slots=[2], total_ms=180.0, step=60, handoff_ok=True),
+    _event(10, 160.0, "node1", "torchpass.member_failed", slot=0, why="exited with code -9"),
+]
+
+
+def test_incidents_are_paired_with_their_resolution_in_time_order() -> None:
+    story = build_story(9, EVENTS, {"source": "sacct"}, nodes=4, checkpoint_interval_s=1800, restart_cost_s=600)
+    assert [i.what for i in story.incidents] == [
+        "link failover",
+        "gray failure",
+        "rank replaced",
+        "rank migrated",
+        "rank replaced",
+    ]
+    failover, gray, replaced, migrated, still_open = story.incidents
+    assert failover.duration_s == pytest.approx(0.041) and "nic1 -> nic2" in failover.detail
+    assert gray.duration_s == pytest.approx(30.0) and "healthy again" in gray.resolution  # one suspicion, updated
+    assert replaced.duration_s == pytest.approx(2.25) and "state from rank 0" in replaced.resolution
+    assert "step 35" in replaced.resolution and "node3" in replaced.detail
+    assert migrated.duration_s == pytest.approx(0.18) and migrated.saved_node_h == 0  # planned: nothing saved
+    assert still_open.resolution == "open" and still_open.saved_node_h == 0  # no recovery recorded
+    assert story.events == len(EVENTS)
+
+
+def test_savings_count_half_an_interval_plus_the_restart_minus_the_repair_per_node() -> None:
+    story = build_story(9, EVENTS, {}, nodes=4, checkpoint_interval_s=1800, restart_cost_s=600)
+    failover, _, replaced, *_ = story.incidents
+    assert failover.saved_node_h == pytest.approx((900 + 600 - 0.041) * 4 / 3600)
+    assert replaced.saved_node_h == pytest.approx((900 + 600 - 2.25) * 4 / 3600)
+    assert story.saved_node_h == pytest.approx(failover.saved_node_h + replaced.saved_node_h)
+    assert story.faults == 3  # two resolved, one still open
+    doc = story.to_dict()
+    assert doc["saved_node_h"] == round(story.saved_node_h, 3) and len(doc["incidents"]) == 5
+
+
+def test_a_repair_slower_than_a_restart_saves_nothing_and_a_rollback_is_shown() -> None:
+    events = [
+        _event(1, 1.0, "n1", "torchpass.member_failed", slot=0, why="x"),
+        _event(2, 2.0, "n1", "torchpass.recovered", slots=[0], total_ms=5_000_000.0),
+        _event(3, 3.0, "n1", "job.rollback", reason="no replica left"),
+    ]
+    story = build_story(1, events, {}, nodes=2, checkpoint_interval_s=60, restart_cost_s=10)
+    assert story.incidents[0].saved_node_h == 0
+    assert story.incidents[1].what == "rollback" and "checkpoint" in story.incidents[1].resolution
