@@ -21,10 +21,11 @@ and neither does a gray failure that only raised a suspicion.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Incident", "JobStory", "build_story"]
+__all__ = ["FleetSummary", "Incident", "JobStory", "build_story", "fleet_summary"]
 
 #: Incidents that stand for a fault which, without Clockwork, would have killed the job.
 FAULTS = ("rank replaced", "link failover")
@@ -146,3 +147,60 @@ def build_story(
         if incident.what in FAULTS and incident.resolution != "open":
             incident.saved_node_h = _saved(incident.duration_s, nodes, checkpoint_interval_s, restart_cost_s)
     return JobStory(job_id, incidents, accounting, nodes, checkpoint_interval_s, restart_cost_s, len(events))
+
+
+@dataclass
+class FleetSummary:
+    """Every job's incidents over a window: ``clockwork report --since``."""
+
+    since: float
+    until: float
+    jobs: int
+    faults: int  # faults the product resolved (rank replaced, link failover)
+    rollbacks: int
+    by_kind: dict[str, int]
+    by_node: dict[str, int]
+    worst_links: list[tuple[str, int]]  # NICs that failed over or were suspected most, most first
+    saved_node_h: float
+
+    @property
+    def mtbf_h(self) -> float | None:
+        """Mean time between faults (resolved or rolled back) over the window; None without any."""
+        count = self.faults + self.rollbacks
+        return (self.until - self.since) / 3600 / count if count else None
+
+    @property
+    def compute_once_ratio(self) -> float | None:
+        """The share of faults resolved without a rollback ("you only compute once"); None without any."""
+        count = self.faults + self.rollbacks
+        return self.faults / count if count else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["mtbf_h"] = self.mtbf_h
+        out["compute_once_ratio"] = self.compute_once_ratio
+        out["saved_node_h"] = round(self.saved_node_h, 3)
+        return out
+
+
+def fleet_summary(stories: list[JobStory], since: float, until: float, worst: int = 5) -> FleetSummary:
+    """Faults by kind and node, MTBF, the compute-once ratio and the worst links over ``[since, until]``."""
+    incidents = [i for story in stories for i in story.incidents if since <= i.time <= until]
+    faults = [i for i in incidents if i.what in FAULTS and i.resolution != "open"]
+    links: Counter[str] = Counter()
+    for i in incidents:
+        if i.what == "link failover":
+            links.update(f"{i.node}/{nic}" for nic in str(i.fields.get("nic", "?")).split(","))
+        elif i.what == "gray failure":
+            links[str(i.fields.get("nic") or i.fields.get("link") or "?")] += 1
+    return FleetSummary(
+        since=since,
+        until=until,
+        jobs=len(stories),
+        faults=len(faults),
+        rollbacks=sum(1 for i in incidents if i.what == "rollback"),
+        by_kind=dict(Counter(i.what for i in incidents).most_common()),
+        by_node=dict(Counter(i.node for i in incidents).most_common()),
+        worst_links=links.most_common(worst),
+        saved_node_h=sum(i.saved_node_h for i in faults),
+    )

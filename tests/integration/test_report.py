@@ -90,3 +90,11 @@ def test_report_joins_a_failover_and_a_migration_with_sacct(sandbox: Sandbox, sh
     text = subprocess.run([CLOCKWORK, "report", str(job_id)], env=env, capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "link failover" in text.stdout and "rank migrated" in text.stdout, text.stdout
     assert f"Job {job_id}: COMPLETED" in text.stdout and "Saved against checkpoint-restart" in text.stdout
+    fleet = subprocess.run(
+        [CLOCKWORK, "report", "--since", "1h", "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert fleet.returncode == 0, fleet.stderr
+    summary = json.loads(fleet.stdout)
+    assert summary["jobs"] >= 1 and summary["by_kind"].get("link failover", 0) >= 1, summary
+    assert summary["by_kind"].get("rank migrated", 0) >= 1 and summary["faults"] >= 1, summary
+    assert any(link.startswith("node2/nic0") for link, _ in summary["worst_links"]), summary

@@ -88,3 +88,28 @@ def test_a_repair_slower_than_a_restart_saves_nothing_and_a_rollback_is_shown() 
     story = build_story(1, events, {}, nodes=2, checkpoint_interval_s=60, restart_cost_s=10)
     assert story.incidents[0].saved_node_h == 0
     assert story.incidents[1].what == "rollback" and "checkpoint" in story.incidents[1].resolution
+
+
+def test_fleet_summary_counts_faults_by_kind_node_and_link() -> None:
+    from clockworkd.job_story import fleet_summary
+
+    first = build_story(9, EVENTS, {}, nodes=4, checkpoint_interval_s=1800, restart_cost_s=600)
+    second = build_story(
+        10,
+        [
+            _event(1, 500.0, "node2", "link.failover", nic="nic1", via="nic2", peers=["node1"], route_ms=30.0),
+            _event(2, 600.0, "node4", "job.rollback", reason="whole job lost"),
+            _event(3, 5000.0, "node4", "link.failover", nic="nic2", via="nic1", route_ms=30.0),  # after the window
+        ],
+        {},
+        nodes=2,
+    )
+    summary = fleet_summary([first, second], since=0.0, until=3600.0)
+    assert summary.jobs == 2 and summary.faults == 3 and summary.rollbacks == 1
+    assert summary.by_kind["link failover"] == 2 and summary.by_kind["rank replaced"] == 2
+    assert summary.by_node["node2"] == 3  # two failovers and one (updated) gray failure
+    assert summary.worst_links[0] == ("node2/nic1", 2)
+    assert summary.compute_once_ratio == pytest.approx(3 / 4) and summary.mtbf_h == pytest.approx(1 / 4)
+    assert summary.saved_node_h == pytest.approx(first.saved_node_h + second.incidents[0].saved_node_h)
+    empty = fleet_summary([], since=0.0, until=10.0)
+    assert empty.mtbf_h is None and empty.compute_once_ratio is None and empty.to_dict()["faults"] == 0

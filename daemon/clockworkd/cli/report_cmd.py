@@ -10,6 +10,7 @@ itself (incidents, resolutions, durations, savings) is :mod:`clockworkd.job_stor
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ import click
 
 from clockworkd.cli.context import CliContext, pass_ctx
 from clockworkd.cli.job_events import events_from, job_nodes
+from clockworkd.client import DaemonClient
 from clockworkd.daemon_paths import DaemonPaths, local_node_name
 from clockworkd.errors import ClockworkError
-from clockworkd.job_story import JobStory, build_story
+from clockworkd.job_story import FleetSummary, JobStory, build_story, fleet_summary
 
 
 def _gather(loaded: Any, job_id: int, nodes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -129,8 +131,63 @@ def _render(story: JobStory, sources: list[str]) -> None:
     )
 
 
+def _duration_s(text: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``90s`` -> seconds."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if match is None:
+        raise click.BadParameter(f"{text!r} is not a duration such as 7d, 12h, 30m or 90s", param_hint="--since")
+    return float(match.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+def _fleet(loaded: Any, since: float, interval_s: float, restart_s: float) -> tuple[list[JobStory], list[str]]:
+    """A story for every job any reachable daemon ran since ``since``, and the nodes that answered."""
+    from clockworkd.slurm import from_config
+
+    cfg = loaded.daemon
+    here = local_node_name(cfg)
+    nodes = [here]
+    if "{node}" in cfg.run_dir:
+        try:
+            nodes += [n.name for n in from_config(loaded.slurm).nodes() if n.name != here]
+        except ClockworkError:
+            pass
+    jobs: dict[int, dict[str, Any]] = {}
+    answered = []
+    for node in nodes:
+        try:
+            with DaemonClient.from_config(cfg, node) as client:
+                listed = client.jobs()
+        except ClockworkError:
+            continue
+        answered.append(node)
+        for job in listed:
+            if (job.get("ended_at") or time.time()) >= since:
+                jobs.setdefault(int(job["job_id"]), job)
+    stories = []
+    for job_id, job in sorted(jobs.items()):
+        events, _ = _gather(loaded, job_id, list(job.get("nodes") or []))
+        size = max(1, len(job.get("nodes") or []))
+        stories.append(
+            build_story(job_id, events, {}, nodes=size, checkpoint_interval_s=interval_s, restart_cost_s=restart_s)
+        )
+    return stories, answered
+
+
+def _render_fleet(summary: FleetSummary, answered: list[str]) -> None:
+    days = (summary.until - summary.since) / 86400
+    click.echo(f"Fleet: {summary.jobs} job(s) over the last {days:g} day(s) (daemons of {', '.join(answered)})")
+    click.echo(f"  faults resolved without a rollback: {summary.faults}; rollbacks: {summary.rollbacks}")
+    if summary.compute_once_ratio is not None and summary.mtbf_h is not None:
+        click.echo(f"  you-only-compute-once ratio: {summary.compute_once_ratio:.0%}; MTBF {summary.mtbf_h:.2f} h")
+    click.echo(f"  by kind: {', '.join(f'{k} {v}' for k, v in summary.by_kind.items()) or 'none'}")
+    click.echo(f"  by node: {', '.join(f'{k} {v}' for k, v in summary.by_node.items()) or 'none'}")
+    click.echo(f"  worst links: {', '.join(f'{k} ({v})' for k, v in summary.worst_links) or 'none'}")
+    click.echo(f"  saved against checkpoint-restart: {summary.saved_node_h:.2f} node-hours")
+
+
 @click.command()
-@click.argument("job_id", type=click.IntRange(min=1))
+@click.argument("job_id", type=click.IntRange(min=1), required=False)
+@click.option("--since", metavar="DURATION", help="Fleet view: every job of the last DURATION (7d, 12h, 30m).")
 @click.option(
     "--checkpoint-interval-min",
     type=click.FloatRange(min=0.1),
@@ -148,10 +205,31 @@ def _render(story: JobStory, sources: list[str]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for tools.")
 @pass_ctx
 def report(
-    state: CliContext, job_id: int, checkpoint_interval_min: float, restart_cost_s: float, as_json: bool
+    state: CliContext,
+    job_id: int | None,
+    since: str | None,
+    checkpoint_interval_min: float,
+    restart_cost_s: float,
+    as_json: bool,
 ) -> None:
-    """Show what happened to job JOB_ID: each fault, how it was resolved, how long that took, what it saved."""
+    """Show what happened to job JOB_ID: each fault, how it was resolved, how long that took, what it saved.
+
+    With --since instead of a job: the fleet's faults by kind and by node, the mean time between faults, the
+    share resolved without a rollback, the worst links, and the node-hours saved."""
     loaded = state.load().config
+    if (job_id is None) == (since is None):
+        raise click.UsageError("give either JOB_ID or --since DURATION")
+    if since is not None:
+        now = time.time()
+        start = now - _duration_s(since)
+        stories, answered = _fleet(loaded, start, checkpoint_interval_min * 60, restart_cost_s)
+        summary = fleet_summary(stories, start, now)
+        if as_json:
+            click.echo(json.dumps({**summary.to_dict(), "daemons": answered}, indent=2))
+        else:
+            _render_fleet(summary, answered)
+        return
+    assert job_id is not None  # the usage check above
     accounting = _accounting(loaded, job_id)
     nodes = list(accounting.get("nodes") or []) or job_nodes(loaded, job_id)
     events, sources = _gather(loaded, job_id, nodes)
