@@ -1,4 +1,5 @@
-"""``clockwork report JOBID``: what happened to a job, joined with its Slurm accounting record.
+"""``clockwork report JOBID``: what happened to a job, joined with its Slurm accounting record; ``--since``: the
+fleet's faults over a window.
 
 The events come from the node daemons (this host's, and those of the job's nodes when their run folders are
 reachable from here, as in the sandbox) and, for a node whose daemon no longer knows the job, from the report
