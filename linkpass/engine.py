@@ -18,12 +18,15 @@ deadline for its next tick, and never blocks.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from linkpass import heartbeat, sysctls
@@ -64,8 +67,12 @@ class LinkPass:
         key: bytes,
         emit: Emit,
         clock: Callable[[], float] = time.monotonic,
+        home_file: Path | None = None,
     ) -> None:
         self.cfg = cfg
+        # Each peer's home rail, kept across daemon restarts: a daemon restarted while a route is failed over
+        # must not take the failed-over rail for home (the kernel's route is then not the admin's).
+        self.home_file = home_file
         self.me = fabric.node(node)
         self.peers = {p.name: p for p in fabric.peers(node)}
         self.rails = sorted(self.me.nics)
@@ -112,12 +119,17 @@ class LinkPass:
             self.sockets[rail] = self._open_socket(rail)
         now = self.clock()
         by_index = {index: rail for rail, index in self.ifindex.items()}
+        known = self._load_homes()
         for name, peer in self.peers.items():
             oif = self.kernel.route_oif(peer.addr)
             shared = [r for r in self.rails if r in peer.nics]
-            self.home[name] = by_index.get(oif, shared[0]) if oif in by_index else shared[0]
-            self.current[name] = (self.home[name],)
+            routed = by_index.get(oif, shared[0]) if oif in by_index else shared[0]
+            self.home[name] = known[name] if known.get(name) in shared else routed
+            self.current[name] = (routed,)  # where the kernel sends it now: the first decision moves it home
             self.paths[name] = {r: PathState(alive=True, alive_since=now - 1e9) for r in shared}
+            if routed != self.home[name]:
+                self.dirty = True
+        self._save_homes()
         log.info(
             "linkpass on %s: rails %s, %d peers, heartbeat %d ms, dead after %d ms",
             self.me.name,
@@ -126,6 +138,29 @@ class LinkPass:
             self.cfg.heartbeat_ms,
             self.cfg.dead_after_ms,
         )
+
+    def _load_homes(self) -> dict[str, str]:
+        if self.home_file is None:
+            return {}
+        try:
+            data = json.loads(self.home_file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("%s: ignoring %s: %s", self.me.name, self.home_file, exc)
+            return {}
+        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+    def _save_homes(self) -> None:
+        if self.home_file is None:
+            return
+        try:
+            self.home_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.home_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.home, sort_keys=True))
+            os.replace(tmp, self.home_file)
+        except OSError as exc:
+            log.warning("%s: cannot record the home rails in %s: %s", self.me.name, self.home_file, exc)
 
     def _open_socket(self, rail: str) -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

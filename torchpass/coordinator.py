@@ -28,7 +28,6 @@ This module imports no torch.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -42,6 +41,7 @@ from torchpass.auth import serve
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
 from torchpass.protocol import GenerationInfo, Handoff, ProtocolError, decode, encode
+from torchpass.socket_thread import SocketThread
 
 __all__ = ["Coordinator", "LeaderSeam", "StaticLeader"]
 
@@ -131,7 +131,7 @@ def _agent_of(wid: str) -> int:
     return int(head[1:]) if head.startswith("a") and head[1:].isdigit() else -1
 
 
-class Coordinator:
+class Coordinator(SocketThread):
     """Membership and recovery decisions for one job (thread-safe entry points marked so)."""
 
     def __init__(
@@ -148,6 +148,7 @@ class Coordinator:
         active: bool = True,
         replicate: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        super().__init__()
         if world_size < 1:
             raise ValueError("world_size must be >= 1")
         self.world_size = world_size
@@ -180,13 +181,7 @@ class Coordinator:
         self._departing: str | None = None
         self._departed = False  # the departing rank reported its handoff (successful or not)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
         self.finished_event = threading.Event()
         self.endpoint = ""
         # Replication (Slurm mode): only an active replica decides; a passive one keeps rank messages in
@@ -217,25 +212,9 @@ class Coordinator:
             self.port = sock.bind_to_random_port(f"tcp://{self.bind_host}")
         self._sock = sock
         self.endpoint = f"tcp://{self.bind_host}:{self.port}"
-        self._thread = threading.Thread(target=self._serve, name="torchpass-coordinator", daemon=True)
-        self._thread.start()
+        self._start_thread(self._serve, "torchpass-coordinator")
         log.info("coordinator for %d slot(s) listening on %s", self.world_size, self.endpoint)
         return self.endpoint
-
-    def stop(self) -> None:
-        """Stop serving and close the socket."""
-        self._stopping.set()
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
     def worker_exited(self, wid: str, role: str, code: int | None) -> None:
         """The launcher saw process ``wid`` exit (thread-safe; handled on the coordinator's thread)."""
@@ -267,12 +246,6 @@ class Coordinator:
         self._inbox.put(("agent_lost", (agent, dict(hints), why, at)))
         self._wake()
 
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-
     # ----- the loop -------------------------------------------------------------------------
 
     def _serve(self) -> None:
@@ -287,10 +260,7 @@ class Coordinator:
             if self._stopping.is_set():
                 break
             if ready.get(self._wake_r):
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
+                self._drain_wake()
             self._drain_inbox()
             if ready.get(self._sock):
                 self._drain_socket()

@@ -30,7 +30,6 @@ split unlikely. This module imports no torch.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +44,7 @@ from torchpass.config import TorchPassConfig
 from torchpass.coordinator import Coordinator
 from torchpass.events import EventSink, emit
 from torchpass.slurm_layout import SlurmLayout
+from torchpass.socket_thread import SocketThread
 
 __all__ = ["AgentMesh"]
 
@@ -66,7 +66,7 @@ class _Peer:
     finished: bool = False
 
 
-class AgentMesh:
+class AgentMesh(SocketThread):
     """Heartbeats, leader election and snapshot replication for one node agent (a :class:`LeaderSeam`)."""
 
     def __init__(
@@ -77,6 +77,7 @@ class AgentMesh:
         *,
         event_sink: EventSink | None = None,
     ) -> None:
+        super().__init__()
         self.layout = layout
         self.me = layout.index
         self.config = config
@@ -99,12 +100,6 @@ class AgentMesh:
         self._reported: set[str] = set()  # exits handed to our own coordinator while leading
         self._lock = threading.Lock()
         self._started = time.monotonic()
-        self._stopping = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._thread: threading.Thread | None = None
-        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._router: zmq.Socket[bytes] | None = None
         self._dealers: dict[int, zmq.Socket[bytes]] = {}
 
@@ -185,8 +180,7 @@ class AgentMesh:
             connect_as_client(dealer)
             dealer.connect(self.layout.mesh_endpoint(k))
             self._dealers[k] = dealer
-        self._thread = threading.Thread(target=self._run, name="torchpass-mesh", daemon=True)
-        self._thread.start()
+        self._start_thread(self._run, "torchpass-mesh")
         log.info(
             "agent %d of %d on %s (%s): mesh %s, coordinator replica %s",
             self.me,
@@ -196,27 +190,6 @@ class AgentMesh:
             self.layout.mesh_endpoint(self.me),
             self.layout.coordinator_endpoint(self.me),
         )
-
-    def stop(self) -> None:
-        """Stop the thread and close the sockets."""
-        self._stopping.set()
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
 
     # ----- the thread ----------------------------------------------------------------------
 
@@ -232,10 +205,7 @@ class AgentMesh:
                 break
             send_now = False
             if ready.get(self._wake_r):
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
+                self._drain_wake()
                 send_now = True
             if ready.get(self._router):
                 self._drain()

@@ -22,9 +22,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,28 +30,24 @@ import zmq
 
 from torchpass.auth import connect_as_client, serve
 from torchpass.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
+from torchpass.socket_thread import SocketThread
 
 __all__ = ["CoordinatorProxy"]
 
 log = logging.getLogger("clockwork.torchpass.proxy")
 
 
-class CoordinatorProxy:
+class CoordinatorProxy(SocketThread):
     """Forwards the local ranks' coordinator traffic to the leader, and replays it when the leader changes."""
 
     def __init__(self, bind_host: str, leader_endpoint: Callable[[], str]) -> None:
+        super().__init__()
         self.bind_host = bind_host
         self.leader_endpoint = leader_endpoint
         self.endpoint = ""
         self.switches = 0
         self._forget: queue.Queue[str] = queue.Queue()
-        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._front: zmq.Socket[bytes] | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
 
     def start(self) -> str:
         """Bind the ranks' socket and start forwarding; returns the endpoint to give the ranks."""
@@ -65,8 +59,7 @@ class CoordinatorProxy:
         port = front.bind_to_random_port(f"tcp://{self.bind_host}")
         self._front = front
         self.endpoint = f"tcp://{self.bind_host}:{port}"
-        self._thread = threading.Thread(target=self._run, name="torchpass-proxy", daemon=True)
-        self._thread.start()
+        self._start_thread(self._run, "torchpass-proxy")
         return self.endpoint
 
     def leader_changed(self) -> None:
@@ -77,27 +70,6 @@ class CoordinatorProxy:
         """Process ``wid`` exited (thread-safe): never replay its messages to a new leader."""
         self._forget.put(wid)
         self._wake()
-
-    def stop(self) -> None:
-        """Stop forwarding and close every socket."""
-        self._stopping.set()
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
 
     # ----- the thread ----------------------------------------------------------------------
 
@@ -147,10 +119,7 @@ class CoordinatorProxy:
             if self._stopping.is_set():
                 break
             if ready.get(self._wake_r):
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
+                self._drain_wake()
                 while True:
                     try:
                         wid = self._forget.get_nowait()

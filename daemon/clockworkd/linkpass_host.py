@@ -34,7 +34,12 @@ def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> C
     except OSError as exc:
         return f"disabled: no shared key to authenticate heartbeats ({paths.curve_secret_key}: {exc.strerror})"
     engine = LinkPass(
-        cfg, paths.node, fabric, key, emit=lambda kind, fields: daemon.emit_node_event(kind, fields, "linkpass")
+        cfg,
+        paths.node,
+        fabric,
+        key,
+        emit=lambda kind, fields: daemon.emit_node_event(kind, fields, "linkpass"),
+        home_file=paths.state_dir / "linkpass-home.json",
     )
     try:
         engine.start()
