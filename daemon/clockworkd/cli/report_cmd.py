@@ -24,6 +24,7 @@ from clockworkd.client import DaemonClient
 from clockworkd.daemon_paths import DaemonPaths, local_node_name
 from clockworkd.errors import ClockworkError
 from clockworkd.job_story import FleetSummary, JobStory, build_story, fleet_summary
+from clockworkd.slurm.hostlist import expand_hostlist
 
 
 def _gather(loaded: Any, job_id: int, nodes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -158,9 +159,11 @@ def _fleet(loaded: Any, since: float, interval_s: float, restart_s: float) -> tu
         try:
             with DaemonClient.from_config(cfg, node) as client:
                 listed = client.jobs()
-        except ClockworkError:
-            continue
-        answered.append(node)
+            answered.append(node)
+        except ClockworkError:  # no daemon there now: the reports its Epilog wrote still tell
+            listed = _reported_jobs(DaemonPaths.from_config(cfg, node).reports_dir)
+            if listed:
+                answered.append(f"{node} (Epilog reports)")
         for job in listed:
             if (job.get("ended_at") or time.time()) >= since:
                 jobs.setdefault(int(job["job_id"]), job)
@@ -172,6 +175,19 @@ def _fleet(loaded: Any, since: float, interval_s: float, restart_s: float) -> tu
             build_story(job_id, events, {}, nodes=size, checkpoint_interval_s=interval_s, restart_cost_s=restart_s)
         )
     return stories, answered
+
+
+def _reported_jobs(reports_dir: Path) -> list[dict[str, Any]]:
+    """The jobs whose Epilog reports lie in ``reports_dir``, shaped like the daemon's ``jobs`` answer."""
+    out = []
+    for path in sorted(reports_dir.glob("*.json")) if reports_dir.is_dir() else []:
+        try:
+            report = json.loads(path.read_text())
+            nodes = expand_hostlist(str(report.get("nodelist") or ""))
+            out.append({"job_id": int(report["job_id"]), "nodes": nodes, "ended_at": float(report["written"])})
+        except (OSError, ValueError, KeyError, TypeError, ClockworkError):
+            continue
+    return out
 
 
 def _render_fleet(summary: FleetSummary, answered: list[str]) -> None:
