@@ -9,11 +9,14 @@ proxies. A node crash is the node's mesh going silent (its thread stopped) toget
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -339,3 +342,43 @@ def test_losing_every_member_fails_the_job(zctx: zmq.Context[zmq.Socket[bytes]],
     cluster[0].coordinator.worker_exited("a0.0", "slot:0", -9)
     _wait_for(lambda: cluster[0].coordinator.state == FAILED)
     assert "no replica holds the training state" in cluster[0].coordinator.failure_reason
+
+
+# ----- the batch-script launcher's wait: verdicts, a hung step, scancel ------------------------------
+
+
+def _fake_srun(tmp_path: Path, behaviour: dict[str, str]) -> str:
+    """An ``srun`` stand-in: the step on node N runs ``behaviour[N]`` (a shell snippet) instead of an agent."""
+    script = tmp_path / "srun"
+    cases = "\n".join(f"  *--nodelist={node}*) {snippet} ;;" for node, snippet in behaviour.items())
+    trap = "trap 'kill $(jobs -p) 2>/dev/null; exit 143' TERM"  # like srun: the task goes with it
+    script.write_text(f'#!/bin/bash\n{trap}\ncase "$*" in\n{cases}\nesac\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def _steps(tmp_path: Path, behaviour: dict[str, str], grace: float = 1.0) -> NodeSteps:
+    env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n[1-3]", "SLURMD_NODENAME": "n1"}
+    return NodeSteps(["run", "x.py"], srun=_fake_srun(tmp_path, behaviour), finish_grace_s=grace, environ=env)
+
+
+def test_batch_launcher_returns_the_verdict_and_cancels_a_step_whose_node_is_gone(tmp_path: Path) -> None:
+    steps = _steps(tmp_path, {"n1": "sleep 0.2; exit 0", "n2": "sleep 0.3; exit 0", "n3": "sleep 600 & wait"})
+    started = time.monotonic()
+    assert steps.run() == 0  # n3's step hangs like one on a crashed node: cancelled after the grace
+    assert time.monotonic() - started < 30
+
+
+def test_batch_launcher_reports_a_failed_job_and_ignores_a_left_agent(tmp_path: Path) -> None:
+    assert _steps(tmp_path, {"n1": "exit 1", "n2": "sleep 0.2; exit 1", "n3": "exit 3"}).run() == 1
+    assert _steps(tmp_path, {"n1": "exit 3", "n2": "exit 7", "n3": "exit 9"}).run() == 1  # no verdict at all
+
+
+def test_batch_launcher_passes_scancel_on(tmp_path: Path) -> None:
+    steps = _steps(tmp_path, {"n1": "sleep 600 & wait", "n2": "sleep 600 & wait", "n3": "sleep 600 & wait"})
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        assert steps.run() == 128 + signal.SIGTERM
+    finally:
+        timer.cancel()
