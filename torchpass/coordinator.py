@@ -40,7 +40,7 @@ import zmq
 from torchpass.auth import serve
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
-from torchpass.protocol import GenerationInfo, Handoff, ProtocolError, decode, encode
+from torchpass.protocol import GenerationInfo, Handoff, encode, router_messages
 from torchpass.socket_thread import SocketThread
 
 __all__ = ["Coordinator", "LeaderSeam", "StaticLeader"]
@@ -315,19 +315,7 @@ class Coordinator(SocketThread):
 
     def _drain_socket(self) -> None:
         assert self._sock is not None
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) < 2:
-                continue
-            ident, payload = frames[0], frames[-1]
-            try:
-                msg = decode(payload)
-            except ProtocolError as exc:
-                log.warning("dropping malformed message from %r: %s", ident, exc)
-                continue
+        for ident, _, msg in router_messages(self._sock, log):
             if not self.active:
                 self._hold(ident, msg)
                 continue

@@ -13,12 +13,14 @@ its reply repeats, so a late reply to an abandoned long poll is never taken for 
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
+import zmq
 
 __all__ = [
     "ENV_AGENT",
@@ -38,6 +40,7 @@ __all__ = [
     "ProtocolError",
     "decode",
     "encode",
+    "router_messages",
 ]
 
 # ----- what the launcher puts in each rank's environment -------------------------------------------
@@ -194,3 +197,22 @@ class LaunchEnv:
             ENV_LOCAL: "1" if self.local else "0",
             ENV_AGENT: str(self.agent),
         }
+
+
+def router_messages(sock: zmq.Socket[bytes], log: logging.Logger) -> Iterator[tuple[bytes, bytes, dict[str, Any]]]:
+    """(sender identity, raw payload, message) for every message a ROUTER socket holds now; malformed ones are
+    logged and dropped, never raised (a stranger's garbage must not stop a coordinator or a proxy)."""
+    while True:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) < 2:
+            continue
+        ident, payload = frames[0], frames[-1]
+        try:
+            msg = decode(payload)
+        except ProtocolError as exc:
+            log.warning("dropping a malformed message from %r: %s", ident, exc)
+            continue
+        yield ident, payload, msg

@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from torchpass.auth import connect_as_client, serve
-from torchpass.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode
+from torchpass.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, router_messages
 from torchpass.socket_thread import SocketThread
 
 __all__ = ["CoordinatorProxy"]
@@ -145,19 +145,7 @@ class CoordinatorProxy(SocketThread):
                         if ident in control:
                             send(ident, control[ident])
             if ready.get(front):
-                while True:
-                    try:
-                        frames = front.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if len(frames) < 2:
-                        continue
-                    ident, payload = frames[0], frames[-1]
-                    try:
-                        msg = decode(payload)
-                    except ProtocolError as exc:
-                        log.warning("dropping a malformed message from %r: %s", ident, exc)
-                        continue
+                for ident, payload, msg in router_messages(front, log):
                     if ident.endswith(b".r"):
                         if msg["op"] == "register":
                             registration[ident] = payload

@@ -28,7 +28,10 @@ def main() -> int:
     parser.add_argument("mode", choices=("ddp", "torchpass"))
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="1,000 steps (what the --quick overhead run uses)")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 1000
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
