@@ -1,10 +1,12 @@
-"""``srun torchpass run train.py``: the node agent, one per node of a Slurm job step.
+"""The node agent: one per node of a Slurm job, in the node's own job step.
 
-Inside ``sbatch --clockwork-ft --clockwork-spares=standby -N (N+S)``, ``srun --ntasks-per-node=1 torchpass
-run train.py`` starts one agent per node. Agent K (``SLURM_PROCID``) starts rank slot K when K < N and a spare
-otherwise, runs a coordinator replica, and takes part in the agents' mesh (:mod:`torchpass.mesh`), which
-elects the replica that leads. There is no process whose loss ends the job: the leader's node may crash like
-any other, and the lowest agent still heard takes over from the replicated state.
+Inside ``sbatch --no-kill --clockwork-ft --clockwork-spares=standby -N (N+S)``, ``torchpass run train.py`` in
+the batch script starts one job step per node (:mod:`torchpass.node_steps`), and each becomes its node's
+agent (``srun --ntasks-per-node=1 torchpass run train.py``, one step with a task per node, works too). Agent
+K starts rank slot K when K < N and a spare otherwise, runs a coordinator replica, and takes part in the
+agents' mesh (:mod:`torchpass.mesh`), which elects the replica that leads. There is no process whose loss
+ends the job: the leader's node may crash like any other, and the lowest agent still heard takes over from
+the replicated state.
 
 What an agent does for its node:
 

@@ -1,8 +1,10 @@
-"""Where this agent sits in a Slurm job step: which node, which slot or spare, and every peer's address.
+"""Where this agent sits in a Slurm job: which node, which slot or spare, and every peer's address.
 
-``srun torchpass run train.py`` inside ``sbatch --clockwork-ft --clockwork-spares=standby -N (N+S)`` starts
-one launcher agent per node (one srun task per node). Everything an agent needs to find the others comes from
-the environment srun gives every task, so no rendezvous service is needed before the agents can talk:
+Under the batch-script launcher (:mod:`torchpass.node_steps`, one job step per node) the launcher says who is
+where: ``TORCHPASS_NODES`` (the job's nodes in agent order) and ``TORCHPASS_AGENT_INDEX``. In one srun step
+with a task per node (``srun --ntasks-per-node=1 torchpass run train.py``), everything an agent needs to find
+the others comes from the environment srun gives every task. Either way no rendezvous service is needed
+before the agents can talk:
 
 * ``SLURM_JOB_ID``: the job (daemon events, the default port);
 * ``SLURM_PROCID`` / ``SLURM_NTASKS``: this agent's index and how many agents there are. The first N
