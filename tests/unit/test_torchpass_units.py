@@ -235,7 +235,7 @@ def test_gloo_abort_frees_a_collective_blocked_on_a_silent_peer(tmp_path: Path) 
 
 _BUCKETS_SCRIPT = textwrap.dedent(
     """
-    import json, sys, torch, torch.distributed as dist
+    import json, os, sys, torch, torch.distributed as dist
     from torch import nn
     from torchpass.ddp import TorchPassDDP
 
@@ -267,7 +267,9 @@ _BUCKETS_SCRIPT = textwrap.dedent(
         data = ddp._get_ddp_logging_data()
         out[kind] = {"rebuilt": data["has_rebuilt_buckets"], "before": before, "after": data["bucket_sizes"],
                      "unused": ddp.find_unused_parameters}
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)  # gloo's threads must not meet the interpreter's teardown (an abort, not a test result)
     """
 )
 
