@@ -20,7 +20,6 @@ import json
 import os
 import pwd
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,36 +41,12 @@ from tests.unit.test_torchpass_oracle import (
     _assert_each_step_once,
     _assert_same_final_state,
 )
+from tests.unit.test_torchpass_slurm import _free_port_pair
 
 __all__ = ["daemons", "scratch"]  # fixtures used by name below
 
 JOB_ID = 4242
 RUN_TIMEOUT_S = 150
-
-
-def _free_port_pair(addresses: list[str]) -> int:
-    """A port P such that P and P+1 are free on every address."""
-    for _ in range(200):
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
-        if port > 65000:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for address in addresses:
-                for p in (port, port + 1):
-                    s = socket.socket()
-                    held.append(s)
-                    s.bind((address, p))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no free port pair")
 
 
 def _stopped(pid: int) -> bool:

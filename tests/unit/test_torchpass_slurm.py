@@ -153,17 +153,17 @@ def _free_port_pair(addresses: list[str]) -> int:
         probe.close()
         if port > 65000:
             continue
+        held: list[socket.socket] = []
         try:
-            held = []
             for address in addresses:
                 for p in (port, port + 1):
                     s = socket.socket()
-                    s.bind((address, p))
                     held.append(s)
-            for s in held:
-                s.close()
+                    s.bind((address, p))
             return port
         except OSError:
+            continue
+        finally:
             for s in held:
                 s.close()
     raise RuntimeError("no free port pair")
