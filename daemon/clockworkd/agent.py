@@ -22,6 +22,7 @@ from clockworkd import __version__
 from clockworkd.config import load_config
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
+from clockworkd.gpuhealth_host import start_health
 from clockworkd.lens_host import start_lens
 from clockworkd.linkpass_host import start_linkpass
 from clockworkd.logging_setup import configure_logging
@@ -54,6 +55,7 @@ def agent(config_path: Path | None, check_config: bool, foreground: bool) -> Non
     daemon.components["lens"] = start_lens(
         loaded.config.lens, loaded.config.linkpass, paths, daemon, gray=None if isinstance(linkpass, str) else linkpass
     )
+    daemon.components["health"] = start_health(loaded.config.health, paths, daemon)
     daemon.serve()
 
 

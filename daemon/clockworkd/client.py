@@ -157,6 +157,10 @@ class DaemonClient:
         """Fleet Lens's latest snapshot on this node (``enabled`` False, with ``state``, when it is off)."""
         return self.request("lens")
 
+    def gpus(self) -> dict[str, Any]:
+        """The GPU health watch's view: each GPU's reading, health, signals, ranks (``enabled`` False when off)."""
+        return self.request("gpus")
+
     def status(self) -> dict[str, Any]:
         """The daemon's health: pid, uptime, peer plane, jobs (those the caller may see), recent events."""
         return self.request("status")

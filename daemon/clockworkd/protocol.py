@@ -171,6 +171,7 @@ SCHEMA: dict[str, dict[str, tuple[Checker, bool]]] = {
     "status": {},
     "jobs": {},
     "lens": {},  # Fleet Lens's latest snapshot (fabric telemetry: any local user may read it)
+    "gpus": {},  # the GPU health watch's view (any local user; ranks only of the caller's own jobs)
     "register_job": {
         "job_id": (_JOB_ID, True),
         "uid": (_int_range(0, MAX_UID), True),

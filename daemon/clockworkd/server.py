@@ -136,7 +136,7 @@ def _resolve_address(node: str) -> str:
 
 
 class Component(Protocol):
-    """Something the daemon hosts in its event loop (LinkPass): file descriptors to poll, a tick deadline."""
+    """Something the daemon hosts in its loop (LinkPass, Lens, GPU health): fds to poll, a tick deadline."""
 
     def fds(self) -> list[int]: ...
     def on_readable(self, fd: int) -> None: ...
@@ -180,6 +180,7 @@ class Daemon:
             "post_event": self._op_post_event,
             "job_events": self._op_job_events,
             "lens": self._op_lens,
+            "gpus": self._op_gpus,
         }
 
     # ----- life cycle -------------------------------------------------------------------------
@@ -604,6 +605,21 @@ class Daemon:
         snapshot = getattr(lens, "snapshot", None)
         return dict(snapshot()) if callable(snapshot) else {"node": self.node, "enabled": False}
 
+    def _op_gpus(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        """The GPU health watch's view; ranks and migrations only of the jobs the caller may see."""
+        health = self.components.get("health")
+        if health is None or isinstance(health, str):
+            return {"node": self.node, "enabled": False, "state": health or "not configured", "gpus": []}
+        snapshot = getattr(health, "snapshot", None)
+        if not callable(snapshot):
+            return {"node": self.node, "enabled": False, "state": "no snapshot", "gpus": []}
+
+        def visible(job_id: int) -> bool:
+            job = self._registry.get(job_id)
+            return job is not None and self._visible(job, caller)
+
+        return dict(snapshot(visible))
+
     def _op_register_job(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         record, created = self._registry.register(
             args["job_id"], args["uid"], args["user"], args["nodes"], args["options"], by=caller.describe()
@@ -668,6 +684,15 @@ class Daemon:
                 log.warning("job %d (node %s): %s not recorded: %s", job.job_id, self.node, kind, exc)
                 continue
             self._publish(event)
+
+    def emit_job_event(self, job_id: int, kind: str, fields: dict[str, Any], by: str) -> None:
+        """Record an event of this node's own (the GPU health watch) in one job's log, and publish it."""
+        try:
+            event = self._registry.append_event(job_id, kind, fields, by=by)
+        except Exception as exc:  # an unknown job or a full log must not stop the node's other work
+            log.warning("job %d (node %s): %s not recorded: %s", job_id, self.node, kind, exc)
+            return
+        self._publish(event)
 
     def _publish_latest(self, job_id: int) -> None:
         recent = [e for e in self._registry.recent_events() if e["job_id"] == job_id]

@@ -161,3 +161,91 @@ def events(state: CliContext, job_id: int, node_name: str | None, as_json: bool)
         click.echo(f"job {job_id}: no events")
         return
     _console().print(_events_table(f"job {job_id}: {len(found)} events", found))
+
+
+def _signal_text(signal: dict[str, Any]) -> str:
+    threshold = signal.get("threshold")
+    numeric = isinstance(threshold, int | float) and not isinstance(threshold, bool)
+    limit = f" (threshold {threshold:g})" if numeric else ""
+    return f"{signal['signal']}={signal.get('value')}{limit} -> {signal.get('action')}"
+
+
+def _reading_text(reading: dict[str, Any]) -> str:
+    """The reading's main values in one cell (missing ones are left out)."""
+    if reading.get("lost"):
+        return "LOST (fallen off the bus)"
+    parts = []
+    if reading.get("temperature_c") is not None:
+        limits = "/".join(f"{reading[k]:g}" for k in ("slowdown_c", "shutdown_c") if reading.get(k) is not None)
+        parts.append(f"{reading['temperature_c']:g} C" + (f" (limits {limits})" if limits else ""))
+    if reading.get("throttle"):
+        parts.append("throttle " + "+".join(reading["throttle"]))
+    ecc = [f"{k.split('_', 1)[1]} {reading[k]}" for k in ("ecc_corrected", "ecc_uncorrected") if reading.get(k)]
+    if ecc:
+        parts.append("ECC " + ", ".join(ecc))
+    if reading.get("rows_pending"):
+        parts.append("row remap pending")
+    if reading.get("rows_remap_failed"):
+        parts.append("row remap FAILED")
+    if reading.get("recovery_action") not in (None, "none"):
+        parts.append(f"driver: {reading['recovery_action']}")
+    if reading.get("error"):
+        parts.append(f"error: {reading['error']}")
+    return "; ".join(parts) or "-"
+
+
+@node.command()
+@click.option("--node", "node_name", metavar="NODE", help="Whose daemon (default: this host's).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the daemon's gpus reply).")
+@pass_ctx
+def gpus(state: CliContext, node_name: str | None, as_json: bool) -> None:
+    """Show each GPU's health, its reading, raised signals, the ranks on it and the last signal changes."""
+    with _client(state, node_name) as client:
+        info = client.gpus()
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    console = _console()
+    if not info.get("enabled"):
+        console.print(f"GPU health on {info.get('node')}: off ({info.get('state', 'unknown')})")
+        return
+    console.print(f"GPU health on {info['node']}: {info['source_state']}, every {info['interval_s']:g} s")
+    if not info["gpus"]:
+        console.print("no GPUs")
+        return
+    table = Table(title="GPUs", title_justify="left")
+    for col in ("gpu", "health", "reading", "signals", "ranks", "drain"):
+        table.add_column(col, overflow="fold")
+    for gpu in info["gpus"]:
+        ranks = ", ".join(f"job {r['job_id']} slot {r['slot']}" for r in gpu["ranks"]) or "-"
+        drain = gpu["drain_reason"] + (" (ready)" if gpu["drain_ready"] else " (once the job left)")
+        table.add_row(
+            f"{gpu['index']} {gpu.get('name', '')}".strip(),
+            gpu["health"],
+            _reading_text(gpu["reading"]),
+            "; ".join(_signal_text(s) for s in gpu["signals"]) or "-",
+            ranks,
+            drain if gpu["drain_reason"] else "-",
+        )
+    console.print(table)
+    changes = sorted((c for gpu in info["gpus"] for c in gpu["history"]), key=lambda c: c["time"])
+    if changes:
+        last = Table(title="last signals", title_justify="left")
+        for col in ("time", "gpu", "signal", "state", "value", "threshold", "action"):
+            last.add_column(col, overflow="fold")
+        for c in changes[-20:]:
+            last.add_row(
+                _when(c["time"]),
+                str(c["gpu"]),
+                c["signal"],
+                c["state"],
+                str(c["value"]),
+                "-" if c["threshold"] is None else str(c["threshold"]),
+                c["action"],
+            )
+        console.print(last)
+    for m in info.get("migrations", []):
+        console.print(
+            f"migration: job {m['job_id']} slot {m['slot']} off gpu{m['gpu']} ({m['signal']} {m['value']}): "
+            f"{m['state']} {m.get('detail', '')}".rstrip()
+        )

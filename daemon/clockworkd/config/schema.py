@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from clockworkd.config_fields import setting
+from clockworkd.gpuhealth.settings import HealthConfig
 from clockworkd.lens.settings import LensConfig
 from linkpass.settings import LinkPassConfig
 
@@ -164,6 +165,7 @@ class ClockworkConfig:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     linkpass: LinkPassConfig = field(default_factory=LinkPassConfig)
     lens: LensConfig = field(default_factory=LensConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
