@@ -52,6 +52,7 @@ VALID = {
     "status": {},
     "jobs": {},
     "lens": {},
+    "gpus": {},
     "register_job": {
         "job_id": 12,
         "uid": 1000,

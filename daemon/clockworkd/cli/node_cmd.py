@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from clockworkd.cli.context import CliContext, pass_ctx
@@ -207,11 +208,11 @@ def gpus(state: CliContext, node_name: str | None, as_json: bool) -> None:
         return
     console = _console()
     if not info.get("enabled"):
-        console.print(f"GPU health on {info.get('node')}: off ({info.get('state', 'unknown')})")
+        click.echo(f"GPU health on {info.get('node')}: off ({info.get('state', 'unknown')})")
         return
-    console.print(f"GPU health on {info['node']}: {info['source_state']}, every {info['interval_s']:g} s")
+    click.echo(f"GPU health on {info['node']}: {info['source_state']}, every {info['interval_s']:g} s")
     if not info["gpus"]:
-        console.print("no GPUs")
+        click.echo("no GPUs")
         return
     table = Table(title="GPUs", title_justify="left")
     for col in ("gpu", "health", "reading", "signals", "ranks", "drain"):
@@ -222,10 +223,10 @@ def gpus(state: CliContext, node_name: str | None, as_json: bool) -> None:
         table.add_row(
             f"{gpu['index']} {gpu.get('name', '')}".strip(),
             gpu["health"],
-            _reading_text(gpu["reading"]),
-            "; ".join(_signal_text(s) for s in gpu["signals"]) or "-",
+            escape(_reading_text(gpu["reading"])),
+            escape("; ".join(_signal_text(s) for s in gpu["signals"]) or "-"),
             ranks,
-            drain if gpu["drain_reason"] else "-",
+            escape(drain) if gpu["drain_reason"] else "-",
         )
     console.print(table)
     changes = sorted((c for gpu in info["gpus"] for c in gpu["history"]), key=lambda c: c["time"])
@@ -245,7 +246,7 @@ def gpus(state: CliContext, node_name: str | None, as_json: bool) -> None:
             )
         console.print(last)
     for m in info.get("migrations", []):
-        console.print(
+        click.echo(
             f"migration: job {m['job_id']} slot {m['slot']} off gpu{m['gpu']} ({m['signal']} {m['value']}): "
             f"{m['state']} {m.get('detail', '')}".rstrip()
         )

@@ -145,7 +145,7 @@ def fault(
     loss NODE NIC PERCENT        random drops both ways (0 = none)
     rate NODE NIC RATE|off       token-bucket limit both ways, e.g. 100mbit
     node NODE crash|restore      the whole node dies (every process killed, links dark) / comes back empty
-    gpu NODE INDEX temp C        the node's daemon reads its GPU INDEX at C degrees (slowdown 90, shutdown 95)
+    gpu NODE INDEX temp C        the node's daemon reads its GPU INDEX at C degrees (slowdown 90, shutdown 100)
     gpu NODE INDEX ecc N         ... with N volatile uncorrected ECC errors
     gpu NODE INDEX xid N         ... one XID N event (e.g. 79: fallen off the bus)
     gpu NODE INDEX clear         that GPU back to healthy

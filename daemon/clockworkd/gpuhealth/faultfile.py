@@ -7,7 +7,7 @@ healthy baseline per GPU index::
 
 Fields are those of :class:`GpuReading` (``xids`` lists every XID injected so far: the ones not seen before are
 this reading's events). The baseline of a GPU is 40 C with a slowdown threshold of 90 C and a shutdown threshold
-of 95 C, no throttling, no ECC errors, no pending rows, no NVLink errors, no recovery action.
+of 100 C, no throttling, no ECC errors, no pending rows, no NVLink errors, no recovery action.
 
 The file selects what the daemon believes about its GPUs, so it is trusted only when the daemon's own
 configuration names it and when it is owned by root or the daemon's user and not writable by group or others.
@@ -28,7 +28,7 @@ from clockworkd.gpuhealth.readings import RECOVERY_ACTIONS, THROTTLE_REASONS, Gp
 
 log = logging.getLogger("clockwork.daemon.health")
 
-BASELINE = {"temperature_c": 40.0, "slowdown_c": 90.0, "shutdown_c": 95.0}
+BASELINE = {"temperature_c": 40.0, "slowdown_c": 90.0, "shutdown_c": 100.0}
 MAX_FILE_BYTES = 1 << 20
 _TYPES: dict[str, tuple[type, ...]] = {
     "uuid": (str,),

@@ -4,7 +4,7 @@ The sandbox's configuration selects the daemons' fault-file GPU source (``[healt
 ``fault_file`` = ``nodes/{node}/gpu-faults.json`` under the state folder), so ``clockwork sandbox fault gpu
 node2 0 temp 95`` makes node2's daemon see its gpu0 at 95 C at its next reading. What can be injected:
 
-* ``temp C``: the GPU's temperature (the emulated thresholds are slowdown 90 C, shutdown 95 C);
+* ``temp C``: the GPU's temperature (the emulated thresholds are slowdown 90 C, shutdown 100 C);
 * ``ecc N``: the volatile uncorrected ECC error count;
 * ``xid N``: one XID event (each injection is one more event);
 * ``clear``: the GPU back to its healthy baseline.
