@@ -564,3 +564,30 @@ def test_sandbox_gpu_fault_file_is_what_the_source_reads(tmp_path: Path) -> None
     assert gpu_faults.apply(path, 0, "clear", None) == {}
     assert source.read()[0].temperature_c == 40.0
     assert json.loads(path.read_text()) == {"gpus": {"1": {"ecc_uncorrected": 1}}}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["gpu", "node2", "0"], "`fault gpu` needs NODE INDEX temp|ecc|xid VALUE or NODE INDEX clear"),
+        (["gpu", "node2"], "`fault gpu` needs NODE INDEX"),
+        (["link", "node1", "nic0", "down", "now"], "`fault link` takes at most NODE NIC VALUE"),
+    ],
+)
+def test_sandbox_fault_gpu_usage(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
+) -> None:
+    """Usage errors come before anything touches a sandbox (none exists at tmp_path)."""
+    from clockworkd.cli.main import run
+
+    assert run(["sandbox", "--state", str(tmp_path), "fault", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sandbox_fault_help_lists_the_gpu_forms(capsys: pytest.CaptureFixture[str]) -> None:
+    from clockworkd.cli.main import run
+
+    assert run(["sandbox", "fault", "--help"]) == 0
+    out = capsys.readouterr().out
+    for text in ("gpu NODE INDEX temp C", "gpu NODE INDEX ecc N", "gpu NODE INDEX xid N", "gpu NODE INDEX clear"):
+        assert text in out
