@@ -233,6 +233,9 @@ def test_without_nvml_the_daemon_reports_no_gpus(
     code, out, err = _cli(capsys, "--config", str(config), "node", "status", "--json")
     assert code == 0, err
     assert json.loads(out)["health"]["gpus"] == 0
+    code, out, err = _cli(capsys, "--config", str(config), "node", "status")
+    assert code == 0, err
+    assert "gpu health:     on: NVML not available" in out and "no GPUs" in out
     with daemon.client() as client:
         client.ping()
 

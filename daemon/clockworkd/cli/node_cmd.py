@@ -105,6 +105,16 @@ def _linkpass_line(lp: dict[str, Any]) -> str:
     )
 
 
+def _health_line(health: dict[str, Any]) -> str:
+    """One line: the GPU health watch on or off (and why), its source, each GPU's health."""
+    if not health:
+        return "not reported"
+    if not health.get("enabled"):
+        return f"off ({health.get('state', 'unknown')})"
+    gpus = ", ".join(f"{name} {state}" for name, state in sorted(health.get("health", {}).items()))
+    return f"on: {health.get('source', '?')}; " + (gpus or "no GPUs")
+
+
 @node.command()
 @click.option("--node", "node_name", metavar="NODE", help="Whose daemon (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the daemon's status reply).")
@@ -124,6 +134,7 @@ def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
     console.print(f"  peer plane:     {info['peer_plane']}")
     console.print(f"  linkpass:       {_linkpass_line(info.get('linkpass', {}))}")
     console.print(f"  lens:           {_lens_line(info.get('lens', {}))}")
+    console.print(f"  gpu health:     {escape(_health_line(info.get('health', {})))}")
     console.print(f"  jobs:           {info['jobs_running']} running, {info['jobs_total']} known")
     counters = info.get("counters", {})
     console.print("  requests:       " + ", ".join(f"{k} {v}" for k, v in counters.items()))
