@@ -591,3 +591,81 @@ def test_sandbox_fault_help_lists_the_gpu_forms(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     for text in ("gpu NODE INDEX temp C", "gpu NODE INDEX ecc N", "gpu NODE INDEX xid N", "gpu NODE INDEX clear"):
         assert text in out
+
+
+def test_a_binding_without_event_wait_loses_only_the_xids() -> None:
+    class OldBinding(FakeNvml):
+        nvmlEventSetWait_v2 = None  # type: ignore[assignment]
+
+    source = NvmlSource("n1", nvml=OldBinding())
+    first = source.read()
+    assert [r.temperature_c for r in first] == [71.0, None] and first[0].xids == ()
+    assert "no XID events" in source.describe()
+    assert source.read()[0].temperature_c == 71.0
+
+
+# ----- the watch's actions, in-process (a real registry, a fault file) --------------------------------
+
+
+def test_watch_warns_every_running_job_when_no_rank_is_known(tmp_path: Path) -> None:
+    from clockworkd.gpuhealth.watch import HealthWatch
+    from clockworkd.registry import Registry
+
+    registry = Registry(tmp_path / "state", "n1")
+    registry.register(5, 1000, "alice", ["n1"], {})
+    registry.register(6, 1001, "bob", ["n1"], {})
+    registry.register(7, 1002, "carol", ["n1"], {})
+    registry.unregister(7)
+    emitted: list[tuple[int, str, dict[str, Any]]] = []
+    path = tmp_path / "gpu.json"
+    cfg = HealthConfig(source="fault-file", fault_file=str(path), raise_after=1, clear_after=1)
+    watch = HealthWatch(cfg, "n1", FaultFileSource(path, 1, "n1"), registry, lambda *e: emitted.append(e))
+    watch.tick()
+    assert emitted == []
+    _write(path, {"gpus": {"0": {"temperature_c": 87, "ecc_aggregate_uncorrected": 3}}})
+    watch.tick()
+    # near_slowdown (warn) goes to the running jobs; the aggregate count (record) only to the log and history.
+    assert [(job, kind, f["signal"], f["state"]) for job, kind, f in emitted] == [
+        (5, "gpu.health", "temperature.near_slowdown", "raised"),
+        (6, "gpu.health", "temperature.near_slowdown", "raised"),
+    ]
+    assert emitted[0][2]["ranks"] == [] and emitted[0][2]["threshold"] == 85.0
+    snapshot = watch.snapshot()
+    assert [s["signal"] for s in snapshot["gpus"][0]["signals"]] == [
+        "ecc.aggregate_uncorrected",
+        "temperature.near_slowdown",
+    ]
+    assert snapshot["gpus"][0]["health"] == "warning" and snapshot["gpus"][0]["drain_reason"] == ""
+    emitted.clear()
+    _write(path, {"gpus": {}})
+    watch.tick()
+    assert [(job, f["signal"], f["state"]) for job, _, f in emitted] == [
+        (5, "temperature.near_slowdown", "cleared"),
+        (6, "temperature.near_slowdown", "cleared"),
+    ]
+    watch.close()
+
+
+def test_watch_survives_a_failing_source(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from clockworkd.gpuhealth.watch import HealthWatch
+    from clockworkd.registry import Registry
+
+    class Broken:
+        name = "broken"
+
+        def read(self) -> list[GpuReading]:
+            raise RuntimeError("driver wedged")
+
+        def describe(self) -> str:
+            return "broken"
+
+        def close(self) -> None: ...
+
+    watch = HealthWatch(HealthConfig(), "n1", Broken(), Registry(tmp_path, "n1"), lambda *e: None)
+    with caplog.at_level(logging.ERROR, logger="clockwork.daemon.health"):
+        watch.tick()
+        watch.tick()
+    assert watch.failures == 2
+    assert "GPU health watch failed this round" in caplog.text
+    assert watch.next_deadline() > 0
+    watch.close()

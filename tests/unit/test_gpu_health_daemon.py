@@ -246,3 +246,49 @@ def test_disabled_watch(capsys: pytest.CaptureFixture[str], scratch: Path, daemo
     code, out, err = _cli(capsys, "--config", str(config), "node", "gpus")
     assert code == 0, err
     assert "GPU health on n1: off (disabled by configuration ([health] enabled = false))" in out
+
+
+AS_OTHER_USER = r"""
+import json, sys
+from pathlib import Path
+from clockworkd.client import DaemonClient
+
+with DaemonClient(Path(sys.argv[1]), 3.0) as client:
+    print(json.dumps(client.gpus()))
+"""
+
+
+def test_another_user_sees_the_gpus_but_not_other_jobs_ranks(
+    scratch: Path, watched: tuple[Path, RunningDaemon, Path], rank_process: subprocess.Popen[str]
+) -> None:
+    """GPU health is node telemetry any local user may read; which job's rank sits on a GPU is not."""
+    from tests.unit.daemon_harness import daemon_env
+    from tests.unit.test_daemon import NOBODY, require_root_for_second_user
+
+    require_root_for_second_user()
+    _, daemon, _ = watched
+    mine = _until("the rank on gpu1", lambda: (g := _gpus(daemon))["gpus"] and g["gpus"][1]["ranks"] and g)
+    assert [r["slot"] for r in mine["gpus"][1]["ranks"]] == [1]
+    script = scratch / "gpus_as_nobody.py"
+    script.write_text(AS_OTHER_USER)
+    script.chmod(0o644)
+    proc = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            str(script),
+            str(daemon.paths.control_socket),
+        ],
+        capture_output=True,
+        text=True,
+        env={**daemon_env(), "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(scratch)},
+        cwd=scratch,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    theirs = json.loads(proc.stdout)
+    assert [g["index"] for g in theirs["gpus"]] == [0, 1]
+    assert theirs["gpus"][1]["ranks"] == [] and theirs["gpus"][1]["health"] == "ok"

@@ -241,6 +241,11 @@ class NvmlSource:
                 if not self._is(exc, "NVML_ERROR_TIMEOUT"):
                     log.warning("node %s: reading XID events failed: %s", self.node, exc)
                 return
+            except Exception as exc:  # a binding without the call: no XID events, said once
+                self.note = f"no XID events: {type(exc).__name__}: {exc}"
+                log.warning("node %s: %s", self.node, self.note)
+                self._events = None
+                return
             try:
                 index = int(nv.nvmlDeviceGetIndex(data.device))
             except Exception:

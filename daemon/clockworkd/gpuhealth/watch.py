@@ -134,7 +134,7 @@ class HealthWatch:
             movers = [s for s in state.raised.values() if s.action == "migrate"]
             if not movers:
                 continue
-            worst = max(movers, key=lambda s: s.since)
+            worst = min(movers, key=lambda s: (s.since, s.name))  # the signal that first called for the move
             cause = {"signal": worst.name, "value": worst.value, "threshold": worst.threshold, "gpu": index}
             for rank in ranks:
                 if rank.gpu == index:
