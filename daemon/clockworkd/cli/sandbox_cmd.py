@@ -123,7 +123,8 @@ def exec(state: CliContext, node: str, command: tuple[str, ...]) -> None:
 @sandbox.command(
     epilog="\b\nExamples:\n  clockwork sandbox fault link node2 nic0 down\n"
     "  clockwork sandbox fault loss node1 nic1 1\n"
-    "  clockwork sandbox fault rate node3 nic0 100mbit\n  clockwork sandbox fault clear"
+    "  clockwork sandbox fault rate node3 nic0 100mbit\n  clockwork sandbox fault mtu node2 nic1 1000\n"
+    "  clockwork sandbox fault clear"
 )
 @click.argument("kind", type=click.Choice([*KINDS, "node", "clear"]))
 @click.argument("node", required=False)
@@ -139,6 +140,7 @@ def fault(state: CliContext, kind: str, node: str | None, nic: str | None, value
     blackhole NODE NIC on|off    switch port stops forwarding, carrier stays up (gray failure)
     loss NODE NIC PERCENT        random drops both ways (0 = none)
     rate NODE NIC RATE|off       token-bucket limit both ways, e.g. 100mbit
+    mtu NODE NIC MTU             the switch port's MTU (1500 = the fabric's, clears it)
     node NODE crash|restore      the whole node dies (every process killed, links dark) / comes back empty
     clear                        undo every fault, restore the baseline routes
     """
