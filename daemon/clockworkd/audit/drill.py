@@ -13,6 +13,7 @@ import select
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 from clockworkd.audit.measure import _HEADER, _MAGIC
@@ -65,14 +66,34 @@ def _first_reply(src: str, dst: str, port: int, run: int, timeout_s: float, ever
         sock.close()
 
 
-def run_drill(nic: str, node_ip: str, dst: str, port: int, run: int, timeout_s: float) -> dict[str, Any]:
-    """Drill ``nic``: traffic from ``node_ip`` to the peer ``dst`` must survive the NIC going down."""
-    result: dict[str, Any] = {"nic": nic, "peer": dst}
+def run_drill(
+    nic: str,
+    node_ip: str,
+    peers: list[tuple[str, str, int]],
+    run: int,
+    timeout_s: float,
+    peer_paths: Callable[[str], dict[str, str]],
+) -> dict[str, Any]:
+    """Drill ``nic``: traffic from ``node_ip`` to a peer must survive the NIC going down.
+
+    The peer is the first of ``peers`` (name, node address, echo port) whose traffic is homed on ``nic``:
+    routed through it while LinkPass calls every path to that peer alive (``peer_paths(peer)``: rail ->
+    alive, holddown or dead), so the route is its home and the drill moves real traffic that must come
+    back. Where there is none, the first peer: the drill then shows the node stays reachable. A fail-back
+    LinkPass is still holding down is flap damping at work (each drill is a flap), not a fault.
+    """
+
+    def homed(peer: tuple[str, str, int]) -> bool:
+        states = peer_paths(peer[0])
+        return bool(states) and all(v == "alive" for v in states.values()) and route_device(peer[1], node_ip) == nic
+
+    name, dst, port = next((p for p in peers if homed(p)), peers[0])
+    result: dict[str, Any] = {"nic": nic, "peer": name}
     if _first_reply(node_ip, dst, port, run, 2.0) is None:
         result["error"] = f"the peer {dst} did not answer before the drill (nothing to measure)"
         return result
     home = route_device(dst, node_ip)
-    result["homed_here"] = home == nic
+    result["homed_here"] = home == nic and all(v == "alive" for v in peer_paths(name).values())
     try:
         _set_link(nic, "down")
         moved = _first_reply(node_ip, dst, port, run, timeout_s)
@@ -89,6 +110,8 @@ def run_drill(nic: str, node_ip: str, dst: str, port: int, run: int, timeout_s: 
                 break
             time.sleep(0.02)
         result["failback_ms"] = None if back is None else back * 1000
+        if back is None:
+            result["linkpass_path"] = peer_paths(name).get(nic)
     # Whatever the routes did, the peer must be reachable once the NIC is up again.
     result["reachable_after"] = _first_reply(node_ip, dst, port, run, 2.0) is not None
     return result

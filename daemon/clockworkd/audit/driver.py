@@ -243,10 +243,22 @@ class Driver:
         n = len(nodes)
         return [(nodes[i], nodes[(i + d) % n]) for i in range(n) for d in (1, -1)]
 
-    def _round_bandwidth(self, rails: dict[str, list[str]]) -> list[dict[str, Any]]:
+    def _round_bandwidth(
+        self, rails: dict[str, list[str]], paths: list[dict[str, Any]], mtu: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """One transfer at a time. Pairs the earlier rounds found unreachable, or dropping full-size frames
+        (which stall TCP), are not measured: that finding already explains them, and a transfer would only
+        time out and smear the blame onto the healthy end."""
+        unreachable = {(p["src"], p["dst"]) for p in paths if not p.get("replies")}
+        big_drops = {(m["src"], m["dst"]) for m in mtu if m.get("small_ok") and not m.get("full_ok")}
         results = []
         for nic, nodes in rails.items():
             for src, dst in self.transfer_pairs(nodes):
+                pair = (f"{src}/{nic}", f"{dst}/{nic}")
+                if pair in unreachable or pair in big_drops or pair[::-1] in big_drops:
+                    why = "unreachable" if pair in unreachable else "the path drops full-size frames"
+                    results.append({"src": pair[0], "dst": pair[1], "skipped": why})
+                    continue
                 req = {
                     "op": "transfer",
                     "target": self._target(src, dst, nic, "sink_ports"),
@@ -274,8 +286,8 @@ class Driver:
             nics = self._nics(node)
             for nic in nics:
                 others_ok = all(f.get("operstate") == "up" and f.get("carrier") for n, f in nics.items() if n != nic)
-                peer = next((p for p in self.hello if p != node and self._healthy_nics(p) and clean(node, p)), None)
-                if len(nics) < 2 or not others_ok or peer is None or not nics[nic].get("carrier"):
+                peers = [p for p in self.hello if p != node and self._healthy_nics(p) and clean(node, p)]
+                if len(nics) < 2 or not others_ok or not peers or not nics[nic].get("carrier"):
                     why = (
                         "the node has no other NIC to move to"
                         if len(nics) < 2
@@ -291,8 +303,10 @@ class Driver:
                     "op": "drill",
                     "nic": nic,
                     "node_ip": self.hello[node]["node_addr"],
-                    "peer_ip": self.hello[peer]["node_addr"],
-                    "port": int(self.hello[peer]["echo_ports"][self.hello[peer]["node_addr"]]),
+                    "peers": [
+                        (p, self.hello[p]["node_addr"], int(self.hello[p]["echo_ports"][self.hello[p]["node_addr"]]))
+                        for p in peers
+                    ],
                     "run": next(self._runs),
                     "timeout_s": self.cfg.drill_timeout_s,
                 }
@@ -317,7 +331,7 @@ class Driver:
             mtu = self._round_mtu(rails)
             self.timings["mtu_s"] = time.monotonic() - t0
             t0 = time.monotonic()
-            bandwidth = self._round_bandwidth(rails)
+            bandwidth = self._round_bandwidth(rails, paths, mtu)
             self.timings["bandwidth_s"] = time.monotonic() - t0
             t0 = time.monotonic()
             drills = self._round_drills(paths) if self.drill else []

@@ -40,7 +40,10 @@ class AuditConfig:
     drill: bool = setting(True, "Run a LinkPass drill on every NIC: take it down, time the failover, bring it back.")
     max_failover_ms: float = setting(1000.0, "A drill whose traffic took longer than this to move fails, ms.", min=1.0)
     drill_timeout_s: float = setting(
-        10.0, "How long a drill waits for the failover and for the fail-back, seconds.", min=0.5
+        5.0,
+        "How long a drill waits for the failover and for the fail-back, seconds (a fail-back LinkPass still "
+        "holds down, as it damps flaps, passes).",
+        min=0.5,
     )
     max_clock_uncertainty_us: float = setting(
         100.0, "A node whose Fleet Lens clock offset is less certain than this fails the clock check, µs.", min=0.0

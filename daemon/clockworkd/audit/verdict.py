@@ -181,13 +181,17 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
         return out
 
     def localize(check: str, per_dir: dict[tuple[str, str], list[float]], bad: Any, describe: Any) -> None:
+        """Name each link direction whose median is bad. With one path through it (two nodes on the rail)
+        both ends of that path are named, marked ``ambiguous``: end-to-end figures cannot tell them apart."""
         scores = _medians(per_dir)
         by_link: dict[str, dict[str, float]] = defaultdict(dict)
         for (nic_id, direction), score in scores.items():
-            if bad(nic_id, score) and len(per_dir[(nic_id, direction)]) >= 2:
+            if bad(nic_id, score):
                 by_link[nic_id][direction] = score
         for nic_id, dirs in sorted(by_link.items()):
-            f.add(check, nic_id, describe(nic_id, dirs), directions=dirs, paths={d: per_dir[(nic_id, d)] for d in dirs})
+            paths = {d: per_dir[(nic_id, d)] for d in dirs}
+            ambiguous = all(len(v) < 2 for v in paths.values())
+            f.add(check, nic_id, describe(nic_id, dirs), directions=dirs, paths=paths, ambiguous=ambiguous)
 
     # loss: both directions of every path, each crossing two link directions
     loss_dirs = crossing(fwd_loss)
@@ -244,7 +248,7 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
     # bandwidth: each link direction against the rail's typical direction
     gbps: dict[tuple[str, str], float] = {}
     for t in raw.get("bandwidth") or ():
-        if t["src"] in dead or t["dst"] in dead:
+        if t["src"] in dead or t["dst"] in dead or t.get("skipped"):
             continue
         if t.get("error") or not t.get("gbps"):
             f.add("bandwidth", t["src"], f"transfer {t['src']} -> {t['dst']} failed: {t.get('error', 'no bytes')}")
@@ -323,7 +327,7 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
                 f"traffic took {d['failover_ms']:.0f} ms to move (limit {cfg.max_failover_ms:.0f} ms)",
                 **d,
             )
-        elif d.get("homed_here") and d.get("failback_ms") is None:
+        elif d.get("homed_here") and d.get("failback_ms") is None and d.get("linkpass_path") != "holddown":
             f.add("drill", target, f"traffic did not move back to {d['nic']} within {cfg.drill_timeout_s:g} s", **d)
         elif not d.get("reachable_after", True):
             f.add("drill", target, "the peer was unreachable after the NIC came back", **d)

@@ -18,8 +18,11 @@ import zmq
 
 from clockworkd.audit import drill, measure
 from clockworkd.audit.node_checks import node_report
+from clockworkd.client import DaemonClient
 from clockworkd.config import load_config
+from clockworkd.config.schema import DaemonConfig
 from clockworkd.daemon_paths import expand, local_node_name
+from clockworkd.errors import ClockworkError
 from clockworkd.jobkey import JobKey
 from linkpass.fabric import FabricMap
 
@@ -33,8 +36,9 @@ IDLE_TIMEOUT_S = 900.0
 class Worker:
     """Serves one node's measurements to the driver."""
 
-    def __init__(self, node: str, fabric: FabricMap, report: dict[str, Any]) -> None:
+    def __init__(self, node: str, fabric: FabricMap, report: dict[str, Any], daemon_cfg: DaemonConfig) -> None:
         self.node = node
+        self.daemon_cfg = daemon_cfg
         me = fabric.node(node)
         self.nics = dict(me.nics)
         bindings: list[tuple[str, str | None]] = [(ip, nic) for nic, ip in self.nics.items()]
@@ -57,10 +61,19 @@ class Worker:
         if op == "transfer":
             return measure.transfer(measure.Target.from_dict(req["target"]), req["seconds"])
         if op == "drill":
-            return drill.run_drill(
-                req["nic"], req["node_ip"], req["peer_ip"], req["port"], req["run"], req["timeout_s"]
-            )
+            peers = [(name, ip, int(port)) for name, ip, port in req["peers"]]
+            return drill.run_drill(req["nic"], req["node_ip"], peers, req["run"], req["timeout_s"], self.peer_paths)
         return {"error": f"unknown request {op!r}"}
+
+    def peer_paths(self, peer: str) -> dict[str, str]:
+        """LinkPass's state of each path to ``peer`` (rail -> alive, holddown, dead: ...), from the daemon."""
+        try:
+            with DaemonClient.from_config(self.daemon_cfg, self.node) as client:
+                paths = (client.status().get("linkpass") or {}).get("paths") or {}
+        except ClockworkError as exc:
+            log.warning("node %s: cannot read LinkPass's paths: %s", self.node, exc)
+            return {}
+        return {str(k): str(v) for k, v in (paths.get(peer) or {}).items()}
 
     def close(self) -> None:
         self.echo.close()
@@ -73,7 +86,7 @@ def serve(driver: str, key: JobKey) -> int:
     node = os.environ.get("SLURMD_NODENAME") or local_node_name(cfg.daemon)
     fabric = FabricMap.load(expand(cfg.linkpass.fabric_file, node))
     me = fabric.node(node)
-    worker = Worker(node, fabric, node_report(cfg, node, dict(me.nics), me.addr))
+    worker = Worker(node, fabric, node_report(cfg, node, dict(me.nics), me.addr), cfg.daemon)
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.linger = 1000
