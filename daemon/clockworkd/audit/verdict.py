@@ -190,7 +190,7 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
                 by_link[nic_id][direction] = score
         for nic_id, dirs in sorted(by_link.items()):
             paths = {d: per_dir[(nic_id, d)] for d in dirs}
-            ambiguous = all(len(v) < 2 for v in paths.values())
+            ambiguous = len(rails.get(_nic_of(nic_id), ())) < 3
             f.add(check, nic_id, describe(nic_id, dirs), directions=dirs, paths=paths, ambiguous=ambiguous)
 
     # loss: both directions of every path, each crossing two link directions
