@@ -53,9 +53,8 @@ def run_job(out: Path, backend: str, steps: int, migrate_at: int | None) -> dict
                         env=env, capture_output=True, text=True, timeout=60,
                     )  # fmt: skip
                     migrated_at = int(progress[0])
-                    print(
-                        f"migrate at step {migrated_at}: exit {ask.returncode} {ask.stdout.strip()} {ask.stderr.strip()}"
-                    )
+                    said = f"{ask.stdout.strip()} {ask.stderr.strip()}"
+                    print(f"migrate at step {migrated_at}: exit {ask.returncode} {said}")
             time.sleep(0.01)
         rc = proc.wait()
     finally:
