@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from clockworkd import __version__
+from clockworkd.cli.audit_cmd import audit
 from clockworkd.cli.config_cmd import config
 from clockworkd.cli.context import CliContext, parse_sets
 from clockworkd.cli.demo_cmd import demo
@@ -69,6 +70,7 @@ cli.add_command(lens)
 cli.add_command(migrate)
 cli.add_command(simulate_cmd, name="simulate")
 cli.add_command(report)
+cli.add_command(audit)
 
 
 def run(argv: Sequence[str]) -> int:

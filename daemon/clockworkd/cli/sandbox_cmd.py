@@ -124,8 +124,9 @@ def exec(state: CliContext, node: str, command: tuple[str, ...]) -> None:
 @sandbox.command(
     epilog="\b\nExamples:\n  clockwork sandbox fault link node2 nic0 down\n"
     "  clockwork sandbox fault loss node1 nic1 1\n"
-    "  clockwork sandbox fault rate node3 nic0 100mbit\n  clockwork sandbox fault gpu node2 0 temp 95\n"
-    "  clockwork sandbox fault gpu node2 0 clear\n  clockwork sandbox fault clear"
+    "  clockwork sandbox fault rate node3 nic0 100mbit\n  clockwork sandbox fault mtu node2 nic1 1000\n"
+    "  clockwork sandbox fault gpu node2 0 temp 95\n  clockwork sandbox fault gpu node2 0 clear\n"
+    "  clockwork sandbox fault clear"
 )
 @click.argument("kind", type=click.Choice([*KINDS, "node", "gpu", "clear"]))
 @click.argument("node", required=False)
@@ -144,6 +145,7 @@ def fault(
     blackhole NODE NIC on|off    switch port stops forwarding, carrier stays up (gray failure)
     loss NODE NIC PERCENT        random drops both ways (0 = none)
     rate NODE NIC RATE|off       token-bucket limit both ways, e.g. 100mbit
+    mtu NODE NIC MTU             the switch port's MTU (1500 = the fabric's, clears it)
     node NODE crash|restore      the whole node dies (every process killed, links dark) / comes back empty
     gpu NODE INDEX temp C        the node's daemon reads its GPU INDEX at C degrees (slowdown 90, shutdown 100)
     gpu NODE INDEX ecc N         ... with N volatile uncorrected ECC errors

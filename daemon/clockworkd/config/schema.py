@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from clockworkd.audit.settings import AuditConfig
 from clockworkd.config_fields import setting
 from clockworkd.gpuhealth.settings import HealthConfig
 from clockworkd.lens.settings import LensConfig
@@ -166,6 +167,7 @@ class ClockworkConfig:
     linkpass: LinkPassConfig = field(default_factory=LinkPassConfig)
     lens: LensConfig = field(default_factory=LensConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
