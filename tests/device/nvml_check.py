@@ -4,7 +4,7 @@ What it does, against the real driver:
 
 1. opens the NVML source the daemon uses (:class:`clockworkd.gpuhealth.nvml.NvmlSource`) and reads every GPU
    once, printing every value and which fields the GPU/driver does not support;
-2. keeps reading every 0.5 s for ``--seconds`` (default 5), which drains the XID event set each time (so the
+2. waits 1 s on the XID event set (a real blocking wait), then keeps reading every 0.5 s for ``--seconds`` (default 5), which drains the XID event set each time (so the
    event wait path runs against the real driver), and judges each reading with the default ``[health]``
    policy, printing any signal it raises;
 3. asserts the readings are sane: at least one GPU; none lost or unreadable; a UUID; temperature > 0 C and below
@@ -71,6 +71,22 @@ def check_reading(r: GpuReading) -> list[str]:
         if value is not None and (type(value) is not int or value < 0):
             bad.append(f"gpu{r.index}: {name} = {value!r}")
     return bad
+
+
+def blocking_event_wait(source: NvmlSource) -> list[str]:
+    """One real 1 s wait on the XID event set (the daemon only polls it): a timeout or an event, nothing else."""
+    nv, events = source.nvml, getattr(source, "_events", None)
+    if nv is None or events is None:
+        return [] if nv is None else ["no XID event set was created"]
+    began = time.monotonic()
+    try:
+        data = nv.nvmlEventSetWait_v2(events, 1000)
+        print(f"event wait: XID {int(data.eventData)} (type {int(data.eventType):#x})")
+    except nv.NVMLError as exc:
+        if getattr(exc, "value", None) != nv.NVML_ERROR_TIMEOUT:
+            return [f"event wait failed: {exc}"]
+        print(f"event wait: timeout after {time.monotonic() - began:.2f} s (no XID: expected on a healthy GPU)")
+    return []
 
 
 def show(r: GpuReading) -> None:
@@ -163,6 +179,7 @@ def main() -> int:
     for r in first:
         show(r)
         failures += check_reading(r)
+    failures += blocking_event_wait(source)
     policy = _policy()
     signals: list[dict[str, Any]] = []
     for change in policy.evaluate(first, time.time()):
