@@ -4,9 +4,9 @@ What it does, against the real driver:
 
 1. opens the NVML source the daemon uses (:class:`clockworkd.gpuhealth.nvml.NvmlSource`) and reads every GPU
    once, printing every value and which fields the GPU/driver does not support;
-2. waits 1 s on the XID event set (a real blocking wait), then keeps reading every 0.5 s for ``--seconds`` (default 5), which drains the XID event set each time (so the
-   event wait path runs against the real driver), and judges each reading with the default ``[health]``
-   policy, printing any signal it raises;
+2. waits 1 s on the XID event set (a real blocking wait), then keeps reading every 0.5 s for ``--seconds``
+   (default 5), which drains the XID event set each time (the daemon's non-blocking path, against the real
+   driver), and judges each reading with the default ``[health]`` policy, printing any signal it raises;
 3. asserts the readings are sane: at least one GPU; none lost or unreadable; a UUID; temperature > 0 C and below
    the GPU's own slowdown threshold; the slowdown threshold read (and the shutdown threshold above it when
    read); ECC counters non-negative integers where reported; no exception from unsupported fields;
