@@ -418,6 +418,9 @@ class FakeNvml:
     def nvmlDeviceGetTemperature(self, handle: str, sensor: int) -> int:
         return 71
 
+    def nvmlDeviceGetTemperatureV(self, handle: str, sensor: int) -> int:
+        raise self.NVMLError(13)  # Function Not Found: a driver older than the binding
+
     def nvmlDeviceGetTemperatureThreshold(self, handle: str, which: int) -> int:
         if which == self.NVML_TEMPERATURE_THRESHOLD_SHUTDOWN:
             raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
@@ -456,6 +459,7 @@ def test_nvml_readings_through_a_stand_in() -> None:
         None,
     )
     assert "shutdown threshold" in gpu0.unsupported
+    assert "temperature (V)" in gpu0.unsupported  # the older call answered instead
     assert gpu0.throttle == ("thermal", "power_brake")
     assert (gpu0.ecc_corrected, gpu0.ecc_uncorrected, gpu0.ecc_aggregate_uncorrected) == (3, 1, 4)
     assert (gpu0.rows_pending, gpu0.rows_remap_failed) == (True, False)

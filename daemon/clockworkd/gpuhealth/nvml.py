@@ -168,7 +168,12 @@ class NvmlSource:
         reading = GpuReading(index=index)
         reading.uuid = _text(self._field(reading, "uuid", nv.nvmlDeviceGetUUID, handle) or "")
         reading.name = _text(self._field(reading, "name", nv.nvmlDeviceGetName, handle) or "")
-        temp = self._field(reading, "temperature", nv.nvmlDeviceGetTemperature, handle, nv.NVML_TEMPERATURE_GPU)
+        sensor = nv.NVML_TEMPERATURE_GPU
+        temp = None
+        if hasattr(nv, "nvmlDeviceGetTemperatureV"):  # the current call; the plain one goes away in CUDA 14
+            temp = self._field(reading, "temperature (V)", nv.nvmlDeviceGetTemperatureV, handle, sensor)
+        if temp is None:
+            temp = self._field(reading, "temperature", nv.nvmlDeviceGetTemperature, handle, sensor)
         reading.temperature_c = None if temp is None else float(temp)
         for attr, const in (("slowdown_c", "SLOWDOWN"), ("shutdown_c", "SHUTDOWN")):
             value = self._field(
