@@ -70,6 +70,18 @@ def prolog(ctx: HookContext, loaded: LoadedConfig) -> int:
     return 0
 
 
+def give_back(client: DaemonClient, ctx: HookContext) -> None:
+    """The job ended: its borrowed nodes go back to the preempted work (every node's Epilog asks; the first
+    one cancels the holder allocations, the others find none). Recorded as ``borrow.released`` events."""
+    try:
+        released = client.borrow_release(ctx.job_id, why=f"job {ctx.job_id} ended")
+    except ClockworkError as exc:  # borrowing off on this node: nothing was borrowed through it
+        log.info("job %d: no borrowed node given back on %s: %s", ctx.job_id, ctx.node, exc)
+        return
+    if released:
+        log.info("job %d: gave back borrowed node(s), holder job(s) %s", ctx.job_id, released)
+
+
 def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     """Gather the job's events, unregister it, write the report; the head node sets the AdminComment."""
     cfg = loaded.config
@@ -78,6 +90,8 @@ def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     if check.ok:
         with DaemonClient.from_config(cfg.daemon) as client:
             try:
+                if ctx.options.get("spares") == "borrow":
+                    give_back(client, ctx)
                 job_events = client.job_events(ctx.job_id)
                 client.unregister_job(ctx.job_id)
             except ClockworkError as exc:

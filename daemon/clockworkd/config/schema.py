@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from clockworkd.borrow.settings import BorrowConfig
 from clockworkd.config_fields import setting
 from clockworkd.lens.settings import LensConfig
 from linkpass.settings import LinkPassConfig
@@ -164,6 +165,7 @@ class ClockworkConfig:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     linkpass: LinkPassConfig = field(default_factory=LinkPassConfig)
     lens: LensConfig = field(default_factory=LensConfig)
+    borrow: BorrowConfig = field(default_factory=BorrowConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
