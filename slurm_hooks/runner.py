@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from clockworkd.borrow.comments import with_borrowed
 from clockworkd.client import DaemonClient
 from clockworkd.config import LoadedConfig, load_config
 from clockworkd.daemon_paths import DaemonPaths
@@ -102,7 +103,11 @@ def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     log.info("job %d: %s", ctx.job_id, line)
     nodes = expand_hostlist(ctx.nodelist)
     if nodes and nodes[0] == ctx.node:  # one AdminComment per job: the first node of the allocation writes it
-        from_config(cfg.slurm).set_admin_comment(ctx.job_id, line)
+        backend = from_config(cfg.slurm)
+        if ctx.options.get("spares") == "borrow":  # keep what the borrow wrote (which nodes, from which jobs)
+            live = backend.job(ctx.job_id)
+            line = with_borrowed(line, live.admin_comment if live is not None else "")
+        backend.set_admin_comment(ctx.job_id, line)
 
 
 def handle(ctx: HookContext, loaded: LoadedConfig) -> int:

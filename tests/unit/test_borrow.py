@@ -329,6 +329,7 @@ def test_a_borrow_submits_a_pinned_holder_and_records_both_sides(fake: FakeSlurm
     comments = [c for c in fake.calls("scontrol") if "AdminComment" in c]
     assert any("JobId=500" in c and f"preempted for job {TRAIN}" in c for c in comments), comments
     assert any("JobId=900" in c and "preempted job 500" in c for c in comments), comments
+    assert any(f"JobId={TRAIN}" in c and "clockwork-borrowed: node5 from job 500 (holder 900)" in c for c in comments)
     ((job_id, kind, fields),) = events
     assert (job_id, kind, fields["from_job"], fields["node"], fields["holder"]) == (
         TRAIN,
@@ -477,3 +478,17 @@ def test_the_owners_borrow_is_recorded_in_the_jobs_events(daemon: Daemon, fake: 
     acquired = [e for e in events if e["kind"] == "borrow.acquired"]
     assert acquired and acquired[0]["fields"]["from_job"] == 500
     assert f"--uid={OWNER.pw_uid}" in fake.calls("sbatch")[0].split()
+
+
+def test_the_training_jobs_comment_keeps_its_borrows_through_the_epilog() -> None:
+    from clockworkd.borrow.comments import add_borrowed, borrowed_part, with_borrowed
+
+    once = add_borrowed("", "node5", 500, 900)
+    twice = add_borrowed(once, "node6", 501, 901)
+    assert twice == "clockwork-borrowed: node5 from job 500 (holder 900), node6 from job 501 (holder 901)"
+    assert borrowed_part(f"other note; {twice}") == twice
+    summary = "clockwork: 0 link failovers, 0 migrations, 0 rollbacks; report=/r/100.json"
+    assert with_borrowed(summary, f"x; {once}") == (
+        f"clockwork: 0 link failovers, 0 migrations, 0 rollbacks; {once}; report=/r/100.json"
+    )
+    assert with_borrowed(summary, "") == summary

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clockworkd.borrow.candidates import HOLDER_PREFIX, UNUSABLE_NODE_STATES, QueueJob, choose, holders_of, why_not
+from clockworkd.borrow.comments import add_borrowed, preempted_comment
 from clockworkd.borrow.settings import BorrowConfig, names
 from clockworkd.borrow.slurm_ops import BorrowSlurm, HolderSpec
 from clockworkd.errors import SlurmError
@@ -278,10 +279,11 @@ class BorrowManager:
         t_running = self.clock()
         req.timings["preempt_ms"] = _ms(t_submitted, t_running)
         after = self.slurm.job(victim.job_id)
-        comment = f"clockwork: preempted for job {req.job_id} (node {choice.node} held by job {req.holder})"
+        mine = self.slurm.job(req.job_id)
         for job_id, text in (
-            (victim.job_id, comment),
+            (victim.job_id, preempted_comment(req.job_id, choice.node, req.holder)),
             (req.holder, f"clockwork: holds {choice.node} for job {req.job_id}, preempted job {victim.job_id}"),
+            (req.job_id, add_borrowed(mine.admin_comment if mine else "", choice.node, victim.job_id, req.holder)),
         ):
             try:
                 self.slurm.set_admin_comment(job_id, text)
