@@ -163,6 +163,10 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
         },
         # Fleet Lens names the sandbox's real switch ports (the bridge ports in the fabric namespace).
         "lens": {"topology_file": str(paths.topology)},
+        # Borrowed spares: work in the default partition 'low' may be preempted (requeued) by a holder in
+        # 'high' (PriorityTier 10 over the same nodes, PreemptType=preempt/partition_prio above). Only jobs
+        # submitted with --clockwork-spares=borrow ever ask; nothing else changes.
+        "borrow": {"enabled": True, "partitions": "low", "method": "partition_prio", "holder_partition": "high"},
         "sandbox": {"state_dir": str(state_dir)},
     }
     lines = ["# Written by `clockwork sandbox up`."]
