@@ -64,12 +64,23 @@ class BorrowDaemon(Protocol):
     def close(self) -> None: ...
 
 
+def _passed_to_guest(name: str) -> bool:
+    """Not the training step's Slurm variables (they would contradict ``--jobid=HOLDER``), and not the job's
+    ``--clockwork-*`` options (``CLOCKWORK_FT``, ...): srun's SPANK plugin reads those as options, and the
+    holder's step is no Clockwork job step of its own. CLOCKWORK_CONFIG stays (the rank reads it)."""
+    if name.startswith(("SLURM_", "SPANK_")):
+        return name in _KEEP_SLURM
+    if name.startswith("CLOCKWORK_"):
+        return name == "CLOCKWORK_CONFIG"
+    return True
+
+
 def guest_environment(
     environ: Mapping[str, str], *, job_id: int, endpoints: Sequence[str], world_size: int, key_hex: str
 ) -> dict[str, str]:
     """The guest step's environment: the agent's, minus the training step's Slurm variables, plus the job's
     coordinator endpoints and key."""
-    env = {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k in _KEEP_SLURM}
+    env = {k: v for k, v in environ.items() if _passed_to_guest(k)}
     env.update(
         {
             ENV_GUEST_ENDPOINTS: ",".join(endpoints),

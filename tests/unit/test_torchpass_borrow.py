@@ -66,13 +66,26 @@ class FakeDaemon:
 
 def test_the_guest_step_gets_the_jobs_key_and_replicas_but_not_the_training_steps_slurm_variables() -> None:
     env = guest_environment(
-        {"SLURM_JOB_ID": "100", "SLURM_STEP_ID": "3", "SLURM_CONF": "/etc/slurm.conf", "PATH": "/bin", "HOME": "/h"},
+        {
+            "SLURM_JOB_ID": "100",
+            "SLURM_STEP_ID": "3",
+            "SLURM_CONF": "/etc/slurm.conf",
+            "SLURM_SPANK_CLOCKWORK_FT": "on",
+            "CLOCKWORK_FT": "on",
+            "CLOCKWORK_SPARES": "borrow",
+            "CLOCKWORK_CONFIG": "/etc/clockwork/clockwork.toml",
+            "PATH": "/bin",
+            "HOME": "/h",
+        },
         job_id=100,
         endpoints=["tcp://10.0.0.2:21001", "tcp://10.0.0.1:21001"],
         world_size=4,
         key_hex="ab" * 32,
     )
-    assert "SLURM_JOB_ID" not in env and "SLURM_STEP_ID" not in env
+    assert not {"SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_SPANK_CLOCKWORK_FT", "CLOCKWORK_FT", "CLOCKWORK_SPARES"} & set(
+        env
+    )
+    assert env["CLOCKWORK_CONFIG"] == "/etc/clockwork/clockwork.toml"
     assert (env["SLURM_CONF"], env["PATH"], env["TORCHPASS_JOB_KEY"]) == ("/etc/slurm.conf", "/bin", "ab" * 32)
     assert env["TORCHPASS_GUEST_ENDPOINTS"] == "tcp://10.0.0.2:21001,tcp://10.0.0.1:21001"
     assert (env["TORCHPASS_GUEST_WORLD"], env["TORCHPASS_GUEST_JOB"]) == ("4", "100")
