@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from torchpass.auth import ENV_JOB_KEY
 from torchpass.events import EventSink, emit
 
 __all__ = [
@@ -86,7 +87,7 @@ def guest_environment(
             ENV_GUEST_ENDPOINTS: ",".join(endpoints),
             ENV_GUEST_WORLD: str(world_size),
             ENV_GUEST_JOB: str(job_id),
-            "TORCHPASS_JOB_KEY": key_hex,
+            ENV_JOB_KEY: key_hex,
         }
     )
     return env
