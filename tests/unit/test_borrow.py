@@ -193,7 +193,9 @@ class FakeSlurm:
         self.queue = tmp_path / "queue.json"
         self.after = tmp_path / "after.json"
         q = shlex.quote
-        self._add("squeue", f"cat {q(str(self.queue))}")
+        self.steps = tmp_path / "steps.txt"
+        self.steps.write_text("900.batch\n")
+        self._add("squeue", f'case "$1" in --json) cat {q(str(self.queue))} ;; *) cat {q(str(self.steps))} ;; esac')
         self._add("sbatch", f"[ -f {q(str(self.after))} ] && cp {q(str(self.after))} {q(str(self.queue))}\necho 900")
         self._add("scontrol", "exit 0")
         self._add("scancel", "exit 0")
@@ -492,3 +494,42 @@ def test_the_training_jobs_comment_keeps_its_borrows_through_the_epilog() -> Non
         f"clockwork: 0 link failovers, 0 migrations, 0 rollbacks; {once}; report=/r/100.json"
     )
     assert with_borrowed(summary, "") == summary
+
+
+def test_node_status_shows_counts_only(fake: FakeSlurm) -> None:
+    from clockworkd.cli.node_cmd import _borrow_line
+
+    fake.set_queue(BEFORE, AFTER)
+    manager, _ = _manager(fake)
+    manager.request(_training(), by="uid 0 pid 1")
+    status = manager.status()
+    assert status == {"enabled": True, "give_back": "job_end", "held": 1, "requests": 1, "failed": 0}
+    assert _borrow_line(status) == "on; 1 node(s) held now, 1 request(s) (0 failed); give back at job_end"
+    assert _borrow_line({"enabled": False, "state": "disabled ([borrow] enabled = false)"}).startswith("off (disabled")
+
+
+def test_node_return_gives_back_once_the_home_node_is_back_and_the_guest_left(fake: FakeSlurm) -> None:
+    fake.set_queue(BEFORE, AFTER)
+    cfg = BorrowConfig(enabled=True, partitions="low", holder_partition="high", give_back="node_return")
+    manager, events = _manager(fake, cfg)
+    manager.request(_training(), by="uid 0 pid 1", lost_node="node3")
+    nodes = json.loads((fake.dir / "sinfo.json").read_text())
+
+    def node3(state: str, flags: list[str]) -> None:
+        for n in nodes["nodes"]:
+            if n["name"] == "node3":
+                n["state"], n["state_flags"] = state, flags
+        (fake.dir / "sinfo.json").write_text(json.dumps(nodes))
+
+    node3("down", ["NOT_RESPONDING"])
+    manager._watch()
+    assert fake.calls("scancel") == []  # the home node is still down
+    node3("idle", [])
+    fake.steps.write_text("900.batch\n900.0\n")
+    manager._watch()
+    assert fake.calls("scancel") == []  # back, but the replacement rank still runs in the holder
+    fake.steps.write_text("900.batch\n")
+    manager._watch()
+    assert fake.calls("scancel") == ["scancel 900"]
+    manager.drain()
+    assert events[-1][1] == "borrow.released" and "node3 is back" in events[-1][2]["why"]

@@ -448,14 +448,15 @@ class BorrowManager:
             threading.Thread(target=self._watch, name="borrow-watch", daemon=True).start()
 
     def status(self) -> dict[str, Any]:
-        """What ``clockwork node status`` shows: the policy's switch and the nodes held now."""
+        """What ``clockwork node status`` shows: counts only (any local user may ask; job ids are private)."""
         with self._lock:
             reqs = list(self._requests.values())
         return {
             "enabled": self.cfg.enabled,
             "give_back": self.cfg.give_back,
-            "held": [r.to_dict() for r in reqs if r.state == ACQUIRED],
+            "held": sum(1 for r in reqs if r.state == ACQUIRED),
             "requests": len(reqs),
+            "failed": sum(1 for r in reqs if r.state == FAILED),
         }
 
     def close(self) -> None:
