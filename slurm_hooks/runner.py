@@ -105,8 +105,11 @@ def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     if nodes and nodes[0] == ctx.node:  # one AdminComment per job: the first node of the allocation writes it
         backend = from_config(cfg.slurm)
         if ctx.options.get("spares") == "borrow":  # keep what the borrow wrote (which nodes, from which jobs)
-            live = backend.job(ctx.job_id)
-            line = with_borrowed(line, live.admin_comment if live is not None else "")
+            try:
+                live = backend.job(ctx.job_id)
+                line = with_borrowed(line, live.admin_comment if live is not None else "")
+            except ClockworkError as exc:  # the summary is still worth writing
+                log.warning("job %d: its borrowed-node note is not kept: %s", ctx.job_id, exc)
         backend.set_admin_comment(ctx.job_id, line)
 
 

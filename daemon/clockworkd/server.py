@@ -678,11 +678,16 @@ class Daemon:
             raise ProtocolError(FORBIDDEN, f"borrow for job {job.job_id} refused: {exc}") from None
 
     def _op_borrow_status(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
-        return self._borrower().requests_of(args["job_id"], args.get("request"))
+        manager = self._borrower()
+        manager.drain()  # an outcome the requester sees is already in the job's events
+        return manager.requests_of(args["job_id"], args.get("request"))
 
     def _op_borrow_release(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         why = args.get("why") or f"released by {caller.describe()}"
-        return {"released": self._borrower().release(args["job_id"], why)}
+        manager = self._borrower()
+        released = manager.release(args["job_id"], why)
+        manager.drain()  # recorded before the answer: the Epilog gathers the job's events right after
+        return {"released": released}
 
     def record_event(self, job_id: int, kind: str, fields: dict[str, Any]) -> None:
         """Record an event of this node's own making (a borrow's outcome) and publish it."""

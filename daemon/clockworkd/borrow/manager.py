@@ -169,6 +169,8 @@ class BorrowManager:
         allowed = names(cfg.allow_users)
         if allowed and job.user not in allowed:
             return f"user {job.user} may not borrow nodes ([borrow] allow_users = {cfg.allow_users!r})"
+        if cfg.max_nodes_per_job == 0:
+            return "no job may borrow nodes on this cluster ([borrow] max_nodes_per_job = 0)"
         held = self.active(job.job_id)
         if len(held) >= cfg.max_nodes_per_job:
             return (
@@ -290,9 +292,7 @@ class BorrowManager:
             except (SlurmError, ValueError) as exc:
                 log.warning("job %d: AdminComment of job %d not written: %s", req.job_id, job_id, exc)
         req.timings["total_ms"] = _ms(t0, self.clock())
-        with self._lock:
-            req.state = ACQUIRED
-        self._emit(
+        self._emit(  # before the state changes: whoever sees 'acquired' finds the event recorded
             req.job_id,
             "borrow.acquired",
             {
@@ -312,6 +312,8 @@ class BorrowManager:
                 **req.timings,
             },
         )
+        with self._lock:
+            req.state = ACQUIRED
 
     def _check_allowed(self, me: QueueJob) -> None:
         accounts, partitions = names(self.cfg.allow_accounts), names(self.cfg.allow_partitions)
@@ -347,13 +349,13 @@ class BorrowManager:
 
     def _finish(self, req: BorrowRequest, state: str, reason: str, t0: float, kind: str = "borrow.failed") -> None:
         req.timings["total_ms"] = _ms(t0, self.clock())
-        with self._lock:
-            req.state, req.reason = state, reason
         log.warning("job %d (node %s): borrow request %d failed: %s", req.job_id, self.node, req.request, reason)
         fields: dict[str, Any] = {"request": req.request, "reason": reason, "lost_node": req.lost_node, **req.timings}
         if req.holder:
             fields["holder"] = req.holder
-        self._emit(req.job_id, kind, fields)
+        self._emit(req.job_id, kind, fields)  # before the state changes (see above)
+        with self._lock:
+            req.state, req.reason = state, reason
 
     # ----- give-back -----------------------------------------------------------------------------
 
