@@ -533,3 +533,18 @@ def test_node_return_gives_back_once_the_home_node_is_back_and_the_guest_left(fa
     assert fake.calls("scancel") == ["scancel 900"]
     manager.drain()
     assert events[-1][1] == "borrow.released" and "node3 is back" in events[-1][2]["why"]
+
+
+def test_a_failed_borrow_is_not_retried_at_once(fake: FakeSlurm, monkeypatch: pytest.MonkeyPatch) -> None:
+    from clockworkd.borrow import manager as manager_module
+
+    fake.set_queue([BEFORE[0]])  # nothing to borrow
+    manager, _ = _manager(fake)
+    manager.request(_training(), by="uid 0 pid 1")
+    calls = len(fake.calls())
+    with pytest.raises(BorrowRefused, match="last borrow failed moments ago"):
+        manager.request(_training(), by="uid 0 pid 1")
+    assert len(fake.calls()) == calls  # the controller was not asked again
+    monkeypatch.setattr(manager_module, "RETRY_AFTER_S", 0.0)
+    manager.request(_training(), by="uid 0 pid 1")
+    assert len(fake.calls()) > calls

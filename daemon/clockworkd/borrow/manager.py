@@ -50,6 +50,9 @@ log = logging.getLogger("clockwork.daemon.borrow")
 
 PENDING, ACQUIRED, FAILED, RELEASED = "pending", "acquired", "failed", "released"
 WATCH_INTERVAL_S = 5.0
+#: After a failed request, the same job's next one waits this long: every request costs slurmctld a full
+#: queue listing, and a job looping on "no node" must not turn into a load on the controller.
+RETRY_AFTER_S = 5.0
 
 Recorder = Callable[[int, str, dict[str, Any]], None]
 
@@ -74,6 +77,7 @@ class BorrowRequest:
     preempted: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     requested_at: float = field(default_factory=time.time)
+    ended_at: float = 0.0  # monotonic, when it failed
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -169,6 +173,11 @@ class BorrowManager:
         allowed = names(cfg.allow_users)
         if allowed and job.user not in allowed:
             return f"user {job.user} may not borrow nodes ([borrow] allow_users = {cfg.allow_users!r})"
+        with self._lock:
+            ended = [r.ended_at for r in self._requests.values() if r.job_id == job.job_id and r.state == FAILED]
+        wait = max(ended, default=0.0) + RETRY_AFTER_S - time.monotonic()
+        if wait > 0:
+            return f"job {job.job_id}'s last borrow failed moments ago: ask again in {wait:.1f} s"
         if cfg.max_nodes_per_job == 0:
             return "no job may borrow nodes on this cluster ([borrow] max_nodes_per_job = 0)"
         held = self.active(job.job_id)
@@ -355,7 +364,7 @@ class BorrowManager:
             fields["holder"] = req.holder
         self._emit(req.job_id, kind, fields)  # before the state changes (see above)
         with self._lock:
-            req.state, req.reason = state, reason
+            req.state, req.reason, req.ended_at = state, reason, time.monotonic()
 
     # ----- give-back -----------------------------------------------------------------------------
 
