@@ -29,7 +29,8 @@ class BorrowConfig:
     enabled: bool = setting(
         False,
         "Let the node daemons borrow nodes for --clockwork-spares=borrow jobs. Off: every borrow request is "
-        "refused (the job falls back or fails at once, with this reason).",
+        "refused (the job falls back or fails at once, with this reason). Whether such jobs may be submitted "
+        "at all is the SPANK plugin's allow_borrow (plugstack.conf).",
     )
     partitions: str = setting(
         "",
