@@ -97,6 +97,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the training script (it calls torchpass.init())")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
+    guest = commands.add_parser(
+        "guest",
+        help="(internal) the replacement rank's agent on a borrowed node",
+        description="Started by a --clockwork-spares=borrow job's agent into the holder allocation on a borrowed "
+        "node (srun --jobid=HOLDER --overlap): runs SCRIPT as a spare of the training job's coordinator. Not "
+        "for use by hand.",
+    )
+    guest.add_argument("script", help="the training script")
+    guest.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
     migrate = commands.add_parser(
         "migrate",
         help="move a rank to a spare at its next step boundary",
@@ -166,6 +176,19 @@ def _cmd_run_slurm(args: argparse.Namespace, script_args: list[str]) -> int:
         return EXIT_USAGE
 
 
+def _cmd_guest(args: argparse.Namespace) -> int:
+    from torchpass.guest import GuestAgent
+    from torchpass.slurm_layout import SlurmLayoutError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[guest]: %(message)s")
+    script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    try:
+        return GuestAgent(args.script, script_args, TorchPassConfig.from_env()).run()
+    except SlurmLayoutError as exc:
+        print(f"{PROG} guest: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
 def _request(target: str, op: str, **fields: Any) -> dict[str, Any]:
     """One request; a passive replica's redirect to the leader is followed (Slurm mode).
 
@@ -228,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "migrate":
             return _cmd_migrate(args)
+        if args.command == "guest":
+            return _cmd_guest(args)
         return _cmd_status(args)
     except (ConfigError, JobKeyError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)

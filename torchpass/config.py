@@ -109,6 +109,18 @@ class TorchPassConfig:
     spare_timeout_s: float = _setting(
         600.0, "How long a vacant slot may wait for a spare before the job is declared failed.", min=0.1
     )
+    borrow_fallback: str = _setting(
+        "fail",
+        "--clockwork-spares=borrow, when no node can be borrowed: 'fail' fails the job at once with the reason; "
+        "'wait' waits for a standby spare (--spares) until spare_timeout_s.",
+        choices=("fail", "wait"),
+    )
+    borrow_timeout_s: float = _setting(
+        120.0,
+        "--clockwork-spares=borrow: how long one borrow (node daemon + Slurm preemption) may take before it "
+        "counts as failed; keep it above the cluster's GraceTime and [borrow] timeout_s.",
+        min=1.0,
+    )
     max_failures: int = _setting(
         32, "Member failures the job survives; one more fails the job (stops a crash loop).", min=0
     )

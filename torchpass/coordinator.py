@@ -235,6 +235,12 @@ class Coordinator(SocketThread):
         self._inbox.put(("takeover", (snapshot, set(dead_agents), dict(hints), why, at)))
         self._wake()
 
+    def fail_now(self, reason: str) -> None:
+        """Fail the job at once with ``reason`` (thread-safe): e.g. no node could be borrowed and the user did
+        not allow waiting for a standby spare, so waiting out ``spare_timeout_s`` would only hide the reason."""
+        self._inbox.put(("fail", reason))
+        self._wake()
+
     def step_down(self, leader: str) -> None:
         """Become passive again (thread-safe): another replica won the leadership."""
         self._inbox.put(("step_down", leader))
@@ -301,6 +307,9 @@ class Coordinator(SocketThread):
                 self.workers.setdefault(wid, _Worker(wid=wid, role=role))
             elif kind == "takeover":
                 self._take_over(*payload)
+            elif kind == "fail":
+                if self.active:
+                    self._fail(str(payload))
             elif kind == "step_down":
                 if self.active:
                     log.warning("another replica leads (%s): this one turns passive", payload)

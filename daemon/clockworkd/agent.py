@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from clockworkd import __version__
+from clockworkd.borrow.host import start_borrow
 from clockworkd.config import load_config
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
@@ -56,6 +57,7 @@ def agent(config_path: Path | None, check_config: bool, foreground: bool) -> Non
         loaded.config.lens, loaded.config.linkpass, paths, daemon, gray=None if isinstance(linkpass, str) else linkpass
     )
     daemon.components["health"] = start_health(loaded.config.health, paths, daemon)
+    daemon.components["borrow"] = start_borrow(loaded.config.borrow, loaded.config.slurm, daemon)
     daemon.serve()
 
 

@@ -198,6 +198,27 @@ class DaemonClient:
                 return out
             after = reply["events"][-1]["seq"]
 
+    def borrow(self, job_id: int, lost_node: str = "") -> dict[str, Any]:
+        """Ask for a borrowed node for ``job_id`` (its owner only); the reply carries the request to poll."""
+        fields: dict[str, Any] = {"job_id": job_id}
+        if lost_node:
+            fields["lost_node"] = lost_node
+        return self.request("borrow", **fields)
+
+    def borrow_status(self, job_id: int, request: int | None = None) -> list[dict[str, Any]]:
+        """The borrow requests of ``job_id`` on this node (one with ``request``)."""
+        fields: dict[str, Any] = {"job_id": job_id}
+        if request is not None:
+            fields["request"] = request
+        return list(self.request("borrow_status", **fields)["requests"])
+
+    def borrow_release(self, job_id: int, why: str = "") -> list[int]:
+        """Give back every node ``job_id`` borrowed (cancels its holder allocations); the holders cancelled."""
+        fields: dict[str, Any] = {"job_id": job_id}
+        if why:
+            fields["why"] = why[:256]
+        return list(self.request("borrow_release", **fields)["released"])
+
     def jobs(self) -> list[dict[str, Any]]:
         """The jobs registered on the node that the caller may see (all for root/SlurmUser)."""
         return self.request("jobs")["jobs"]

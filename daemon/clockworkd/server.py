@@ -44,6 +44,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from clockworkd import __version__
+from clockworkd.borrow.manager import BorrowManager, BorrowRefused
 from clockworkd.config.schema import DaemonConfig
 from clockworkd.curve_keys import CurveKeyError, load_daemon_keys
 from clockworkd.daemon_paths import DaemonPaths
@@ -76,7 +77,7 @@ BATCH = 64
 # Ops a peer daemon may send over TCP.
 PEER_OPS = frozenset({"ping", "post_event"})
 # Ops that act on one job; a non-privileged caller must own it.
-JOB_OPS = frozenset({"unregister_job", "post_event", "job_events"})
+JOB_OPS = frozenset({"unregister_job", "post_event", "job_events", "borrow", "borrow_status", "borrow_release"})
 ENDED_JOBS_IN_STATUS = 20
 # A job_events reply stops adding events past this many bytes (``more`` tells the client to page on).
 EVENTS_REPLY_BYTES = 8 * 1024 * 1024
@@ -181,6 +182,9 @@ class Daemon:
             "job_events": self._op_job_events,
             "lens": self._op_lens,
             "gpus": self._op_gpus,
+            "borrow": self._op_borrow,
+            "borrow_status": self._op_borrow_status,
+            "borrow_release": self._op_borrow_release,
         }
 
     # ----- life cycle -------------------------------------------------------------------------
@@ -672,6 +676,40 @@ class Daemon:
         )
         job = self._registry.get(args["job_id"])
         return {"job": job.to_dict() if job else None, "events": events, "more": more}
+
+    def _borrower(self) -> BorrowManager:
+        manager = self.components.get("borrow")
+        if not isinstance(manager, BorrowManager):
+            reason = manager if isinstance(manager, str) else "not configured on this node"
+            raise ProtocolError(FORBIDDEN, f"borrowing is not available on node {self.node}: {reason}")
+        return manager
+
+    def _op_borrow(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        job = self._registry.get(args["job_id"])
+        if job is None:
+            raise UnknownJobError(args["job_id"])
+        try:
+            return self._borrower().request(job, by=caller.describe(), lost_node=args.get("lost_node", ""))
+        except BorrowRefused as exc:
+            raise ProtocolError(FORBIDDEN, f"borrow for job {job.job_id} refused: {exc}") from None
+
+    def _op_borrow_status(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        manager = self._borrower()
+        manager.drain()  # an outcome the requester sees is already in the job's events
+        return manager.requests_of(args["job_id"], args.get("request"))
+
+    def _op_borrow_release(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        why = args.get("why") or f"released by {caller.describe()}"
+        manager = self._borrower()
+        released = manager.release(args["job_id"], why)
+        manager.drain()  # recorded before the answer: the Epilog gathers the job's events right after
+        return {"released": released}
+
+    def record_event(self, job_id: int, kind: str, fields: dict[str, Any]) -> None:
+        """Record an event of this node's own making (a borrow's outcome) and publish it."""
+        event = self._registry.append_event(job_id, kind, fields, by=f"clockworkd on {self.node}")
+        log.info("job %d (node %s): event %s #%d", job_id, self.node, kind, event["seq"])
+        self._publish(event)
 
     def emit_node_event(self, kind: str, fields: dict[str, Any], by: str) -> None:
         """Record a node-level event (a link failover) in every running job's log, and publish it."""

@@ -186,7 +186,7 @@ def test_unknown_section_in_file(tmp_path: Path) -> None:
     msg = str(err.value)
     assert msg.startswith(f"{path}: ")
     assert "unknown section [sandbx]" in msg
-    assert "known sections: log, slurm, hooks, daemon, linkpass, lens, health, audit, sandbox" in msg
+    assert "known sections: log, slurm, hooks, daemon, linkpass, lens, health, audit, borrow, sandbox" in msg
 
 
 def test_unknown_key_in_file(tmp_path: Path) -> None:
@@ -342,7 +342,7 @@ def test_parse_assignment_unknown_names() -> None:
     assert (
         str(err.value)
         == "--set: unknown section [bogus] (known sections: log, slurm, hooks, daemon, linkpass, lens, health, audit, "
-        "sandbox)"
+        "borrow, sandbox)"
     )
     with pytest.raises(ConfigError) as err:
         parse_assignment("sandbox.nodez=1")

@@ -115,6 +115,16 @@ def _health_line(health: dict[str, Any]) -> str:
     return f"on: {health.get('source', '?')}; " + (gpus or "no GPUs")
 
 
+def _borrow_line(b: dict[str, Any]) -> str:
+    """One line: whether this daemon borrows nodes, and how many it holds now."""
+    if not b.get("enabled"):
+        return f"off ({b.get('state', 'not reported')})"
+    return (
+        f"on; {b['held']} node(s) held now, {b['requests']} request(s) ({b['failed']} failed); "
+        f"give back at {b['give_back']}"
+    )
+
+
 @node.command()
 @click.option("--node", "node_name", metavar="NODE", help="Whose daemon (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the daemon's status reply).")
@@ -135,6 +145,7 @@ def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
     console.print(f"  linkpass:       {_linkpass_line(info.get('linkpass', {}))}")
     console.print(f"  lens:           {_lens_line(info.get('lens', {}))}")
     console.print(f"  gpu health:     {escape(_health_line(info.get('health', {})))}")
+    console.print(f"  borrow:         {_borrow_line(info.get('borrow', {}))}")
     console.print(f"  jobs:           {info['jobs_running']} running, {info['jobs_total']} known")
     counters = info.get("counters", {})
     console.print("  requests:       " + ", ".join(f"{k} {v}" for k, v in counters.items()))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from clockworkd.audit.settings import AuditConfig
+from clockworkd.borrow.settings import BorrowConfig
 from clockworkd.config_fields import setting
 from clockworkd.gpuhealth.settings import HealthConfig
 from clockworkd.lens.settings import LensConfig
@@ -168,6 +169,7 @@ class ClockworkConfig:
     lens: LensConfig = field(default_factory=LensConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
+    borrow: BorrowConfig = field(default_factory=BorrowConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 

@@ -170,6 +170,10 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
             "fault_file": str(gpu_faults.fault_file(paths.root / "nodes", "{node}")),
             "interval_s": 0.5,
         },
+        # Borrowed spares: work in the default partition 'low' may be preempted (requeued) by a holder in
+        # 'high' (PriorityTier 10 over the same nodes, PreemptType=preempt/partition_prio above). Only jobs
+        # submitted with --clockwork-spares=borrow ever ask; nothing else changes.
+        "borrow": {"enabled": True, "partitions": "low", "method": "partition_prio", "holder_partition": "high"},
         "sandbox": {"state_dir": str(state_dir)},
     }
     lines = ["# Written by `clockwork sandbox up`."]

@@ -178,6 +178,22 @@ class CliBackend:
             raise SlurmError(f"`{shlex.join(argv)}` printed no job id: {out.strip()!r}")
         return int(match.group(1))
 
+    def queue_json(self) -> dict[str, Any]:
+        """Every job slurmctld knows, as ``squeue --json`` prints it (the borrowing policy reads fields that
+        :class:`JobInfo` leaves out: account, QOS, start time, requeue)."""
+        argv = ["squeue", "--json"]
+        doc = self._json_query("squeue", argv)
+        if doc is None:
+            raise SlurmError("`squeue --json` is not usable with this Slurm: borrowing needs it")
+        errors = json_errors(doc)
+        if errors:
+            raise SlurmError(f"`{shlex.join(argv)}` reported: {'; '.join(m for _, m in errors)}")
+        return doc
+
+    def run_text(self, argv: Sequence[str]) -> str:
+        """Standard output of one client command (SlurmError when it fails or times out)."""
+        return self._run(argv).stdout
+
     def cancel(self, job_id: int) -> None:
         argv = ["scancel", str(job_id)]
         proc = self._run(argv, check=False)
