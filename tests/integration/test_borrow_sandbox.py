@@ -187,6 +187,18 @@ def _comment(box: Sandbox, job_id: int, needle: str) -> str:
     return comment
 
 
+def _runs(box: Sandbox, job_id: int) -> list[tuple[str, str]]:
+    """(state, AdminComment) of every run of a job, requeued ones included (``sacct --duplicates``)."""
+    out = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", f"--jobs={job_id}", "--format=State,AdminComment"],
+        env=slurm_env(box),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [tuple(line.split("|", 1)) for line in out.splitlines() if line]  # type: ignore[misc]
+
+
 def _log(box: Sandbox) -> str:
     path = box.paths.logs / "clockwork.log"
     return path.read_text(errors="replace") if path.exists() else ""
@@ -330,11 +342,15 @@ def test_node_crash_borrows_node5_from_the_low_job_and_gives_it_back(
     holder_info = slurm.job(holder)
     assert holder_info is None or holder_info.finished, holder_info
 
-    # sacct tells both sides of the story.
-    low_comment = _comment(box, low, f"preempted for job {job_id}")
-    assert low_comment == f"clockwork: preempted for job {job_id} (node node5 held by job {holder})", low_comment
+    # sacct tells both sides of the story: the low job's preempted run (its PREEMPTED record) says for whom.
+    expected = f"clockwork: preempted for job {job_id} (node node5 held by job {holder})"
+    runs = _runs(box, low)
+    assert [state for state, _ in runs] == ["PREEMPTED", "RUNNING"], runs
+    assert runs[0][1] == expected, runs
     train_comment = _comment(box, job_id, "clockwork-borrowed:")
     assert f"clockwork-borrowed: node5 from job {low} (holder {holder})" in train_comment, train_comment
     assert train_comment.startswith("clockwork: ") and "; report=" in train_comment, train_comment
     slurm.cancel(low)
     wait_job(box, low)
+    # the live job kept the comment too; slurmdbd gets it with the run's end
+    assert _comment(box, low, "preempted for job") == expected

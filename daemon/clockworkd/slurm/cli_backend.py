@@ -223,6 +223,14 @@ class CliBackend:
             argv = ["scontrol", "update", f"JobId={job_id}", f"AdminComment={text}"]
             proc = self._run(argv, check=False)
             if proc.returncode == 0:
+                if live.restart_count > 0:
+                    # slurmctld sends a live job's AdminComment to slurmdbd only when the job ends, and a requeued
+                    # job's earlier runs are slurmdbd records only: write the newest of those too (best effort;
+                    # measured on 22.05: without this, `sacct -D` shows the preempted run with no comment).
+                    db = ["sacctmgr", "-i", "modify", "job", "where", f"JobID={job_id}", "set", f"AdminComment={text}"]
+                    done = self._run(db, check=False)
+                    if done.returncode != 0:
+                        _log.info("job %s: AdminComment not written to slurmdbd: %s", job_id, done.stderr.strip())
                 return
             if not re.search(r"already finished|completed|invalid job id", proc.stderr, re.I):
                 raise self._failure(argv, proc)
