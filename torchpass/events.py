@@ -24,9 +24,17 @@ __all__ = ["DaemonEventSink", "EventSink", "JsonlEventSink", "TeeSink", "emit", 
 EventSink = Callable[[str, dict[str, Any]], None]
 
 
-def emit(sink: EventSink | None, log: logging.Logger | logging.LoggerAdapter[Any], kind: str, **fields: Any) -> None:
-    """Log an event at INFO and hand it to ``sink``; a failing sink costs a warning, never the job."""
-    log.info("event %s %s", kind, json.dumps(fields, sort_keys=True, default=str))
+def emit(
+    sink: EventSink | None,
+    log: logging.Logger | logging.LoggerAdapter[Any],
+    kind: str,
+    *,
+    level: int = logging.INFO,
+    **fields: Any,
+) -> None:
+    """Log an event (at INFO unless ``level`` says otherwise: a failure is an error) and hand it to ``sink``;
+    a failing sink costs a warning, never the job."""
+    log.log(level, "event %s %s", kind, json.dumps(fields, sort_keys=True, default=str))
     if sink is None:
         return
     try:
