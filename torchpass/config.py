@@ -180,7 +180,7 @@ class TorchPassConfig:
     snapshot_every_steps: int = _setting(
         0, "Also take a snapshot after every N-th step (step + 1 divisible by N; 0: off). Needs no coordination.", min=0
     )
-    snapshot_keep: int = _setting(3, "Complete snapshots kept; older ones are removed after a new one is written.", min=1)
+    snapshot_keep: int = _setting(3, "Complete snapshots kept; older ones are removed once a new one exists.", min=1)
     snapshot_timeout_s: float = _setting(
         600.0,
         "How long rank 0's writer waits for every rank's shard before it declares the snapshot failed (and how "

@@ -200,9 +200,7 @@ class Coordinator(SocketThread):
         # Training snapshots: steps every member is asked to snapshot after (pushed, and repeated in every
         # heartbeat answer until the slowest member passed them), and when the periodic one is next due.
         self.snapshot_steps: list[int] = []
-        self._snapshot_due = (
-            time.monotonic() + config.snapshot_interval_s if config.snapshot_interval_s > 0 else None
-        )
+        self._snapshot_due = time.monotonic() + config.snapshot_interval_s if config.snapshot_interval_s > 0 else None
 
     # ----- life cycle (thread-safe) ---------------------------------------------------------
 

@@ -180,7 +180,10 @@ class Snapshotter:
     """One rank's snapshot machinery: due-ness, staging, and the writer process (started on first use)."""
 
     def __init__(
-        self, config: TorchPassConfig, log: logging.LoggerAdapter, event_sink: EventSink | None  # type: ignore[type-arg]
+        self,
+        config: TorchPassConfig,
+        log: logging.LoggerAdapter,
+        event_sink: EventSink | None,  # type: ignore[type-arg]
     ) -> None:
         self.config = config
         self.log = log
