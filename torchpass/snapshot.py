@@ -276,7 +276,7 @@ class Snapshotter:
             "folder": str(folder),
             "rank": slot,
             "entries": [
-                [e.name, e.offset, e.nbytes, str(_dtype_of(e.name, tensors)), _shape_of(e.name, tensors)]
+                [e.name, e.offset, e.nbytes, _dtype_of(e.name, tensors), _shape_of(e.name, e.nbytes, tensors)]
                 for e in entries
             ],
             "finalize": None,
@@ -461,8 +461,8 @@ def _dtype_of(name: str, tensors: list[torch.Tensor]) -> str:
     return str(tensors[int(name[2:])].dtype) if name.startswith("t/") else "torch.uint8"
 
 
-def _shape_of(name: str, tensors: list[torch.Tensor]) -> list[int]:
-    return [int(v) for v in tensors[int(name[2:])].shape] if name.startswith("t/") else []
+def _shape_of(name: str, nbytes: int, tensors: list[torch.Tensor]) -> list[int]:
+    return [int(v) for v in tensors[int(name[2:])].shape] if name.startswith("t/") else [nbytes]
 
 
 # ===== restoring ====================================================================================

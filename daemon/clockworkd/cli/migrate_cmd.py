@@ -118,12 +118,18 @@ def request_migration(record: dict[str, Any], rank: int, timeout_s: float, reque
     world = int(record.get("world_size", 0))
     if world and not 0 <= rank < world:
         raise ClockworkError(f"rank {rank} is out of range: the job trains on ranks 0..{world - 1}", exit_code=2)
+    return ask_leader(record, {"op": "migrate", "slot": rank, "requester": requester}, timeout_s, "migrated")
+
+
+def ask_leader(record: dict[str, Any], fields: dict[str, Any], timeout_s: float, purpose: str) -> dict[str, Any]:
+    """Send one request (``fields`` with ``op``) to the job's leading coordinator, following redirects and
+    skipping dead replicas; the reply, or ClockworkError (refused: 1, nobody answered: 3)."""
     endpoints = [str(record["leader"])] if record.get("leader") else []
     endpoints += [str(e) for e in record.get("endpoints", []) if str(e) not in endpoints]
     if not endpoints:
         raise ClockworkError("the job's coordinator record names no endpoint")
     if not record.get("key"):
-        raise ClockworkError("the job's coordinator record has no job key: its TorchPass is too old to be migrated")
+        raise ClockworkError(f"the job's coordinator record has no job key: its TorchPass is too old to be {purpose}")
     key = JobKey.from_hex(str(record["key"]), where="the job's coordinator record")
     tried: list[str] = []
     queue = list(endpoints)
@@ -132,7 +138,7 @@ def request_migration(record: dict[str, Any], rank: int, timeout_s: float, reque
         if endpoint in tried:
             continue
         tried.append(endpoint)
-        request = {"op": "migrate", "id": next(_ids), "slot": rank, "requester": requester}
+        request = {**fields, "id": next(_ids)}
         reply = _call(endpoint, key, request, timeout_s)
         if reply is None:
             continue  # a replica on a lost node: try the next
