@@ -73,14 +73,14 @@ def write_shard(arena: mmap.mmap, path: Path, entries: list[list[Any]]) -> int:
     return total
 
 
-def finalize(folder: Path, rank_failed: bool, spec: dict[str, Any]) -> dict[str, Any]:
+def finalize(folder: Path, own_error: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Wait for every rank's shard, then write the manifest and apply retention."""
     world = int(spec["world_size"])
     deadline = time.monotonic() + float(spec["timeout_s"])
     wanted = [folder / shard_name(r) for r in range(world)]
     while True:
-        if rank_failed:
-            raise SnapshotCorrupt("this rank's own shard failed")
+        if own_error:
+            raise SnapshotCorrupt(f"this rank's own shard failed: {own_error}")
         failed = sorted(p.name for p in folder.glob(f"{FAILED_PREFIX}*"))
         if failed:
             raise SnapshotCorrupt(f"shard(s) failed on other ranks: {', '.join(failed)}")
@@ -116,23 +116,30 @@ def handle(request: dict[str, Any]) -> list[dict[str, Any]]:
     folder = Path(request["folder"])
     answers: list[dict[str, Any]] = []
     started = time.monotonic()
-    shard_ok = False
+    shard_error = ""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with open(request["arena"], "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as arena:
+        with open(request["arena"], "rb") as fh:
+            arena = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+        try:
             nbytes = write_shard(arena, folder / shard_name(rank), request["entries"])
-        shard_ok = True
+        finally:
+            try:
+                arena.close()
+            except BufferError:
+                pass  # a failed write's traceback still holds views of it; it is unmapped when they go
         answers.append(
             {"id": req_id, "phase": "shard", "ok": True, "bytes": nbytes, "seconds": time.monotonic() - started}
         )
     except Exception as exc:  # disk full, I/O error, a bad request: this snapshot fails, the writer lives on
         error = f"{type(exc).__name__}: {exc}"
+        shard_error = error
         _mark_failed(folder, rank, error)
         answers.append({"id": req_id, "phase": "shard", "ok": False, "error": error})
     spec = request.get("finalize")
     if spec:
         try:
-            extra = finalize(folder, not shard_ok, spec)
+            extra = finalize(folder, shard_error, spec)
             answers.append(
                 {"id": req_id, "phase": "manifest", "ok": True, "seconds": time.monotonic() - started, **extra}
             )
