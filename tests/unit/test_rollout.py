@@ -128,7 +128,10 @@ def test_attach_publishes_every_n_commits(publisher: Publisher) -> None:
     publisher.attach(ctx, trainer, every_steps=3)
     for step in range(7):
         ctx.hooks[0](step)
-    assert publisher.published == 2  # after steps 2 and 5
+        deadline = time.monotonic() + 10
+        while publisher.version < publisher.published and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert publisher.published == 2 and publisher.version == 2  # after steps 2 and 5
 
 
 def test_a_worker_with_another_key_gets_nothing(publisher: Publisher) -> None:
