@@ -201,6 +201,7 @@ class Snapshotter:
         self.skipped = 0
         self.failed = 0
         self.last_stall_s = 0.0
+        self.shard_seconds: list[float] = []  # the writer's time per shard (checksums, HDF5 write, fsync)
 
     # ----- when -----------------------------------------------------------------------------
 
@@ -417,6 +418,7 @@ class Snapshotter:
                     removed=answer.get("removed", []),
                 )
             else:
+                self.shard_seconds.append(float(answer.get("seconds", 0.0)))
                 self.log.info(
                     "snapshot shard of step %d written (%d bytes, %.3f s)",
                     job["step"],
@@ -476,7 +478,7 @@ def _candidates(target: Path) -> list[Path]:
 
 
 def _load_one(
-    folder: Path, parts: StateParts, slot: int, device: torch.device
+    folder: Path, parts: StateParts, slot: int
 ) -> tuple[dict[str, Any], list[torch.Tensor], dict[str, np.ndarray]]:
     """Read and verify one snapshot into fresh tensors (model tensors: straight into the live ones)."""
     body = load_manifest(folder)
@@ -490,7 +492,7 @@ def _load_one(
     if len(layout) != int(body["tensors"]):
         raise SnapshotCorrupt(f"{folder}: {len(layout)} tensors described, manifest lists {body['tensors']}")
     with torch.no_grad():
-        destinations = _destinations(parts, meta, layout, torch.device("cpu") if device.type != "cpu" else device)
+        destinations = _destinations(parts, meta, layout, torch.device("cpu"))
     mine = f"rank/{slot:05d}/"
 
     def target(name: str, entry: dict[str, Any]) -> np.ndarray | None:
@@ -509,9 +511,8 @@ def _load_one(
     for i, (dtype_name, _) in enumerate(layout):
         if str(destinations[i].dtype) != dtype_name:
             raise SnapshotCorrupt(f"{folder}: tensor {i} is {dtype_name}, here {destinations[i].dtype}")
-    if device.type != "cpu":
-        model_count = len(meta["model"])
-        destinations = destinations[:model_count] + [t.to(device) for t in destinations[model_count:]]
+    # Optimizer and registered tensors stay on the host: load_state_dict moves them where their parameters
+    # live (and keeps Adam's step counts on the CPU, as it wants them).
     return meta, destinations, {k: v for k, v in loaded.items() if k.startswith(mine)}
 
 
@@ -553,6 +554,9 @@ def restore(
 ) -> int | None:
     """Load the newest snapshot under ``target`` that verifies on every rank; returns its step.
 
+    Tensors are read and checked on the host; model tensors on ``device`` are then copied there, optimizer
+    and registered state is moved by their own ``load_state_dict``.
+
     ``agree(ok)`` is True only when every rank's ``ok`` is (an all-reduce). Returns None when restoring was
     not required and there is no snapshot at all; raises :class:`RestoreError` when none is good."""
     candidates = _candidates(target)
@@ -566,7 +570,7 @@ def restore(
         started = time.perf_counter()
         ok, problem = False, ""
         try:
-            meta, tensors, own = _load_one(folder, parts, slot, device)
+            meta, tensors, own = _load_one(folder, parts, slot)
             ok = True
         except (SnapshotCorrupt, OSError) as exc:
             problem = str(exc)
