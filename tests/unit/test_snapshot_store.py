@@ -305,3 +305,48 @@ def test_disk_full_fails_the_snapshot_and_keeps_the_old_one(small_disk: Path, ev
     )
     step, fresh = restore_into(small_disk, events, width=384)
     assert step == 0 and same(fresh.state(), first)
+
+
+# ----- where the period and the folder come from ---------------------------------------------------------
+
+
+def test_period_precedence_command_line_environment_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchpass.cli import _config, _parser
+    from torchpass.config import ConfigError
+
+    for name in ("CLOCKWORK_SNAPSHOT", "SLURM_SPANK_CLOCKWORK_SNAPSHOT", "SPANK_CLOCKWORK_SNAPSHOT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("CLOCKWORK_SNAPSHOT_DIR", raising=False)
+    settings = tmp_path / "tp.toml"
+    settings.write_text("snapshot_interval_s = 5.0\nsnapshot_dir = '/from/file'\n")
+
+    def config(*extra: str) -> TorchPassConfig:
+        return _config(_parser().parse_args(["run", "--local", "--config", str(settings), *extra, "train.py"]))
+
+    assert config().snapshot_interval_s == 5.0 and config().restore == "auto"
+    monkeypatch.setenv("SLURM_SPANK_CLOCKWORK_SNAPSHOT", "20m")  # what SPANK exports under --export=NONE
+    monkeypatch.setenv("CLOCKWORK_SNAPSHOT_DIR", "/from/env/{job}")
+    assert config().snapshot_interval_s == 1200.0 and config().snapshot_dir == "/from/env/{job}"
+    assert config("--set", "snapshot_interval_s=7").snapshot_interval_s == 7.0
+    assert config("--restore", "latest").restore == "latest"
+    monkeypatch.setenv("CLOCKWORK_SNAPSHOT", "off")  # the plain name wins over the SPANK_ forms
+    assert config().snapshot_interval_s == 0.0
+    monkeypatch.setenv("CLOCKWORK_SNAPSHOT", "often")
+    with pytest.raises(ConfigError, match="CLOCKWORK_SNAPSHOT: expected off or a duration"):
+        config()
+
+
+def test_restore_target_and_directory() -> None:
+    from torchpass.snapshot import restore_target, snapshot_directory
+
+    cfg = TorchPassConfig(snapshot_dir="/snaps/{job}")
+    assert snapshot_directory(cfg, {"SLURM_JOB_ID": "42"}) == Path("/snaps/42")
+    assert snapshot_directory(cfg, {}) == Path("/snaps/local")
+    assert restore_target(cfg, {"SLURM_JOB_ID": "42"}) == (None, False)  # a first start
+    assert restore_target(cfg, {"SLURM_JOB_ID": "42", "SLURM_JOB_RESTART_COUNT": "0"}) == (None, False)
+    assert restore_target(cfg, {"SLURM_JOB_ID": "42", "SLURM_JOB_RESTART_COUNT": "1"}) == (Path("/snaps/42"), False)
+    latest = cfg.with_overrides(restore="latest")
+    assert restore_target(latest, {"SLURM_JOB_ID": "42"}) == (Path("/snaps/42"), True)
+    assert restore_target(cfg.with_overrides(restore="/x/step-0000000009"), {}) == (Path("/x/step-0000000009"), True)
+    never = cfg.with_overrides(restore="never")
+    assert restore_target(never, {"SLURM_JOB_RESTART_COUNT": "3"}) == (None, False)
