@@ -4,9 +4,9 @@
 One process holds a model (a stack of square Linear layers) and its Adam state, about ``--gib`` GiB together
 (a third parameters, two thirds Adam moments). In the same run it measures:
 
-* **disk**: the folder's own sequential write bandwidth, dd-like (64 MiB writes of the same volume, then
-  fsync), the ceiling for any checkpoint writer here; measured at the start and at the end, the better of the
-  two is the baseline (a shared machine's disk varies);
+* **disk**: the folder's own sequential write bandwidth, dd-like (64 MiB writes of the same volume of random
+  bytes, then fsync), the ceiling for any checkpoint writer here; measured at the start and at the end, the
+  better of the two is the baseline (a shared machine's disk varies);
 * **torch.save**: a synchronous ``torch.save`` of model + optimizer state, then fsync (the same durability
   a snapshot has); the loop is stalled for all of it. Without the fsync too, for reference;
 * **dcp.async_save**: ``torch.distributed.checkpoint.async_save`` (one-rank gloo group): the time the call
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -103,15 +104,14 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def disk_bandwidth(folder: Path, nbytes: int) -> float:
-    """Bytes/s of sequential 64 MiB writes plus the final fsync (what dd conv=fsync reports)."""
-    chunk = os.urandom(1 << 20) * 64
+def disk_bandwidth(folder: Path, data: memoryview) -> float:
+    """Bytes/s of sequential 64 MiB writes of ``data`` plus the final fsync (what dd conv=fsync reports)."""
+    nbytes = len(data)
     path = folder / "dd.bin"
     started = time.perf_counter()
     with path.open("wb", buffering=0) as f:
-        written = 0
-        while written < nbytes:
-            written += f.write(chunk[: min(len(chunk), nbytes - written)])
+        for start in range(0, nbytes, 64 << 20):
+            f.write(data[start : start + (64 << 20)])
         os.fsync(f.fileno())
     seconds = time.perf_counter() - started
     path.unlink()
@@ -190,7 +190,9 @@ def main() -> int:
         nbytes = state_bytes(model, opt)
         say(f"state: {nbytes / (1 << 30):.3f} GiB on {device} (model + Adam), folder {work}")
 
-        disk_before = disk_bandwidth(work, nbytes)
+        # Random bytes, as incompressible as trained weights (a repeated pattern could be deduplicated).
+        noise = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
+        disk_before = disk_bandwidth(work, noise)
         say(f"disk sequential write + fsync:  {disk_before / 1e9:7.3f} GB/s (measured again at the end)")
         save_s = time_torch_save(model, opt, work, durable=True)
         save_nofsync_s = time_torch_save(model, opt, work, durable=False)
@@ -251,7 +253,8 @@ def main() -> int:
         assert step == args.snapshots - 1
         bitwise = state_hash(fresh_model, fresh_opt) == captured_hash
         del fresh_model, fresh_opt
-        disk_after = disk_bandwidth(work, nbytes)
+        disk_after = disk_bandwidth(work, noise)
+        del noise
         disk = max(disk_before, disk_after)
         say(f"disk sequential write + fsync, again: {disk_after / 1e9:7.3f} GB/s (the better one is the baseline)")
         say(f"restore (every checksum verified): {restore_s:7.3f} s, bitwise equal to the captured state: {bitwise}")

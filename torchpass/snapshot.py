@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from clockworkd.snapshots.store import (
+    FAILED_PREFIX,
     SnapshotCorrupt,
     list_snapshots,
     load_manifest,
@@ -237,6 +238,11 @@ class Snapshotter:
         started = time.perf_counter()
         if self._busy.is_set():
             self.skipped += 1
+            # Tell rank 0's writer at once that this shard will not come (else it waits snapshot_timeout_s);
+            # on a thread, so that not even this small write is the training loop's.
+            threading.Thread(
+                target=_mark_skipped, args=(snapshot_path(self.directory, committed), slot), daemon=True
+            ).start()
             emit(
                 self.event_sink,
                 self.log,
@@ -246,8 +252,7 @@ class Snapshotter:
             )
             return False
         meta, tensors = describe(parts, committed)
-        flat = [_as_bytes(t.contiguous()) for t in tensors]
-        owner = _plan([t.numel() for t in flat], world_size)
+        owner = _plan([t.numel() * t.element_size() for t in tensors], world_size)
         side = self._side_stream_tensors(parts)
         entries: list[_Entry] = []
         offset = 0
@@ -257,9 +262,9 @@ class Snapshotter:
             entries.append(_Entry(name, tensor, offset, tensor.numel(), on_side))
             offset += (tensor.numel() + ALIGN - 1) // ALIGN * ALIGN
 
-        for i, (live, data) in enumerate(zip(tensors, flat, strict=True)):
+        for i, live in enumerate(tensors):
             if owner[i] == slot:
-                add(f"t/{i:06d}", data, live.data_ptr() in side)
+                add(f"t/{i:06d}", _as_bytes(live.contiguous()), live.data_ptr() in side)
         if slot == 0:
             add("meta", _bytes_tensor(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)), False)
         for name, tensor in _rank_state(slot, committed, self.config.seed).items():
@@ -457,6 +462,14 @@ class Snapshotter:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+
+
+def _mark_skipped(folder: Path, slot: int) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{FAILED_PREFIX}{slot:05d}").write_text("skipped: this rank's writer was still busy\n")
+    except OSError:
+        pass  # rank 0's writer then gives up at snapshot_timeout_s
 
 
 def _dtype_of(name: str, tensors: list[torch.Tensor]) -> str:

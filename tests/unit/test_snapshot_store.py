@@ -236,7 +236,26 @@ def test_busy_writer_skips_instead_of_waiting(tmp_path: Path, events: Events) ->
         snaps.close()
     failed = events.of("torchpass.snapshot_failed")
     assert failed and "rank-00001.h5" in failed[0]["error"]
-    assert [i.complete for i in list_snapshots(tmp_path)] == [False]
+    assert [(i.step, i.complete) for i in list_snapshots(tmp_path)] == [(0, False), (1, False)]
+    assert (snapshot_path(tmp_path, 1) / "failed-rank-00000").exists()  # the skip is announced to rank 0
+
+
+def test_a_rank_that_skipped_fails_the_snapshot_at_once(tmp_path: Path, events: Events) -> None:
+    """Another rank skipped this step (its writer was busy): rank 0 does not wait snapshot_timeout_s for it."""
+    folder = snapshot_path(tmp_path, 0)
+    folder.mkdir(parents=True)
+    (folder / "failed-rank-00001").write_text("skipped")
+    snaps = make_snapshotter(tmp_path, events, snapshot_timeout_s=600.0)
+    trainer = Trainer()
+    try:
+        trainer.step()
+        assert snaps.capture(trainer.parts, 0, 0, 2)
+        assert snaps.wait(60), "rank 0's writer waited for a shard announced as skipped"
+    finally:
+        snaps.close(timeout_s=1)
+    failed = events.of("torchpass.snapshot_failed")
+    assert failed and "failed-rank-00001" in failed[0]["error"]
+    assert not list_snapshots(tmp_path)[0].complete
 
 
 def test_clockwork_snapshot_commands(
