@@ -37,7 +37,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -140,7 +140,7 @@ def time_dcp(model: nn.Module, opt: torch.optim.Optimizer, folder: Path) -> tupl
         started = time.perf_counter()
         future = dcp.async_save(state, checkpoint_id=str(path))
         blocking = time.perf_counter() - started
-        future.result()
+        cast(Any, future).result()  # a Future (older torch) or an AsyncSaveResponse holding one
         total = time.perf_counter() - started
         return blocking, total, ""
     except Exception as exc:  # an API that moved between torch versions must not hide the other figures
@@ -191,7 +191,7 @@ def main() -> int:
         say(f"state: {nbytes / (1 << 30):.3f} GiB on {device} (model + Adam), folder {work}")
 
         # Random bytes, as incompressible as trained weights (a repeated pattern could be deduplicated).
-        noise = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
+        noise = memoryview(cast(Any, np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)))
         disk_before = disk_bandwidth(work, noise)
         say(f"disk sequential write + fsync:  {disk_before / 1e9:7.3f} GB/s (measured again at the end)")
         save_s = time_torch_save(model, opt, work, durable=True)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zmq
@@ -146,7 +146,7 @@ def run_sync(model: nn.Module, args: argparse.Namespace) -> list[float]:
             started = time.time()
             payload = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).view(torch.uint8).numpy()
             for ident in idents:
-                sock.send_multipart([ident, str(version).encode(), payload], copy=False)
+                sock.send_multipart([ident, str(version).encode(), cast(Any, payload)], copy=False)
             for _ in idents:
                 sock.recv_multipart()
             if version > WARMUP:

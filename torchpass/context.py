@@ -542,7 +542,7 @@ class Context:
         self._zero_grads()
         self._snapshot_local_state()
         self._step = self._committed + 1
-        timings = {
+        timings: dict[str, Any] = {
             "rebuild_ms": round(1000 * (formed_at - received_at), 1),
             "transfer_ms": round(1000 * (done_at - formed_at), 1),
         }

@@ -37,7 +37,7 @@ import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zmq
@@ -184,7 +184,7 @@ class Publisher(SocketThread):
             staged = self._staged
         if staged is None or not all(e.query() for e in staged.events or ()):
             return
-        staged.crc = zlib.crc32(memoryview(staged.buffer.numpy())[: staged.total]) if staged.total else 0
+        staged.crc = zlib.crc32(cast(Any, staged.buffer.numpy()[: staged.total])) if staged.total else 0
         with self._lock:
             self._back, self._front, self._staged = self._front, staged, None
             self.version = staged.number
@@ -337,10 +337,10 @@ class Subscriber:
             if got is None:
                 raise TimeoutError(f"rollout publisher {self.endpoint} stopped answering (version {version})")
             msg, frames = got
-            req_id = msg.get("id")
-            if req_id not in pending:
+            answered = msg.get("id")
+            if not isinstance(answered, int) or answered not in pending:
                 continue
-            index = pending.pop(req_id)
+            index = pending.pop(answered)
             if msg.get("op") == "gone":
                 self.skipped_versions += 1
                 self._drain(pending)
@@ -351,7 +351,7 @@ class Subscriber:
             buffer[lo : lo + len(frames[0])] = memoryview(frames[0])
             received += 1
             deadline = time.monotonic() + self.request_timeout_s
-        if total and zlib.crc32(memoryview(buffer)[:total]) != int(head["crc"]):
+        if total and zlib.crc32(cast(Any, buffer[:total])) != int(head["crc"]):
             return False  # not one consistent version (cannot happen with per-chunk checks; never exposed)
         layout = [(str(n), str(d), [int(v) for v in s], int(o), int(b)) for n, d, s, o, b in head["layout"]]
         old = self._front

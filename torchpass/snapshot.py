@@ -62,7 +62,7 @@ from clockworkd.snapshots.store import (
     snapshot_path,
 )
 from torchpass.config import TorchPassConfig
-from torchpass.events import EventSink, emit
+from torchpass.events import EventSink, emit, emit_at
 from torchpass.state import StateParts, _apply, _as_bytes, _destinations, describe
 
 __all__ = ["RestoreError", "Snapshotter", "restore", "restore_target", "snapshot_directory"]
@@ -370,11 +370,11 @@ class Snapshotter:
                 self._serve(job)
             except Exception as exc:
                 self.failed += 1
-                emit(
+                emit_at(
+                    logging.ERROR,
                     self.event_sink,
                     self.log,
                     "torchpass.snapshot_failed",
-                    level=logging.ERROR,
                     step=job["step"],
                     error=f"{type(exc).__name__}: {exc}",
                 )
@@ -400,11 +400,11 @@ class Snapshotter:
             phases.discard(answer.get("phase"))
             if not answer.get("ok"):
                 self.failed += 1
-                emit(
+                emit_at(
+                    logging.ERROR,
                     self.event_sink,
                     self.log,
                     "torchpass.snapshot_failed",
-                    level=logging.ERROR,
                     step=job["step"],
                     phase=answer.get("phase"),
                     folder=request["folder"],
@@ -576,7 +576,7 @@ def restore(
     if not candidates:
         if required:
             raise RestoreError(f"no snapshot to restore in {target}")
-        emit(event_sink, log, "torchpass.restore_none", level=logging.WARNING, directory=str(target))
+        emit_at(logging.WARNING, event_sink, log, "torchpass.restore_none", directory=str(target))
         return None
     rejected: list[str] = []
     for folder in candidates:
@@ -593,7 +593,7 @@ def restore(
         if not everyone:
             why = problem or "another rank could not load it"
             rejected.append(f"{folder.name}: {why}")
-            emit(event_sink, log, "torchpass.snapshot_rejected", level=logging.ERROR, folder=str(folder), error=why)
+            emit_at(logging.ERROR, event_sink, log, "torchpass.snapshot_rejected", folder=str(folder), error=why)
             continue
         _apply(parts, meta, tensors)
         _restore_rng(own, slot)

@@ -142,7 +142,11 @@ def file_entries(path: Path) -> dict[str, dict[str, Any]]:
 def write_manifest(folder: Path, body: dict[str, Any]) -> None:
     """Write ``manifest.json`` (body plus the CRC of its canonical form) durably: the snapshot now exists."""
     text = json.dumps({"body": body, "crc32": zlib.crc32(_canonical(body))}, indent=1, sort_keys=True)
-    durable_write(folder / MANIFEST, lambda tmp: tmp.write_text(text))
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    durable_write(folder / MANIFEST, write)
 
 
 def load_manifest(folder: Path) -> dict[str, Any]:
