@@ -241,7 +241,12 @@ def read_entries(
         by_file.setdefault(fname, []).append((name, entry))
     for fname, entries in by_file.items():
         path = folder / fname
+        expected_size = body["files"][fname].get("size")
         try:
+            if expected_size is not None and path.stat().st_size != int(expected_size):
+                raise SnapshotCorrupt(
+                    f"{path}: {path.stat().st_size} bytes, the manifest says {expected_size} (truncated or altered)"
+                )
             with h5py.File(path, "r") as f:
                 for name, entry in entries:
                     nbytes = int(entry["nbytes"])
