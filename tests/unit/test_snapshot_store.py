@@ -143,7 +143,9 @@ def test_restore_is_bitwise(taken: tuple[Path, Trainer, dict[int, list[torch.Ten
     assert verify_snapshot(snapshot_path(directory, 5)) == []
 
 
-@pytest.mark.parametrize("damage", ["flipped-byte", "truncated", "missing-manifest", "edited-manifest", "lost-shard"])
+@pytest.mark.parametrize(
+    "damage", ["flipped-byte", "truncated", "appended", "missing-manifest", "edited-manifest", "lost-shard"]
+)
 def test_a_damaged_snapshot_is_never_loaded(
     damage: str, taken: tuple[Path, Trainer, dict[int, list[torch.Tensor]]], events: Events
 ) -> None:
@@ -154,6 +156,9 @@ def test_a_damaged_snapshot_is_never_loaded(
         flip_byte(shard, data_offset(shard, "t/000000") + 3)
     elif damage == "truncated":
         os.truncate(shard, shard.stat().st_size // 2)
+    elif damage == "appended":
+        with shard.open("ab") as f:
+            f.write(b"\0" * 100)
     elif damage == "missing-manifest":
         (newest / "manifest.json").unlink()
     elif damage == "edited-manifest":
