@@ -162,9 +162,14 @@ class _Arena:
         self.size = size
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
         self.registered = False
+        self.cuda = cuda  # registration was attempted (if it failed, GPU copies into it are synchronous)
         if cuda:
             rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
             self.registered = int(rc) == 0
+            if not self.registered:
+                logging.getLogger("clockwork.torchpass.snapshot").warning(
+                    "cudaHostRegister of the %d-byte snapshot arena failed (%s): GPU copies will block", size, rc
+                )
 
     def close(self) -> None:
         if self.registered:
@@ -314,7 +319,7 @@ class Snapshotter:
         return ptrs
 
     def _ensure_arena(self, size: int, cuda: bool) -> _Arena:
-        if self._arena is None or self._arena.size < size or (cuda and not self._arena.registered):
+        if self._arena is None or self._arena.size < size or (cuda and not self._arena.cuda):
             if self._arena is not None:
                 self._arena.close()
             self._arena = _Arena(size, cuda)
