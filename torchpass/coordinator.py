@@ -648,6 +648,8 @@ class Coordinator(SocketThread):
 
     def _pending_snapshots(self) -> list[int]:
         """Requested snapshot steps that some member may still reach (older ones are dropped)."""
+        if not self.snapshot_steps:
+            return []  # the common case, on every heartbeat: no walk over the members
         steps = [self.workers[w].step for w in self.members.values() if w in self.workers]
         slowest = min(steps) if steps else -1
         self.snapshot_steps = [s for s in self.snapshot_steps if s >= slowest]
