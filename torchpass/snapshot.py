@@ -148,17 +148,23 @@ def _rank_state(slot: int, committed: int, seed: int) -> dict[str, torch.Tensor]
 
 
 class _Arena:
-    """A shared-memory file mapped here (as a uint8 tensor) and by the writer; page-locked when CUDA is used."""
+    """A shared-memory file mapped here (as a uint8 tensor) and by the writer; page-locked when CUDA is used.
+
+    The file is unlinked as soon as it exists: the writer opens it through this process's descriptor
+    (``/proc/PID/fd/N``), so a job killed with SIGKILL leaves nothing behind in /dev/shm."""
 
     def __init__(self, size: int, cuda: bool) -> None:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         fd, name = tempfile.mkstemp(prefix=f"torchpass-snapshot-{os.getpid()}-", dir=folder)
-        self.path = name
+        os.unlink(name)
+        self.fd = fd
+        self.path = f"/proc/{os.getpid()}/fd/{fd}"
         try:
             os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         self.size = size
         self.tensor = torch.frombuffer(self.map, dtype=torch.uint8)
         self.registered = False
@@ -179,7 +185,7 @@ class _Arena:
             self.map.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the process
-        Path(self.path).unlink(missing_ok=True)
+        os.close(self.fd)
 
 
 class Snapshotter:
@@ -284,6 +290,7 @@ class Snapshotter:
             "op": "write",
             "id": self._ids,
             "arena": arena.path,
+            "arena_id": id(arena),
             "folder": str(folder),
             "rank": slot,
             "entries": [

@@ -167,6 +167,11 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = _launch(out, snapdir, "--set", "snapshot_every_steps=8", env=env)
     assert proc.returncode == -signal.SIGKILL, _log(out)
     assert not (out / "final-0.json").exists()  # it really died before the end
+    full_log = (out / "launcher.log").read_text(errors="replace")
+    pids = [line.split(" pid ")[1].split()[0] for line in full_log.splitlines() if ") pid " in line]
+    assert len(pids) == 2
+    leftovers = [p for pid in pids for p in Path("/dev/shm").glob(f"torchpass-snapshot-{pid}-*")]
+    assert not leftovers, f"a killed job left its snapshot arenas in /dev/shm: {leftovers}"
     from clockworkd.snapshots.store import list_snapshots
 
     assert [(i.step, i.complete) for i in list_snapshots(snapdir)] == [(7, True), (15, True)], _log(out)

@@ -8,7 +8,7 @@ It imports neither torch nor anything of TorchPass, and dies with the rank that 
 
 Request (one line)::
 
-    {"op": "write", "id": 7, "arena": "/dev/shm/...", "folder": ".../step-0000000123", "rank": 0,
+    {"op": "write", "id": 7, "arena": "/proc/PID/fd/N", "arena_id": 1234, "folder": ".../step-0000000123", "rank": 0,
      "entries": [[name, offset, nbytes, dtype, shape], ...],
      "finalize": null | {"world_size": 4, "step": 123, "job": "42", "tensors": 310, "keep": 3,
                           "directory": "...", "timeout_s": 600}}
@@ -107,15 +107,17 @@ class _Arena:
     """The rank's arena, mapped once and kept (mapping 1 GiB afresh costs a page fault per 4 KiB each time)."""
 
     def __init__(self) -> None:
-        self.path = ""
+        self.key: tuple[str, Any] = ("", None)
         self.mapping: mmap.mmap | None = None
 
-    def map(self, path: str) -> mmap.mmap:
-        if path != self.path or self.mapping is None or self.mapping.size() != os.path.getsize(path):
+    def map(self, path: str, arena_id: Any) -> mmap.mmap:
+        """The mapping of ``path`` (``/proc/PID/fd/N`` of an unlinked file); ``arena_id`` tells a new arena that
+        reuses the same descriptor number from the one mapped before."""
+        if (path, arena_id) != self.key or self.mapping is None:
             self.close()
             with open(path, "rb") as fh:
                 self.mapping = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
-            self.path = path
+            self.key = (path, arena_id)
         return self.mapping
 
     def close(self) -> None:
@@ -124,7 +126,7 @@ class _Arena:
                 self.mapping.close()
             except BufferError:
                 pass  # a failed write's traceback still holds a view; unmapped when it goes
-        self.mapping, self.path = None, ""
+        self.mapping, self.key = None, ("", None)
 
 
 _ARENA = _Arena()
@@ -146,7 +148,8 @@ def handle(request: dict[str, Any]) -> list[dict[str, Any]]:
     shard_error = ""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        nbytes = write_shard(_ARENA.map(request["arena"]), folder / shard_name(rank), request["entries"])
+        arena = _ARENA.map(request["arena"], request.get("arena_id"))
+        nbytes = write_shard(arena, folder / shard_name(rank), request["entries"])
         answers.append(
             {"id": req_id, "phase": "shard", "ok": True, "bytes": nbytes, "seconds": time.monotonic() - started}
         )
