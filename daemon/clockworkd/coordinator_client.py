@@ -1,5 +1,5 @@
-"""Asking a TorchPass job's coordinator to migrate a rank: what ``clockwork migrate`` and the daemon's GPU health
-watch both use.
+"""Asking a TorchPass job's coordinator to migrate a rank or take a snapshot: what ``clockwork migrate``,
+``clockwork snapshot take`` and the daemon's GPU health watch use.
 
 How the coordinator is found: every TorchPass node agent posts a ``torchpass.coordinator`` event to its node
 daemon when it starts and whenever the coordinator's leader changes (``{leader, endpoints, world_size, spares,
@@ -26,7 +26,7 @@ import zmq
 from clockworkd.errors import ClockworkError
 from clockworkd.jobkey import JobKey
 
-__all__ = ["COORDINATOR_EVENT", "coordinator_record", "request_migration"]
+__all__ = ["COORDINATOR_EVENT", "ask_leader", "coordinator_record", "request_migration"]
 
 COORDINATOR_EVENT = "torchpass.coordinator"
 MAX_REDIRECTS = 3
@@ -73,12 +73,18 @@ def request_migration(record: dict[str, Any], rank: int, timeout_s: float, reque
     world = int(record.get("world_size", 0))
     if world and not 0 <= rank < world:
         raise ClockworkError(f"rank {rank} is out of range: the job trains on ranks 0..{world - 1}", exit_code=2)
+    return ask_leader(record, {"op": "migrate", "slot": rank, "requester": requester}, timeout_s, "migrated")
+
+
+def ask_leader(record: dict[str, Any], fields: dict[str, Any], timeout_s: float, purpose: str) -> dict[str, Any]:
+    """Send one request (``fields`` with ``op``) to the job's leading coordinator, following redirects and
+    skipping dead replicas; the reply, or ClockworkError (refused: 1, nobody answered: 3)."""
     endpoints = [str(record["leader"])] if record.get("leader") else []
     endpoints += [str(e) for e in record.get("endpoints", []) if str(e) not in endpoints]
     if not endpoints:
         raise ClockworkError("the job's coordinator record names no endpoint")
     if not record.get("key"):
-        raise ClockworkError("the job's coordinator record has no job key: its TorchPass is too old to be migrated")
+        raise ClockworkError(f"the job's coordinator record has no job key: its TorchPass is too old to be {purpose}")
     key = JobKey.from_hex(str(record["key"]), where="the job's coordinator record")
     tried: list[str] = []
     queue = list(endpoints)
@@ -87,7 +93,7 @@ def request_migration(record: dict[str, Any], rank: int, timeout_s: float, reque
         if endpoint in tried:
             continue
         tried.append(endpoint)
-        request = {"op": "migrate", "id": next(_ids), "slot": rank, "requester": requester}
+        request = {**fields, "id": next(_ids)}
         reply = _call(endpoint, key, request, timeout_s)
         if reply is None:
             continue  # a replica on a lost node: try the next

@@ -25,6 +25,7 @@ from clockworkd.cli.node_cmd import node
 from clockworkd.cli.report_cmd import report
 from clockworkd.cli.sandbox_cmd import sandbox
 from clockworkd.cli.simulate_cmd import simulate_cmd
+from clockworkd.cli.snapshot_cmd import snapshot
 from clockworkd.errors import ClockworkError
 
 
@@ -71,6 +72,7 @@ cli.add_command(migrate)
 cli.add_command(simulate_cmd, name="simulate")
 cli.add_command(report)
 cli.add_command(audit)
+cli.add_command(snapshot)
 
 
 def run(argv: Sequence[str]) -> int:
