@@ -201,7 +201,7 @@ class TorchPassConfig:
     )
     restore: str = _setting(
         "auto",
-        "'auto': restore the newest good snapshot when Slurm requeued the job (SLURM_JOB_RESTART_COUNT > 0); "
+        "'auto': restore the newest good snapshot when Slurm requeued the job (SLURM_RESTART_COUNT > 0); "
         "'latest': restore it now (an error if there is none); 'never'; or the path of a snapshot directory or "
         "of one snapshot (torchpass run --restore).",
     )

@@ -128,15 +128,10 @@ class TorchPassDDP(DistributedDataParallel):
             raise TypeError(f"ctx.wrap_model sets {', '.join(reserved)} itself (see torchpass.ddp)")
         # DDP's own buffer sync would run over the one-rank group (a no-op that costs time); TorchPass broadcasts
         # buffers itself. torch >= 2.13 spells it forward_sync_buffers, earlier releases broadcast_buffers.
-        no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMS else {}
-        super().__init__(
-            module,
-            process_group=ctx._local_group(),
-            init_sync=False,
-            broadcast_buffers=False,
-            **no_sync,
-            **ddp_kwargs,
+        no_sync = (
+            {"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMS else {"broadcast_buffers": False}
         )
+        super().__init__(module, process_group=ctx._local_group(), init_sync=False, **no_sync, **ddp_kwargs)
         self._tp_ctx = ctx
         self._tp_buffers = [b for b in module.buffers()] if broadcast_buffers else []
         hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = _allreduce_hook

@@ -68,7 +68,9 @@ from torchpass.state import StateParts, _apply, _as_bytes, _destinations, descri
 __all__ = ["RestoreError", "Snapshotter", "restore", "restore_target", "snapshot_directory"]
 
 ALIGN = 4096
-ENV_RESTART_COUNT = "SLURM_JOB_RESTART_COUNT"
+# What Slurm sets in a requeued job's environment (sbatch(1), "SLURM_RESTART_COUNT"); the longer spelling is
+# accepted too, as some site wrappers and documents use it.
+ENV_RESTART_COUNTS = ("SLURM_RESTART_COUNT", "SLURM_JOB_RESTART_COUNT")
 
 
 class RestoreError(RuntimeError):
@@ -85,7 +87,7 @@ def snapshot_directory(config: TorchPassConfig, environ: Mapping[str, str] | Non
 def restore_target(config: TorchPassConfig, environ: Mapping[str, str] | None = None) -> tuple[Path | None, bool]:
     """Where to restore from, and whether restoring is required (an explicit request) or only implied.
 
-    ``restore = "auto"`` restores after a Slurm requeue (``SLURM_JOB_RESTART_COUNT`` > 0) and is not required:
+    ``restore = "auto"`` restores after a Slurm requeue (``SLURM_RESTART_COUNT`` > 0) and is not required:
     a job requeued before its first snapshot was written starts fresh, with a warning (there is nothing it
     could have resumed). ``"latest"`` or a path is required: nothing good there is an error."""
     env = os.environ if environ is None else environ
@@ -93,10 +95,12 @@ def restore_target(config: TorchPassConfig, environ: Mapping[str, str] | None = 
     if choice == "never":
         return None, False
     if choice == "auto":
-        try:
-            restarts = int(env.get(ENV_RESTART_COUNT, "0") or 0)
-        except ValueError:
-            restarts = 0
+        restarts = 0
+        for name in ENV_RESTART_COUNTS:
+            try:
+                restarts = max(restarts, int(env.get(name, "0") or 0))
+            except ValueError:
+                pass
         return (snapshot_directory(config, env), False) if restarts > 0 else (None, False)
     if choice == "latest":
         return snapshot_directory(config, env), True

@@ -9,7 +9,7 @@ go to ``CLOCKWORK_SNAPSHOT_DIR`` (the test's folder, which every sandbox node se
 
 * requeue: once a complete snapshot of step >= 20 exists, ``scontrol requeue JOBID`` kills the whole job
   (every node's step, agents, ranks and writers) and puts it back in the queue; it starts again with
-  ``SLURM_JOB_RESTART_COUNT=1``, restores the newest good snapshot by itself (``restore = auto``) and its
+  ``SLURM_RESTART_COUNT=1``, restores the newest good snapshot by itself (``restore = auto``) and its
   final state equals the fault-free job's on every slot;
 * ``clockwork snapshot take JOBID`` on one of the job's nodes: the step it names becomes a complete snapshot
   that ``clockwork snapshot verify`` accepts.

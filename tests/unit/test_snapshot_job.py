@@ -6,7 +6,7 @@ script: executed directly, it trains and writes a hash of its final model and op
 
 * killed whole (launcher, ranks and writers SIGKILLed at once, as when a job is lost) after a snapshot, then
   restarted with ``--restore latest``: the final state equals the fault-free run's, bit for bit;
-* restarted as Slurm would requeue it (``SLURM_JOB_RESTART_COUNT=1``, no flag) with the newest snapshot
+* restarted as Slurm would requeue it (``SLURM_RESTART_COUNT=1``, no flag) with the newest snapshot
   damaged: the damaged one is rejected, the previous one is loaded, and the result is still bitwise equal;
 * a periodic snapshot (``snapshot_interval_s``, planned by the coordinator) and an on-demand one
   (``torchpass snapshot``) are written at one step by every rank and verify.
@@ -204,7 +204,7 @@ def test_requeued_job_skips_a_damaged_snapshot(reference: list[str], killed: Pat
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0x40]))
     out = tmp_path / "requeued"
-    proc = _launch(out, snapdir, env={"SLURM_JOB_RESTART_COUNT": "1"})  # restore=auto, as after a requeue
+    proc = _launch(out, snapdir, env={"SLURM_RESTART_COUNT": "1"})  # restore=auto, as after a Slurm requeue
     assert proc.returncode == 0, _log(out)
     rejected = _events(out, "torchpass.snapshot_rejected")
     assert rejected and all(e["folder"].endswith("step-0000000015") for e in rejected)

@@ -369,6 +369,8 @@ def test_restore_target_and_directory() -> None:
     assert restore_target(cfg, {"SLURM_JOB_ID": "42"}) == (None, False)  # a first start
     assert restore_target(cfg, {"SLURM_JOB_ID": "42", "SLURM_JOB_RESTART_COUNT": "0"}) == (None, False)
     assert restore_target(cfg, {"SLURM_JOB_ID": "42", "SLURM_JOB_RESTART_COUNT": "1"}) == (Path("/snaps/42"), False)
+    # what Slurm itself sets in a requeued job (sbatch(1))
+    assert restore_target(cfg, {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1"}) == (Path("/snaps/42"), False)
     latest = cfg.with_overrides(restore="latest")
     assert restore_target(latest, {"SLURM_JOB_ID": "42"}) == (Path("/snaps/42"), True)
     assert restore_target(cfg.with_overrides(restore="/x/step-0000000009"), {}) == (Path("/x/step-0000000009"), True)
