@@ -88,6 +88,9 @@ def main() -> int:
         print(f"{name}: exit {r['rc']} in {r['seconds']:.1f} s, finals {r['finals']}, events {r['events']}")
         if r["rc"] != 0 or not r["finals"]:
             print(r["log_tail"])
+    for e in moved["raw_events"]:  # what went wrong, if anything: the coordinator's own words
+        if any(word in str(e.get("kind") or e.get("event")) for word in ("error", "departed", "failed")):
+            print("  event", json.dumps(e, default=str)[:600])
     base_hash = next(iter(base["finals"].values()), [None])[0]
     moved_hashes = {v[0] for v in moved["finals"].values()}
     equal = base_hash is not None and moved_hashes == {base_hash}
