@@ -272,6 +272,20 @@ class NcclBackend(CommBackend):
             except Exception as exc:
                 log.warning("NCCL abort failed: %s", exc)
 
+    def destroy(self) -> None:
+        """Abort, then destroy. An NCCL group whose eager init failed (a peer gone, two ranks on one GPU) can be
+        registered as the default group yet refuse ``destroy_process_group``; then the next generation's init
+        fails with "default process group twice" (seen on an H200). Such a group is dropped from c10d's books."""
+        if dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as exc:
+                log.debug("NCCL abort before destroy: %s", exc)
+        super().destroy()
+        if dist.is_initialized():
+            log.warning("NCCL process group could not be destroyed; dropping it from torch.distributed's state")
+            dist.distributed_c10d._world.default_pg = None
+
     def _make_local_group(self) -> dist.ProcessGroup:
         store = dist.HashStore()
         options = dist.ProcessGroupNCCL.Options()

@@ -704,6 +704,14 @@ class Context:
         except Exception as exc:
             self._has_state, self._committed = False, -1
             self.log.warning("handoff from %s failed (%s); taking the state from a replica", info.handoff.source, exc)
+            emit(
+                self.event_sink,
+                self.log,
+                "torchpass.handoff_failed",
+                generation=info.gen,
+                source=info.handoff.source,
+                error=f"{type(exc).__name__}: {exc}"[:300],
+            )
             return False
         finally:
             self._backend.destroy()
