@@ -298,7 +298,13 @@ class Sink:
 
     def close(self) -> None:
         for sock in self.socks.values():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept(); close() alone does not
+            except OSError:
+                pass
             sock.close()
+        for thread in self._threads:
+            thread.join(timeout=2)
 
 
 def transfer(t: Target, seconds: float) -> dict[str, Any]:
