@@ -509,10 +509,23 @@ def test_admin_comment_on_live_job_goes_to_slurmctld(fake: FakeSlurm) -> None:
     fake.add("squeue", fake.cat("squeue_22.05.json"))
     fake.add("scontrol", "exit 0")
     fake.add("sacctmgr", "exit 99")
-    fake.backend().set_admin_comment(4242, "clockwork:report=/var/spool/clockwork/4242.json")
+    fake.backend().set_admin_comment(4243, "clockwork:report=/var/spool/clockwork/4243.json")
     assert fake.calls()[-1] == (
-        "scontrol update JobId=4242 AdminComment=clockwork:report=/var/spool/clockwork/4242.json"
+        "scontrol update JobId=4243 AdminComment=clockwork:report=/var/spool/clockwork/4243.json"
     )
+
+
+def test_admin_comment_on_requeued_job_also_goes_to_its_earlier_runs_record(fake: FakeSlurm) -> None:
+    """Job 4242 was requeued once: slurmctld takes the comment, and so does slurmdbd's record of the earlier
+    run (a failing sacctmgr, as without accounting, is logged, not raised)."""
+    fake.add("squeue", fake.cat("squeue_22.05.json"))
+    fake.add("scontrol", "exit 0")
+    fake.add("sacctmgr", "exit 99")
+    fake.backend().set_admin_comment(4242, "clockwork: preempted for job 7")
+    assert [c for c in fake.calls() if not c.startswith("squeue")] == [
+        "scontrol update JobId=4242 AdminComment=clockwork: preempted for job 7",
+        "sacctmgr -i modify job where JobID=4242 set AdminComment=clockwork: preempted for job 7",
+    ]
 
 
 def test_admin_comment_on_finished_job_goes_to_slurmdbd(fake: FakeSlurm) -> None:
