@@ -185,11 +185,17 @@ class Context:
         """
         if self._model is not None:
             raise TorchPassError("ctx.wrap_model was already called; register further modules with ctx.register")
-        self._model = TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs)
-        self._parts.model = model
-        self._buffers = list(model.buffers()) if self.config.snapshot_buffers else []
+        return self._adopt_model(TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs))
+
+    def _adopt_model(self, ddp: TorchPassDDP) -> TorchPassDDP:
+        """Make ``ddp`` (built over this context) the job's model: its state moves, its buffers roll back.
+
+        Split from :meth:`wrap_model` for transparent mode, whose DDP stand-in constructs itself."""
+        self._model = ddp
+        self._parts.model = ddp.module
+        self._buffers = list(ddp.module.buffers()) if self.config.snapshot_buffers else []
         self._buffer_shadow = [b.detach().clone() for b in self._buffers]
-        return self._model
+        return ddp
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` skip abandoned steps; its state becomes part of the state that moves.
