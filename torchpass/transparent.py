@@ -53,6 +53,7 @@ import logging
 import os
 import runpy
 import sys
+import time
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -176,6 +177,8 @@ class Session:
         self.step_index = -1
         self.step_epoch = -1
         self.optimizer_steps = 0
+        self.updated = False  # every optimizer stepped in the step in progress: it can only commit now
+        self.failed_after_update = ""  # a collective failed after the update: recover right after the commit
         self.steps_without_optimizer = 0
         self.fast_forward = False
         self.first_step_checked = False
@@ -292,13 +295,27 @@ class Session:
             self._patch(dist, name, self._guarded(getattr(dist, name)))
 
     def _guarded(self, collective: Callable[..., Any]) -> Callable[..., Any]:
-        """Inside a step, a failing collective abandons the step (and returns None) instead of raising."""
+        """Inside a step, a failing collective abandons the step (and returns None) instead of raising.
+
+        Once the step's update is done (every optimizer stepped), the step can no longer be abandoned: its
+        result is in the parameters. A collective failing after that (e.g. the script averaging its loss for a
+        log line) is skipped and remembered; the step commits and the rank recovers right after."""
         session = self
 
         @functools.wraps(collective)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if not session.step_open or kwargs.get("async_op") or _internal():
                 return collective(*args, **kwargs)
+            if session.updated:
+                if session.failed_after_update or session.ctx._channel.latest_gen > session.ctx.generation:
+                    session.failed_after_update = session.failed_after_update or "new generation announced"
+                    return None
+                try:
+                    return collective(*args, **kwargs)
+                except Exception as exc:
+                    session.failed_after_update = f"{type(exc).__name__}: {exc}"
+                    session.ctx.log.warning("collective failed after the step's update: %s", exc)
+                    return None
             if not session.ctx._collective_allowed():
                 return None
             try:
@@ -430,6 +447,8 @@ class Session:
             self.adopt_optimizer(optimizer)
         if self.step_open:
             self.optimizer_steps += 1
+            # The step's update is applied: from here on the step commits whatever fails (see _guarded).
+            self.updated = self.optimizer_steps >= len(self.ctx._parts.optimizers)
 
     def _install_data(self) -> None:
         session = self
@@ -499,6 +518,9 @@ class Session:
             self.step_epoch,
         )
         ctx._commit(step)
+        if self.failed_after_update:
+            ctx._first_error_at = ctx._first_error_at or time.time()
+            ctx._recover(self.failed_after_update, error=True)
 
     def _boundary(self) -> None:
         """Between two steps: join the first generation, or follow a newer one (as ``ctx.steps`` does)."""
@@ -538,6 +560,8 @@ class Session:
         batch = it.fetch(index, step, ctx.config.seed, ctx.slot)
         self.step_open, self.step_pass, self.step_index, self.step_epoch = True, it.pass_no, index, it.epoch
         self.optimizer_steps = 0
+        self.updated = False
+        self.failed_after_update = ""
         return batch
 
     def finish(self) -> None:
