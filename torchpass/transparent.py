@@ -335,6 +335,16 @@ class Session:
             def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
                 session.adopt_ddp(self, module, args, kwargs)
 
+            def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+                if session.loader is None:
+                    raise TorchPassError(
+                        "transparent mode: the model trains on batches from a loader TorchPass cannot see (no "
+                        "DataLoader over a DistributedSampler was built before the first forward pass), so it "
+                        "cannot find the step boundaries nor restore the data position; use a DistributedSampler "
+                        "or the model-aware API (see 'Model-transparent mode' in docs/user-guide.md)"
+                    )
+                return super().forward(*inputs, **kwargs)
+
         for owner in (torch.nn.parallel, torch.nn.parallel.distributed, torch.nn):
             if getattr(owner, "DistributedDataParallel", None) is _TorchDDP:
                 self._patch(owner, "DistributedDataParallel", DistributedDataParallel)
