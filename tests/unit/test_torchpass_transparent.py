@@ -87,9 +87,12 @@ def _rank_main() -> int:
         except FileExistsError:
             return  # already done once: the replacement must not kill itself too
         os.close(fd)
+        if phase == "node":  # Slurm-mode tests: the whole "node", this rank and its agent (one process group)
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     model.register_forward_pre_hook(lambda *_: maybe_kill("forward"))
+    model.register_forward_pre_hook(lambda *_: maybe_kill("node"))
     model[0].weight.register_hook(lambda grad: maybe_kill("backward"))  # late in backward
     opt.register_step_pre_hook(lambda *_: maybe_kill("optimizer"))
 
@@ -153,22 +156,20 @@ class Run:
         return [e["fields"] for e in self.events if e["kind"] == kind]
 
     def final(self, slot: int) -> dict[str, Any]:
-        import torch
-
-        return torch.load(self.out / f"final-slot{slot}.pt", weights_only=False)
+        return _final(self.out, slot)
 
     def pids(self, slot: int) -> set[int]:
         return {int(p.name.rsplit("-", 1)[1]) for p in self.out.glob(f"pid-slot{slot}-*")}
 
 
-def _command(out: Path, script: Path, *, spares: int = 1, nproc: int = NPROC) -> list[str]:
+def _command(out: Path, script: Path, *, spares: int = 1, nproc: int = NPROC, flag: bool = True) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torchpass",
         "run",
         "--local",
-        "--transparent",
+        *(["--transparent"] if flag else []),
         "--nproc",
         str(nproc),
         "--spares",
@@ -220,14 +221,22 @@ def _assert_bitwise_equal(a: Any, b: Any, where: str) -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def _final(out: Path, slot: int) -> dict[str, Any]:
+    import torch
+
+    return torch.load(out / f"final-slot{slot}.pt", weights_only=False)
+
+
 def _training_state(final: dict[str, Any]) -> dict[str, Any]:
     return {k: final[k] for k in ("model", "optim", "sched")}
 
 
-def _assert_same_final_state(run: Run, reference: Run) -> None:
+def _assert_same_final_state(run: Any, reference: Run) -> None:
+    """Every slot of ``run`` (a local or a Slurm-mode run: anything with ``out`` and ``of_kind``) ends bitwise
+    equal to the fault-free reference, and the coordinator finished with every member at the last step."""
     expected = _training_state(reference.final(0))
     for slot in range(NPROC):
-        _assert_bitwise_equal(_training_state(run.final(slot)), expected, f"slot {slot}")
+        _assert_bitwise_equal(_training_state(_final(run.out, slot)), expected, f"slot {slot}")
     finished = run.of_kind("torchpass.finished")
     assert finished and finished[-1]["committed"] == [STEPS - 1], finished
 
@@ -343,12 +352,29 @@ def test_first_step_without_optimizer_step_is_an_error(base: Path) -> None:
 
 
 def test_example_script_runs_unmodified(base: Path) -> None:
-    """examples/train_ddp_torchrun.py, as shipped: every rank ends with the same weights."""
+    """examples/train_ddp_torchrun.py, as shipped, in a job whose only sign of the mode is the SPANK plugin's
+    CLOCKWORK_FT=transparent (no --transparent): every rank ends with the same weights."""
     out = base / "example"
     out.mkdir()
-    cmd = [*_command(out, EXAMPLE, spares=0, nproc=2), "--epochs", "2"]
-    proc = subprocess.run(cmd, env=_env(out), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    cmd = [*_command(out, EXAMPLE, spares=0, nproc=2, flag=False), "--epochs", "2"]
+    env = _env(out, CLOCKWORK_FT="transparent")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     hashes = {line.rsplit(" ", 1)[1] for line in proc.stdout.splitlines() if "final weights sha256" in line}
     assert len(hashes) == 1 and len(next(iter(hashes))) == 64, proc.stdout
     assert "epoch 1 mean loss" in proc.stdout
+    assert "TorchPass owns the process group" in proc.stderr  # it ran under the bootstrap, not bare
+
+
+def test_slurm_mode_node_crash_with_clockwork_ft_transparent(base: Path, reference: Run) -> None:
+    """Slurm mode (one agent per simulated node, as in test_torchpass_agents), selected by the SPANK plugin's
+    CLOCKWORK_FT=transparent alone: node 0 (slot 0 and the coordinator's leader) dies in epoch 1, agent and
+    rank together; the standby node takes slot 0 and the job ends bitwise equal to the local fault-free run."""
+    from tests.unit.test_torchpass_agents import _run_agents
+
+    run = _run_agents(base, "slurm-node-crash", kill="0:13:node", script=SCRIPT, ft="transparent")
+    assert run.codes == [-signal.SIGKILL, 0, 0, 0], f"agent exit codes {run.codes}\n{run.output[-12000:]}"
+    _assert_same_final_state(run, reference)
+    generation = next(g for g in run.of_kind("torchpass.generation") if g["replaced"])
+    assert generation["replaced"] == {"0": "a3.0"}, generation
+    assert "clockwork-ft transparent" in run.output
