@@ -304,8 +304,10 @@ class Session:
 
         @functools.wraps(collective)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if not session.step_open or kwargs.get("async_op") or _internal():
+            if kwargs.get("async_op") or _internal():
                 return collective(*args, **kwargs)
+            if not session.step_open:
+                return session.between_steps(collective, args, kwargs)
             if session.updated:
                 if session.failed_after_update or session.ctx._channel.latest_gen > session.ctx.generation:
                     session.failed_after_update = session.failed_after_update or "new generation announced"
@@ -325,6 +327,32 @@ class Session:
                 return None
 
         return guarded
+
+    def between_steps(self, collective: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A collective of the script's outside a step (e.g. between epochs): skipped while a newcomer
+        fast-forwards (the replicas ran it before it joined); when it fails, the rank recovers and runs it again
+        in the new generation, with its input tensors as they were (a failed collective may have written
+        into them). Every member meets it there: survivors by retrying, a newcomer by reaching it."""
+        ctx = self.ctx
+        if self.fast_forward:
+            return None
+        if ctx.generation < 0:
+            return collective(*args, **kwargs)  # before the first step there is no group: it raises as usual
+        tensors = _tensors_in(args, kwargs)
+        saved = [t.detach().clone() for t in tensors]
+        while True:
+            if ctx._channel.latest_gen > ctx.generation or ctx._channel.lost or ctx._channel.stopped is not None:
+                ctx._recover(f"generation {ctx._channel.latest_gen} announced", error=False)
+                continue
+            try:
+                return collective(*args, **kwargs)
+            except Exception as exc:
+                ctx._first_error_at = time.time()
+                ctx.log.warning("collective between steps failed (%s): recovering, then running it again", exc)
+                with torch.no_grad():
+                    for live, old in zip(tensors, saved, strict=True):
+                        live.copy_(old)
+                ctx._recover(f"{type(exc).__name__}: {exc}", error=True)
 
     def _install_ddp(self) -> None:
         session = self
@@ -588,6 +616,17 @@ class Session:
         while not ctx._finish():
             pass
         ctx.close()
+
+
+def _tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a collective was given (directly or in a list), which it may write into."""
+    found: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, list | tuple):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
 
 
 def _internal() -> bool:

@@ -110,6 +110,7 @@ def _rank_main() -> int:
     for epoch in range(EPOCHS):
         if sampler is not None:
             sampler.set_epoch(epoch)
+        epoch_loss = torch.zeros(1)
         for x, y in loader:
             if step_file and step_file == f"{rank}:{step_no()}":
                 (out / "at-step").write_text(str(time.time()))
@@ -120,8 +121,11 @@ def _rank_main() -> int:
             opt.zero_grad()
             mean = loss.detach().clone()
             dist.all_reduce(mean)  # a collective of the script's own, inside the step
+            epoch_loss += mean
             if step_sleep:
                 time.sleep(step_sleep)
+        maybe_kill("epoch")  # between two passes over the loader
+        dist.all_reduce(epoch_loss)  # a collective of the script's own, between steps
         sched.step()
 
     final = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(), "pid": os.getpid()}
@@ -292,6 +296,18 @@ def test_sigkill_recovers_bitwise(base: Path, reference: Run, kill: str, slot: i
     recovered = [f for f in run.of_kind("torchpass.recovered") if slot in f["slots"]]
     assert recovered and recovered[0]["transfer_bytes"] > 0, run.of_kind("torchpass.recovered")
     assert len(run.of_kind("torchpass.member_failed")) == 1
+
+
+def test_sigkill_between_epochs(base: Path, reference: Run) -> None:
+    """Rank 1 dies after its last batch of epoch 1, before the script's own between-epoch all_reduce: the
+    survivors' all_reduce fails, they recover and run it again with the newcomer, which fast-forwarded two
+    passes (skipping their collectives and scheduler steps) to get there."""
+    run = _run(base, "kill-between-epochs", CW_TEST_KILL="1:20:epoch")
+    run.check_ok()
+    assert (run.out / "killed-1-20-epoch").exists(), "the fault was not injected"
+    _assert_same_final_state(run, reference)
+    assert len(run.pids(1)) == 2
+    assert "collective between steps failed" in run.output
 
 
 def test_two_failures_in_different_epochs(base: Path, reference: Run) -> None:
