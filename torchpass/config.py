@@ -129,6 +129,11 @@ class TorchPassConfig:
         "Keep a copy of the model's buffers (e.g. BatchNorm statistics) at each committed step, so a step "
         "abandoned after its forward pass can be undone. Costs one buffer copy per step; free without buffers.",
     )
+    transparent_strict: bool = _setting(
+        False,
+        "Model-transparent mode: treat every start-up warning about the script (a loader it cannot track, "
+        "several optimizers, gradient accumulation, ...) as an error that stops the job.",
+    )
     log_level: str = _setting(
         "info",
         "Level of TorchPass's own log on the ranks when the script configured no logging itself.",

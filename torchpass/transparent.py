@@ -24,7 +24,8 @@ What is interposed, and why:
   moves, so a spare resumes at the same batch and a step abandoned by a failure is re-run with the same
   batch: the loader simply serves it again.
 * The common collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``, ...), when called inside
-  a step, abandon the step instead of raising when a peer dies (as ``ctx.all_reduce`` does).
+  a step, abandon the step instead of raising when a peer dies (as ``ctx.all_reduce`` does); called between
+  steps (e.g. after an epoch), a failure makes the rank recover and run the collective again.
 
 How a survivor unwinds: nothing is unwound by exception (an exception raised inside the script's loop body
 would leave the loop, and a Python ``for`` loop cannot be resumed). As in model-aware mode, a failed
@@ -41,9 +42,11 @@ them), and pass P is served from batch I. The script's epoch counter lines up be
 over the loader exactly as the survivors' did.
 
 What it cannot capture is documented in docs/user-guide.md ("Model-transparent mode"): arbitrary Python
-state of the script (locals, lists of losses, counters), iterators it cannot see (a generator or a loader
-without a DistributedSampler), loops bounded by their own step counters, and collectives outside a step.
-:meth:`Session.check_first_step` tells the user at start-up when a script is outside what it protects.
+state of the script (locals, lists of losses, counters), iterators it cannot see (a hand-written generator,
+a loader without a DistributedSampler), loops bounded by their own step counters, gradient accumulation,
+collectives before the first batch or after the training loop. The interposers warn while the script builds
+its objects, and :meth:`Session.check_first_step` when the first step ends, when a script is outside what
+it protects (``transparent_strict`` makes every warning an error).
 """
 
 from __future__ import annotations
@@ -189,7 +192,10 @@ class Session:
     # ----- warnings ------------------------------------------------------------------------
 
     def warn(self, message: str) -> None:
-        """A loud start-up warning: on the rank's log and as a Python warning (so ``-W error`` can fail it)."""
+        """A loud start-up warning: on the rank's log and as a Python warning; an error when
+        ``transparent_strict`` is set (a site or user that wants no unprotected job to run)."""
+        if self.ctx.config.transparent_strict:
+            raise TorchPassError(f"transparent mode (transparent_strict): {message}")
         self.ctx.log.warning("transparent mode: %s", message)
         warnings.warn(f"torchpass transparent mode: {message}", TransparentWarning, stacklevel=3)
 

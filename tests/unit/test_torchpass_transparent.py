@@ -106,6 +106,8 @@ def _rank_main() -> int:
     else:
         sampler = DistributedSampler(dataset, shuffle=True, seed=3, drop_last=True)
         loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
+    if variant == "second-loader":  # e.g. a validation set: not tracked, a start-up warning
+        DataLoader(dataset, batch_size=BATCH, sampler=DistributedSampler(dataset, shuffle=False))
 
     for epoch in range(EPOCHS):
         if sampler is not None:
@@ -196,10 +198,13 @@ def _env(out: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _run(base: Path, name: str, *, spares: int = 1, nproc: int = NPROC, **extra: str) -> Run:
+def _run(
+    base: Path, name: str, *, spares: int = 1, nproc: int = NPROC, settings: tuple[str, ...] = (), **extra: str
+) -> Run:
     out = base / name
     out.mkdir()
     cmd = _command(out, SCRIPT, spares=spares, nproc=nproc)
+    cmd[-1:-1] = [arg for setting in settings for arg in ("--set", setting)]
     proc = subprocess.run(
         cmd, env=_env(out, **extra), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
     )
@@ -358,6 +363,24 @@ def test_script_without_distributed_sampler_is_refused_with_a_warning(base: Path
     assert "a DataLoader without a DistributedSampler" in run.output, run.output[-4000:]
     assert "the model trains on batches from a loader TorchPass cannot see" in run.output, run.output[-4000:]
     assert not (run.out / "final-slot0.pt").exists()
+
+
+def test_strict_mode_turns_a_start_up_warning_into_an_error(base: Path) -> None:
+    """A second DistributedSampler loader is only a warning; with transparent_strict it stops the job."""
+    lenient = _run(base, "second-loader", spares=0, nproc=2, CW_TEST_VARIANT="second-loader")
+    lenient.check_ok()
+    assert "further DataLoader(s) are not tracked" in lenient.output
+    strict = _run(
+        base,
+        "second-loader-strict",
+        spares=0,
+        nproc=2,
+        settings=("transparent_strict=true",),
+        CW_TEST_VARIANT="second-loader",
+    )
+    assert strict.returncode != 0, strict.output[-4000:]
+    assert "transparent mode (transparent_strict): 1 further DataLoader(s) are not tracked" in strict.output
+    assert not (strict.out / "final-slot0.pt").exists()
 
 
 def test_first_step_without_optimizer_step_is_an_error(base: Path) -> None:
