@@ -413,29 +413,19 @@ class Session:
 
         self._patch(torch.optim.Optimizer, "__init__", optimizer_init)
 
-        scheduler_cls = torch.optim.lr_scheduler.LRScheduler
-        real_scheduler_init, real_scheduler_step = scheduler_cls.__init__, scheduler_cls.step
-
-        def scheduler_init(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-            real_scheduler_init(scheduler, *args, **kwargs)
-            session.adopt("lr_scheduler", scheduler)
-
-        def scheduler_step(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-            if session.fast_forward:
-                return  # a newcomer between passes it skips: the received scheduler state includes this
-            real_scheduler_step(scheduler, *args, **kwargs)
-
-        self._patch(scheduler_cls, "__init__", scheduler_init)
-        self._patch(scheduler_cls, "step", scheduler_step)
-        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
-        if not issubclass(plateau, scheduler_cls):  # older torch: not an LRScheduler
-            real_plateau_init = plateau.__init__
-
-            def plateau_init(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-                real_plateau_init(scheduler, *args, **kwargs)
-                session.adopt("lr_scheduler", scheduler)
-
-            self._patch(plateau, "__init__", plateau_init)
+        # Every scheduler class of torch.optim.lr_scheduler: LRScheduler's __init__ (most chain to it) and the
+        # ones that do not chain to it register their object; every own ``step`` is silenced while a newcomer
+        # fast-forwards (the received scheduler state already includes those steps).
+        schedulers = [
+            cls
+            for cls in vars(torch.optim.lr_scheduler).values()
+            if isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)
+        ]
+        for cls in schedulers:
+            if cls.__name__ in ("LRScheduler", "ReduceLROnPlateau", "SequentialLR", "ChainedScheduler"):
+                self._patch(cls, "__init__", self._registering_init(cls.__init__, "lr_scheduler"))
+            if "step" in cls.__dict__:
+                self._patch(cls, "step", self._silenced_when_fast_forwarding(cls.__dict__["step"]))
 
         real_scaler_init = torch.amp.GradScaler.__init__
 
@@ -444,6 +434,27 @@ class Session:
             session.adopt("grad_scaler", scaler)
 
         self._patch(torch.amp.GradScaler, "__init__", scaler_init)
+
+    def _registering_init(self, real_init: Callable[..., None], kind: str) -> Callable[..., None]:
+        session = self
+
+        @functools.wraps(real_init)
+        def init(obj: Any, *args: Any, **kwargs: Any) -> None:
+            real_init(obj, *args, **kwargs)
+            session.adopt(kind, obj)
+
+        return init
+
+    def _silenced_when_fast_forwarding(self, real_step: Callable[..., Any]) -> Callable[..., Any]:
+        session = self
+
+        @functools.wraps(real_step)
+        def step(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if session.fast_forward:
+                return None
+            return real_step(obj, *args, **kwargs)
+
+        return step
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every optimizer built by the script: its state moves; its step skips abandoned and skipped steps."""
@@ -466,6 +477,8 @@ class Session:
 
     def adopt(self, kind: str, obj: Any) -> None:
         """An LR scheduler or grad scaler: registered by kind and construction order."""
+        if any(obj is registered for registered in self.ctx._parts.extra.values()):
+            return  # e.g. a SequentialLR's __init__ and LRScheduler's both saw it
         if kind == "lr_scheduler":
             name, self.n_schedulers = f"lr_scheduler{self.n_schedulers}", self.n_schedulers + 1
         else:

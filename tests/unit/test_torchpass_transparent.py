@@ -9,7 +9,9 @@ stepped once per epoch, a DataLoader over a ``DistributedSampler`` iterated once
 Faults are injected by the script itself with ordinary PyTorch hooks, through ``CW_TEST_KILL``
 (``slot:step:phase``): SIGKILL in the forward pass, inside backward while gradient buckets are being
 all-reduced, or inside the optimizer step. The step is read from Adam's own step count (part of the state
-that moves, so it is right on a replacement too). A marker file makes each kill happen once.
+that moves, so it is right on a replacement too). ``epoch`` kills it between two passes over the loader,
+``freeze`` stops it with SIGSTOP instead (a silent rank whose sockets stay open), and ``node`` SIGKILLs its
+whole process group (rank and Slurm-mode agent: a node crash). A marker file makes each kill happen once.
 ``CW_TEST_STEP_FILE`` (``slot:step``) makes that slot write ``at-step`` when it reaches the step, so a test can
 act (``torchpass migrate``) while the job runs slowed down by ``CW_TEST_STEP_SLEEP``.
 ``CW_TEST_VARIANT`` makes the script leave what transparent mode can protect (for the start-up checks).
@@ -89,10 +91,11 @@ def _rank_main() -> int:
         os.close(fd)
         if phase == "node":  # Slurm-mode tests: the whole "node", this rank and its agent (one process group)
             os.killpg(os.getpgrp(), signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if phase == "freeze" else signal.SIGKILL)
 
     model.register_forward_pre_hook(lambda *_: maybe_kill("forward"))
     model.register_forward_pre_hook(lambda *_: maybe_kill("node"))
+    model.register_forward_pre_hook(lambda *_: maybe_kill("freeze"))
     model[0].weight.register_hook(lambda grad: maybe_kill("backward"))  # late in backward
     opt.register_step_pre_hook(lambda *_: maybe_kill("optimizer"))
 
@@ -313,6 +316,22 @@ def test_sigkill_between_epochs(base: Path, reference: Run) -> None:
     _assert_same_final_state(run, reference)
     assert len(run.pids(1)) == 2
     assert "collective between steps failed" in run.output
+
+
+def test_silent_rank_is_evicted_and_replaced(base: Path, reference: Run) -> None:
+    """A rank frozen with SIGSTOP keeps its sockets open: only its missing heartbeats reveal it. The
+    survivors' blocked all-reduce (inside the script's backward) is aborted by the new generation."""
+    run = _run(
+        base,
+        "freeze",
+        settings=("heartbeat_timeout_s=2", "heartbeat_interval_s=0.2"),
+        CW_TEST_KILL="1:15:freeze",
+    )
+    run.check_ok()
+    _assert_same_final_state(run, reference)
+    failed = run.of_kind("torchpass.member_failed")
+    assert len(failed) == 1 and "no heartbeat" in failed[0]["why"], failed
+    assert len(run.pids(1)) == 2
 
 
 def test_two_failures_in_different_epochs(base: Path, reference: Run) -> None:
