@@ -7,7 +7,7 @@ as an unmodified DDP script run with ``--transparent``. Once slot 0 has started 
 benchmark asks ``torchpass migrate --slot 1`` and waits for the job to end. From the job's events it reads
 the coordinator's ``torchpass.migrated`` record (``total_ms``: request to every member resumed, and its
 split) and the departing rank's ``torchpass.departed`` (``handoff_ms``: its direct send of the live state to
-the spare), and the bytes moved (``transfer_bytes``). Both modes run in the same invocation, alternately, and
+the spare) with the bytes it moved (``handoff_bytes``). Both modes run in the same invocation, alternately, and
 the medians over ``--runs`` runs are printed side by side with the ratio transparent / aware (the baseline
 is the model-aware mode). The last line is one JSON object of the figures.
 
@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = ROOT / "bench" / "support" / "migration_workload.py"
 MODES = ("aware", "transparent")
-FIGURES = ("total_ms", "handoff_ms", "rebuild_ms", "transfer_bytes")
+FIGURES = ("total_ms", "handoff_ms", "rebuild_ms", "handoff_bytes")
 RUN_TIMEOUT_S = 300.0
 
 
@@ -90,7 +90,7 @@ def one_run(mode: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
         "total_ms": float(migrated[0].get("total_ms", 0.0)),
         "handoff_ms": float(departed[0]["handoff_ms"]),
         "rebuild_ms": float(migrated[0]["rebuild_ms"]),
-        "transfer_bytes": int(migrated[0]["transfer_bytes"]),
+        "handoff_bytes": int(departed[0]["handoff_bytes"]),
     }
 
 

@@ -662,7 +662,7 @@ class Context:
     def _depart(self, info: GenerationInfo) -> NoReturn:
         """This rank is migrating away: hand the live state to the spare, then exit cleanly."""
         assert info.handoff is not None
-        started, ok = time.time(), False
+        started, ok, nbytes = time.time(), False, 0
         chunk = int(self.config.transfer_chunk_mb * (1 << 20))
         try:
             store = self._handoff_store(info)
@@ -678,8 +678,16 @@ class Context:
         finally:
             self._backend.destroy()
         handoff_ms = round(1000 * (time.time() - started), 1)
-        emit(self.event_sink, self.log, "torchpass.departed", generation=info.gen, handoff_ok=ok, handoff_ms=handoff_ms)
-        self._report("departed", gen=info.gen, handoff_ok=ok, handoff_ms=handoff_ms)
+        emit(
+            self.event_sink,
+            self.log,
+            "torchpass.departed",
+            generation=info.gen,
+            handoff_ok=ok,
+            handoff_ms=handoff_ms,
+            handoff_bytes=nbytes if ok else 0,
+        )
+        self._report("departed", gen=info.gen, handoff_ok=ok, handoff_ms=handoff_ms, handoff_bytes=nbytes if ok else 0)
         self.close()
         raise SystemExit(0)
 

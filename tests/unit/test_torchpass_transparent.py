@@ -373,6 +373,8 @@ def test_planned_migration_with_torchpass_migrate(base: Path, reference: Run) ->
     assert len(run.pids(2)) == 2
     migrated = run.of_kind("torchpass.migrated")
     assert migrated and migrated[0]["slots"] == [2] and migrated[0]["handoff_ok"], migrated
+    departed = run.of_kind("torchpass.departed")
+    assert departed and departed[0]["handoff_ok"] and departed[0]["handoff_bytes"] > 0, departed
     assert not run.of_kind("torchpass.member_failed")
 
 
