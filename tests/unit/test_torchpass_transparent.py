@@ -11,7 +11,9 @@ Faults are injected by the script itself with ordinary PyTorch hooks, through ``
 all-reduced, or inside the optimizer step. The step is read from Adam's own step count (part of the state
 that moves, so it is right on a replacement too). ``epoch`` kills it between two passes over the loader,
 ``freeze`` stops it with SIGSTOP instead (a silent rank whose sockets stay open), and ``node`` SIGKILLs its
-whole process group (rank and Slurm-mode agent: a node crash). A marker file makes each kill happen once.
+whole process group (rank and Slurm-mode agent: a node crash). ``crashnode`` (forward), ``crashnode-backward``
+and ``crashnode-optimizer`` (sandbox tests) write ``crash-request-<slot>-<step>`` naming the Slurm node and wait
+there for the test to crash that node. A marker file makes each kill happen once.
 ``CW_TEST_STEP_FILE`` (``slot:step``) makes that slot write ``at-step`` when it reaches the step, so a test can
 act (``torchpass migrate``) while the job runs slowed down by ``CW_TEST_STEP_SLEEP``.
 ``CW_TEST_VARIANT`` makes the script leave what transparent mode can protect (for the start-up checks).
@@ -89,6 +91,11 @@ def _rank_main() -> int:
         except FileExistsError:
             return  # already done once: the replacement must not kill itself too
         os.close(fd)
+        if phase.startswith("crashnode"):  # sandbox tests: the test crashes this whole node; wait here until then
+            node = os.environ.get("SLURMD_NODENAME", "")
+            (out / f"crash-request-{rank}-{when}").write_text(f"{node} {time.time()}\n")
+            while True:
+                time.sleep(1)
         if phase == "node":  # Slurm-mode tests: the whole "node", this rank and its agent (one process group)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGSTOP if phase == "freeze" else signal.SIGKILL)
@@ -96,8 +103,11 @@ def _rank_main() -> int:
     model.register_forward_pre_hook(lambda *_: maybe_kill("forward"))
     model.register_forward_pre_hook(lambda *_: maybe_kill("node"))
     model.register_forward_pre_hook(lambda *_: maybe_kill("freeze"))
+    model.register_forward_pre_hook(lambda *_: maybe_kill("crashnode"))
     model[0].weight.register_hook(lambda grad: maybe_kill("backward"))  # late in backward
+    model[0].weight.register_hook(lambda grad: maybe_kill("crashnode-backward"))
     opt.register_step_pre_hook(lambda *_: maybe_kill("optimizer"))
+    opt.register_step_pre_hook(lambda *_: maybe_kill("crashnode-optimizer"))
 
     generator = torch.Generator().manual_seed(7)
     x_all = torch.randn(SAMPLES, 16, generator=generator)
@@ -243,14 +253,14 @@ def _training_state(final: dict[str, Any]) -> dict[str, Any]:
     return {k: final[k] for k in ("model", "optim", "sched")}
 
 
-def _assert_same_final_state(run: Any, reference: Run) -> None:
-    """Every slot of ``run`` (a local or a Slurm-mode run: anything with ``out`` and ``of_kind``) ends bitwise
-    equal to the fault-free reference, and the coordinator finished with every member at the last step."""
-    expected = _training_state(reference.final(0))
-    for slot in range(NPROC):
+def _assert_same_final_state(run: Any, reference: Any, *, nproc: int = NPROC, steps: int = STEPS) -> None:
+    """Every slot of ``run`` (a local, Slurm-mode or sandbox run: anything with ``out`` and ``of_kind``) ends
+    bitwise equal to the fault-free reference, and the coordinator finished with every member at the last step."""
+    expected = _training_state(_final(reference.out, 0))
+    for slot in range(nproc):
         _assert_bitwise_equal(_training_state(_final(run.out, slot)), expected, f"slot {slot}")
     finished = run.of_kind("torchpass.finished")
-    assert finished and finished[-1]["committed"] == [STEPS - 1], finished
+    assert finished and finished[-1]["committed"] == [steps - 1], finished
 
 
 @pytest.fixture(scope="module")
