@@ -52,7 +52,7 @@ it protects (``transparent_strict`` makes every warning an error).
 from __future__ import annotations
 
 import functools
-import logging
+import inspect
 import os
 import runpy
 import sys
@@ -75,7 +75,6 @@ from torchpass.rng import step_seed
 
 __all__ = ["Session", "TransparentWarning", "main"]
 
-log = logging.getLogger("clockwork.torchpass.transparent")
 DATA_STATE = "torchpass.data_position"
 _WRAPPED_COLLECTIVES = (
     "all_reduce",
@@ -88,8 +87,16 @@ _WRAPPED_COLLECTIVES = (
     "all_gather_object",
     "broadcast_object_list",
 )
-_DDP_DROPPED = ("process_group", "static_graph", "init_sync", "device_mesh")
-_SESSION: Session | None = None
+# DDP arguments TorchPass decides itself (torchpass.ddp), dropped from the script's call.
+_DDP_DROPPED = (
+    "process_group",
+    "init_sync",
+    "static_graph",
+    "device_mesh",
+    "check_reduction",
+    "forward_sync_buffers",
+    "bucket_cap_mb_list",
+)
 
 
 class TransparentWarning(UserWarning):
@@ -122,6 +129,8 @@ class _Pass:
         self.loader = loader
         self.pass_no = pass_no
         sampler = loader.sampler
+        if not isinstance(sampler, DistributedSampler):  # a batch sampler over the DistributedSampler
+            sampler = getattr(loader.batch_sampler, "sampler", sampler)
         self.epoch = int(getattr(sampler, "epoch", 0))
         self.batches: list[Any] = list(iter(loader.batch_sampler))  # type: ignore[arg-type]
         self.inner: Iterator[Any] | None = None
@@ -390,16 +399,26 @@ class Session:
                 "transparent mode protects one DistributedDataParallel model; this script wraps a second one "
                 "(use the model-aware API, or one DDP over a module holding both)"
             )
-        names = ("device_ids", "output_device", "dim", "broadcast_buffers")
-        kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
-        group = kwargs.get("process_group")
+        try:  # the script's arguments by name, as torch's own DDP would read them
+            given = dict(inspect.signature(_TorchDDP.__init__).bind(ddp, module, *args, **kwargs).arguments)
+        except TypeError as exc:
+            raise TypeError(f"DistributedDataParallel: {exc}") from None
+        given.pop("self", None)
+        given.pop("module", None)
+        group = given.get("process_group")
         if group is not None and group is not dist.GroupMember.WORLD:
             raise TorchPassError("transparent mode: DDP over a process group other than the default one")
-        for name in _DDP_DROPPED:
-            kwargs.pop(name, None)
-        kwargs.pop("check_reduction", None)
-        broadcast_buffers = bool(kwargs.pop("broadcast_buffers", True))
-        TorchPassDDP.__init__(ddp, module, self.ctx, broadcast_buffers=broadcast_buffers, **kwargs)
+        dropped = sorted(name for name in _DDP_DROPPED if given.pop(name, None) is not None)
+        if dropped:
+            self.ctx.log.info("DistributedDataParallel: TorchPass decides %s itself", ", ".join(dropped))
+        broadcast_buffers = given.pop("broadcast_buffers", None)
+        TorchPassDDP.__init__(
+            ddp,
+            module,
+            self.ctx,
+            broadcast_buffers=True if broadcast_buffers is None else bool(broadcast_buffers),
+            **given,
+        )
         self.ctx._adopt_model(ddp)
         self.model = ddp
 
@@ -668,7 +687,6 @@ def _torchrun_environment(ctx: Context) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Join the job, install the interposers and run the script as ``__main__``."""
-    global _SESSION
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print("usage: python -m torchpass.transparent SCRIPT [ARGS...]", file=sys.stderr)
@@ -676,7 +694,6 @@ def main(argv: list[str] | None = None) -> int:
     script, script_args = args[0], args[1:]
     ctx = init()  # a spare waits here for a slot (and exits 0 if the job ends first)
     session = Session(ctx)
-    _SESSION = session
     session.install()
     _torchrun_environment(ctx)
     sys.argv = [script, *script_args]
