@@ -5,9 +5,10 @@ SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Debian packages the sandbox cluster and the SPANK build need.
+# Debian packages the sandbox cluster and the SPANK build need (chromium: the test that renders the audit's HTML report).
 APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
-	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping
+	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping \
+	chromium
 
 .PHONY: help venv system-packages demo test lint clean sandbox-down spank
 

@@ -2,7 +2,8 @@
 
 It heals what is Clockwork's own (a dead or hung clockworkd is restarted, never a reason to drain),
 and judges only the node's health: fabric NICs that are down or without carrier, GPUs that fell off
-the bus. An unhealthy node is drained with a reason starting ``clockwork:``; a node is resumed only
+the bus, and GPUs the daemon's health watch wants drained (``[health]``) once no rank uses them. An
+unhealthy node is drained with a reason starting ``clockwork:``; a node is resumed only
 when its drain reason starts with ``clockwork:`` (one that this check set), never one an admin or
 another tool drained.
 """
@@ -86,6 +87,22 @@ def lens_problems(client: DaemonClient, node: str) -> list[str]:
     return out
 
 
+def gpu_health_problems(client: DaemonClient, node: str) -> list[str]:
+    """GPUs the daemon's health watch wants drained and that no job's rank uses any more.
+
+    The watch already moved the ranks off a failing GPU (or the job ended); it marks a GPU ``drain_ready`` only
+    then, so a drain never lands on a GPU that a rank still trains on. A daemon that cannot answer is not
+    evidence against the node: no problem is reported then.
+    """
+    try:
+        with client:
+            reply = client.gpus()
+    except ClockworkError as exc:
+        log.warning("%s: GPU health not readable (%s); no GPU verdict", node, exc)
+        return []
+    return [str(gpu["drain_reason"]) for gpu in reply.get("gpus") or [] if gpu.get("drain_ready")]
+
+
 def main() -> int:
     """Always exits 0: slurmd only logs a failing health check; the drain decision is made here."""
     os.environ.setdefault("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
@@ -106,6 +123,8 @@ def main() -> int:
         problems = nic_problems(nics) + gpu_problems()
         if cfg.lens.drain_suspect_nodes and check.ok:
             problems += lens_problems(DaemonClient.from_config(cfg.daemon, node), node)
+        if cfg.health.enabled and cfg.health.drain and check.ok:
+            problems += gpu_health_problems(DaemonClient.from_config(cfg.daemon, node), node)
         slurm = from_config(cfg.slurm)
         info = next((n for n in slurm.nodes() if n.name == node), None)
         if info is None:

@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from clockworkd.borrow.comments import with_borrowed
 from clockworkd.client import DaemonClient
 from clockworkd.config import LoadedConfig, load_config
 from clockworkd.daemon_paths import DaemonPaths
@@ -70,6 +71,18 @@ def prolog(ctx: HookContext, loaded: LoadedConfig) -> int:
     return 0
 
 
+def give_back(client: DaemonClient, ctx: HookContext) -> None:
+    """The job ended: its borrowed nodes go back to the preempted work (every node's Epilog asks; the first
+    one cancels the holder allocations, the others find none). Recorded as ``borrow.released`` events."""
+    try:
+        released = client.borrow_release(ctx.job_id, why=f"job {ctx.job_id} ended")
+    except ClockworkError as exc:  # borrowing off on this node: nothing was borrowed through it
+        log.info("job %d: no borrowed node given back on %s: %s", ctx.job_id, ctx.node, exc)
+        return
+    if released:
+        log.info("job %d: gave back borrowed node(s), holder job(s) %s", ctx.job_id, released)
+
+
 def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     """Gather the job's events, unregister it, write the report; the head node sets the AdminComment."""
     cfg = loaded.config
@@ -78,6 +91,8 @@ def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     if check.ok:
         with DaemonClient.from_config(cfg.daemon) as client:
             try:
+                if ctx.options.get("spares") == "borrow":
+                    give_back(client, ctx)
                 job_events = client.job_events(ctx.job_id)
                 client.unregister_job(ctx.job_id)
             except ClockworkError as exc:
@@ -88,7 +103,14 @@ def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     log.info("job %d: %s", ctx.job_id, line)
     nodes = expand_hostlist(ctx.nodelist)
     if nodes and nodes[0] == ctx.node:  # one AdminComment per job: the first node of the allocation writes it
-        from_config(cfg.slurm).set_admin_comment(ctx.job_id, line)
+        backend = from_config(cfg.slurm)
+        if ctx.options.get("spares") == "borrow":  # keep what the borrow wrote (which nodes, from which jobs)
+            try:
+                live = backend.job(ctx.job_id)
+                line = with_borrowed(line, live.admin_comment if live is not None else "")
+            except ClockworkError as exc:  # the summary is still worth writing
+                log.warning("job %d: its borrowed-node note is not kept: %s", ctx.job_id, exc)
+        backend.set_admin_comment(ctx.job_id, line)
 
 
 def handle(ctx: HookContext, loaded: LoadedConfig) -> int:

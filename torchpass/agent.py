@@ -43,6 +43,7 @@ import time
 from types import FrameType
 
 from torchpass.auth import job_key
+from torchpass.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
@@ -50,7 +51,13 @@ from torchpass.mesh import FINAL_STATES, AgentMesh
 from torchpass.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
 from torchpass.proxy import CoordinatorProxy
-from torchpass.slurm_layout import ENV_AGENT_INDEX, SlurmLayout, SlurmLayoutError, clockwork_ft_mode
+from torchpass.slurm_layout import (
+    ENV_AGENT_INDEX,
+    SlurmLayout,
+    SlurmLayoutError,
+    clockwork_ft_mode,
+    clockwork_spares_mode,
+)
 
 __all__ = ["SlurmAgent", "daemon_control_socket"]
 
@@ -130,6 +137,19 @@ class SlurmAgent:
         self.proxy = CoordinatorProxy(layout.address, self.mesh.leader_endpoint)
         self.mesh.listeners.append(lambda _leader, _term: self.proxy.leader_changed())
         self.mesh.listeners.append(lambda _leader, _term: self._announce())
+        self.borrower: Borrower | None = None
+        if clockwork_spares_mode(self.environ) == "borrow":  # a spare, when needed, is borrowed from other work
+            self.borrower = Borrower(
+                layout.job_id,
+                connect=self._daemon_client,
+                launch=self._launch_guest,
+                fail=self.coordinator.fail_now,
+                lost_node=self._lost_node,
+                fallback=config.borrow_fallback,
+                timeout_s=config.borrow_timeout_s,
+                event_sink=self.event_sink,
+            )
+            self.coordinator.on_spare_needed = self.borrower.need
         self._child: subprocess.Popen[bytes] | None = None
         self._child_wid = ""
         self._child_role = ""
@@ -140,6 +160,39 @@ class SlurmAgent:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+
+    # ----- borrowed spares (--clockwork-spares=borrow) ------------------------------------------
+
+    def _daemon_client(self) -> BorrowDaemon:
+        """A client of this node's daemon, which borrows on the job owner's behalf (it checks who asks)."""
+        if not self.daemon_socket:
+            raise RuntimeError("this node's Clockwork daemon is not reachable (is clockworkd running here?)")
+        from pathlib import Path
+
+        from clockworkd.client import DaemonClient  # lazy: torchpass -> clockworkd client only
+
+        return DaemonClient(Path(self.daemon_socket), timeout_s=10.0)
+
+    def _lost_node(self) -> str:
+        """The node whose agent was counted lost last (what the borrowed node stands in for)."""
+        dead = sorted(self.mesh.dead)
+        return self.layout.nodes[dead[-1]] if dead else ""
+
+    def _launch_guest(self, holder: int, node: str) -> subprocess.Popen[bytes] | None:
+        """Start the replacement on the borrowed node, in the holder allocation, as a spare of this job."""
+        leader = self.mesh.leader_endpoint()
+        endpoints = [leader, *(e for e in self.layout.coordinator_endpoints() if e != leader)]
+        env = guest_environment(
+            self.environ,
+            job_id=self.layout.job_id,
+            endpoints=endpoints,
+            world_size=self.layout.world_size,
+            key_hex=self.key.hex,
+        )
+        env[ENV_CONFIG] = self.config.to_json()
+        return spawn_guest(self.environ.get("TORCHPASS_SRUN", "srun"), self.python, self.script, self.script_args, env)(
+            holder, node
+        )
 
     # ----- start -----------------------------------------------------------------------------
 
@@ -232,6 +285,8 @@ class SlurmAgent:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self._terminate_child(grace_s=5.0)
+            if self.borrower is not None:
+                self.borrower.stop()
             self.proxy.stop()
             self.mesh.stop()
             self.coordinator.stop()

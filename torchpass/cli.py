@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from torchpass.auth import ENV_JOB_KEY, JobKeyError, read_coordinator_file
-from torchpass.config import ConfigError, TorchPassConfig
+from torchpass.config import ConfigError, TorchPassConfig, environment_settings
 from torchpass.control import CoordinatorLost, CoordinatorRefused, CoordinatorRpc
 from torchpass.events import JsonlEventSink
 
@@ -101,8 +101,25 @@ def _parser() -> argparse.ArgumentParser:
         "(default when the job was submitted with --clockwork-ft=transparent)",
     )
     run.add_argument("--no-respawn-spares", action="store_true", help="do not start a new spare when one takes a slot")
+    run.add_argument(
+        "--restore",
+        metavar="latest|PATH",
+        help="start from the newest good snapshot in the snapshot directory (latest), in directory PATH, or "
+        "from snapshot folder PATH; a damaged one is skipped for the previous one, none good is an error "
+        "(default: only after a Slurm requeue)",
+    )
     run.add_argument("script", help="the training script (it calls torchpass.init())")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    guest = commands.add_parser(
+        "guest",
+        help="(internal) the replacement rank's agent on a borrowed node",
+        description="Started by a --clockwork-spares=borrow job's agent into the holder allocation on a borrowed "
+        "node (srun --jobid=HOLDER --overlap): runs SCRIPT as a spare of the training job's coordinator. Not "
+        "for use by hand.",
+    )
+    guest.add_argument("script", help="the training script")
+    guest.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     migrate = commands.add_parser(
         "migrate",
@@ -113,6 +130,13 @@ def _parser() -> argparse.ArgumentParser:
     migrate.add_argument("--coordinator", required=True, metavar="FILE|ADDR", help=COORDINATOR_HELP)
     migrate.add_argument("--slot", required=True, type=int, metavar="R", help="the rank slot to move")
 
+    snapshot = commands.add_parser(
+        "snapshot",
+        help="ask a running job to take a snapshot now",
+        description="Every rank snapshots the same step, a few steps ahead; the command answers which.",
+    )
+    snapshot.add_argument("--coordinator", required=True, metavar="FILE|ADDR", help=COORDINATOR_HELP)
+
     status = commands.add_parser("status", help="show a running job's generation, members and spares")
     status.add_argument("--coordinator", required=True, metavar="FILE|ADDR", help=COORDINATOR_HELP)
     status.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -121,8 +145,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> TorchPassConfig:
     cfg = TorchPassConfig.from_file(args.config) if args.config else TorchPassConfig()
+    cfg = cfg.with_overrides(**environment_settings())
     for assignment in args.set:
         cfg = cfg.with_assignment(assignment)
+    if args.restore:
+        cfg = cfg.with_overrides(restore=args.restore)
     return cfg
 
 
@@ -179,6 +206,19 @@ def _cmd_run_slurm(args: argparse.Namespace, script_args: list[str]) -> int:
         return EXIT_USAGE
 
 
+def _cmd_guest(args: argparse.Namespace) -> int:
+    from torchpass.guest import GuestAgent
+    from torchpass.slurm_layout import SlurmLayoutError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[guest]: %(message)s")
+    script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    try:
+        return GuestAgent(args.script, script_args, TorchPassConfig.from_env()).run()
+    except SlurmLayoutError as exc:
+        print(f"{PROG} guest: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
 def _request(target: str, op: str, **fields: Any) -> dict[str, Any]:
     """One request; a passive replica's redirect to the leader is followed (Slurm mode).
 
@@ -215,6 +255,12 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_snapshot(args: argparse.Namespace) -> int:
+    reply = _request(args.coordinator, "snapshot", requester="torchpass snapshot")
+    print(f"every rank snapshots after step {reply['step']}")
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     status = _request(args.coordinator, "status")["status"]
     if args.json:
@@ -241,6 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_run(args)
         if args.command == "migrate":
             return _cmd_migrate(args)
+        if args.command == "guest":
+            return _cmd_guest(args)
+        if args.command == "snapshot":
+            return _cmd_snapshot(args)
         return _cmd_status(args)
     except (ConfigError, JobKeyError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)

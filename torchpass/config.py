@@ -18,9 +18,45 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV_CONFIG", "ConfigError", "TorchPassConfig"]
+__all__ = ["ENV_CONFIG", "ConfigError", "TorchPassConfig", "environment_settings", "parse_duration"]
 
 ENV_CONFIG = "TORCHPASS_CONFIG"
+# Set by the SPANK plugin (sbatch --clockwork-snapshot=20m); the SLURM_SPANK_/SPANK_ forms under --export=NONE.
+SNAPSHOT_VARIABLES = ("CLOCKWORK_SNAPSHOT", "SLURM_SPANK_CLOCKWORK_SNAPSHOT", "SPANK_CLOCKWORK_SNAPSHOT")
+SNAPSHOT_DIR_VARIABLE = "CLOCKWORK_SNAPSHOT_DIR"
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, where: str) -> float:
+    """Seconds of ``off`` (0), ``90s``, ``20m``, ``1h``, ``2d`` (the SPANK option's syntax) or a bare number of
+    seconds; ConfigError naming ``where`` otherwise."""
+    value = text.strip().lower()
+    if value in ("off", "0", ""):
+        return 0.0
+    try:
+        if value[-1] in _UNITS:
+            seconds = float(value[:-1]) * _UNITS[value[-1]]
+        else:
+            seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ConfigError(f"{where}: expected off or a duration like 90s, 20m, 1h; got {text!r}")
+    return seconds
+
+
+def environment_settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Settings the job's environment gives (between the config file and the command line in precedence):
+    the snapshot period from ``--clockwork-snapshot`` and ``CLOCKWORK_SNAPSHOT_DIR``."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name in SNAPSHOT_VARIABLES:
+        if env.get(name):
+            out["snapshot_interval_s"] = parse_duration(env[name], name)
+            break
+    if env.get(SNAPSHOT_DIR_VARIABLE):
+        out["snapshot_dir"] = env[SNAPSHOT_DIR_VARIABLE]
+    return out
 
 
 _FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
@@ -109,6 +145,18 @@ class TorchPassConfig:
     spare_timeout_s: float = _setting(
         600.0, "How long a vacant slot may wait for a spare before the job is declared failed.", min=0.1
     )
+    borrow_fallback: str = _setting(
+        "fail",
+        "--clockwork-spares=borrow, when no node can be borrowed: 'fail' fails the job at once with the reason; "
+        "'wait' waits for a standby spare (--spares) until spare_timeout_s.",
+        choices=("fail", "wait"),
+    )
+    borrow_timeout_s: float = _setting(
+        120.0,
+        "--clockwork-spares=borrow: how long one borrow (node daemon + Slurm preemption) may take before it "
+        "counts as failed; keep it above the cluster's GraceTime and [borrow] timeout_s.",
+        min=1.0,
+    )
     max_failures: int = _setting(
         32, "Member failures the job survives; one more fails the job (stops a crash loop).", min=0
     )
@@ -128,6 +176,34 @@ class TorchPassConfig:
         True,
         "Keep a copy of the model's buffers (e.g. BatchNorm statistics) at each committed step, so a step "
         "abandoned after its forward pass can be undone. Costs one buffer copy per step; free without buffers.",
+    )
+    snapshot_dir: str = _setting(
+        "clockwork-snapshots/{job}",
+        "Where snapshots go ({job}: the Slurm job id, or 'local'); relative to the launcher's working directory. "
+        "Must be shared by every node for a multi-node job. Environment: CLOCKWORK_SNAPSHOT_DIR.",
+    )
+    snapshot_interval_s: float = _setting(
+        0.0,
+        "Take a snapshot every this many seconds (0: off). The coordinator picks a step a little ahead of the "
+        "fastest rank so that every rank snapshots the same step. Environment: CLOCKWORK_SNAPSHOT (20m, 1h, off; "
+        "set by sbatch --clockwork-snapshot).",
+        min=0.0,
+    )
+    snapshot_every_steps: int = _setting(
+        0, "Also take a snapshot after every N-th step (step + 1 divisible by N; 0: off). Needs no coordination.", min=0
+    )
+    snapshot_keep: int = _setting(3, "Complete snapshots kept; older ones are removed once a new one exists.", min=1)
+    snapshot_timeout_s: float = _setting(
+        600.0,
+        "How long rank 0's writer waits for every rank's shard before it declares the snapshot failed (and how "
+        "long a finishing rank waits for its snapshot in flight).",
+        min=0.1,
+    )
+    restore: str = _setting(
+        "auto",
+        "'auto': restore the newest good snapshot when Slurm requeued the job (SLURM_RESTART_COUNT > 0); "
+        "'latest': restore it now (an error if there is none); 'never'; or the path of a snapshot directory or "
+        "of one snapshot (torchpass run --restore).",
     )
     transparent_strict: bool = _setting(
         False,

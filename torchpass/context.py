@@ -61,6 +61,7 @@ from torchpass.ddp import TorchPassDDP
 from torchpass.events import DaemonEventSink, EventSink, emit, tee
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, GenerationInfo, LaunchEnv
 from torchpass.rng import reseed
+from torchpass.snapshot import RestoreError, Snapshotter, restore, restore_target
 from torchpass.state import StateError, StateParts, recv_state, send_state
 
 __all__ = ["Context", "TorchPassError", "init"]
@@ -155,6 +156,8 @@ class Context:
         self._optimizer_steps = 0  # optimizer steps taken in the step in progress
         self._failed_after_update = ""  # a collective of the user's failed once the update was applied
         self._closed = False
+        self._snapshotter = Snapshotter(config, self.log, event_sink)
+        self._restore_from = restore_target(config) if env.initial_slot is not None else (None, False)
         channel.on_generation = self._on_generation
 
     # ----- what the user reads --------------------------------------------------------------
@@ -215,6 +218,7 @@ class Context:
             if ctx._abandoned:
                 ctx.log.debug("optimizer step skipped (step abandoned: %s)", ctx._abandon_reason)
                 return None
+            ctx._snapshotter.before_update()  # GPU snapshot copies still reading the parameters come first
             result = inner(*args, **kwargs)
             ctx._optimizer_steps += 1
             return result
@@ -279,6 +283,8 @@ class Context:
         fetch = batch_source(source, lambda: self.slot, self.world_size)
         if self.generation < 0:
             self._join_loop(after=-1, first=self._pending)
+            self._maybe_restore()
+            self._snapshotter.prepare()
         while True:
             channel = self._channel
             if channel.latest_gen > self.generation or channel.lost or channel.stopped is not None:
@@ -319,6 +325,8 @@ class Context:
         self._snapshot_local_state()
         for callback in self._commit_hooks:
             callback(step)
+        if self._snapshotter.due(step, self._channel.snapshot_steps):
+            self._snapshotter.capture(self._parts, step, self.slot, self.world_size)
 
     def _snapshot_local_state(self) -> None:
         """Remember what a step may change outside the optimizer's update, as of the last commit: buffers,
@@ -572,7 +580,7 @@ class Context:
         self._zero_grads()
         self._snapshot_local_state()
         self._step = self._committed + 1
-        timings = {
+        timings: dict[str, Any] = {
             "rebuild_ms": round(1000 * (formed_at - received_at), 1),
             "transfer_ms": round(1000 * (done_at - formed_at), 1),
         }
@@ -746,6 +754,53 @@ class Context:
         finally:
             self._backend.destroy()
 
+    # ----- snapshots ------------------------------------------------------------------------
+
+    def snapshot_now(self) -> bool:
+        """Take a snapshot after the current step commits (every rank must call it at the same step, or use
+        ``clockwork snapshot take``); False when one is still being written."""
+        step = self._step if self._step >= 0 else self._committed
+        self._channel.snapshot_steps.add(step)
+        return not self._snapshotter.busy
+
+    def _maybe_restore(self) -> None:
+        """Right after the first generation formed: load the snapshot to restore, if any (every rank agrees)."""
+        target, required = self._restore_from
+        self._restore_from = (None, False)
+        if target is None:
+            return
+
+        def agree(ok: bool) -> bool:
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self._backend.device)
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            except Exception as exc:
+                raise TorchPassError(f"ranks could not agree on the snapshot to restore: {exc}") from None
+            return bool(flag.item())
+
+        try:
+            committed = restore(
+                self._parts,
+                target,
+                required=required,
+                slot=self.slot,
+                device=self._backend.device,
+                agree=agree,
+                log=self.log,
+                event_sink=self.event_sink,
+            )
+        except RestoreError as exc:
+            self._fatal(str(exc))
+        if committed is None:
+            return
+        self._committed = committed
+        self._has_state = True
+        self._zero_grads()
+        for name in self._snapshots:
+            self._snapshots[name] = copy.deepcopy(self._parts.extra[name].state_dict())
+        self._snapshot_local_state()
+        self._step = committed + 1
+
     # ----- end ------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -753,6 +808,10 @@ class Context:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._snapshotter.close(timeout_s=min(self.config.snapshot_timeout_s, 120.0))
+        except Exception as exc:  # the job's end must not hang on a snapshot
+            self.log.warning("closing the snapshot writer failed: %s", exc)
         try:
             self._backend.destroy()
         finally:

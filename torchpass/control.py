@@ -137,6 +137,7 @@ class ControlChannel:
         self.stopped: JobStopped | None = None
         self.lost = False
         self.step = -1  # written by the training loop, reported in heartbeats
+        self.snapshot_steps: set[int] = set()  # steps after which the coordinator asked for a snapshot
         self.on_generation: Callable[[int], None] | None = None
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.rpc = CoordinatorRpc(self._context, endpoint, rpc_timeout_s, identity=f"{worker_id}.r".encode())
@@ -217,6 +218,10 @@ class ControlChannel:
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
+        if op in ("snapshot", "hb_ack"):
+            for step in msg.get("snap") or ():
+                if int(step) > self.step - 1:  # a step already committed can no longer be snapshotted
+                    self.snapshot_steps.add(int(step))
         if op in ("generation", "hb_ack"):
             gen = int(msg.get("gen", -1))
             if gen > self.latest_gen:

@@ -97,6 +97,8 @@ class _Worker:
     registered: bool = False
     last_seen: float = field(default_factory=time.monotonic)
     step: int = -1
+    rate: float = 0.0  # steps per second between its last two heartbeats (plans snapshot steps)
+    step_seen_at: float = 0.0
     notify_ident: bytes | None = None
     agent: int = -1  # Slurm mode: the node agent that runs it (its node's loss is this process's death)
 
@@ -195,6 +197,10 @@ class Coordinator(SocketThread):
         self._gen_floor = 0  # the next generation number is at least this (raised by a takeover)
         self._hold_declare = False  # batch several deaths into one generation
         self._dirty = True  # something replicated may have changed since the last snapshot
+        # Training snapshots: steps every member is asked to snapshot after (pushed, and repeated in every
+        # heartbeat answer until the slowest member passed them), and when the periodic one is next due.
+        self.snapshot_steps: list[int] = []
+        self._snapshot_due = time.monotonic() + config.snapshot_interval_s if config.snapshot_interval_s > 0 else None
 
     # ----- life cycle (thread-safe) ---------------------------------------------------------
 
@@ -233,6 +239,12 @@ class Coordinator(SocketThread):
         ``dead_agents`` as dead (``hints``: wid -> role of processes the snapshot may not know yet; ``at``: when
         they were last heard, wall clock), and start a fresh generation."""
         self._inbox.put(("takeover", (snapshot, set(dead_agents), dict(hints), why, at)))
+        self._wake()
+
+    def fail_now(self, reason: str) -> None:
+        """Fail the job at once with ``reason`` (thread-safe): e.g. no node could be borrowed and the user did
+        not allow waiting for a standby spare, so waiting out ``spare_timeout_s`` would only hide the reason."""
+        self._inbox.put(("fail", reason))
         self._wake()
 
     def step_down(self, leader: str) -> None:
@@ -301,6 +313,9 @@ class Coordinator(SocketThread):
                 self.workers.setdefault(wid, _Worker(wid=wid, role=role))
             elif kind == "takeover":
                 self._take_over(*payload)
+            elif kind == "fail":
+                if self.active:
+                    self._fail(str(payload))
             elif kind == "step_down":
                 if self.active:
                     log.warning("another replica leads (%s): this one turns passive", payload)
@@ -489,11 +504,11 @@ class Coordinator(SocketThread):
                     return
                 rec = self.workers[wid] = _Worker(wid=wid, role="?")  # its register may still be in flight
             rec.notify_ident = ident
-            rec.step = int(msg.get("step", rec.step))
+            self._note_step(rec, int(msg.get("step", rec.step)))
             if not rec.alive:
                 self._send(ident, encode("stop", reason="evicted: the coordinator counts this process as dead"))
             else:
-                self._send(ident, encode("hb_ack", gen=self.gen, state=self.state))
+                self._send(ident, encode("hb_ack", gen=self.gen, state=self.state, snap=self._pending_snapshots()))
             return
         handler = {
             "register": self._on_register,
@@ -505,11 +520,12 @@ class Coordinator(SocketThread):
             "departed": self._on_departed,
             "fatal": self._on_fatal,
             "status": self._on_status,
+            "snapshot": self._on_snapshot,
         }.get(op)
         if handler is None:
             self._reply_error(ident, msg, f"unknown op {op!r}")
             return
-        if op not in ("register", "migrate", "status") and (rec is None or not rec.alive):
+        if op not in ("register", "migrate", "status", "snapshot") and (rec is None or not rec.alive):
             self._reply(ident, msg.get("id"), stop=True, done=False, reason="evicted or unknown worker")
             return
         handler(ident, msg)
@@ -629,6 +645,44 @@ class Coordinator(SocketThread):
         emit(self.event_sink, log, "torchpass.migration_requested", slot=slot, source=source, by=requester)
         self._reply(ident, msg["id"], generation=self.gen + 1, target=self.spares[0])
         self._try_declare()
+
+    # ----- snapshots ------------------------------------------------------------------------
+
+    def _note_step(self, rec: _Worker, step: int) -> None:
+        now = time.monotonic()
+        if step > rec.step >= 0 and now > rec.step_seen_at:
+            rec.rate = (step - rec.step) / (now - rec.step_seen_at)
+        if step != rec.step:
+            rec.step, rec.step_seen_at = step, now
+
+    def _pending_snapshots(self) -> list[int]:
+        """Requested snapshot steps that some member may still reach (older ones are dropped)."""
+        if not self.snapshot_steps:
+            return []  # the common case, on every heartbeat: no walk over the members
+        steps = [self.workers[w].step for w in self.members.values() if w in self.workers]
+        slowest = min(steps) if steps else -1
+        self.snapshot_steps = [s for s in self.snapshot_steps if s >= slowest]
+        return list(self.snapshot_steps)
+
+    def plan_snapshot(self, reason: str) -> int:
+        """Choose the step every member snapshots after: ahead of the fastest member by what it may run
+        before it hears of it (two heartbeat intervals at its observed pace, plus two steps), and push it."""
+        members = [self.workers[w] for w in self.members.values() if w in self.workers]
+        newest = max((m.step for m in members), default=-1)
+        rate = max((m.rate for m in members), default=0.0)
+        step = max(0, newest) + int(rate * (2 * self.config.heartbeat_interval_s + 0.5)) + 2
+        self.snapshot_steps.append(step)
+        for wid in self.members.values():
+            self._push(wid, "snapshot", snap=[step])
+        emit(self.event_sink, log, "torchpass.snapshot_requested", step=step, reason=reason)
+        return step
+
+    def _on_snapshot(self, ident: bytes, msg: dict[str, Any]) -> None:
+        if self.state != RUNNING or not self._progressed:
+            self._reply_error(ident, msg, f"cannot snapshot now: the job is not training (state {self.state})")
+            return
+        requester = str(msg.get("requester") or msg.get("wid") or "cli")
+        self._reply(ident, msg["id"], step=self.plan_snapshot(f"requested by {requester}"))
 
     def _on_departed(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._reply(ident, msg["id"])
@@ -913,6 +967,10 @@ class Coordinator(SocketThread):
                     self.on_evict(rec.wid)
 
     def _check_timers(self, now: float) -> None:
+        if self._snapshot_due is not None and now >= self._snapshot_due:
+            self._snapshot_due = now + self.config.snapshot_interval_s
+            if self.state == RUNNING and self._progressed and not self.vacant:
+                self.plan_snapshot("periodic")
         if self._grace is not None and now >= self._grace[1]:
             gen, _ = self._grace
             self._grace = None

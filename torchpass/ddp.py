@@ -26,6 +26,7 @@ Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forwar
 ``dist.GradBucket`` and ``Future[Tensor]`` objects.)
 """
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -68,6 +69,9 @@ _RESERVED = (
     "forward_sync_buffers",
     "bucket_cap_mb_list",
 )
+
+
+_DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -122,9 +126,12 @@ class TorchPassDDP(DistributedDataParallel):
         reserved = sorted(set(ddp_kwargs) & set(_RESERVED))
         if reserved:
             raise TypeError(f"ctx.wrap_model sets {', '.join(reserved)} itself (see torchpass.ddp)")
-        super().__init__(
-            module, process_group=ctx._local_group(), init_sync=False, forward_sync_buffers=False, **ddp_kwargs
+        # DDP's own buffer sync would run over the one-rank group (a no-op that costs time); TorchPass broadcasts
+        # buffers itself. torch >= 2.13 spells it forward_sync_buffers, earlier releases broadcast_buffers.
+        no_sync = (
+            {"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMS else {"broadcast_buffers": False}
         )
+        super().__init__(module, process_group=ctx._local_group(), init_sync=False, **no_sync, **ddp_kwargs)
         self._tp_ctx = ctx
         self._tp_buffers = [b for b in module.buffers()] if broadcast_buffers else []
         hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = _allreduce_hook

@@ -19,14 +19,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DaemonEventSink", "EventSink", "JsonlEventSink", "TeeSink", "emit", "tee"]
+__all__ = ["DaemonEventSink", "EventSink", "JsonlEventSink", "TeeSink", "emit", "emit_at", "tee"]
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
 
 def emit(sink: EventSink | None, log: logging.Logger | logging.LoggerAdapter[Any], kind: str, **fields: Any) -> None:
     """Log an event at INFO and hand it to ``sink``; a failing sink costs a warning, never the job."""
-    log.info("event %s %s", kind, json.dumps(fields, sort_keys=True, default=str))
+    emit_at(logging.INFO, sink, log, kind, **fields)
+
+
+def emit_at(
+    level: int, sink: EventSink | None, log: logging.Logger | logging.LoggerAdapter[Any], kind: str, **fields: Any
+) -> None:
+    """:func:`emit` logging at ``level`` (a failed snapshot is an error, not news)."""
+    log.log(level, "event %s %s", kind, json.dumps(fields, sort_keys=True, default=str))
     if sink is None:
         return
     try:

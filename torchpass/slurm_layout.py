@@ -20,7 +20,8 @@ address between NICs), so the agent's sockets, the ranks' store servers and gloo
 How many of the tasks are spares: ``--spares S`` or ``--nproc N`` on the command line; else the
 ``--clockwork-spares`` mode the SPANK plugin exported to the job (``CLOCKWORK_SPARES``, or
 ``SLURM_SPANK_CLOCKWORK_SPARES`` under ``--export=NONE``): ``standby`` means one spare node, ``none`` none.
-``borrow`` (spares borrowed from other jobs) is a separate feature: here it counts as no standby spare.
+``borrow`` means no standby spare: when one is needed the agents borrow a node from preemptible work
+(:mod:`torchpass.borrow`).
 
 The agents' two ports (the agent mesh, and the coordinator replica one above it) are the same on every node,
 derived from the job id unless ``--port`` says otherwise, so each agent knows every peer's endpoints from the
@@ -280,9 +281,7 @@ def _spare_count(ntasks: int, spares: int | None, nproc: int | None, mode: str) 
         if mode == "standby":
             spares = STANDBY_SPARES_DEFAULT
         else:
-            if mode == "borrow":
-                log.warning("--clockwork-spares=borrow: borrowing spares is not available here; no standby spare")
-            spares = 0
+            spares = 0  # none, borrow (a spare is borrowed when needed), or not a Clockwork job
     if spares < 0 or spares >= ntasks:
         raise SlurmLayoutError(
             f"{spares} spare(s) out of {ntasks} task(s): at least one task must train (give --spares or --nproc)"

@@ -601,8 +601,10 @@ class Session:
     def _boundary(self) -> None:
         """Between two steps: join the first generation, or follow a newer one (as ``ctx.steps`` does)."""
         ctx = self.ctx
-        if ctx.generation < 0:
+        if ctx.generation < 0:  # as ctx.steps starts: join, restore a snapshot if one is due, start snapshots
             ctx._join_loop(after=-1, first=ctx._pending)
+            ctx._maybe_restore()
+            ctx._snapshotter.prepare()
         while True:
             channel = ctx._channel
             if channel.latest_gen > ctx.generation or channel.lost or channel.stopped is not None:

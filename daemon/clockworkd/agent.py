@@ -19,9 +19,11 @@ from pathlib import Path
 import click
 
 from clockworkd import __version__
+from clockworkd.borrow.host import start_borrow
 from clockworkd.config import load_config
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
+from clockworkd.gpuhealth_host import start_health
 from clockworkd.lens_host import start_lens
 from clockworkd.linkpass_host import start_linkpass
 from clockworkd.logging_setup import configure_logging
@@ -54,6 +56,8 @@ def agent(config_path: Path | None, check_config: bool, foreground: bool) -> Non
     daemon.components["lens"] = start_lens(
         loaded.config.lens, loaded.config.linkpass, paths, daemon, gray=None if isinstance(linkpass, str) else linkpass
     )
+    daemon.components["health"] = start_health(loaded.config.health, paths, daemon)
+    daemon.components["borrow"] = start_borrow(loaded.config.borrow, loaded.config.slurm, daemon)
     daemon.serve()
 
 

@@ -157,6 +157,10 @@ class DaemonClient:
         """Fleet Lens's latest snapshot on this node (``enabled`` False, with ``state``, when it is off)."""
         return self.request("lens")
 
+    def gpus(self) -> dict[str, Any]:
+        """The GPU health watch's view: each GPU's reading, health, signals, ranks (``enabled`` False when off)."""
+        return self.request("gpus")
+
     def status(self) -> dict[str, Any]:
         """The daemon's health: pid, uptime, peer plane, jobs (those the caller may see), recent events."""
         return self.request("status")
@@ -193,6 +197,27 @@ class DaemonClient:
             if not reply["more"] or not reply["events"]:
                 return out
             after = reply["events"][-1]["seq"]
+
+    def borrow(self, job_id: int, lost_node: str = "") -> dict[str, Any]:
+        """Ask for a borrowed node for ``job_id`` (its owner only); the reply carries the request to poll."""
+        fields: dict[str, Any] = {"job_id": job_id}
+        if lost_node:
+            fields["lost_node"] = lost_node
+        return self.request("borrow", **fields)
+
+    def borrow_status(self, job_id: int, request: int | None = None) -> list[dict[str, Any]]:
+        """The borrow requests of ``job_id`` on this node (one with ``request``)."""
+        fields: dict[str, Any] = {"job_id": job_id}
+        if request is not None:
+            fields["request"] = request
+        return list(self.request("borrow_status", **fields)["requests"])
+
+    def borrow_release(self, job_id: int, why: str = "") -> list[int]:
+        """Give back every node ``job_id`` borrowed (cancels its holder allocations); the holders cancelled."""
+        fields: dict[str, Any] = {"job_id": job_id}
+        if why:
+            fields["why"] = why[:256]
+        return list(self.request("borrow_release", **fields)["released"])
 
     def jobs(self) -> list[dict[str, Any]]:
         """The jobs registered on the node that the caller may see (all for root/SlurmUser)."""

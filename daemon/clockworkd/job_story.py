@@ -11,7 +11,10 @@ Incidents, one per fault the product handled:
 * ``rank migrated``: ``torchpass.migrated`` (planned or health-driven live migration);
 * ``link failover`` / ``link failback``: LinkPass moved a NIC's traffic (``route_ms``);
 * ``gray failure``: Fleet Lens raised ``lens.suspect`` (resolved when ``lens.clear`` names the same target);
-* ``rollback``: ``job.rollback`` (the job went back to a checkpoint: nothing saved).
+* ``rollback``: ``job.rollback`` (the job went back to a checkpoint: nothing saved);
+* ``node borrowed`` / ``borrow failed``: ``borrow.acquired`` (which node, from which job, how long Slurm
+  took) or a borrow request that ended without a node (``borrow.failed``/``borrow.refused``); part of how a
+  ``rank replaced`` was resolved, not a fault of its own.
 
 What a resolved fault saved, against checkpoint-restart with a checkpoint every ``interval`` and a restart
 that costs ``restart``: on average half an interval of lost work plus the restart, minus what the repair
@@ -126,6 +129,20 @@ def build_story(
             what = kind.replace(".", " ")
             detail = f"{f.get('nic', '?')} -> {f.get('via', '?')} for {peers or '?'}: {f.get('reason', '?')}"
             incidents.append(Incident(at, node, what, detail, f"routes moved in {ms:.0f} ms", ms / 1000, fields=f))
+        elif kind == "borrow.acquired":
+            ms = float(f.get("total_ms", 0))
+            detail = (
+                f"{f.get('node', '?')} from job {f.get('from_job', '?')} ({f.get('from_user', '?')}, partition "
+                f"{f.get('from_partition', '?')}), for lost node {f.get('lost_node') or '?'}"
+            )
+            resolution = (
+                f"holder job {f.get('holder', '?')} ran in {ms / 1000:.2f} s (Slurm preemption "
+                f"{f.get('preempt_ms', '?')} ms); job {f.get('from_job', '?')} requeued"
+            )
+            incidents.append(Incident(at, node, "node borrowed", detail, resolution, ms / 1000, fields=f))
+        elif kind in ("borrow.failed", "borrow.refused") and f.get("request") is not None:
+            detail = str(f.get("reason", "?"))
+            incidents.append(Incident(at, node, "borrow failed", detail, "no node borrowed", fields=f))
         elif kind == "lens.suspect":
             target = str(f.get("target") or f.get("link") or f.get("nic") or "?")
             if target in open_suspects:

@@ -171,6 +171,7 @@ SCHEMA: dict[str, dict[str, tuple[Checker, bool]]] = {
     "status": {},
     "jobs": {},
     "lens": {},  # Fleet Lens's latest snapshot (fabric telemetry: any local user may read it)
+    "gpus": {},  # the GPU health watch's view (any local user; ranks only of the caller's own jobs)
     "register_job": {
         "job_id": (_JOB_ID, True),
         "uid": (_int_range(0, MAX_UID), True),
@@ -186,6 +187,13 @@ SCHEMA: dict[str, dict[str, tuple[Checker, bool]]] = {
         # Where the event happened, when not on the receiving node (set by relaying daemons).
         "node": (_string(MAX_NAME, _NODE, what="a node name"), False),
     },
+    # Borrowed spares (the owner of a --clockwork-spares=borrow job, or root): start a borrow, poll it, give back.
+    "borrow": {
+        "job_id": (_JOB_ID, True),
+        "lost_node": (_string(MAX_NAME, _NODE, what="a node name"), False),  # the node the job lost
+    },
+    "borrow_status": {"job_id": (_JOB_ID, True), "request": (_int_range(1, 2**31 - 1), False)},
+    "borrow_release": {"job_id": (_JOB_ID, True), "why": (_string(MAX_NAME), False)},
     "job_events": {
         "job_id": (_JOB_ID, True),
         "since": (_number, False),  # only events with time > since

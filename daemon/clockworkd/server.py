@@ -44,6 +44,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
 from clockworkd import __version__
+from clockworkd.borrow.manager import BorrowManager, BorrowRefused
 from clockworkd.config.schema import DaemonConfig
 from clockworkd.curve_keys import CurveKeyError, load_daemon_keys
 from clockworkd.daemon_paths import DaemonPaths
@@ -76,7 +77,7 @@ BATCH = 64
 # Ops a peer daemon may send over TCP.
 PEER_OPS = frozenset({"ping", "post_event"})
 # Ops that act on one job; a non-privileged caller must own it.
-JOB_OPS = frozenset({"unregister_job", "post_event", "job_events"})
+JOB_OPS = frozenset({"unregister_job", "post_event", "job_events", "borrow", "borrow_status", "borrow_release"})
 ENDED_JOBS_IN_STATUS = 20
 # A job_events reply stops adding events past this many bytes (``more`` tells the client to page on).
 EVENTS_REPLY_BYTES = 8 * 1024 * 1024
@@ -136,7 +137,7 @@ def _resolve_address(node: str) -> str:
 
 
 class Component(Protocol):
-    """Something the daemon hosts in its event loop (LinkPass): file descriptors to poll, a tick deadline."""
+    """Something the daemon hosts in its loop (LinkPass, Lens, GPU health): fds to poll, a tick deadline."""
 
     def fds(self) -> list[int]: ...
     def on_readable(self, fd: int) -> None: ...
@@ -180,6 +181,10 @@ class Daemon:
             "post_event": self._op_post_event,
             "job_events": self._op_job_events,
             "lens": self._op_lens,
+            "gpus": self._op_gpus,
+            "borrow": self._op_borrow,
+            "borrow_status": self._op_borrow_status,
+            "borrow_release": self._op_borrow_release,
         }
 
     # ----- life cycle -------------------------------------------------------------------------
@@ -604,6 +609,21 @@ class Daemon:
         snapshot = getattr(lens, "snapshot", None)
         return dict(snapshot()) if callable(snapshot) else {"node": self.node, "enabled": False}
 
+    def _op_gpus(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        """The GPU health watch's view; ranks and migrations only of the jobs the caller may see."""
+        health = self.components.get("health")
+        if health is None or isinstance(health, str):
+            return {"node": self.node, "enabled": False, "state": health or "not configured", "gpus": []}
+        snapshot = getattr(health, "snapshot", None)
+        if not callable(snapshot):
+            return {"node": self.node, "enabled": False, "state": "no snapshot", "gpus": []}
+
+        def visible(job_id: int) -> bool:
+            job = self._registry.get(job_id)
+            return job is not None and self._visible(job, caller)
+
+        return dict(snapshot(visible))
+
     def _op_register_job(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         record, created = self._registry.register(
             args["job_id"], args["uid"], args["user"], args["nodes"], args["options"], by=caller.describe()
@@ -657,6 +677,40 @@ class Daemon:
         job = self._registry.get(args["job_id"])
         return {"job": job.to_dict() if job else None, "events": events, "more": more}
 
+    def _borrower(self) -> BorrowManager:
+        manager = self.components.get("borrow")
+        if not isinstance(manager, BorrowManager):
+            reason = manager if isinstance(manager, str) else "not configured on this node"
+            raise ProtocolError(FORBIDDEN, f"borrowing is not available on node {self.node}: {reason}")
+        return manager
+
+    def _op_borrow(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        job = self._registry.get(args["job_id"])
+        if job is None:
+            raise UnknownJobError(args["job_id"])
+        try:
+            return self._borrower().request(job, by=caller.describe(), lost_node=args.get("lost_node", ""))
+        except BorrowRefused as exc:
+            raise ProtocolError(FORBIDDEN, f"borrow for job {job.job_id} refused: {exc}") from None
+
+    def _op_borrow_status(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        manager = self._borrower()
+        manager.drain()  # an outcome the requester sees is already in the job's events
+        return manager.requests_of(args["job_id"], args.get("request"))
+
+    def _op_borrow_release(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        why = args.get("why") or f"released by {caller.describe()}"
+        manager = self._borrower()
+        released = manager.release(args["job_id"], why)
+        manager.drain()  # recorded before the answer: the Epilog gathers the job's events right after
+        return {"released": released}
+
+    def record_event(self, job_id: int, kind: str, fields: dict[str, Any]) -> None:
+        """Record an event of this node's own making (a borrow's outcome) and publish it."""
+        event = self._registry.append_event(job_id, kind, fields, by=f"clockworkd on {self.node}")
+        log.info("job %d (node %s): event %s #%d", job_id, self.node, kind, event["seq"])
+        self._publish(event)
+
     def emit_node_event(self, kind: str, fields: dict[str, Any], by: str) -> None:
         """Record a node-level event (a link failover) in every running job's log, and publish it."""
         for job in self._registry.jobs():
@@ -668,6 +722,15 @@ class Daemon:
                 log.warning("job %d (node %s): %s not recorded: %s", job.job_id, self.node, kind, exc)
                 continue
             self._publish(event)
+
+    def emit_job_event(self, job_id: int, kind: str, fields: dict[str, Any], by: str) -> None:
+        """Record an event of this node's own (the GPU health watch) in one job's log, and publish it."""
+        try:
+            event = self._registry.append_event(job_id, kind, fields, by=by)
+        except Exception as exc:  # an unknown job or a full log must not stop the node's other work
+            log.warning("job %d (node %s): %s not recorded: %s", job_id, self.node, kind, exc)
+            return
+        self._publish(event)
 
     def _publish_latest(self, job_id: int) -> None:
         recent = [e for e in self._registry.recent_events() if e["job_id"] == job_id]

@@ -129,3 +129,37 @@ def test_unstartable_daemon_fails_the_prolog_only_when_required(
     env = {**ENV, "CLOCKWORK_CONFIG": str(site["config"]), "CLOCKWORK_HOOKS_REQUIRE_DAEMON": str(require).lower()}
     assert runner.main(["prolog"], env) == code
     assert daemon_actions(site) == ["daemon.failed", "daemon.unavailable"]
+
+
+def test_epilog_of_a_borrow_job_gives_its_nodes_back_and_keeps_the_note(site: dict[str, Path]) -> None:
+    """A real clockworkd with borrowing on; Slurm's clients are fakes (no controller runs in a unit test)."""
+    root = site["root"]
+    fake_bin = root / "bin"
+    fake_bin.mkdir()
+    calls = root / "calls.log"
+    queue = {
+        "jobs": [
+            {"job_id": 77, "name": "train", "job_state": "COMPLETING", "user_name": "alice", "partition": "high",
+             "nodes": "n[1-2]", "admin_comment": "clockwork-borrowed: node5 from job 500 (holder 900)"},
+            {"job_id": 900, "name": "clockwork-hold-77", "job_state": "RUNNING", "user_name": "alice",
+             "partition": "high", "nodes": "node5", "admin_comment": ""},
+        ],
+        "errors": [],
+    }  # fmt: skip
+    (root / "queue.json").write_text(json.dumps(queue))
+    for tool, body in (("squeue", f"cat {root / 'queue.json'}"), ("scancel", "exit 0"), ("scontrol", "exit 0")):
+        script = fake_bin / tool
+        script.write_text(f'#!/bin/sh\nprintf "%s\\n" "{tool} $*" >> {calls}\n{body}\n')
+        script.chmod(0o755)
+    text = site["config"].read_text().replace("[slurm]\n", f'[slurm]\nbin_dir = "{fake_bin}"\n')
+    site["config"].write_text(text + '[borrow]\nenabled = true\npartitions = "low"\nholder_partition = "high"\n')
+    env = {**ENV, "SPANK_CLOCKWORK_SPARES": "borrow", "CLOCKWORK_CONFIG": str(site["config"])}
+    assert runner.main(["prolog"], env) == 0
+    assert runner.main(["epilog"], env) == 0
+    log = calls.read_text().splitlines()
+    assert "scancel 900" in log
+    (comment,) = [c for c in log if c.startswith("scontrol update JobId=77")]
+    assert "clockwork-borrowed: node5 from job 500 (holder 900); report=" in comment
+    report = json.loads((paths(site).reports_dir / "77.json").read_text())
+    released = [e["fields"] for e in report["events"] if e["kind"] == "borrow.released"]
+    assert released == [{"holder": 900, "node": "node5", "why": "job 77 ended", "held_s": None}]

@@ -113,3 +113,34 @@ def test_fleet_summary_counts_faults_by_kind_node_and_link() -> None:
     assert summary.saved_node_h == pytest.approx(first.saved_node_h + second.incidents[0].saved_node_h)
     empty = fleet_summary([], since=0.0, until=10.0)
     assert empty.mtbf_h is None and empty.compute_once_ratio is None and empty.to_dict()["faults"] == 0
+
+
+def test_a_borrowed_node_is_part_of_the_story_and_saves_nothing_by_itself() -> None:
+    events = [
+        {"time": 10.0, "node": "node2", "seq": 1, "kind": "torchpass.member_failed", "fields": {"slot": 1, "why": "x"}},
+        {
+            "time": 11.0,
+            "node": "node2",
+            "seq": 2,
+            "kind": "borrow.acquired",
+            "fields": {
+                "node": "node5",
+                "from_job": 500,
+                "from_user": "bob",
+                "from_partition": "low",
+                "holder": 900,
+                "lost_node": "node3",
+                "preempt_ms": 640.0,
+                "total_ms": 900.0,
+            },
+        },
+        {"time": 12.0, "node": "node1", "seq": 3, "kind": "borrow.refused", "fields": {"by": "uid 9", "reason": "x"}},
+        {"time": 13.0, "node": "node4", "seq": 4, "kind": "borrow.failed", "fields": {"request": 2, "reason": "limit"}},
+    ]
+    story = build_story(9, events, {}, nodes=4)
+    borrowed = [i for i in story.incidents if i.what == "node borrowed"]
+    assert len(borrowed) == 1 and borrowed[0].duration_s == 0.9
+    assert borrowed[0].detail == "node5 from job 500 (bob, partition low), for lost node node3"
+    assert "holder job 900" in borrowed[0].resolution and "640.0 ms" in borrowed[0].resolution
+    assert [i.detail for i in story.incidents if i.what == "borrow failed"] == ["limit"]  # not the intruder's try
+    assert borrowed[0].saved_node_h == 0.0 and story.faults == 1  # the rank replaced is the one fault

@@ -52,6 +52,7 @@ VALID = {
     "status": {},
     "jobs": {},
     "lens": {},
+    "gpus": {},
     "register_job": {
         "job_id": 12,
         "uid": 1000,
@@ -62,6 +63,9 @@ VALID = {
     "unregister_job": {"job_id": 12},
     "post_event": {"job_id": 12, "kind": "link.failover", "fields": {"nic": "nic0", "ms": 12.5, "ok": True}},
     "job_events": {"job_id": 12, "since": 1.5, "after": 3, "limit": 10},
+    "borrow": {"job_id": 12, "lost_node": "node3"},
+    "borrow_status": {"job_id": 12, "request": 1},
+    "borrow_release": {"job_id": 12, "why": "job 12 ended"},
 }
 
 

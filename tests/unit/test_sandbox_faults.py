@@ -85,13 +85,13 @@ def test_parse_rate_rejects_and_lists_the_units(text: str) -> None:
 
 
 def test_kinds() -> None:
-    assert list(KINDS) == ["link", "port", "blackhole", "loss", "rate"]
+    assert list(KINDS) == ["link", "port", "blackhole", "loss", "rate", "mtu"]
 
 
 def test_validate_unknown_kind(layout: Layout) -> None:
     with pytest.raises(ConfigError) as err:
         validate(layout, "melt", "node1", "nic0", "down")
-    assert str(err.value) == "unknown fault kind 'melt' (expected one of link, port, blackhole, loss, rate)"
+    assert str(err.value) == "unknown fault kind 'melt' (expected one of link, port, blackhole, loss, rate, mtu)"
 
 
 def test_validate_unknown_node_and_nic(layout: Layout) -> None:
@@ -128,6 +128,8 @@ def test_validate_value_not_allowed(layout: Layout, kind: str, value: str, expec
         ("loss", "0.0", "0"),
         ("rate", "100mbit", "100mbit"),
         ("rate", "off", "off"),
+        ("mtu", "1000", "1000"),
+        ("mtu", "1500", "1500"),
     ],
 )
 def test_validate_normalises(layout: Layout, kind: str, value: str, normalised: str) -> None:
@@ -141,6 +143,9 @@ def test_validate_checks_loss_and_rate_values(layout: Layout) -> None:
         validate(layout, "loss", "node1", "nic0", "150")
     with pytest.raises(ConfigError, match="fault rate: invalid value 'quick'"):
         validate(layout, "rate", "node1", "nic0", "quick")
+    for bad in ("9001", "67", "1k", "-1"):
+        with pytest.raises(ConfigError, match=rf"fault mtu: invalid value '{bad}' \(expected the switch port's MTU"):
+            validate(layout, "mtu", "node1", "nic0", bad)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +163,8 @@ def test_validate_checks_loss_and_rate_values(layout: Layout) -> None:
         ("loss", "100", False),
         ("rate", "off", True),
         ("rate", "100mbit", False),
+        ("mtu", "1500", True),
+        ("mtu", "1000", False),
     ],
 )
 def test_fault_clears(kind: str, value: str, clears: bool) -> None:

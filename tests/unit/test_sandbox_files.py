@@ -198,6 +198,11 @@ def test_written_clockwork_toml_is_a_valid_configuration(paths: StatePaths, layo
     assert cfg.slurm.conf == str(paths.slurm_conf)
     assert cfg.hooks.spool_dir == str(paths.spool)
     assert cfg.sandbox.state_dir == str(paths.root)
+    # No GPUs on the sandbox: every daemon reads its own node's GPU fault file (`clockwork sandbox fault gpu`).
+    assert cfg.health.source == "fault-file"
+    assert cfg.health.fault_file.replace("{node}", "node2") == str(paths.root / "nodes" / "node2" / "gpu-faults.json")
+    # Borrowing takes from the preemptible default partition through the high-tier one.
+    assert (cfg.borrow.enabled, cfg.borrow.partitions, cfg.borrow.holder_partition) == (True, "low", "high")
 
 
 def test_prolog_wrapper_runs_and_records_the_event(paths: StatePaths, layout: Layout, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from clockworkd import __version__
+from clockworkd.cli.audit_cmd import audit
 from clockworkd.cli.config_cmd import config
 from clockworkd.cli.context import CliContext, parse_sets
 from clockworkd.cli.demo_cmd import demo
@@ -24,6 +25,7 @@ from clockworkd.cli.node_cmd import node
 from clockworkd.cli.report_cmd import report
 from clockworkd.cli.sandbox_cmd import sandbox
 from clockworkd.cli.simulate_cmd import simulate_cmd
+from clockworkd.cli.snapshot_cmd import snapshot
 from clockworkd.errors import ClockworkError
 
 
@@ -69,6 +71,8 @@ cli.add_command(lens)
 cli.add_command(migrate)
 cli.add_command(simulate_cmd, name="simulate")
 cli.add_command(report)
+cli.add_command(audit)
+cli.add_command(snapshot)
 
 
 def run(argv: Sequence[str]) -> int:

@@ -20,40 +20,25 @@ and root). The coordinator answers at once; the rank moves at its next step boun
 
 from __future__ import annotations
 
-import itertools
 import os
-import time
 from typing import Any
 
 import click
-import msgpack
-import zmq
 
 from clockworkd.cli.context import CliContext, pass_ctx
 from clockworkd.cli.job_events import events_from as _events_from
 from clockworkd.cli.job_events import job_nodes as _job_nodes
+from clockworkd.coordinator_client import COORDINATOR_EVENT, coordinator_record, request_migration
 from clockworkd.daemon_paths import local_node_name
 from clockworkd.errors import ClockworkError
-from clockworkd.jobkey import JobKey
 
-COORDINATOR_EVENT = "torchpass.coordinator"
-MAX_REDIRECTS = 3
-_ids = itertools.count(int(time.time() * 1000) % 1_000_000)
+__all__ = ["COORDINATOR_EVENT", "coordinator_record", "find_coordinator", "migrate", "request_migration"]
 
 
 class NotTorchPassJobError(ClockworkError):
     """The job exists but no TorchPass agent ever registered a coordinator for it."""
 
     exit_code = 2
-
-
-def coordinator_record(events: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The newest ``torchpass.coordinator`` record among a job's events (None: not a TorchPass job)."""
-    records = [e for e in events if e.get("kind") == COORDINATOR_EVENT and isinstance(e.get("fields"), dict)]
-    if not records:
-        return None
-    newest = max(records, key=lambda e: (float(e.get("time", 0)), int(e["fields"].get("term", 0))))
-    return dict(newest["fields"])
 
 
 def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[str, Any]:
@@ -85,67 +70,6 @@ def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[s
             "`torchpass run ...` in the batch script of an `sbatch --clockwork-ft` job)"
         )
     return record
-
-
-def _call(endpoint: str, key: JobKey, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
-    """One request to a coordinator replica; None when it does not answer in time."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-    try:
-        key.connect_as_client(sock)
-        sock.connect(endpoint)
-        sock.send(msgpack.packb(request, use_bin_type=True))
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                break
-            try:
-                reply = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
-            except (ValueError, msgpack.UnpackException):
-                continue
-            if isinstance(reply, dict) and reply.get("id") == request["id"]:
-                return reply
-        return None
-    finally:
-        sock.close(0)
-        context.term()
-
-
-def request_migration(record: dict[str, Any], rank: int, timeout_s: float, requester: str) -> dict[str, Any]:
-    """Ask the job's leading coordinator to migrate ``rank``; the reply (``target``, ``generation``)."""
-    world = int(record.get("world_size", 0))
-    if world and not 0 <= rank < world:
-        raise ClockworkError(f"rank {rank} is out of range: the job trains on ranks 0..{world - 1}", exit_code=2)
-    endpoints = [str(record["leader"])] if record.get("leader") else []
-    endpoints += [str(e) for e in record.get("endpoints", []) if str(e) not in endpoints]
-    if not endpoints:
-        raise ClockworkError("the job's coordinator record names no endpoint")
-    if not record.get("key"):
-        raise ClockworkError("the job's coordinator record has no job key: its TorchPass is too old to be migrated")
-    key = JobKey.from_hex(str(record["key"]), where="the job's coordinator record")
-    tried: list[str] = []
-    queue = list(endpoints)
-    while queue and len(tried) < len(endpoints) + MAX_REDIRECTS:
-        endpoint = queue.pop(0)
-        if endpoint in tried:
-            continue
-        tried.append(endpoint)
-        request = {"op": "migrate", "id": next(_ids), "slot": rank, "requester": requester}
-        reply = _call(endpoint, key, request, timeout_s)
-        if reply is None:
-            continue  # a replica on a lost node: try the next
-        if reply.get("ok"):
-            return reply
-        leader = str(reply.get("leader") or "")
-        if leader.startswith("tcp://") and leader not in tried:
-            queue.insert(0, leader)  # a passive replica: it knows who leads
-            continue
-        raise ClockworkError(f"the coordinator refused: {reply.get('error', 'no reason given')}")
-    raise ClockworkError(
-        f"no coordinator replica of the job answered within {timeout_s:g} s (tried {', '.join(tried)})", exit_code=3
-    )
 
 
 @click.command()

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from clockworkd.cli.context import CliContext, pass_ctx
@@ -104,6 +105,26 @@ def _linkpass_line(lp: dict[str, Any]) -> str:
     )
 
 
+def _health_line(health: dict[str, Any]) -> str:
+    """One line: the GPU health watch on or off (and why), its source, each GPU's health."""
+    if not health:
+        return "not reported"
+    if not health.get("enabled"):
+        return f"off ({health.get('state', 'unknown')})"
+    gpus = ", ".join(f"{name} {state}" for name, state in sorted(health.get("health", {}).items()))
+    return f"on: {health.get('source', '?')}; " + (gpus or "no GPUs")
+
+
+def _borrow_line(b: dict[str, Any]) -> str:
+    """One line: whether this daemon borrows nodes, and how many it holds now."""
+    if not b.get("enabled"):
+        return f"off ({b.get('state', 'not reported')})"
+    return (
+        f"on; {b['held']} node(s) held now, {b['requests']} request(s) ({b['failed']} failed); "
+        f"give back at {b['give_back']}"
+    )
+
+
 @node.command()
 @click.option("--node", "node_name", metavar="NODE", help="Whose daemon (default: this host's).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the daemon's status reply).")
@@ -123,6 +144,8 @@ def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
     console.print(f"  peer plane:     {info['peer_plane']}")
     console.print(f"  linkpass:       {_linkpass_line(info.get('linkpass', {}))}")
     console.print(f"  lens:           {_lens_line(info.get('lens', {}))}")
+    console.print(f"  gpu health:     {escape(_health_line(info.get('health', {})))}")
+    console.print(f"  borrow:         {_borrow_line(info.get('borrow', {}))}")
     console.print(f"  jobs:           {info['jobs_running']} running, {info['jobs_total']} known")
     counters = info.get("counters", {})
     console.print("  requests:       " + ", ".join(f"{k} {v}" for k, v in counters.items()))
@@ -161,3 +184,91 @@ def events(state: CliContext, job_id: int, node_name: str | None, as_json: bool)
         click.echo(f"job {job_id}: no events")
         return
     _console().print(_events_table(f"job {job_id}: {len(found)} events", found))
+
+
+def _signal_text(signal: dict[str, Any]) -> str:
+    threshold = signal.get("threshold")
+    numeric = isinstance(threshold, int | float) and not isinstance(threshold, bool)
+    limit = f" (threshold {threshold:g})" if numeric else ""
+    return f"{signal['signal']}={signal.get('value')}{limit} -> {signal.get('action')}"
+
+
+def _reading_text(reading: dict[str, Any]) -> str:
+    """The reading's main values in one cell (missing ones are left out)."""
+    if reading.get("lost"):
+        return "LOST (fallen off the bus)"
+    parts = []
+    if reading.get("temperature_c") is not None:
+        limits = "/".join(f"{reading[k]:g}" for k in ("slowdown_c", "shutdown_c") if reading.get(k) is not None)
+        parts.append(f"{reading['temperature_c']:g} C" + (f" (limits {limits})" if limits else ""))
+    if reading.get("throttle"):
+        parts.append("throttle " + "+".join(reading["throttle"]))
+    ecc = [f"{k.split('_', 1)[1]} {reading[k]}" for k in ("ecc_corrected", "ecc_uncorrected") if reading.get(k)]
+    if ecc:
+        parts.append("ECC " + ", ".join(ecc))
+    if reading.get("rows_pending"):
+        parts.append("row remap pending")
+    if reading.get("rows_remap_failed"):
+        parts.append("row remap FAILED")
+    if reading.get("recovery_action") not in (None, "none"):
+        parts.append(f"driver: {reading['recovery_action']}")
+    if reading.get("error"):
+        parts.append(f"error: {reading['error']}")
+    return "; ".join(parts) or "-"
+
+
+@node.command()
+@click.option("--node", "node_name", metavar="NODE", help="Whose daemon (default: this host's).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the daemon's gpus reply).")
+@pass_ctx
+def gpus(state: CliContext, node_name: str | None, as_json: bool) -> None:
+    """Show each GPU's health, its reading, raised signals, the ranks on it and the last signal changes."""
+    with _client(state, node_name) as client:
+        info = client.gpus()
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    console = _console()
+    if not info.get("enabled"):
+        click.echo(f"GPU health on {info.get('node')}: off ({info.get('state', 'unknown')})")
+        return
+    click.echo(f"GPU health on {info['node']}: {info['source_state']}, every {info['interval_s']:g} s")
+    if not info["gpus"]:
+        click.echo("no GPUs")
+        return
+    table = Table(title="GPUs", title_justify="left")
+    for col in ("gpu", "health", "reading", "signals", "ranks", "drain"):
+        table.add_column(col, overflow="fold")
+    for gpu in info["gpus"]:
+        ranks = ", ".join(f"job {r['job_id']} slot {r['slot']}" for r in gpu["ranks"]) or "-"
+        drain = gpu["drain_reason"] + (" (ready)" if gpu["drain_ready"] else " (once the job left)")
+        table.add_row(
+            f"{gpu['index']} {gpu.get('name', '')}".strip(),
+            gpu["health"],
+            escape(_reading_text(gpu["reading"])),
+            escape("; ".join(_signal_text(s) for s in gpu["signals"]) or "-"),
+            ranks,
+            escape(drain) if gpu["drain_reason"] else "-",
+        )
+    console.print(table)
+    changes = sorted((c for gpu in info["gpus"] for c in gpu["history"]), key=lambda c: c["time"])
+    if changes:
+        last = Table(title="last signals", title_justify="left")
+        for col in ("time", "gpu", "signal", "state", "value", "threshold", "action"):
+            last.add_column(col, overflow="fold")
+        for c in changes[-20:]:
+            last.add_row(
+                _when(c["time"]),
+                str(c["gpu"]),
+                c["signal"],
+                c["state"],
+                str(c["value"]),
+                "-" if c["threshold"] is None else str(c["threshold"]),
+                c["action"],
+            )
+        console.print(last)
+    for m in info.get("migrations", []):
+        click.echo(
+            f"migration: job {m['job_id']} slot {m['slot']} off gpu{m['gpu']} ({m['signal']} {m['value']}): "
+            f"{m['state']} {m.get('detail', '')}".rstrip()
+        )

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from clockworkd.cli.context import CliContext, pass_ctx
 from clockworkd.errors import ConfigError, SandboxError
+from clockworkd.sandbox import gpu_faults
 from clockworkd.sandbox.cluster import Sandbox, require_root
 from clockworkd.sandbox.daemons import NodeDaemons
 from clockworkd.sandbox.faults import KINDS
@@ -123,15 +124,20 @@ def exec(state: CliContext, node: str, command: tuple[str, ...]) -> None:
 @sandbox.command(
     epilog="\b\nExamples:\n  clockwork sandbox fault link node2 nic0 down\n"
     "  clockwork sandbox fault loss node1 nic1 1\n"
-    "  clockwork sandbox fault rate node3 nic0 100mbit\n  clockwork sandbox fault clear"
+    "  clockwork sandbox fault rate node3 nic0 100mbit\n  clockwork sandbox fault mtu node2 nic1 1000\n"
+    "  clockwork sandbox fault gpu node2 0 temp 95\n  clockwork sandbox fault gpu node2 0 clear\n"
+    "  clockwork sandbox fault clear"
 )
-@click.argument("kind", type=click.Choice([*KINDS, "node", "clear"]))
+@click.argument("kind", type=click.Choice([*KINDS, "node", "gpu", "clear"]))
 @click.argument("node", required=False)
 @click.argument("nic", required=False)
 @click.argument("value", required=False)
+@click.argument("amount", required=False)
 @pass_ctx
-def fault(state: CliContext, kind: str, node: str | None, nic: str | None, value: str | None) -> None:
-    """Inject a fault on one NIC, or clear all faults.
+def fault(
+    state: CliContext, kind: str, node: str | None, nic: str | None, value: str | None, amount: str | None
+) -> None:
+    """Inject a fault on one NIC, a node or a GPU, or clear all faults.
 
     \b
     link NODE NIC down|up        the node's own NIC, admin down (kernel drops its routes)
@@ -139,10 +145,24 @@ def fault(state: CliContext, kind: str, node: str | None, nic: str | None, value
     blackhole NODE NIC on|off    switch port stops forwarding, carrier stays up (gray failure)
     loss NODE NIC PERCENT        random drops both ways (0 = none)
     rate NODE NIC RATE|off       token-bucket limit both ways, e.g. 100mbit
+    mtu NODE NIC MTU             the switch port's MTU (1500 = the fabric's, clears it)
     node NODE crash|restore      the whole node dies (every process killed, links dark) / comes back empty
-    clear                        undo every fault, restore the baseline routes
+    gpu NODE INDEX temp C        the node's daemon reads its GPU INDEX at C degrees (slowdown 90, shutdown 100)
+    gpu NODE INDEX ecc N         ... with N volatile uncorrected ECC errors
+    gpu NODE INDEX xid N         ... one XID N event (e.g. 79: fallen off the bus)
+    gpu NODE INDEX clear         that GPU back to healthy
+    clear                        undo every fault, restore the baseline routes, heal every GPU
     """
     box = _sandbox(state)
+    if kind == "gpu":
+        if not (node and nic and value):
+            raise click.UsageError("`fault gpu` needs NODE INDEX temp|ecc|xid VALUE or NODE INDEX clear")
+        index, injected = box.gpu_fault(node, nic, value, amount)
+        what = gpu_faults.summary(injected) or "healthy"
+        click.echo(f"fault gpu {node} gpu{index} = {what}")
+        return
+    if amount is not None:
+        raise click.UsageError(f"`fault {kind}` takes at most NODE NIC VALUE")
     if kind == "node":
         action = nic
         if not node or action not in ("crash", "restore") or value:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from clockworkd.audit.settings import AuditConfig
+from clockworkd.borrow.settings import BorrowConfig
 from clockworkd.config_fields import setting
+from clockworkd.gpuhealth.settings import HealthConfig
 from clockworkd.lens.settings import LensConfig
 from linkpass.settings import LinkPassConfig
 
@@ -164,6 +167,9 @@ class ClockworkConfig:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     linkpass: LinkPassConfig = field(default_factory=LinkPassConfig)
     lens: LensConfig = field(default_factory=LensConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    borrow: BorrowConfig = field(default_factory=BorrowConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from clockworkd import curve_keys
+from clockworkd.config import load_config
 from clockworkd.config.schema import SandboxConfig
 from clockworkd.errors import NeedRootError, SandboxError, SlurmError
-from clockworkd.sandbox import fabric, faults, processes, slurm_files
+from clockworkd.sandbox import fabric, faults, gpu_faults, processes, slurm_files
 from clockworkd.sandbox.fabric import baseline_routes as fabric_baseline_routes
 from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, FABRIC_NS, Layout, build_layout
 from clockworkd.sandbox.paths import StatePaths
@@ -436,9 +437,30 @@ class Sandbox:
         st.save(self.paths.state_file)
         return fault
 
+    def gpu_fault(self, node: str, index: str, what: str, value: str | None) -> tuple[int, dict[str, Any]]:
+        """Inject a GPU fault into ``node``'s GPU fault file (its daemon reads it); (index, the GPU's faults)."""
+        require_root("clockwork sandbox fault gpu")
+        st = self.require_up()
+        build_layout(st.config).node(node)
+        gpus = load_config(self.paths.clockwork_toml, env={}).config.health.emulated_gpus
+        gpu, what, parsed = gpu_faults.parse(index, what, value, gpus)
+        injected = gpu_faults.apply(gpu_faults.fault_file(self.paths.root / "nodes", node), gpu, what, parsed)
+        key = f"gpu {node} {gpu}"
+        if injected:
+            st.faults[key] = gpu_faults.summary(injected)
+        else:
+            st.faults.pop(key, None)
+        st.save(self.paths.state_file)
+        return gpu, injected
+
     def clear_faults(self) -> None:
         require_root("clockwork sandbox fault clear")
         st = self.require_up()
+        for key in [k for k in st.faults if k.startswith("gpu ")]:
+            _, node, index = key.split()
+            gpu_faults.apply(gpu_faults.fault_file(self.paths.root / "nodes", node), int(index), "clear", None)
+            st.faults.pop(key)
+        st.save(self.paths.state_file)
         for node in [key.split()[1] for key in st.faults if key.startswith("node ")]:
             self.restore_node(node)
         st = self.require_up()  # restore_node saved its own changes (slurmd's new pid)

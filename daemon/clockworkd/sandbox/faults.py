@@ -4,7 +4,8 @@ Each fault acts where the real one would: ``link`` on the node's own NIC (admin 
 reset does), ``port`` on the switch side (the node sees carrier loss), ``blackhole`` a switch port
 that stops forwarding while carrier stays up (the gray failure carrier checks miss), ``loss`` random
 drops in both directions (an nftables rule on the bridge), ``rate`` a token bucket in both directions
-(a degraded link). The kernel here has no netem; added delay is out of scope for this module.
+(a degraded link), ``mtu`` a switch port configured for smaller frames than the fabric's (small probes
+pass, full-size frames vanish). The kernel here has no netem; added delay is out of scope for this module.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ KINDS: dict[str, tuple[str, ...] | None] = {
     "blackhole": ("on", "off"),
     "loss": None,
     "rate": None,
+    "mtu": None,
 }
+#: The MTU every sandbox NIC and switch port has (the kernel's veth default); an ``mtu`` fault to it clears.
+FABRIC_MTU = 1500
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Fault:
     @property
     def clears(self) -> bool:
         """True when this value returns the NIC to health (so it leaves the active-fault list)."""
+        if self.kind == "mtu":
+            return int(self.value) == FABRIC_MTU
         return self.value in ("up", "off", "0") or (self.kind == "loss" and float(self.value) == 0)
 
 
@@ -80,6 +86,16 @@ def parse_rate(value: str) -> float | None:
     return float(m.group(1)) * _RATE_SCALE[m.group(2)]
 
 
+def parse_mtu(value: str) -> int:
+    """A switch port MTU in bytes (68, the IPv4 minimum, .. 9000 jumbo frames)."""
+    if not value.isdigit() or not 68 <= int(value) <= 9000:
+        raise ConfigError(
+            f"fault mtu: invalid value {value!r} (expected the switch port's MTU in bytes, 68..9000; "
+            f"{FABRIC_MTU} = the fabric's own, which clears the fault)"
+        )
+    return int(value)
+
+
 def validate(layout: Layout, kind: str, node: str, nic: str, value: str) -> Fault:
     """Check a fault request against the layout and the kind's allowed values."""
     if kind not in KINDS:
@@ -92,6 +108,8 @@ def validate(layout: Layout, kind: str, node: str, nic: str, value: str) -> Faul
         value = f"{parse_percent(value):g}"
     elif kind == "rate":
         parse_rate(value)
+    elif kind == "mtu":
+        value = str(parse_mtu(value))
     return Fault(kind, node, nic, value)
 
 
@@ -166,6 +184,8 @@ def apply(layout: Layout, fault: Fault, active: dict[str, str]) -> None:
         run(["bridge", "-n", FABRIC_NS, "link", "set", "dev", nic.port, "state", state])
     elif fault.kind == "rate":
         _set_rate(node, nic, parse_rate(fault.value))
+    elif fault.kind == "mtu":
+        run(["ip", "-n", FABRIC_NS, "link", "set", nic.port, "mtu", fault.value])
     if fault.clears:
         active.pop(fault.key, None)
     else:
@@ -180,7 +200,7 @@ def clear(layout: Layout, active: dict[str, str]) -> None:
     for node in layout.nodes:
         fabric_cmds, node_cmds = [], []
         for nic in node.nics:
-            fabric_cmds.append(f"link set {nic.port} up")
+            fabric_cmds.append(f"link set {nic.port} up mtu {FABRIC_MTU}")
             node_cmds.append(f"link set {nic.name} up")
             run(["bridge", "-n", FABRIC_NS, "link", "set", "dev", nic.port, "state", "3"], check=False)
             _set_rate(node, nic, None)

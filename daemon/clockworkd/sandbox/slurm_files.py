@@ -12,6 +12,7 @@ import os
 import shlex
 from pathlib import Path
 
+from clockworkd.sandbox import gpu_faults
 from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, Layout
 from clockworkd.sandbox.paths import StatePaths
 from linkpass.settings import LinkPassConfig
@@ -163,6 +164,16 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
         },
         # Fleet Lens names the sandbox's real switch ports (the bridge ports in the fabric namespace).
         "lens": {"topology_file": str(paths.topology)},
+        # No GPUs here: each daemon reads its node's GPU fault file (`clockwork sandbox fault gpu`).
+        "health": {
+            "source": "fault-file",
+            "fault_file": str(gpu_faults.fault_file(paths.root / "nodes", "{node}")),
+            "interval_s": 0.5,
+        },
+        # Borrowed spares: work in the default partition 'low' may be preempted (requeued) by a holder in
+        # 'high' (PriorityTier 10 over the same nodes, PreemptType=preempt/partition_prio above). Only jobs
+        # submitted with --clockwork-spares=borrow ever ask; nothing else changes.
+        "borrow": {"enabled": True, "partitions": "low", "method": "partition_prio", "holder_partition": "high"},
         "sandbox": {"state_dir": str(state_dir)},
     }
     lines = ["# Written by `clockwork sandbox up`."]

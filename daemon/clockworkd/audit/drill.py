@@ -1,0 +1,117 @@
+"""A LinkPass drill on one NIC: take it down, time until traffic flows again, bring it back, time the fail-back.
+
+This is the one intrusive audit step, and why the audit runs on nodes it holds (no training job there): it
+does to a NIC what a driver reset does, and checks that the node daemon's LinkPass moves the node's traffic
+to its other NICs in time and moves it home once the NIC is back. The NIC is brought back up whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import select
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+from clockworkd.audit.measure import _HEADER, _MAGIC
+
+log = logging.getLogger("clockwork.audit")
+
+
+def route_device(dst: str, src: str) -> str | None:
+    """The device the kernel would send ``src`` -> ``dst`` traffic through now (None: no route)."""
+    proc = subprocess.run(
+        ["ip", "-j", "route", "get", dst, "from", src], capture_output=True, text=True, timeout=5, check=False
+    )
+    if proc.returncode != 0:
+        return None
+    try:
+        routes = json.loads(proc.stdout)
+    except ValueError:
+        return None
+    return routes[0].get("dev") if routes else None
+
+
+def _set_link(nic: str, state: str) -> None:
+    subprocess.run(["ip", "link", "set", nic, state], check=True, capture_output=True, timeout=10)
+
+
+def _first_reply(src: str, dst: str, port: int, run: int, timeout_s: float, every_s: float = 0.002) -> float | None:
+    """Probe ``dst`` from ``src`` (routed, no device binding) until one probe is echoed; seconds it took."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((src, 0))
+    sock.setblocking(False)
+    start = time.monotonic()
+    seq = 0
+    try:
+        while time.monotonic() - start < timeout_s:
+            try:
+                sock.sendto(_HEADER.pack(_MAGIC, run, seq, time.monotonic_ns()), (dst, port))
+            except OSError:
+                pass  # no route yet: LinkPass has not moved the traffic
+            seq += 1
+            ready, _, _ = select.select([sock], [], [], every_s)
+            if ready:
+                try:
+                    data = sock.recv(2048)
+                except OSError:
+                    continue
+                if data[:4] == _MAGIC and _HEADER.unpack_from(data)[1] == run:
+                    return time.monotonic() - start
+        return None
+    finally:
+        sock.close()
+
+
+def run_drill(
+    nic: str,
+    node_ip: str,
+    peers: list[tuple[str, str, int]],
+    run: int,
+    timeout_s: float,
+    peer_paths: Callable[[str], dict[str, str]],
+) -> dict[str, Any]:
+    """Drill ``nic``: traffic from ``node_ip`` to a peer must survive the NIC going down.
+
+    The peer is the first of ``peers`` (name, node address, echo port) whose traffic is homed on ``nic``:
+    routed through it while LinkPass calls every path to that peer alive (``peer_paths(peer)``: rail ->
+    alive, holddown or dead), so the route is its home and the drill moves real traffic that must come
+    back. Where there is none, the first peer: the drill then shows the node stays reachable. A fail-back
+    LinkPass is still holding down is flap damping at work (each drill is a flap), not a fault.
+    """
+
+    def homed(peer: tuple[str, str, int]) -> bool:
+        states = peer_paths(peer[0])
+        return bool(states) and all(v == "alive" for v in states.values()) and route_device(peer[1], node_ip) == nic
+
+    name, dst, port = next((p for p in peers if homed(p)), peers[0])
+    result: dict[str, Any] = {"nic": nic, "peer": name}
+    if _first_reply(node_ip, dst, port, run, 2.0) is None:
+        result["error"] = f"the peer {dst} did not answer before the drill (nothing to measure)"
+        return result
+    home = route_device(dst, node_ip)
+    result["homed_here"] = home == nic and all(v == "alive" for v in peer_paths(name).values())
+    try:
+        _set_link(nic, "down")
+        moved = _first_reply(node_ip, dst, port, run, timeout_s)
+        result["failover_ms"] = None if moved is None else moved * 1000
+        result["moved_to"] = route_device(dst, node_ip)
+    finally:
+        _set_link(nic, "up")
+    start = time.monotonic()
+    back = None
+    if home == nic:
+        while time.monotonic() - start < timeout_s:
+            if route_device(dst, node_ip) == nic:
+                back = time.monotonic() - start
+                break
+            time.sleep(0.02)
+        result["failback_ms"] = None if back is None else back * 1000
+        if back is None:
+            result["linkpass_path"] = peer_paths(name).get(nic)
+    # Whatever the routes did, the peer must be reachable once the NIC is up again.
+    result["reachable_after"] = _first_reply(node_ip, dst, port, run, 2.0) is not None
+    return result

@@ -1,0 +1,105 @@
+"""The Slurm commands a borrow needs, on top of the CLI backend: the queue, the holder, give-back.
+
+Kept apart from the policy so the manager can be driven by a fake in unit tests and the real CLI (with fake
+client executables where no Slurm runs) elsewhere. Every call may raise :class:`clockworkd.errors.SlurmError`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from clockworkd.borrow.candidates import QueueJob, holder_name, parse_queue_json
+from clockworkd.slurm.backend import JobInfo, NodeInfo
+from clockworkd.slurm.cli_backend import CliBackend
+
+__all__ = ["BorrowSlurm", "CliBorrowSlurm", "HolderSpec"]
+
+#: What the holder allocation runs: nothing but a placeholder that keeps the node; the replacement rank is
+#: started into it as a job step (``srun --jobid=HOLDER --overlap``) by the training job's own agent.
+HOLDER_COMMAND = "exec sleep 2147483647"
+
+
+@dataclass(frozen=True)
+class HolderSpec:
+    """The holder allocation to submit (as the training job's user, by the privileged daemon)."""
+
+    job_id: int  # the training job it holds a node for
+    node: str
+    uid: int
+    gid: int
+    partition: str  # '' = Slurm's choice
+    qos: str  # '' = none given
+    comment: str
+
+    def sbatch_args(self) -> list[str]:
+        """sbatch options: pinned to the node, the whole node, never requeued, owned by the job's user."""
+        args = [
+            f"--job-name={holder_name(self.job_id)}",
+            f"--nodelist={self.node}",
+            "--nodes=1",
+            "--ntasks=1",
+            "--exclusive",
+            "--no-requeue",
+            f"--uid={self.uid}",
+            f"--gid={self.gid}",
+            "--chdir=/",
+            "--output=/dev/null",
+            "--error=/dev/null",
+            f"--comment={self.comment}",
+        ]
+        if self.partition:
+            args.append(f"--partition={self.partition}")
+        if self.qos:
+            args.append(f"--qos={self.qos}")
+        return args
+
+
+class BorrowSlurm(Protocol):
+    """What the borrow manager asks of Slurm."""
+
+    def queue(self) -> list[QueueJob]: ...
+    def nodes(self) -> list[NodeInfo]: ...
+    def job(self, job_id: int) -> JobInfo | None: ...
+    def submit_holder(self, spec: HolderSpec) -> int: ...
+    def cancel(self, job_id: int) -> None: ...
+    def set_admin_comment(self, job_id: int, text: str) -> None: ...
+    def running_steps(self, job_id: int) -> int: ...
+
+
+class CliBorrowSlurm:
+    """:class:`BorrowSlurm` through Slurm's client commands (``sbatch --uid`` needs root: the daemon)."""
+
+    def __init__(self, cli: CliBackend) -> None:
+        self.cli = cli
+
+    def queue(self) -> list[QueueJob]:
+        return parse_queue_json(self.cli.queue_json())
+
+    def nodes(self) -> list[NodeInfo]:
+        return self.cli.nodes()
+
+    def job(self, job_id: int) -> JobInfo | None:
+        return self.cli.job(job_id)
+
+    def submit_holder(self, spec: HolderSpec) -> int:
+        return self.cli.submit(HOLDER_COMMAND, spec.sbatch_args())
+
+    def cancel(self, job_id: int) -> None:
+        self.cli.cancel(job_id)
+
+    def set_admin_comment(self, job_id: int, text: str) -> None:
+        self.cli.set_admin_comment(job_id, text)
+
+    def running_steps(self, job_id: int) -> int:
+        """Job steps of ``job_id`` other than batch/extern (the replacement rank runs in one)."""
+        out = self.cli.run_text(["squeue", "--noheader", "--steps", f"--jobs={job_id}", "--format=%i"])
+        steps = [line.strip() for line in out.splitlines() if line.strip()]
+        return sum(1 for s in steps if s.split(".", 1)[-1] not in ("batch", "extern"))
+
+
+def describe(argv: Sequence[str]) -> str:
+    """A command line for the record (quoted as a shell would need it)."""
+    return shlex.join(argv)

@@ -1,0 +1,352 @@
+"""What a training snapshot is on disk, and the rules that make a bad one impossible to load.
+
+Layout under a snapshot directory::
+
+    DIR/step-0000001234/rank-00000.h5     one HDF5 shard per rank
+    DIR/step-0000001234/rank-00001.h5
+    DIR/step-0000001234/manifest.json     written last: without it the snapshot does not exist
+
+Every shard holds *entries*: named byte blobs (an HDF5 ``uint8`` dataset each) with attributes ``dtype``
+(the framework's dtype name, e.g. ``torch.bfloat16``, kept as text so no numpy equivalent is needed),
+``shape`` and ``crc32``. Entry ``t/NNNNNN`` is tensor NNNNNN of the replicated training state (model,
+optimizers, registered state; identical on every data-parallel replica, so each is written by one replica
+only), ``meta`` the description of that state, and ``rank/...`` the per-rank state (RNG, data position) that
+the rank itself writes.
+
+Durability: a shard is written under a temporary name, fsynced, renamed, and the folder fsynced; only when
+every shard is durable does one rank write the manifest (same dance). The manifest lists every entry of every
+file with its size and CRC-32 and carries a CRC of its own body, so a flipped byte anywhere, a truncated
+file, a missing shard or a missing/garbled manifest makes the snapshot fail verification; a loader then moves
+on to the previous one. CRC-32 (zlib, several GB/s, releases the GIL) catches media and transfer corruption;
+it is not meant to resist a deliberate forger (whoever can write the folder can write any training state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "SnapshotCorrupt",
+    "SnapshotInfo",
+    "apply_retention",
+    "crc32",
+    "durable_write",
+    "fsync_dir",
+    "list_snapshots",
+    "load_manifest",
+    "read_entries",
+    "remove_snapshot",
+    "shard_name",
+    "snapshot_path",
+    "verify_snapshot",
+    "write_manifest",
+]
+
+FORMAT = "clockwork-snapshot/1"
+MANIFEST = "manifest.json"
+FAILED_PREFIX = "failed-rank-"
+_STEP_RE = re.compile(r"^step-(\d{10})$")
+_CRC_CHUNK = 64 << 20
+
+
+class SnapshotCorrupt(RuntimeError):
+    """A snapshot failed verification (the message names the file and entry)."""
+
+
+def crc32(data: Any) -> int:
+    """CRC-32 of a buffer, in chunks (zlib releases the GIL on each)."""
+    view = memoryview(data).cast("B")
+    value = 0
+    for start in range(0, len(view), _CRC_CHUNK):
+        value = zlib.crc32(view[start : start + _CRC_CHUNK], value)
+    return value & 0xFFFFFFFF
+
+
+def snapshot_path(directory: str | Path, step: int) -> Path:
+    """The folder of the snapshot taken after step ``step`` commits."""
+    return Path(directory) / f"step-{step:010d}"
+
+
+def shard_name(rank: int) -> str:
+    """File name of rank ``rank``'s shard."""
+    return f"rank-{rank:05d}.h5"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or unlink inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s data and metadata to the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_write(final: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)``, fsync tmp, rename it to ``final``, fsync the folder; tmp is removed on failure."""
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)
+
+
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def file_entries(path: Path) -> dict[str, dict[str, Any]]:
+    """Entry name -> {nbytes, crc32, dtype, shape} from a shard's attributes (no data is read)."""
+    found: dict[str, dict[str, Any]] = {}
+    with h5py.File(path, "r") as f:
+
+        def visit(name: str, obj: Any) -> None:
+            if isinstance(obj, h5py.Dataset):
+                found[name] = {
+                    "nbytes": int(obj.shape[0]),
+                    "crc32": int(obj.attrs["crc32"]),
+                    "dtype": str(obj.attrs["dtype"]),
+                    "shape": [int(v) for v in json.loads(str(obj.attrs["shape"]))],
+                }
+
+        f.visititems(visit)
+    return found
+
+
+def write_manifest(folder: Path, body: dict[str, Any]) -> None:
+    """Write ``manifest.json`` (body plus the CRC of its canonical form) durably: the snapshot now exists."""
+    text = json.dumps({"body": body, "crc32": zlib.crc32(_canonical(body))}, indent=1, sort_keys=True)
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+
+    durable_write(folder / MANIFEST, write)
+
+
+def load_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest's body; :class:`SnapshotCorrupt` when missing, unreadable or not matching its CRC."""
+    path = folder / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SnapshotCorrupt(f"{folder}: no {MANIFEST} (an incomplete snapshot does not exist)") from None
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise SnapshotCorrupt(f"{path}: unreadable manifest: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("body"), dict):
+        raise SnapshotCorrupt(f"{path}: not a snapshot manifest")
+    body = raw["body"]
+    if zlib.crc32(_canonical(body)) != raw.get("crc32"):
+        raise SnapshotCorrupt(f"{path}: manifest checksum mismatch (the file was altered or damaged)")
+    if body.get("format") != FORMAT:
+        raise SnapshotCorrupt(f"{path}: format {body.get('format')!r}, expected {FORMAT!r}")
+    return body
+
+
+@dataclass
+class SnapshotInfo:
+    """One snapshot folder as listed: complete (a valid manifest) or not, with the manifest's summary."""
+
+    path: Path
+    step: int
+    complete: bool
+    problem: str = ""
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of entry data over every shard (0 when incomplete)."""
+        files = self.manifest.get("files", {})
+        return sum(int(e["nbytes"]) for f in files.values() for e in f["entries"].values())
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-able line for listings."""
+        return {
+            "path": str(self.path),
+            "step": self.step,
+            "complete": self.complete,
+            "problem": self.problem,
+            "world_size": self.manifest.get("world_size"),
+            "created": self.manifest.get("created"),
+            "bytes": self.nbytes,
+            "job": self.manifest.get("job"),
+        }
+
+
+def list_snapshots(directory: str | Path) -> list[SnapshotInfo]:
+    """Every ``step-*`` folder under ``directory``, oldest first; manifests are checked, data is not read."""
+    base = Path(directory)
+    if not base.is_dir():
+        return []
+    out = []
+    for child in base.iterdir():
+        match = _STEP_RE.match(child.name)
+        if not match or not child.is_dir():
+            continue
+        info = SnapshotInfo(child, int(match.group(1)), False)
+        try:
+            info.manifest = load_manifest(child)
+            info.complete = True
+        except SnapshotCorrupt as exc:
+            info.problem = str(exc)
+        out.append(info)
+    return sorted(out, key=lambda i: i.step)
+
+
+def _entries_in_manifest(body: Mapping[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    for fname, fdesc in sorted(body["files"].items()):
+        for name, entry in sorted(fdesc["entries"].items()):
+            yield fname, name, entry
+
+
+def read_entries(
+    folder: Path,
+    body: Mapping[str, Any],
+    target: Callable[[str, dict[str, Any]], np.ndarray | None] | None = None,
+) -> dict[str, np.ndarray]:
+    """Read and CRC-check every entry of a snapshot, file by file.
+
+    ``target(name, entry)`` may return a writable contiguous ``uint8`` array of ``entry['nbytes']`` bytes to
+    read into (e.g. a view of a live tensor), or None to get a fresh array in the result. Every entry is read
+    and checked either way, so a damaged byte anywhere fails the whole snapshot with :class:`SnapshotCorrupt`.
+    """
+    result: dict[str, np.ndarray] = {}
+    by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for fname, name, entry in _entries_in_manifest(body):
+        by_file.setdefault(fname, []).append((name, entry))
+    for fname, entries in by_file.items():
+        path = folder / fname
+        expected_size = body["files"][fname].get("size")
+        try:
+            if expected_size is not None and path.stat().st_size != int(expected_size):
+                raise SnapshotCorrupt(
+                    f"{path}: {path.stat().st_size} bytes, the manifest says {expected_size} (truncated or altered)"
+                )
+            with h5py.File(path, "r") as f:
+                for name, entry in entries:
+                    nbytes = int(entry["nbytes"])
+                    out = target(name, entry) if target is not None else None
+                    if out is None:
+                        out = np.empty(nbytes, dtype=np.uint8)
+                        result[name] = out
+                    if out.nbytes != nbytes:
+                        raise SnapshotCorrupt(f"{path}:{name}: target holds {out.nbytes} bytes, entry {nbytes}")
+                    dset = f.get(name)
+                    if not isinstance(dset, h5py.Dataset) or dset.shape != (nbytes,):
+                        raise SnapshotCorrupt(f"{path}:{name}: missing or of the wrong size")
+                    if nbytes:
+                        dset.read_direct(out)
+                    if crc32(out) != int(entry["crc32"]):
+                        raise SnapshotCorrupt(f"{path}:{name}: checksum mismatch (damaged data)")
+        except SnapshotCorrupt:
+            raise
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise SnapshotCorrupt(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+    return result
+
+
+def verify_snapshot(folder: str | Path) -> list[str]:
+    """Every problem found in a snapshot (an empty list: it is complete and every checksum matches)."""
+    path = Path(folder)
+    try:
+        body = load_manifest(path)
+    except SnapshotCorrupt as exc:
+        return [str(exc)]
+    problems = []
+    for fname in sorted(body["files"]):
+        one = {"files": {fname: body["files"][fname]}}
+        try:
+            buffer: dict[str, np.ndarray] = {}
+
+            def scratch(name: str, entry: dict[str, Any], buffer: dict[str, np.ndarray] = buffer) -> np.ndarray:
+                size = int(entry["nbytes"])
+                held = buffer.get("b")
+                if held is None or held.nbytes < size:
+                    held = buffer["b"] = np.empty(max(size, 1 << 20), dtype=np.uint8)
+                return held[:size]
+
+            read_entries(path, one, scratch)
+        except SnapshotCorrupt as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def remove_snapshot(folder: Path) -> None:
+    """Delete a snapshot: the manifest first, so a half-removed snapshot never looks complete."""
+    (folder / MANIFEST).unlink(missing_ok=True)
+    fsync_dir(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def apply_retention(directory: str | Path, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` complete snapshots; remove older complete ones and any incomplete folder older
+    than the newest complete one (a failed attempt). Newer incomplete folders may be in progress: kept."""
+    infos = list_snapshots(directory)
+    complete = [i for i in infos if i.complete]
+    if not complete:
+        return []
+    newest = complete[-1].step
+    doomed = complete[: max(0, len(complete) - keep)] + [i for i in infos if not i.complete and i.step < newest]
+    for info in doomed:
+        remove_snapshot(info.path)
+    return [i.path for i in doomed]
+
+
+def manifest_body(
+    folder: Path, *, step: int, world_size: int, job: str, tensors: int, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The manifest of a folder whose shards rank-0..world_size-1 are all present; checks every tensor 0..
+    tensors-1 and every rank's own state is in exactly one shard (SnapshotCorrupt otherwise)."""
+    files: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for rank in range(world_size):
+        name = shard_name(rank)
+        try:
+            entries = file_entries(folder / name)
+        except (OSError, KeyError, ValueError) as exc:
+            raise SnapshotCorrupt(f"{folder / name}: unreadable shard: {exc}") from None
+        for entry in entries:
+            if entry in seen:
+                raise SnapshotCorrupt(f"entry {entry} is in both {seen[entry]} and {name}")
+            seen[entry] = name
+        files[name] = {"size": (folder / name).stat().st_size, "entries": entries}
+    missing = [i for i in range(tensors) if f"t/{i:06d}" not in seen]
+    if missing:
+        raise SnapshotCorrupt(f"{folder}: tensors {missing[:5]} are in no shard")
+    if "meta" not in seen:
+        raise SnapshotCorrupt(f"{folder}: no shard holds the state description")
+    return {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "job": job,
+        "created": time.time(),
+        "tensors": tensors,
+        "files": files,
+        **dict(extra or {}),
+    }

@@ -1,0 +1,109 @@
+"""Fleet Audit on the sandbox: real srun-started workers in the node namespaces, real faults on the fabric.
+
+A healthy fabric passes (LinkPass drills included); each injected fault (a switch port with a small MTU,
+a lossy link, a dead NIC, a rate-limited link) is found and named on exactly its link, with no other node
+failing; ``--drain`` drains the failing node with a ``clockwork:`` reason.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clockworkd.sandbox.cluster import Sandbox
+from clockworkd.sandbox.daemons import NodeDaemons
+from tests.integration.conftest import CLOCKWORK, slurm_env
+
+NODES = "node[1-4]"
+
+
+@pytest.fixture
+def daemons(sandbox: Sandbox) -> Iterator[NodeDaemons]:
+    """A daemon (LinkPass and Fleet Lens at their defaults) on every node, with Lens past its baseline."""
+    nd = NodeDaemons(sandbox)
+    if not all((nd.request(n, "lens") or {}).get("paths") for n in nd.nodes):
+        nd.start_all()
+        time.sleep(6)
+    yield nd
+
+
+def audit(box: Sandbox, *args: str) -> tuple[int, dict[str, Any], str]:
+    env = dict(slurm_env(box), CLOCKWORK_CONFIG=str(box.paths.clockwork_toml))
+    proc = subprocess.run(
+        [CLOCKWORK, "audit", "--nodes", NODES, "--json", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        raise AssertionError(
+            f"no JSON report (exit {proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
+        ) from None
+    return proc.returncode, report, proc.stderr
+
+
+def test_a_healthy_fabric_passes_with_drills(sandbox: Sandbox, daemons: NodeDaemons, tmp_path: Path) -> None:
+    html = tmp_path / "audit.html"
+    rc, report, err = audit(sandbox, "--drill", "--html", str(html))
+    assert rc == 0, (report["findings"], err)
+    assert report["ok"] and report["findings"] == []
+    assert all(v["ok"] for v in report["nodes"].values()) and len(report["nodes"]) == 4
+    assert report["checks"]["drill"] == "pass" and report["checks"]["clock"] == "pass"
+    drills = [d for d in report["drills"] if not d.get("skipped")]
+    assert len(drills) == 8  # two NICs on each of four nodes
+    assert all(d["failover_ms"] < 1000 and d["reachable_after"] for d in drills)
+    assert any(d["homed_here"] for d in drills)  # at least some drills moved traffic that had to come back
+    for rail in ("nic0", "nic1"):
+        gbps = report["matrices"]["gbps"][rail]
+        assert sum(len(row) for row in gbps.values()) == 12  # every ordered pair on a 4-node rail
+        assert len(report["matrices"]["loss_pct"][rail]) == 4
+    assert html.read_text().count('<svg class="heatmap"') == 8  # loss, delay, round trip, bandwidth x 2 rails
+
+
+@pytest.mark.parametrize(
+    ("kind", "node", "nic", "value", "check"),
+    [
+        ("mtu", "node3", "nic1", "1000", "mtu"),
+        ("loss", "node2", "nic0", "5", "loss"),
+        ("link", "node4", "nic1", "down", "nic"),
+        ("rate", "node1", "nic1", "200mbit", "bandwidth"),
+    ],
+)
+def test_each_fault_is_named_on_its_link(
+    sandbox: Sandbox, daemons: NodeDaemons, kind: str, node: str, nic: str, value: str, check: str
+) -> None:
+    sandbox.fault(kind, node, nic, value)
+    try:
+        rc, report, err = audit(sandbox, "--no-drill")
+    finally:
+        sandbox.clear_faults()
+    assert rc == 1, err
+    assert "audit failed on " + node in err
+    targets = {f["target"] for f in report["findings"]}
+    assert targets == {f"{node}/{nic}"}, report["findings"]
+    assert check in {f["check"] for f in report["findings"]}
+    assert [n for n, v in report["nodes"].items() if not v["ok"]] == [node]
+    assert [link for link, v in report["links"].items() if not v["ok"]] == [f"{node}/{nic}"]
+
+
+def test_drain_marks_the_failing_node_with_a_clockwork_reason(sandbox: Sandbox, daemons: NodeDaemons) -> None:
+    slurm = sandbox.slurm()
+    sandbox.fault("link", "node2", "nic0", "down")
+    try:
+        rc, report, err = audit(sandbox, "--no-drill", "--drain")
+    finally:
+        sandbox.clear_faults()
+    try:
+        assert rc == 1 and report["nodes"]["node2"]["ok"] is False
+        assert "drained node2: clockwork: audit: nic: link down" in err
+        states = {n.name: n for n in slurm.nodes()}
+        assert "DRAIN" in states["node2"].state
+        assert states["node2"].reason.startswith("clockwork: audit: nic: link down")
+        assert all("DRAIN" not in states[n].state for n in ("node1", "node3", "node4"))
+    finally:
+        slurm.resume("node2")

@@ -1,0 +1,356 @@
+"""Borrowed spares on the sandbox's real Slurm (5 nodes, accounting): a failing job takes a node from low work.
+
+* A preemptible job (``-p low --requeue --open-mode=append``) holds node5. A 4-node ``sbatch --clockwork-ft
+  --clockwork-spares=borrow --no-kill -p high`` training job runs the oracle's deterministic training on
+  node1-4 (every node trains: borrow mode keeps no standby). node3 crashes mid-step (its rank asks for the
+  crash at a random step and point, as in test_torchpass_sandbox.py; ``CW_TEST_SEED`` replays it): the leading
+  agent borrows through its node daemon, the daemon's holder allocation (``clockwork-hold-JOBID``, partition
+  high, pinned to node5) makes slurmctld requeue the low job, the replacement rank starts on node5 as a step of
+  the holder and the job resumes at the same step. Its final state is bitwise equal to a fault-free run's.
+* The low job was requeued (restart count 1) and runs again on node5 after the training job ended (its
+  Epilog gave the node back); ``sacct`` shows both jobs with the AdminComments that link them.
+* Refusals, logged by the daemon: a borrow for a job submitted with ``--clockwork-spares=standby``, a borrow
+  by another user for someone else's job, and a second borrow beyond ``max_nodes_per_job`` (1).
+
+Needs root and Slurm (``apt-get install slurm-wlm slurmd slurmctld munge mariadb-server slurmdbd``); run with
+``sudo env CI=true PYTHONPATH=$PWD/daemon:$PWD .venv/bin/python -m pytest tests/integration/test_borrow_sandbox.py
+-v -s`` (the sandbox is built by the session fixture; nothing else may use it meanwhile).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from clockworkd.client import DaemonClient
+from clockworkd.errors import DaemonError
+from clockworkd.sandbox.cluster import Sandbox
+from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, wait_job
+from tests.unit import test_torchpass_oracle as oracle
+
+NODES = 5
+TRAIN_NODES = "node[1-4]"
+NPROC = 4
+STEPS = 60
+STEP_SLEEP_S = 0.08
+JOB_TIMEOUT_S = 300
+SEED = int(os.environ.get("CW_TEST_SEED", str(int(time.time()))))
+CRASH_PHASES = ("crashnode", "crashnode-backward", "crashnode-optimizer")
+#: Agent order puts the batch host (node1, the allocation's first node) last: node2, node3, node4, node1, so
+#: agent/slot 1 runs on node3, the node the issue crashes.
+CRASHED_SLOT, CRASHED_NODE = 1, "node3"
+
+
+@pytest.fixture(scope="module")
+def box(sandbox_manager: SandboxManager) -> Sandbox:
+    sandbox = sandbox_manager.ensure_up(nodes=NODES, accounting=True)
+    sandbox.clear_faults()
+    print(f"fault seed {SEED} (CW_TEST_SEED={SEED} replays it)")
+    return sandbox
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("borrow-sandbox")
+
+
+def _sbatch(box: Sandbox, *args: str, env: dict[str, str] | None = None) -> int:
+    out = subprocess.run(
+        ["sbatch", "--parsable", *args], env=env or slurm_env(box), capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.strip().split(";")[0])
+
+
+def _wait(predicate: object, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _low_job(box: Sandbox, out: Path) -> int:
+    """The preemptible work on node5: prints one line per start (a requeue starts it again)."""
+    job_id = _sbatch(
+        box,
+        "-p",
+        "low",
+        "--requeue",
+        "--open-mode=append",
+        "-N1",
+        "-w",
+        "node5",
+        "-J",
+        "low-work",
+        f"--output={out}",
+        "--wrap",
+        'echo "start restart=${SLURM_RESTART_COUNT:-0}"; exec sleep 3600',
+    )
+    _wait(lambda: out.exists() and "start restart=0" in out.read_text(), f"low job {job_id} to start")
+    return job_id
+
+
+def _events(out: Path) -> list[dict[str, object]]:
+    events = []
+    for path in sorted(out.glob("events-*.jsonl")):
+        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(events, key=lambda e: float(str(e.get("time", 0))))
+
+
+def _train(box: Sandbox, base: Path, name: str, *, kill: str = "", during: object = None) -> tuple[int, oracle.Run]:
+    """Run the 4-node borrow training job; crash the node its rank asks for; ``during(job_id)`` once it runs."""
+    out = base / name
+    out.mkdir()
+    env = dict(
+        slurm_env(box),
+        CW_TEST_DIR=str(out),
+        CW_TEST_KILL=kill,
+        CW_TEST_STEPS=str(STEPS),
+        CW_TEST_STEP_SLEEP=str(STEP_SLEEP_S),
+        OMP_NUM_THREADS="1",
+        CLOCKWORK_CONFIG=str(box.paths.clockwork_toml),
+    )
+    command = (
+        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl --set collective_timeout_s=20 "
+        f"{oracle.SCRIPT}"
+    )
+    job_id = _sbatch(
+        box,
+        f"-N{NPROC}",
+        "-w",
+        TRAIN_NODES,
+        "-p",
+        "high",
+        "--no-kill",
+        "--clockwork-ft",
+        "--clockwork-spares=borrow",
+        f"--output={out}/job.out",
+        f"--wrap={command}",
+        env=env,
+    )
+    slurm = box.slurm()
+    crashed: list[str] = []
+    handled: set[str] = set()
+    called = during is None
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    info = slurm.job(job_id)
+    while time.monotonic() < deadline:
+        for request in sorted(out.glob("crash-request-*")):
+            if request.name not in handled:
+                handled.add(request.name)
+                node = request.read_text().split()[0]
+                box.crash_node(node)  # what `clockwork sandbox fault node NODE crash` does
+                crashed.append(node)
+        if not called and any(e["kind"] == "torchpass.borrowed" for e in _events(out)):
+            called = True
+            during(job_id)  # type: ignore[operator]
+        info = slurm.job(job_id)
+        if info is not None and (info.finished or (crashed and "COMPLETING" in info.state)):
+            break
+        time.sleep(0.05)
+    for node in crashed:
+        box.restore_node(node)
+    output = (out / "job.out").read_text() if (out / "job.out").exists() else ""
+    assert info is not None and (info.finished or "COMPLETING" in info.state), f"job {job_id}: {info}\n{output[-6000:]}"
+    returncode = int(info.exit_code.split(":")[0]) if info.exit_code else -1
+    run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}", _events(out))
+    _wait(lambda: (lambda i: i is None or i.finished)(slurm.job(job_id)), f"job {job_id} to end", 90)
+    return job_id, run
+
+
+def _daemon_events(box: Sandbox, job_id: int) -> list[dict[str, object]]:
+    """The job's events on every training node's daemon (each agent posts to its own node's)."""
+    events: list[dict[str, object]] = []
+    for node in ("node1", "node2", "node3", "node4"):
+        try:
+            with DaemonClient(daemon_paths(box, node), timeout_s=5) as client:
+                events += client.job_events(job_id)
+        except DaemonError:
+            continue  # node3 crashed: its daemon may be gone
+    return events
+
+
+def _comment(box: Sandbox, job_id: int, needle: str) -> str:
+    deadline = time.monotonic() + 30
+    comment = ""
+    while time.monotonic() < deadline and needle not in comment:
+        rows = [r for r in box.slurm().accounting(job_id) if not r.is_step]
+        comment = rows[-1].admin_comment if rows else ""
+        time.sleep(0.5)
+    return comment
+
+
+def _runs(box: Sandbox, job_id: int) -> list[tuple[str, str]]:
+    """(state, AdminComment) of every run of a job, requeued ones included (``sacct --duplicates``)."""
+    out = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", f"--jobs={job_id}", "--format=State,AdminComment"],
+        env=slurm_env(box),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [tuple(line.split("|", 1)) for line in out.splitlines() if line]  # type: ignore[misc]
+
+
+def _log(box: Sandbox) -> str:
+    path = box.paths.logs / "clockwork.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def reference(box: Sandbox, base: Path) -> oracle.Run:
+    _, run = _train(box, base, "reference")
+    run.check_ok()
+    assert not run.of_kind("torchpass.borrowed")  # nothing failed, nothing borrowed
+    return run
+
+
+def test_a_borrow_without_a_borrow_job_is_refused_and_logged(box: Sandbox, base: Path) -> None:
+    marker = base / "standby-started"
+    job_id = _sbatch(
+        box,
+        "-N1",
+        "-w",
+        "node1",
+        "--clockwork-ft",
+        "--clockwork-spares=standby",
+        "-o",
+        "/dev/null",
+        "--wrap",
+        f"touch {marker}; sleep 60",
+    )
+    try:
+        _wait(marker.exists, f"job {job_id} to start")
+        with DaemonClient(daemon_paths(box, "node1"), timeout_s=5) as client, pytest.raises(DaemonError) as err:
+            client.borrow(job_id, lost_node="node1")
+        assert err.value.code == "forbidden"
+        assert "not submitted with --clockwork-spares=borrow" in str(err.value)
+        assert "borrow refused for uid 0" in _log(box)
+        intruder = _as_nobody(box, job_id, "node1")
+        assert intruder.stdout.strip() == "forbidden", intruder.stdout + intruder.stderr
+        assert f"may not borrow job {job_id}: it belongs to uid 0" in _log(box)
+    finally:
+        box.slurm().cancel(job_id)
+        wait_job(box, job_id)
+
+
+def _as_nobody(box: Sandbox, job_id: int, node: str) -> subprocess.CompletedProcess[str]:
+    """Ask ``node``'s daemon for a borrow as uid 65534, who owns no job (the kernel tells the daemon who asks)."""
+    control = daemon_paths(box, node).control_socket
+    script = box.paths.root / "borrow-intruder.py"
+    script.write_text(
+        "import sys\nfrom pathlib import Path\nfrom clockworkd.client import DaemonClient\n"
+        "from clockworkd.errors import DaemonError\n"
+        "try:\n    DaemonClient(Path(sys.argv[1]), timeout_s=5).borrow(int(sys.argv[2]))\n    print('ALLOWED')\n"
+        "except DaemonError as exc:\n    print(exc.code)\n"
+    )
+    script.chmod(0o755)
+    for parent in [*control.parents, *script.parents]:  # any local user reaches the control socket
+        if parent == Path("/"):
+            break
+        parent.chmod(parent.stat().st_mode | 0o005)
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    return subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            str(script),
+            str(control),
+            str(job_id),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_node_crash_borrows_node5_from_the_low_job_and_gives_it_back(
+    box: Sandbox, base: Path, reference: oracle.Run
+) -> None:
+    low_out = base / "low.out"
+    low = _low_job(box, low_out)
+    step, phase = random.Random(SEED).randint(8, 40), random.Random(SEED + 1).choice(CRASH_PHASES)
+    refusals: list[str] = []
+
+    def beyond_the_limit(job_id: int) -> None:
+        """A second borrow while node5 is held: every daemon refuses it (max_nodes_per_job = 1)."""
+        for node in ("node1", "node2", "node4"):
+            with DaemonClient(daemon_paths(box, node), timeout_s=10) as client:
+                try:
+                    reply = client.borrow(job_id)
+                except DaemonError as exc:  # the daemon that holds the borrow knows at once
+                    refusals.append(f"{node}: {exc.code}: {exc}")
+                    continue
+                deadline = time.monotonic() + 30
+                state = reply
+                while state.get("state") == "pending" and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    state = client.borrow_status(job_id, int(reply["request"]))[0]
+                refusals.append(f"{node}: {state.get('state')}: {state.get('reason')}")
+
+    job_id, run = _train(box, base, "crash-node3", kill=f"{CRASHED_SLOT}:{step}:{phase}", during=beyond_the_limit)
+    assert f"crashed: ['{CRASHED_NODE}']" in run.output, run.output[-3000:]
+
+    # The training: same step, same result as the fault-free run, the slot now on node5.
+    run.check_ok()
+    oracle._assert_same_final_state(run, reference, nproc=NPROC, steps=STEPS)
+    oracle._assert_each_step_once(run, nproc=NPROC, steps=STEPS)
+    fields = oracle._recovered(run, CRASHED_SLOT)
+    (borrowed,) = run.of_kind("torchpass.borrowed")
+    assert (borrowed["node"], borrowed["from_job"], borrowed["lost_node"]) == ("node5", low, CRASHED_NODE)
+    holder = int(str(borrowed["holder"]))
+    print(f"borrowed: {json.dumps(borrowed, sort_keys=True)}; recovered: {json.dumps(fields, sort_keys=True)}")
+
+    # The daemon's record: which node, from which job, how long each part took; and its give-back.
+    daemon_events = _daemon_events(box, job_id)
+    acquired = [e["fields"] for e in daemon_events if e["kind"] == "borrow.acquired"]
+    assert len(acquired) == 1, daemon_events
+    a = acquired[0]
+    assert isinstance(a, dict) and (a["node"], a["from_job"], a["holder"]) == ("node5", low, holder)
+    assert a["from_state"] != "RUNNING", a  # preempted: requeued (restart count checked below)
+    for key in ("query_ms", "choose_ms", "submit_ms", "preempt_ms", "total_ms"):
+        assert isinstance(a[key], float), (key, a)
+    released = [e["fields"] for e in daemon_events if e["kind"] == "borrow.released"]
+    assert released and released[0]["holder"] == holder, daemon_events  # type: ignore[index]
+
+    # Beyond the limit: refused everywhere, with the reason, and logged.
+    assert len(refusals) == 3 and all("limit is 1" in r for r in refusals), refusals
+    assert "limit is 1" in _log(box)
+
+    # The low job: requeued once, running again on node5 now that the holder is gone.
+    slurm = box.slurm()
+    _wait(
+        lambda: (lambda i: i is not None and i.state == "RUNNING" and i.nodes == ["node5"])(slurm.job(low)),
+        f"low job {low} to run again",
+        90,
+    )
+    info = slurm.job(low)
+    assert info is not None and info.restart_count >= 1, info
+    _wait(lambda: "start restart=1" in low_out.read_text(), "the requeued low job's second start", 30)
+    assert low_out.read_text().count("start restart=") == 2  # --open-mode=append kept the first run's line
+    holder_info = slurm.job(holder)
+    assert holder_info is None or holder_info.finished, holder_info
+
+    # sacct tells both sides of the story: the low job's preempted run (its PREEMPTED record) says for whom.
+    expected = f"clockwork: preempted for job {job_id} (node node5 held by job {holder})"
+    runs = _runs(box, low)
+    assert [state for state, _ in runs] == ["PREEMPTED", "RUNNING"], runs
+    assert runs[0][1] == expected, runs
+    train_comment = _comment(box, job_id, "clockwork-borrowed:")
+    assert f"clockwork-borrowed: node5 from job {low} (holder {holder})" in train_comment, train_comment
+    assert train_comment.startswith("clockwork: ") and "; report=" in train_comment, train_comment
+    slurm.cancel(low)
+    wait_job(box, low)
+    # the live job kept the comment too; slurmdbd gets it with the run's end
+    assert _comment(box, low, "preempted for job") == expected

@@ -1,0 +1,294 @@
+"""The GPU health watch inside a real ``clockworkd``: fault file -> policy -> a live migration request to a real
+TorchPass coordinator, the job's events naming the signal, ``clockwork node gpus`` in-process, and the health
+check's drain verdict once the rank has left the GPU.
+
+The daemon is a real subprocess (``daemon_harness``) whose configuration selects the fault-file source; the job
+is real TorchPass coordinator replicas with fake ranks (as in ``test_migrate_cli``); the rank whose GPU is
+faulted is a real process that posts its ``torchpass.joined`` event to the daemon itself, with ``LOCAL_RANK=1``
+in its environment, so the daemon maps it to gpu1 exactly as on the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from clockworkd.cli.main import run
+from clockworkd.sandbox import gpu_faults
+from slurm_hooks.healthcheck import gpu_health_problems
+from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
+from tests.unit.test_migrate_cli import JOB, USER, _post_record, job
+from tests.unit.test_torchpass_coordinator import Events
+from torchpass.coordinator import Coordinator
+
+pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
+
+__all__ = ["daemons", "job", "scratch"]  # fixtures used by name below
+
+HEALTH = """
+[health]
+source = "fault-file"
+fault_file = "{root}/{{node}}/gpu-faults.json"
+emulated_gpus = 2
+interval_s = 0.1
+raise_after = 2
+clear_after = 2
+migrate_timeout_s = 2.0
+migrate_retry_s = 0.5
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in list(os.environ):
+        if var.startswith("CLOCKWORK_"):
+            monkeypatch.delenv(var)
+
+
+def _until(what: str, check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = run(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def watched(scratch: Path, daemons: list[RunningDaemon]) -> Iterator[tuple[Path, RunningDaemon, Path]]:
+    """A daemon reading a GPU fault file, with job JOB registered; yields (config, daemon, fault file)."""
+    config = write_config(scratch, extra=HEALTH.format(root=scratch))
+    daemon = start_daemon(daemons, config)
+    with daemon.client() as client:
+        client.register_job(JOB, os.getuid(), USER, ["n1", "n2"], {"ft": "aware", "spares": "standby"})
+    yield config, daemon, scratch / "n1" / "gpu-faults.json"
+
+
+@pytest.fixture
+def rank_process(watched: tuple[Path, RunningDaemon, Path]) -> Iterator[subprocess.Popen[str]]:
+    """A process holding slot 1 on this node, on its local rank 1, that told the daemon so itself."""
+    _, daemon, _ = watched
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from clockworkd.client import DaemonClient\n"
+        f"with DaemonClient(Path({str(daemon.paths.control_socket)!r})) as c:\n"
+        f"    c.post_event({JOB}, 'torchpass.joined', {{'slot': 1, 'generation': 0, 'resume_step': 0}})\n"
+        "print('joined', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = dict(os.environ, LOCAL_RANK="1")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    if not ready:
+        proc.kill()
+        pytest.fail("the rank process did not post its joined event within 30 s")
+    assert proc.stdout.readline() == "joined\n"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _events(daemon: RunningDaemon, kind: str) -> list[dict[str, Any]]:
+    with daemon.client() as client:
+        return [e["fields"] for e in client.job_events(JOB) if e["kind"] == kind]
+
+
+def _gpus(daemon: RunningDaemon) -> dict[str, Any]:
+    with daemon.client() as client:
+        return client.gpus()
+
+
+def test_hot_gpu_moves_its_rank_before_it_fails(
+    capsys: pytest.CaptureFixture[str],
+    watched: tuple[Path, RunningDaemon, Path],
+    rank_process: subprocess.Popen[str],
+    job: tuple[Coordinator, Coordinator, Events],
+) -> None:
+    config, daemon, fault_file = watched
+    active, passive, coordinator_events = job
+    _post_record(daemon, active.endpoint, [passive.endpoint, active.endpoint])
+
+    before = _until("two healthy GPUs", lambda: (g := _gpus(daemon))["gpus"] and g)
+    assert [(g["index"], g["health"]) for g in before["gpus"]] == [(0, "ok"), (1, "ok")]
+    assert before["source"] == "fault-file"
+    assert before["gpus"][0]["ranks"] == []
+    assert [(r["slot"], r["pid"], r["how"]) for r in before["gpus"][1]["ranks"]] == [
+        (1, rank_process.pid, "LOCAL_RANK")
+    ]
+
+    gpu_faults.apply(fault_file, 1, "temp", 95.0)
+    accepted = _until(
+        "the accepted migration", lambda: [f for f in _events(daemon, "gpu.migration") if f["state"] == "accepted"]
+    )
+    cause = {"signal": "temperature.slowdown", "value": 95.0, "threshold": 90.0, "gpu": 1, "slot": 1}
+    assert {k: accepted[0][k] for k in cause} == cause
+    assert accepted[0]["target"] == "w2" and accepted[0]["pid"] == rank_process.pid
+    requested = [f for f in _events(daemon, "gpu.migration") if f["state"] == "requested"]
+    assert len(requested) == 1 and requested[0]["mapping"] == "LOCAL_RANK"
+    raised = [f for f in _events(daemon, "gpu.health") if f["state"] == "raised"]
+    assert [(f["signal"], f["gpu"], f["value"], f["threshold"], f["action"], f["ranks"]) for f in raised] == [
+        ("temperature.slowdown", 1, 95.0, 90.0, "migrate", [1])
+    ]
+    # The coordinator took it as a planned migration and knows why.
+    moved = coordinator_events.of("torchpass.migration_requested")
+    assert [m["slot"] for m in moved] == [1]
+    assert "gpu1 temperature.slowdown 95.0 (threshold 90.0)" in moved[0]["by"]
+
+    code, out, err = _cli(capsys, "--config", str(config), "node", "gpus", "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    gpu1 = shown["gpus"][1]
+    assert (gpu1["health"], gpu1["action"], gpu1["reading"]["temperature_c"]) == ("critical", "migrate", 95.0)
+    assert [s["signal"] for s in gpu1["signals"]] == ["temperature.slowdown"]
+    assert gpu1["drain_reason"] == "gpu1 temperature.slowdown 95.0 (threshold 90.0)"
+    assert gpu1["drain_ready"] is False  # slot 1 still trains on it
+    assert shown["gpus"][0]["health"] == "ok"
+    assert [(m["slot"], m["state"]) for m in shown["migrations"]] == [(1, "accepted")]
+    with daemon.client() as client:
+        assert gpu_health_problems(client, "n1") == []
+
+    code, out, err = _cli(capsys, "--config", str(config), "node", "gpus")
+    assert code == 0, err
+    for text in ("GPU health on n1: fault file", "critical", "95 C (limits 90/100)", "temperature.slowdown",
+                 "job 77 slot 1", "last signals", "raised", "migration: job 77 slot 1 off gpu1"):  # fmt: skip
+        assert text in out, (text, out)
+
+    # The rank leaves (it handed its slot to the spare and exited): now the node may be drained.
+    rank_process.kill()
+    rank_process.wait()
+    with daemon.client() as client:
+        problems = _until("the drain verdict", lambda: gpu_health_problems(client, "n1"))
+    assert problems == ["gpu1 temperature.slowdown 95.0 (threshold 90.0)"]
+
+    # A broken fault file is logged and ignored: the daemon goes on with the previous values.
+    fault_file.write_text("{broken")
+    _until("the complaint", lambda: "GPU fault file ignored" in daemon.log_text())
+    time.sleep(0.3)
+    assert _gpus(daemon)["gpus"][1]["reading"]["temperature_c"] == 95.0
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+    # Healed: the signal clears after clear_after readings, and the job hears it.
+    gpu_faults.apply(fault_file, 1, "clear", None)
+    _until("the clear", lambda: [f for f in _events(daemon, "gpu.health") if f["state"] == "cleared"])
+    after = _gpus(daemon)["gpus"][1]
+    assert (after["health"], after["drain_reason"], after["drain_ready"]) == ("ok", "", False)
+    assert [(c["signal"], c["state"]) for c in after["history"]] == [
+        ("temperature.slowdown", "raised"),
+        ("temperature.slowdown", "cleared"),
+    ]
+
+
+def test_a_refused_migration_is_recorded_and_retried(
+    watched: tuple[Path, RunningDaemon, Path], rank_process: subprocess.Popen[str]
+) -> None:
+    _, daemon, fault_file = watched
+    # A coordinator record that points at nothing: every request times out.
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    dead = context.socket(zmq.ROUTER)
+    port = dead.bind_to_random_port("tcp://127.0.0.1")
+    dead.close(0)
+    context.term()
+    _post_record(daemon, f"tcp://127.0.0.1:{port}", [f"tcp://127.0.0.1:{port}"])
+    gpu_faults.apply(fault_file, 1, "ecc", 2)
+    failed = _until(
+        "two failed attempts",
+        lambda: len(f := [e for e in _events(daemon, "gpu.migration") if e["state"] == "failed"]) >= 2 and f,
+        timeout_s=20,
+    )
+    assert failed[0]["signal"] == "ecc.uncorrected" and failed[0]["value"] == 2
+    assert "no coordinator replica of the job answered" in failed[0]["error"]
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+def test_without_nvml_the_daemon_reports_no_gpus(
+    capsys: pytest.CaptureFixture[str], scratch: Path, daemons: list[RunningDaemon]
+) -> None:
+    config = write_config(scratch)  # the default source: NVML, which this machine does not have
+    daemon = start_daemon(daemons, config)
+    info = _until("a first reading", lambda: (g := _gpus(daemon))["enabled"] and g)
+    assert info["gpus"] == [] and info["source"] == "nvml"
+    assert info["source_state"].startswith("NVML not available")
+    code, out, err = _cli(capsys, "--config", str(config), "node", "gpus")
+    assert code == 0, err
+    assert "NVML not available" in out and "no GPUs" in out
+    code, out, err = _cli(capsys, "--config", str(config), "node", "status", "--json")
+    assert code == 0, err
+    assert json.loads(out)["health"]["gpus"] == 0
+    code, out, err = _cli(capsys, "--config", str(config), "node", "status")
+    assert code == 0, err
+    assert "gpu health:     on: NVML not available" in out and "no GPUs" in out
+    with daemon.client() as client:
+        client.ping()
+
+
+def test_disabled_watch(capsys: pytest.CaptureFixture[str], scratch: Path, daemons: list[RunningDaemon]) -> None:
+    config = write_config(scratch, extra="[health]\nenabled = false\n")
+    start_daemon(daemons, config)
+    code, out, err = _cli(capsys, "--config", str(config), "node", "gpus")
+    assert code == 0, err
+    assert "GPU health on n1: off (disabled by configuration ([health] enabled = false))" in out
+
+
+AS_OTHER_USER = r"""
+import json, sys
+from pathlib import Path
+from clockworkd.client import DaemonClient
+
+with DaemonClient(Path(sys.argv[1]), 3.0) as client:
+    print(json.dumps(client.gpus()))
+"""
+
+
+def test_another_user_sees_the_gpus_but_not_other_jobs_ranks(
+    scratch: Path, watched: tuple[Path, RunningDaemon, Path], rank_process: subprocess.Popen[str]
+) -> None:
+    """GPU health is node telemetry any local user may read; which job's rank sits on a GPU is not."""
+    from tests.unit.daemon_harness import daemon_env
+    from tests.unit.test_daemon import NOBODY, require_root_for_second_user
+
+    require_root_for_second_user()
+    _, daemon, _ = watched
+    mine = _until("the rank on gpu1", lambda: (g := _gpus(daemon))["gpus"] and g["gpus"][1]["ranks"] and g)
+    assert [r["slot"] for r in mine["gpus"][1]["ranks"]] == [1]
+    script = scratch / "gpus_as_nobody.py"
+    script.write_text(AS_OTHER_USER)
+    script.chmod(0o644)
+    proc = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            sys.executable,
+            str(script),
+            str(daemon.paths.control_socket),
+        ],
+        capture_output=True,
+        text=True,
+        env={**daemon_env(), "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(scratch)},
+        cwd=scratch,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    theirs = json.loads(proc.stdout)
+    assert [g["index"] for g in theirs["gpus"]] == [0, 1]
+    assert theirs["gpus"][1]["ranks"] == [] and theirs["gpus"][1]["health"] == "ok"
