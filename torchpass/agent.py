@@ -49,7 +49,7 @@ from torchpass.coordinator import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
 from torchpass.mesh import FINAL_STATES, AgentMesh
 from torchpass.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
-from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv
+from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
 from torchpass.proxy import CoordinatorProxy
 from torchpass.slurm_layout import (
     ENV_AGENT_INDEX,
@@ -97,6 +97,7 @@ class SlurmAgent:
         python: str = sys.executable,
         exit_grace_s: float = 30.0,
         environ: dict[str, str] | None = None,
+        transparent: bool = False,
     ) -> None:
         self.script = script
         self.script_args = script_args
@@ -104,6 +105,8 @@ class SlurmAgent:
         self.python = python
         self.exit_grace_s = exit_grace_s
         self.environ = dict(os.environ if environ is None else environ)
+        # Model-transparent mode: `torchpass run --transparent`, or the job's --clockwork-ft=transparent.
+        self.transparent = transparent or clockwork_ft_mode(self.environ) == "transparent"
         # A survivor's broken collective must not trigger a same-members rebuild before a crashed node's
         # silence has been noticed: wait at least as long as the agents take to count a node lost.
         grace = config.agent_timeout_s + 2 * config.agent_heartbeat_interval_s
@@ -237,7 +240,8 @@ class SlurmAgent:
     def _spawn(self, role: str) -> None:
         wid = f"a{self.layout.index}.{self._started}"
         self._started += 1
-        proc = subprocess.Popen([self.python, self.script, *self.script_args], env=self._environment(wid, role))
+        argv = rank_argv(self.python, self.script, self.script_args, transparent=self.transparent)
+        proc = subprocess.Popen(argv, env=self._environment(wid, role))
         try:
             self._pidfd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):

@@ -93,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
         help="append every TorchPass event to FILE as JSON lines ({agent} in FILE: one file per node agent)",
     )
     run.add_argument("--coordinator-file", metavar="FILE", help="write the coordinator's address to FILE")
+    run.add_argument(
+        "--transparent",
+        action="store_true",
+        help="model-transparent mode: run an unmodified DDP script (init_process_group, DDP, optimizer, "
+        "DataLoader with DistributedSampler) and find its model, optimizers and data position at launch "
+        "(default when the job was submitted with --clockwork-ft=transparent)",
+    )
     run.add_argument("--no-respawn-spares", action="store_true", help="do not start a new spare when one takes a slot")
     run.add_argument(
         "--restore",
@@ -151,6 +158,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{PROG} run: --nproc must be >= 1 and --spares >= 0", file=sys.stderr)
         return EXIT_USAGE
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    from torchpass.slurm_layout import clockwork_ft_mode
+
+    args.transparent = args.transparent or clockwork_ft_mode() == "transparent"
     if not args.local:
         return _cmd_run_slurm(args, script_args)
     from torchpass.launcher import LocalLauncher
@@ -165,6 +175,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         event_sink=JsonlEventSink(args.events) if args.events else None,
         respawn_spares=not args.no_respawn_spares,
         coordinator_file=args.coordinator_file,
+        transparent=args.transparent,
     )
     return launcher.run()
 
@@ -186,7 +197,9 @@ def _cmd_run_slurm(args: argparse.Namespace, script_args: list[str]) -> int:
         if in_batch_script():
             return NodeSteps(args.argv).run()
         layout = SlurmLayout.from_environ(spares=args.spares, nproc=args.nproc, port=args.port)
-        agent = SlurmAgent(args.script, script_args, layout, _config(args), events_file=args.events)
+        agent = SlurmAgent(
+            args.script, script_args, layout, _config(args), events_file=args.events, transparent=args.transparent
+        )
         return agent.run()
     except SlurmLayoutError as exc:
         print(f"{PROG} run: {exc}", file=sys.stderr)

@@ -205,6 +205,11 @@ class TorchPassConfig:
         "'latest': restore it now (an error if there is none); 'never'; or the path of a snapshot directory or "
         "of one snapshot (torchpass run --restore).",
     )
+    transparent_strict: bool = _setting(
+        False,
+        "Model-transparent mode: treat every start-up warning about the script (a loader it cannot track, "
+        "several optimizers, gradient accumulation, ...) as an error that stops the job.",
+    )
     log_level: str = _setting(
         "info",
         "Level of TorchPass's own log on the ranks when the script configured no logging itself.",

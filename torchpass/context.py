@@ -11,7 +11,9 @@ What a step is, and when it counts:
 * While the body runs, gradient averaging goes through TorchPass's DDP hook. If a collective fails (a peer
   died; its sockets closed) or a newer generation is announced, the step is *abandoned*: the hook stops
   launching collectives, the wrapped optimizer (and LR scheduler, grad scaler) skip their updates, and no
-  exception reaches the user's code.
+  exception reaches the user's code. Once every wrapped optimizer has stepped, the update is in the parameters
+  and the step can no longer be abandoned (a redo would apply it twice): a ``ctx.all_reduce`` failing after
+  that returns False, the step commits, and the rank recovers right after.
 * When the body returns, a step that was not abandoned is *committed* (``ctx.committed_step`` = S); an
   abandoned one is rolled back (buffers, registered state, gradients) and the rank recovers.
 
@@ -151,6 +153,8 @@ class Context:
         self._abandoned = False
         self._abandon_reason = ""
         self._first_error_at: float | None = None
+        self._optimizer_steps = 0  # optimizer steps taken in the step in progress
+        self._failed_after_update = ""  # a collective of the user's failed once the update was applied
         self._closed = False
         self._snapshotter = Snapshotter(config, self.log, event_sink)
         self._restore_from = restore_target(config) if env.initial_slot is not None else (None, False)
@@ -188,11 +192,17 @@ class Context:
         """
         if self._model is not None:
             raise TorchPassError("ctx.wrap_model was already called; register further modules with ctx.register")
-        self._model = TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs)
-        self._parts.model = model
-        self._buffers = list(model.buffers()) if self.config.snapshot_buffers else []
+        return self._adopt_model(TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs))
+
+    def _adopt_model(self, ddp: TorchPassDDP) -> TorchPassDDP:
+        """Make ``ddp`` (built over this context) the job's model: its state moves, its buffers roll back.
+
+        Split from :meth:`wrap_model` for transparent mode, whose DDP stand-in constructs itself."""
+        self._model = ddp
+        self._parts.model = ddp.module
+        self._buffers = list(ddp.module.buffers()) if self.config.snapshot_buffers else []
         self._buffer_shadow = [b.detach().clone() for b in self._buffers]
-        return self._model
+        return ddp
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` skip abandoned steps; its state becomes part of the state that moves.
@@ -209,7 +219,9 @@ class Context:
                 ctx.log.debug("optimizer step skipped (step abandoned: %s)", ctx._abandon_reason)
                 return None
             ctx._snapshotter.before_update()  # GPU snapshot copies still reading the parameters come first
-            return inner(*args, **kwargs)
+            result = inner(*args, **kwargs)
+            ctx._optimizer_steps += 1
+            return result
 
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
         self._parts.optimizers.append(optimizer)
@@ -294,11 +306,15 @@ class Context:
                 self._recover(self._abandon_reason, error=True)
             else:
                 self._commit(step)
+                if self._failed_after_update:
+                    self._recover(self._failed_after_update, error=True)
 
     def _begin(self, step: int) -> None:
         self._abandoned = False
         self._abandon_reason = ""
         self._first_error_at = None
+        self._optimizer_steps = 0
+        self._failed_after_update = ""
         self._step = step
         self._channel.step = step
         reseed(self.config.seed, self.slot, step, python=self.config.reseed_python, numpy=self.config.reseed_numpy)
@@ -381,6 +397,8 @@ class Context:
         Use it for collectives of your own inside the loop (e.g. averaging a loss for logging): a raw
         ``dist`` call would raise into your code when a peer dies.
         """
+        if self._updated():
+            return self._all_reduce_after_update(tensor, op)
         if not self._collective_allowed():
             return False
         try:
@@ -388,6 +406,26 @@ class Context:
             return True
         except Exception as exc:
             self._abandon_step(exc)
+            return False
+
+    def _updated(self) -> bool:
+        """Every wrapped optimizer stepped in this step: its result is in the parameters, so the step can no
+        longer be abandoned (a redo would apply the update twice); it commits whatever fails after this."""
+        return bool(self._parts.optimizers) and self._optimizer_steps >= len(self._parts.optimizers)
+
+    def _all_reduce_after_update(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> bool:
+        """A collective after the update: on failure it is skipped and remembered; the step commits and the
+        rank recovers right after (:meth:`steps`)."""
+        if self._failed_after_update or self._channel.latest_gen > self.generation:
+            self._failed_after_update = self._failed_after_update or f"generation {self._channel.latest_gen} announced"
+            return False
+        try:
+            dist.all_reduce(tensor, op=op)
+            return True
+        except Exception as exc:
+            self._first_error_at = self._first_error_at or time.time()
+            self._failed_after_update = f"{type(exc).__name__}: {exc}"
+            self.log.warning("collective failed after the step's update: %s", str(exc).splitlines()[0][:300])
             return False
 
     def _local_group(self) -> dist.ProcessGroup:
@@ -664,7 +702,7 @@ class Context:
     def _depart(self, info: GenerationInfo) -> NoReturn:
         """This rank is migrating away: hand the live state to the spare, then exit cleanly."""
         assert info.handoff is not None
-        started, ok = time.time(), False
+        started, ok, nbytes = time.time(), False, 0
         chunk = int(self.config.transfer_chunk_mb * (1 << 20))
         try:
             store = self._handoff_store(info)
@@ -680,8 +718,16 @@ class Context:
         finally:
             self._backend.destroy()
         handoff_ms = round(1000 * (time.time() - started), 1)
-        emit(self.event_sink, self.log, "torchpass.departed", generation=info.gen, handoff_ok=ok, handoff_ms=handoff_ms)
-        self._report("departed", gen=info.gen, handoff_ok=ok, handoff_ms=handoff_ms)
+        emit(
+            self.event_sink,
+            self.log,
+            "torchpass.departed",
+            generation=info.gen,
+            handoff_ok=ok,
+            handoff_ms=handoff_ms,
+            handoff_bytes=nbytes if ok else 0,
+        )
+        self._report("departed", gen=info.gen, handoff_ok=ok, handoff_ms=handoff_ms, handoff_bytes=nbytes if ok else 0)
         self.close()
         raise SystemExit(0)
 

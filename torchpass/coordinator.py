@@ -696,6 +696,7 @@ class Coordinator(SocketThread):
             generation=msg.get("gen"),
             handoff_ok=bool(msg.get("handoff_ok")),
             handoff_ms=msg.get("handoff_ms"),
+            handoff_bytes=int(msg.get("handoff_bytes") or 0),
         )
 
     def _on_fatal(self, ident: bytes, msg: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ from torchpass.auth import ENV_JOB_KEY, JobKey, write_coordinator_file
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import DONE, Coordinator
 from torchpass.events import EventSink
-from torchpass.protocol import LaunchEnv
+from torchpass.protocol import LaunchEnv, rank_argv
 
 __all__ = ["LocalLauncher", "loopback_interface"]
 
@@ -77,6 +77,7 @@ class LocalLauncher:
         host: str = "127.0.0.1",
         coordinator_file: str | None = None,
         exit_grace_s: float = 30.0,
+        transparent: bool = False,
     ) -> None:
         if nproc < 1 or spares < 0:
             raise ValueError("need --nproc >= 1 and --spares >= 0")
@@ -97,6 +98,7 @@ class LocalLauncher:
             coordinator_file or Path(tempfile.gettempdir()) / f"torchpass-{os.getpid()}.coordinator"
         )
         self.exit_grace_s = exit_grace_s
+        self.transparent = transparent  # ranks run the unmodified script under torchpass.transparent
         self.children: dict[str, _Child] = {}
         self._next_id = 0
         self._spawned_spares = 0
@@ -139,7 +141,8 @@ class LocalLauncher:
         self._next_id += 1
         self.coordinator.expect_worker(wid, role)
         proc = subprocess.Popen(
-            [self.python, self.script, *self.script_args], env=self._environment(wid, role, self.coordinator.endpoint)
+            rank_argv(self.python, self.script, self.script_args, transparent=self.transparent),
+            env=self._environment(wid, role, self.coordinator.endpoint),
         )
         try:
             pidfd: int | None = os.pidfd_open(proc.pid)

@@ -40,6 +40,7 @@ __all__ = [
     "ProtocolError",
     "decode",
     "encode",
+    "rank_argv",
     "router_messages",
 ]
 
@@ -54,6 +55,17 @@ ENV_LOCAL = "TORCHPASS_LOCAL"  # "1": local launcher; the rank dies with it (PR_
 ENV_AGENT = "TORCHPASS_AGENT"  # Slurm mode: index of the node agent that started this process (it dies with it)
 ENV_GLOO_HOST = "TORCHPASS_GLOO_HOST"  # Slurm mode: the address gloo's device binds to (the node's address)
 ENV_DAEMON_SOCKET = "TORCHPASS_DAEMON_SOCKET"  # the node daemon's control socket, for rank events ('' = none)
+TRANSPARENT_MODULE = "torchpass.transparent"  # the rank bootstrap of model-transparent mode
+
+
+def rank_argv(python: str, script: str, script_args: list[str], *, transparent: bool) -> list[str]:
+    """The command line of a rank or spare process: the script itself (model-aware mode: it calls
+    ``torchpass.init``), or, in model-transparent mode, TorchPass's bootstrap, which installs its interposers
+    and then runs the unmodified script (:mod:`torchpass.transparent`)."""
+    if transparent:
+        return [python, "-m", TRANSPARENT_MODULE, script, *script_args]
+    return [python, script, *script_args]
+
 
 MAX_MESSAGE_BYTES = 1 << 20
 

@@ -73,6 +73,8 @@ def _run_agents(
     settings: tuple[str, ...] = (),
     extra_env: dict[str, str] | None = None,
     while_running: Callable[[Path], None] | None = None,
+    script: Path = SCRIPT,
+    ft: str = "aware",
 ) -> AgentsRun:
     out = base / name
     out.mkdir()
@@ -92,7 +94,7 @@ def _run_agents(
             SLURM_JOB_NODELIST=f"127.0.0.[1-{agents}]",
             SLURM_STEP_NODELIST=f"127.0.0.[1-{agents}]",
             SLURMD_NODENAME=addresses[k],
-            CLOCKWORK_FT="aware",
+            CLOCKWORK_FT=ft,
             CLOCKWORK_SPARES="standby",
             TORCHPASS_JOB_KEY=key,
             CW_TEST_DIR=str(out),
@@ -119,7 +121,7 @@ def _run_agents(
             "--set",
             "join_timeout_s=60",
             *(arg for setting in settings for arg in ("--set", setting)),
-            str(SCRIPT),
+            str(script),
         ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + RUN_TIMEOUT_S

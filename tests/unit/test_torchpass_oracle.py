@@ -14,6 +14,8 @@ group, that is the rank and its node agent together: a node crash. ``crashnode``
 (``clockwork sandbox fault node NODE crash``). ``slot:gen:transfer`` kills the rank
 while it sends or receives state during the recovery into generation ``gen`` (a failure during recovery).
 A marker file makes each kill happen once, so the replacement in the same slot does not kill itself too.
+``after-update`` kills it right after its optimizer step, and ``CW_TEST_USER_COLLECTIVE=1`` makes every step
+end with a ``ctx.all_reduce`` of the loss (a collective after the update).
 ``CW_TEST_STEP_SLEEP`` (seconds) slows every step down, so a test can act while the job runs.
 ``CW_TEST_MIGRATE`` (``slot:step``) makes a rank request the planned migration of ``slot`` at ``step``.
 
@@ -126,6 +128,8 @@ def _rank_main() -> int:
     model[0].weight.register_hook(lambda grad: maybe_kill(ctx.slot, ctx.step, "crashnode-backward"))
     opt.register_step_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "optimizer"))
     opt.register_step_pre_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "crashnode-optimizer"))
+    opt.register_step_post_hook(lambda *_: maybe_kill(ctx.slot, ctx.step, "after-update"))
+    user_collective = os.environ.get("CW_TEST_USER_COLLECTIVE", "") == "1"
 
     generator = torch.Generator().manual_seed(7)
     x_all = torch.randn(480, 16, generator=generator)
@@ -143,6 +147,8 @@ def _rank_main() -> int:
         opt.step()
         opt.zero_grad()
         sched.step()
+        if user_collective:  # a loss averaged for a log line, after the update
+            ctx.all_reduce(loss.detach().clone())
         tally.samples += len(x)
         if step_sleep:
             time.sleep(step_sleep)
@@ -185,11 +191,19 @@ class Run:
 
 
 def _run(
-    base: Path, name: str, *, kill: str = "", migrate: str = "", spares: int = 1, settings: tuple[str, ...] = ()
+    base: Path,
+    name: str,
+    *,
+    kill: str = "",
+    migrate: str = "",
+    spares: int = 1,
+    settings: tuple[str, ...] = (),
+    user_collective: bool = False,
 ) -> Run:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MIGRATE=migrate, CW_TEST_STEPS=str(STEPS))
+    env["CW_TEST_USER_COLLECTIVE"] = "1" if user_collective else ""
     cmd = [
         sys.executable,
         "-m",
@@ -325,6 +339,20 @@ def test_sigkill_recovers_bitwise(base: Path, reference: Run, kill: str, slot: i
     assert len({pid for *_, pid in journals[slot]}) == 2, "the slot was not taken over by another process"
     fields = _recovered(run, slot)
     assert fields["transfer_bytes"] > 0
+
+
+def test_failure_after_the_update_commits_the_step(base: Path, reference: Run) -> None:
+    """Slot 1 dies right after its optimizer step; the survivors, also past their update, see it in the script's
+    own ctx.all_reduce. The step is not abandoned (a redo would apply the update twice): it commits, and the
+    recovery follows at once."""
+    run = _run(base, "after-update", kill="1:15:after-update", user_collective=True)
+    run.check_ok()
+    assert (run.out / "killed-1-15-after-update").exists(), "the fault was not injected"
+    _assert_same_final_state(run, reference)
+    journals = _assert_each_step_once(run)
+    assert len({pid for *_, pid in journals[1]}) == 2
+    assert "collective failed after the step's update" in run.output
+    _recovered(run, 1)
 
 
 def test_two_failures_five_steps_apart(base: Path, reference: Run) -> None:

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Benchmark: a planned migration (``torchpass migrate``) in model-aware vs model-transparent mode.
+
+Each run starts a local job (``torchpass run --local``: 2 ranks, 1 spare, gloo on 127.0.0.1) of
+``bench/support/migration_workload.py``: the same MLP and AdamW, written with the TorchPass API (``aware``) or
+as an unmodified DDP script run with ``--transparent``. Once slot 0 has started step ``--mark-step``, the
+benchmark asks ``torchpass migrate --slot 1`` and waits for the job to end. From the job's events it reads
+the coordinator's ``torchpass.migrated`` record (``total_ms``: request to every member resumed, and its
+split) and the departing rank's ``torchpass.departed`` (``handoff_ms``: its direct send of the live state to
+the spare) with the bytes it moved (``handoff_bytes``). Both modes run in the same invocation, alternately, and
+the medians over ``--runs`` runs are printed side by side with the ratio transparent / aware (the baseline
+is the model-aware mode). The last line is one JSON object of the figures.
+
+    .venv/bin/python bench/migration.py [--runs 3] [--hidden 1024] [--layers 4] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOAD = ROOT / "bench" / "support" / "migration_workload.py"
+MODES = ("aware", "transparent")
+FIGURES = ("total_ms", "handoff_ms", "rebuild_ms", "handoff_bytes")
+RUN_TIMEOUT_S = 300.0
+
+
+def one_run(mode: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one job, migrate slot 1 mid-run, and return the migration's figures."""
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+    command = [
+        sys.executable,
+        "-m",
+        "torchpass",
+        "run",
+        "--local",
+        *(["--transparent"] if mode == "transparent" else []),
+        "--nproc",
+        "2",
+        "--spares",
+        "1",
+        "--events",
+        str(out / "events.jsonl"),
+        "--coordinator-file",
+        str(out / "coordinator"),
+        str(WORKLOAD),
+        mode,
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+    ]
+    with open(out / "job.log", "wb") as log:
+        job = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not (out / "at-step").exists():
+                if job.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{mode}: the job never reached the marker step; see {out / 'job.log'}")
+                time.sleep(0.02)
+            migrate = [sys.executable, "-m", "torchpass", "migrate", "--coordinator", str(out / "coordinator")]
+            subprocess.run([*migrate, "--slot", "1"], env=env, check=True, capture_output=True, text=True)
+            code = job.wait(timeout=RUN_TIMEOUT_S)
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    if code != 0:
+        raise RuntimeError(f"{mode}: the job exited with {code}; see {out / 'job.log'}")
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    migrated = [e["fields"] for e in events if e["kind"] == "torchpass.migrated"]
+    departed = [e["fields"] for e in events if e["kind"] == "torchpass.departed"]
+    if not migrated or not departed or not migrated[0]["handoff_ok"]:
+        raise RuntimeError(f"{mode}: no successful migration in the events ({migrated}, {departed})")
+    return {
+        "total_ms": float(migrated[0].get("total_ms", 0.0)),
+        "handoff_ms": float(departed[0]["handoff_ms"]),
+        "rebuild_ms": float(migrated[0]["rebuild_ms"]),
+        "handoff_bytes": int(departed[0]["handoff_bytes"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs per mode (default 3)")
+    parser.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024: about 38 MiB of state)")
+    parser.add_argument("--steps", type=int, default=64, help="training steps, rounded up to whole epochs")
+    parser.add_argument("--quick", action="store_true", help="one run per mode, a small model (under a minute)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs, args.hidden, args.layers = 1, 256, 2
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="bench-migration-") as tmp:
+        for run in range(args.runs):
+            for mode in MODES:  # alternate, so a slow phase of the machine hits both modes alike
+                results[mode].append(one_run(mode, Path(tmp) / f"{mode}-{run}", args))
+    medians = {mode: {k: statistics.median(r[k] for r in results[mode]) for k in FIGURES} for mode in MODES}
+    ratio = {
+        k: round(medians["transparent"][k] / medians["aware"][k], 3) if medians["aware"][k] else None for k in FIGURES
+    }
+    print(f"planned migration of slot 1 (2 ranks, 1 spare, local gloo), median of {args.runs} run(s) per mode,")
+    print(f"MLP {args.layers} x {args.hidden}, AdamW")
+    print(f"{'figure':<16}{'aware':>14}{'transparent':>14}{'ratio':>8}")
+    for key in FIGURES:
+        print(f"{key:<16}{medians['aware'][key]:>14.1f}{medians['transparent'][key]:>14.1f}{ratio[key] or 0:>8.3f}")
+    print(
+        json.dumps(
+            {
+                "runs": args.runs,
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "median": medians,
+                "ratio_transparent_vs_aware": ratio,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""The rank script of ``bench/migration.py``: the same training in model-aware and in model-transparent form.
+
+* ``aware``: the TorchPass API (``tp.init``, ``wrap_model``, ``wrap_optimizer``, ``ctx.steps`` over a
+  ``StepLoader``), run by ``torchpass run --local``;
+* ``transparent``: an unmodified DDP script (``init_process_group``, ``DistributedDataParallel``, AdamW, a
+  DataLoader over a ``DistributedSampler``), run by ``torchpass run --local --transparent``.
+
+Both train the same MLP (``--layers`` x ``--hidden``, AdamW) on the same synthetic dataset, so the state a
+migration moves is the same size (transparent mode adds its data position: three integers). Slot 0 writes
+``at-step`` under ``--out`` when it starts step ``--mark-step``, so the benchmark knows training is under
+way; every step sleeps ``--step-sleep`` seconds so the migration lands mid-run. One intra-op thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+SAMPLES = 4096
+FEATURES = 64
+
+
+def _model(layers: int, hidden: int) -> nn.Module:
+    torch.manual_seed(0)
+    parts: list[nn.Module] = [nn.Linear(FEATURES, hidden), nn.ReLU()]
+    for _ in range(layers - 1):
+        parts += [nn.Linear(hidden, hidden), nn.ReLU()]
+    parts.append(nn.Linear(hidden, 1))
+    return nn.Sequential(*parts)
+
+
+def _dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(SAMPLES, FEATURES, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).tanh())
+
+
+def _mark(args: argparse.Namespace, slot: int, step: int) -> None:
+    if slot == 0 and step == args.mark_step:
+        (Path(args.out) / "at-step").write_text(str(time.time()))
+    if args.step_sleep:
+        time.sleep(args.step_sleep)
+
+
+def aware(args: argparse.Namespace) -> None:
+    import torchpass as tp
+
+    ctx = tp.init()
+    model = _model(args.layers, args.hidden)
+    ddp = ctx.wrap_model(model)
+    opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loader = tp.StepLoader(_dataset(), batch_size=args.batch, seed=1)
+    per_epoch = loader.steps_per_epoch(ctx.world_size)
+    total = -(-args.steps // per_epoch) * per_epoch  # whole epochs, as the transparent form trains
+    for step, (x, y) in ctx.steps(loader, total):
+        _mark(args, ctx.slot, step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def transparent(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    dist.init_process_group(backend="gloo")
+    rank = dist.get_rank()
+    model = _model(args.layers, args.hidden)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    dataset = _dataset()
+    sampler: DistributedSampler[int] = DistributedSampler(dataset, seed=1, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
+    step = 0
+    epochs = -(-args.steps // len(loader))
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            _mark(args, rank, step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1  # only for the marker (a local: a newcomer's restarts, see the user guide)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=("aware", "transparent"))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=64, help="steps, rounded up to whole epochs")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--mark-step", type=int, default=5)
+    parser.add_argument("--step-sleep", type=float, default=0.05)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    (aware if args.mode == "aware" else transparent)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

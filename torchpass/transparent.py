@@ -1,0 +1,713 @@
+"""Model-transparent mode: TorchPass's guarantees for an unmodified DDP script (``torchpass run --transparent``).
+
+``python -m torchpass.transparent SCRIPT ARGS...`` is what each rank and spare runs in this mode (the launcher
+and the Slurm agents start it; ``--clockwork-ft=transparent`` selects it). It joins the job as
+:func:`torchpass.init` does (a spare waits there for a slot), installs the interposers below, and runs the
+script with :mod:`runpy` as ``__main__``, with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/
+``MASTER_PORT`` set as ``torchrun`` would (rank = the TorchPass slot, which never changes).
+
+What is interposed, and why:
+
+* ``torch.distributed.init_process_group`` / ``destroy_process_group``: TorchPass owns the process group (it
+  forms it at the first step boundary and rebuilds it after every membership change); the script's calls only
+  check that its rank and world size agree. Until the group exists, ``is_initialized``, ``get_rank`` and
+  ``get_world_size`` answer for it (a ``DistributedSampler`` built before the first step needs them).
+* ``DistributedDataParallel(model, ...)`` builds TorchPass's DDP (:class:`torchpass.ddp.TorchPassDDP`): its
+  gradient averaging survives a dead peer by abandoning the step instead of raising into ``backward()``.
+* ``torch.optim.Optimizer`` construction registers every optimizer (its state moves, its ``step`` skips an
+  abandoned step); PyTorch's global optimizer step hooks count the optimizer steps of each step.
+  LR schedulers and grad scalers are registered when they are built (their state moves and rolls back).
+* The first ``DataLoader`` built over a ``DistributedSampler`` is *tracked*: iterating it is where the step
+  boundaries are. Each ``next()`` on it closes the step in progress (commit, or roll back and recover),
+  checks for a new generation, reseeds the RNGs from (seed, slot, step) and serves the batch at the data
+  position. The data position (pass over the loader, batch index within the pass) is part of the state that
+  moves, so a spare resumes at the same batch and a step abandoned by a failure is re-run with the same
+  batch: the loader simply serves it again.
+* The common collectives (``all_reduce``, ``broadcast``, ``all_gather``, ``barrier``, ...), when called inside
+  a step, abandon the step instead of raising when a peer dies (as ``ctx.all_reduce`` does); called between
+  steps (e.g. after an epoch), a failure makes the rank recover and run the collective again.
+
+How a survivor unwinds: nothing is unwound by exception (an exception raised inside the script's loop body
+would leave the loop, and a Python ``for`` loop cannot be resumed). As in model-aware mode, a failed
+collective *abandons* the step: the rest of the body runs with the gradient hook, the optimizer, the grad
+scaler and the interposed collectives doing nothing, and at the next ``next()`` on the tracked loader the
+step is rolled back, the rank recovers, and the same batch is served again. The script's loop over the
+loader does not advance, so its epochs still contain every batch exactly once.
+
+How a newcomer jumps into the middle: it runs the script from the top. At its first ``next()`` on the tracked
+loader it joins the generation and receives the state, data position included (pass P, batch I). It then
+*fast-forwards*: iterations of passes before P end at once (``StopIteration``), with optimizer steps,
+LR-scheduler steps and grad-scaler updates suppressed in between (the received state already contains
+them), and pass P is served from batch I. The script's epoch counter lines up because it counts passes
+over the loader exactly as the survivors' did.
+
+What it cannot capture is documented in docs/user-guide.md ("Model-transparent mode"): arbitrary Python
+state of the script (locals, lists of losses, counters), iterators it cannot see (a hand-written generator,
+a loader without a DistributedSampler), loops bounded by their own step counters, gradient accumulation,
+collectives before the first batch or after the training loop. The interposers warn while the script builds
+its objects, and :meth:`Session.check_first_step` when the first step ends, when a script is outside what
+it protects (``transparent_strict`` makes every warning an error).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import runpy
+import sys
+import time
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import DataLoader, DistributedSampler
+
+from torchpass.context import Context, TorchPassError, init
+from torchpass.ddp import TorchPassDDP
+from torchpass.rng import step_seed
+
+__all__ = ["Session", "TransparentWarning", "main"]
+
+DATA_STATE = "torchpass.data_position"
+_WRAPPED_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce",
+    "reduce_scatter_tensor",
+    "barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+)
+# DDP arguments TorchPass decides itself (torchpass.ddp), dropped from the script's call.
+_DDP_DROPPED = (
+    "process_group",
+    "init_sync",
+    "static_graph",
+    "device_mesh",
+    "check_reduction",
+    "forward_sync_buffers",
+    "bucket_cap_mb_list",
+)
+
+
+class TransparentWarning(UserWarning):
+    """The script does something transparent mode cannot protect (the message says what and what happens)."""
+
+
+class DataPosition:
+    """The committed data position: ``index`` batches of pass ``pass_no`` over the tracked loader are done.
+
+    Registered with the context like any user state, so it travels with the model and rolls back with an
+    abandoned step. ``epoch`` is the sampler's epoch of that pass (a consistency check for newcomers)."""
+
+    def __init__(self) -> None:
+        self.pass_no = 0
+        self.index = 0
+        self.epoch = -1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pass": self.pass_no, "index": self.index, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pass_no, self.index, self.epoch = int(state["pass"]), int(state["index"]), int(state["epoch"])
+
+
+class _Pass:
+    """One ``iter(loader)`` of the tracked loader: its batches (index lists) and a streaming inner loader."""
+
+    def __init__(self, session: Session, loader: DataLoader[Any], pass_no: int) -> None:
+        self.session = session
+        self.loader = loader
+        self.pass_no = pass_no
+        sampler = loader.sampler
+        if not isinstance(sampler, DistributedSampler):  # a batch sampler over the DistributedSampler
+            sampler = getattr(loader.batch_sampler, "sampler", sampler)
+        self.epoch = int(getattr(sampler, "epoch", 0))
+        self.batches: list[Any] = list(iter(loader.batch_sampler))  # type: ignore[arg-type]
+        self.inner: Iterator[Any] | None = None
+        self.inner_next = -1
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __next__(self) -> Any:
+        return self.session.next_batch(self)
+
+    def fetch(self, index: int, step: int, seed: int, slot: int) -> Any:
+        """Batch ``index`` of this pass: streamed, or from a fresh inner loader after a jump (redo, resume).
+
+        The inner loader's private generator keeps its construction from drawing on the global RNG, which
+        was just reseeded for the step (in-process ``__getitem__`` randomness then depends on the step only)."""
+        if self.inner is None or index != self.inner_next:
+            src = self.loader
+            workers = src.num_workers
+            inner_loader: DataLoader[Any] = DataLoader(
+                src.dataset,
+                batch_sampler=self.batches[index:],  # type: ignore[arg-type]
+                num_workers=workers,
+                collate_fn=src.collate_fn,
+                pin_memory=src.pin_memory,
+                timeout=src.timeout,
+                worker_init_fn=src.worker_init_fn,
+                multiprocessing_context=src.multiprocessing_context if workers else None,
+                generator=torch.Generator().manual_seed(step_seed(seed, slot, step)),
+                prefetch_factor=src.prefetch_factor if workers else None,
+                pin_memory_device=src.pin_memory_device,
+            )
+            self.inner = iter(inner_loader)
+        batch = next(self.inner)
+        self.inner_next = index + 1
+        return batch
+
+
+class Session:
+    """One rank's transparent-mode state: the context, what the script built, and the step in progress."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.position = DataPosition()
+        ctx.register(DATA_STATE, self.position)
+        self.group_requested = False
+        self.model: TorchPassDDP | None = None
+        self.loader: DataLoader[Any] | None = None
+        self.other_loaders = 0
+        self.passes = 0
+        self.step_open = False
+        self.step_pass = -1
+        self.step_index = -1
+        self.step_epoch = -1
+        self.optimizer_steps = 0
+        self.updated = False  # every optimizer stepped in the step in progress: it can only commit now
+        self.failed_after_update = ""  # a collective failed after the update: recover right after the commit
+        self.steps_without_optimizer = 0
+        self.fast_forward = False
+        self.first_step_checked = False
+        self.n_schedulers = 0
+        self.n_scalers = 0
+        self._undo: list[Callable[[], None]] = []
+
+    # ----- warnings ------------------------------------------------------------------------
+
+    def warn(self, message: str) -> None:
+        """A loud start-up warning: on the rank's log and as a Python warning; an error when
+        ``transparent_strict`` is set (a site or user that wants no unprotected job to run)."""
+        if self.ctx.config.transparent_strict:
+            raise TorchPassError(f"transparent mode (transparent_strict): {message}")
+        self.ctx.log.warning("transparent mode: %s", message)
+        warnings.warn(f"torchpass transparent mode: {message}", TransparentWarning, stacklevel=3)
+
+    def check_first_step(self) -> None:
+        """At the end of the first step: is this script inside what transparent mode protects?"""
+        if self.first_step_checked:
+            return
+        self.first_step_checked = True
+        if self.model is None:
+            self.warn(
+                "the first step ran without a DistributedDataParallel model: gradients are not averaged through "
+                "TorchPass and no model state moves to a replacement"
+            )
+        if not self.ctx._parts.optimizers:
+            raise TorchPassError(
+                "transparent mode: no torch.optim optimizer was built before the first step; there is no "
+                "training state to protect (use the model-aware API for custom update rules)"
+            )
+        if self.optimizer_steps == 0:
+            raise TorchPassError(
+                "transparent mode: the first step (one batch of the DistributedSampler loader) ran no optimizer "
+                "step; each batch must end with optimizer.step() (gradient accumulation over several batches "
+                "cannot be protected: use the model-aware API)"
+            )
+        if len(self.ctx._parts.optimizers) > 1:
+            self.warn(
+                f"{len(self.ctx._parts.optimizers)} optimizers were built; all of them move with the state, "
+                "matched by construction order, which must be the same on every rank"
+            )
+        if self.other_loaders:
+            self.warn(
+                f"{self.other_loaders} further DataLoader(s) are not tracked: only the first one over a "
+                "DistributedSampler sets the data position; iterating the others is not protected"
+            )
+
+    # ----- the interposers -----------------------------------------------------------------
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    def install(self) -> None:
+        """Install every interposer (before the script runs)."""
+        self._install_distributed()
+        self._install_ddp()
+        self._install_optim()
+        self._install_data()
+        handle = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._undo.append(handle.remove)
+
+    def uninstall(self) -> None:
+        """Remove the interposers (the rank's process ends right after, but tests run several sessions)."""
+        while self._undo:
+            self._undo.pop()()
+
+    def _install_distributed(self) -> None:
+        real_is_initialized = dist.is_initialized
+        real_get_rank, real_get_world_size = dist.get_rank, dist.get_world_size
+        real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+        session = self
+
+        def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, **kw: Any) -> None:
+            if _internal():
+                return real_init(backend, init_method, timeout, **kw)
+            world, rank = kw.get("world_size", -1), kw.get("rank", -1)
+            if world not in (-1, None) and int(world) != session.ctx.world_size:
+                raise TorchPassError(
+                    f"transparent mode: the script asks for world_size={world}, the job has {session.ctx.world_size}"
+                )
+            if rank not in (-1, None) and int(rank) != session.ctx.slot:
+                raise TorchPassError(
+                    f"transparent mode: the script asks for rank={rank}, this rank is slot {session.ctx.slot}"
+                )
+            session.group_requested = True
+            session.ctx.log.info("init_process_group(%s): TorchPass owns the process group", backend or "default")
+
+        def destroy_process_group(group: Any = None) -> None:
+            if _internal() or (group is not None and group is not dist.GroupMember.WORLD):
+                real_destroy(group)
+
+        def is_initialized() -> bool:
+            if _internal():
+                return real_is_initialized()
+            return bool(real_is_initialized() or session.group_requested)
+
+        def get_rank(group: Any = None) -> int:
+            if real_is_initialized() or group is not None or not session.group_requested:
+                return real_get_rank(group)
+            return session.ctx.slot
+
+        def get_world_size(group: Any = None) -> int:
+            if real_is_initialized() or group is not None or not session.group_requested:
+                return real_get_world_size(group)
+            return session.ctx.world_size
+
+        self._patch(dist, "init_process_group", init_process_group)
+        self._patch(dist, "destroy_process_group", destroy_process_group)
+        self._patch(dist, "is_initialized", is_initialized)
+        self._patch(dist, "get_rank", get_rank)
+        self._patch(dist, "get_world_size", get_world_size)
+        for name in _WRAPPED_COLLECTIVES:
+            self._patch(dist, name, self._guarded(getattr(dist, name)))
+
+    def _guarded(self, collective: Callable[..., Any]) -> Callable[..., Any]:
+        """Inside a step, a failing collective abandons the step (and returns None) instead of raising.
+
+        Once the step's update is done (every optimizer stepped), the step can no longer be abandoned: its
+        result is in the parameters. A collective failing after that (e.g. the script averaging its loss for a
+        log line) is skipped and remembered; the step commits and the rank recovers right after."""
+        session = self
+
+        @functools.wraps(collective)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("async_op") or _internal():
+                return collective(*args, **kwargs)
+            if not session.step_open:
+                return session.between_steps(collective, args, kwargs)
+            if session.updated:
+                if session.failed_after_update or session.ctx._channel.latest_gen > session.ctx.generation:
+                    session.failed_after_update = session.failed_after_update or "new generation announced"
+                    return None
+                try:
+                    return collective(*args, **kwargs)
+                except Exception as exc:
+                    session.failed_after_update = f"{type(exc).__name__}: {exc}"
+                    session.ctx.log.warning("collective failed after the step's update: %s", exc)
+                    return None
+            if not session.ctx._collective_allowed():
+                return None
+            try:
+                return collective(*args, **kwargs)
+            except Exception as exc:
+                session.ctx._abandon_step(exc)
+                return None
+
+        return guarded
+
+    def between_steps(self, collective: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A collective of the script's outside a step (e.g. between epochs): skipped while a newcomer
+        fast-forwards (the replicas ran it before it joined); when it fails, the rank recovers and runs it again
+        in the new generation, with its input tensors as they were (a failed collective may have written
+        into them). Every member meets it there: survivors by retrying, a newcomer by reaching it."""
+        ctx = self.ctx
+        if self.fast_forward:
+            return None
+        if ctx.generation < 0:
+            return collective(*args, **kwargs)  # before the first step there is no group: it raises as usual
+        tensors = _tensors_in(args, kwargs)
+        saved = [t.detach().clone() for t in tensors]
+        while True:
+            if ctx._channel.latest_gen > ctx.generation or ctx._channel.lost or ctx._channel.stopped is not None:
+                ctx._recover(f"generation {ctx._channel.latest_gen} announced", error=False)
+                continue
+            try:
+                return collective(*args, **kwargs)
+            except Exception as exc:
+                ctx._first_error_at = time.time()
+                ctx.log.warning("collective between steps failed (%s): recovering, then running it again", exc)
+                with torch.no_grad():
+                    for live, old in zip(tensors, saved, strict=True):
+                        live.copy_(old)
+                ctx._recover(f"{type(exc).__name__}: {exc}", error=True)
+
+    def _install_ddp(self) -> None:
+        session = self
+
+        class DistributedDataParallel(TorchPassDDP):
+            """What the script's ``DistributedDataParallel(model, ...)`` builds in transparent mode."""
+
+            def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+                session.adopt_ddp(self, module, args, kwargs)
+
+            def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+                if session.loader is None:
+                    raise TorchPassError(
+                        "transparent mode: the model trains on batches from a loader TorchPass cannot see (no "
+                        "DataLoader over a DistributedSampler was built before the first forward pass), so it "
+                        "cannot find the step boundaries nor restore the data position; use a DistributedSampler "
+                        "or the model-aware API (see 'Model-transparent mode' in docs/user-guide.md)"
+                    )
+                return super().forward(*inputs, **kwargs)
+
+        for owner in (torch.nn.parallel, torch.nn.parallel.distributed, torch.nn):
+            if getattr(owner, "DistributedDataParallel", None) is _TorchDDP:
+                self._patch(owner, "DistributedDataParallel", DistributedDataParallel)
+
+    def adopt_ddp(self, ddp: TorchPassDDP, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Build TorchPass's DDP in place of the script's, dropping the arguments TorchPass decides itself."""
+        if self.model is not None:
+            raise TorchPassError(
+                "transparent mode protects one DistributedDataParallel model; this script wraps a second one "
+                "(use the model-aware API, or one DDP over a module holding both)"
+            )
+        try:  # the script's arguments by name, as torch's own DDP would read them
+            given = dict(inspect.signature(_TorchDDP.__init__).bind(ddp, module, *args, **kwargs).arguments)
+        except TypeError as exc:
+            raise TypeError(f"DistributedDataParallel: {exc}") from None
+        given.pop("self", None)
+        given.pop("module", None)
+        group = given.get("process_group")
+        if group is not None and group is not dist.GroupMember.WORLD:
+            raise TorchPassError("transparent mode: DDP over a process group other than the default one")
+        dropped = sorted(name for name in _DDP_DROPPED if given.pop(name, None) is not None)
+        if dropped:
+            self.ctx.log.info("DistributedDataParallel: TorchPass decides %s itself", ", ".join(dropped))
+        broadcast_buffers = given.pop("broadcast_buffers", None)
+        TorchPassDDP.__init__(
+            ddp,
+            module,
+            self.ctx,
+            broadcast_buffers=True if broadcast_buffers is None else bool(broadcast_buffers),
+            **given,
+        )
+        self.ctx._adopt_model(ddp)
+        self.model = ddp
+
+    def _install_optim(self) -> None:
+        session = self
+        real_optimizer_init = torch.optim.Optimizer.__init__
+
+        def optimizer_init(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            real_optimizer_init(optimizer, *args, **kwargs)
+            session.adopt_optimizer(optimizer)
+
+        self._patch(torch.optim.Optimizer, "__init__", optimizer_init)
+
+        # Every scheduler class of torch.optim.lr_scheduler: LRScheduler's __init__ (most chain to it) and the
+        # ones that do not chain to it register their object; every own ``step`` is silenced while a newcomer
+        # fast-forwards (the received scheduler state already includes those steps).
+        schedulers = [
+            cls
+            for cls in vars(torch.optim.lr_scheduler).values()
+            if isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)
+        ]
+        for cls in schedulers:
+            if cls.__name__ in ("LRScheduler", "ReduceLROnPlateau", "SequentialLR", "ChainedScheduler"):
+                self._patch(cls, "__init__", self._registering_init(cls.__init__, "lr_scheduler"))
+            if "step" in cls.__dict__:
+                self._patch(cls, "step", self._silenced_when_fast_forwarding(cls.__dict__["step"]))
+
+        real_scaler_init = torch.amp.GradScaler.__init__
+
+        def scaler_init(scaler: Any, *args: Any, **kwargs: Any) -> None:
+            real_scaler_init(scaler, *args, **kwargs)
+            session.adopt("grad_scaler", scaler)
+
+        self._patch(torch.amp.GradScaler, "__init__", scaler_init)
+
+    def _registering_init(self, real_init: Callable[..., None], kind: str) -> Callable[..., None]:
+        session = self
+
+        @functools.wraps(real_init)
+        def init(obj: Any, *args: Any, **kwargs: Any) -> None:
+            real_init(obj, *args, **kwargs)
+            session.adopt(kind, obj)
+
+        return init
+
+    def _silenced_when_fast_forwarding(self, real_step: Callable[..., Any]) -> Callable[..., Any]:
+        session = self
+
+        @functools.wraps(real_step)
+        def step(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if session.fast_forward:
+                return None
+            return real_step(obj, *args, **kwargs)
+
+        return step
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every optimizer built by the script: its state moves; its step skips abandoned and skipped steps."""
+        if self.ctx.generation >= 0:
+            self.warn(
+                f"{type(optimizer).__name__} built after training started: a newcomer builds it before its first "
+                "step, so the optimizers no longer match by construction order; it is tracked from now on"
+            )
+        self.ctx.wrap_optimizer(optimizer)
+        gated = optimizer.step
+        session = self
+
+        def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if session.fast_forward:
+                return None
+            return gated(*args, **kwargs)
+
+        # A bound method, as ctx.wrap_optimizer's: an LR scheduler re-wraps it through its __func__.
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+
+    def adopt(self, kind: str, obj: Any) -> None:
+        """An LR scheduler or grad scaler: registered by kind and construction order."""
+        if any(obj is registered for registered in self.ctx._parts.extra.values()):
+            return  # e.g. a SequentialLR's __init__ and LRScheduler's both saw it
+        if kind == "lr_scheduler":
+            name, self.n_schedulers = f"lr_scheduler{self.n_schedulers}", self.n_schedulers + 1
+        else:
+            name, self.n_scalers = f"grad_scaler{self.n_scalers}", self.n_scalers + 1
+        if self.ctx.generation >= 0:
+            self.warn(f"{type(obj).__name__} built after training started: its state is not protected")
+            return
+        self.ctx.register(name, obj)
+        if kind == "grad_scaler":
+            gated_update = obj.update
+            session = self
+
+            def update(*args: Any, **kwargs: Any) -> Any:
+                if session.fast_forward:
+                    return None
+                return gated_update(*args, **kwargs)
+
+            obj.update = update
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Global optimizer step post-hook: an optimizer step completed (the step's update happened)."""
+        if not any(optimizer is o for o in self.ctx._parts.optimizers):
+            self.adopt_optimizer(optimizer)
+        if self.step_open:
+            self.optimizer_steps += 1
+            # The step's update is applied: from here on the step commits whatever fails (see _guarded).
+            self.updated = self.optimizer_steps >= len(self.ctx._parts.optimizers)
+
+    def _install_data(self) -> None:
+        session = self
+        real_init, real_iter = DataLoader.__init__, DataLoader.__iter__
+
+        def loader_init(loader: DataLoader[Any], *args: Any, **kwargs: Any) -> None:
+            real_init(loader, *args, **kwargs)
+            session.adopt_loader(loader)
+
+        def loader_iter(loader: DataLoader[Any]) -> Any:
+            if loader is session.loader:
+                session.passes += 1
+                return _Pass(session, loader, session.passes - 1)
+            return real_iter(loader)
+
+        self._patch(DataLoader, "__init__", loader_init)
+        self._patch(DataLoader, "__iter__", loader_iter)
+
+    def adopt_loader(self, loader: DataLoader[Any]) -> None:
+        """The first loader over a DistributedSampler is tracked; say why when one cannot be."""
+        sampler = loader.sampler
+        batch_sampler = loader.batch_sampler
+        distributed = isinstance(sampler, DistributedSampler) or isinstance(
+            getattr(batch_sampler, "sampler", None), DistributedSampler
+        )
+        if isinstance(loader.batch_sampler, list):
+            return  # one of ours (the inner loader of a pass)
+        if not distributed:
+            self.other_loaders += 1
+            if self.loader is None:
+                self.warn(
+                    "a DataLoader without a DistributedSampler: transparent mode cannot see or restore its "
+                    "position, so it is not tracked (a replacement would start it from the beginning)"
+                )
+            return
+        if self.loader is not None:
+            self.other_loaders += 1
+            return
+        if batch_sampler is None:
+            self.warn("the DistributedSampler loader has batch_size=None: its position is not tracked")
+            return
+        self.loader = loader
+
+    # ----- the step boundary ---------------------------------------------------------------
+
+    def _close_step(self) -> None:
+        """The step in progress ends here: commit it, or roll it back and recover (a new generation)."""
+        if not self.step_open:
+            return
+        self.step_open = False
+        ctx, step = self.ctx, self.ctx.step
+        if ctx._abandoned:
+            ctx._roll_back(step)
+            ctx._recover(ctx._abandon_reason, error=True)
+            return
+        if self.optimizer_steps == 0:
+            self.steps_without_optimizer += 1
+            if self.first_step_checked and self.steps_without_optimizer == 1:
+                self.warn(
+                    f"step {step} ran no optimizer step (gradient accumulation?): a failure while gradients "
+                    "accumulate over several batches is not protected"
+                )
+        self.check_first_step()
+        self.position.pass_no, self.position.index, self.position.epoch = (
+            self.step_pass,
+            self.step_index + 1,
+            self.step_epoch,
+        )
+        ctx._commit(step)
+        if self.failed_after_update:
+            ctx._first_error_at = ctx._first_error_at or time.time()
+            ctx._recover(self.failed_after_update, error=True)
+
+    def _boundary(self) -> None:
+        """Between two steps: join the first generation, or follow a newer one (as ``ctx.steps`` does)."""
+        ctx = self.ctx
+        if ctx.generation < 0:  # as ctx.steps starts: join, restore a snapshot if one is due, start snapshots
+            ctx._join_loop(after=-1, first=ctx._pending)
+            ctx._maybe_restore()
+            ctx._snapshotter.prepare()
+        while True:
+            channel = ctx._channel
+            if channel.latest_gen > ctx.generation or channel.lost or channel.stopped is not None:
+                ctx._recover(f"generation {channel.latest_gen} announced", error=False)
+                continue
+            return
+
+    def next_batch(self, it: _Pass) -> Any:
+        """``next()`` on the tracked loader: the step boundary (see the module docstring)."""
+        self._close_step()
+        self._boundary()
+        pos = self.position
+        if it.pass_no < pos.pass_no:
+            self.fast_forward = True  # a newcomer behind the received position: this pass is done
+            raise StopIteration
+        if it.pass_no == pos.pass_no:
+            index = pos.index
+            if self.fast_forward and pos.epoch >= 0 and it.epoch != pos.epoch:
+                self.warn(
+                    f"resumed pass {it.pass_no} with sampler epoch {it.epoch}, but the replicas were at epoch "
+                    f"{pos.epoch}: the script's set_epoch does not follow its passes over the loader"
+                )
+        else:
+            index = 0
+        self.fast_forward = False
+        if index >= len(it.batches):
+            raise StopIteration
+        ctx = self.ctx
+        step = ctx.committed_step + 1
+        ctx._begin(step)
+        batch = it.fetch(index, step, ctx.config.seed, ctx.slot)
+        self.step_open, self.step_pass, self.step_index, self.step_epoch = True, it.pass_no, index, it.epoch
+        self.optimizer_steps = 0
+        self.updated = False
+        self.failed_after_update = ""
+        return batch
+
+    def finish(self) -> None:
+        """After the script returned: close the last step and wait until every member finished."""
+        ctx = self.ctx
+        if ctx._closed:
+            return
+        self._close_step()
+        if ctx.generation < 0:
+            raise TorchPassError(
+                "transparent mode: the script ended without iterating a DataLoader over a DistributedSampler; "
+                "nothing was protected (see 'Model-transparent mode' in docs/user-guide.md)"
+            )
+        while not ctx._finish():
+            pass
+        ctx.close()
+
+
+def _tensors_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a collective was given (directly or in a list), which it may write into."""
+    found: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, list | tuple):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+def _internal() -> bool:
+    """Whether the interposer was called by TorchPass itself (which needs the real function), not the script.
+
+    TorchPass's modules call ``dist.init_process_group`` and friends through the same module attributes the
+    interposers replace; the caller's module name tells them apart (two frames up: interposer, caller)."""
+    return str(sys._getframe(2).f_globals.get("__name__", "")).startswith("torchpass.")
+
+
+def _torchrun_environment(ctx: Context) -> None:
+    """What ``torchrun`` would set, so scripts written for it find their rank (init itself is TorchPass's)."""
+    os.environ["RANK"] = str(ctx.slot)
+    os.environ["WORLD_SIZE"] = str(ctx.world_size)
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", ctx.env.host)
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Join the job, install the interposers and run the script as ``__main__``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("usage: python -m torchpass.transparent SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    script, script_args = args[0], args[1:]
+    ctx = init()  # a spare waits here for a slot (and exits 0 if the job ends first)
+    session = Session(ctx)
+    session.install()
+    _torchrun_environment(ctx)
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    session.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
