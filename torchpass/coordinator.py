@@ -664,12 +664,16 @@ class Coordinator(SocketThread):
         self.snapshot_steps = [s for s in self.snapshot_steps if s >= slowest]
         return list(self.snapshot_steps)
 
-    def plan_snapshot(self, reason: str) -> int:
+    def plan_snapshot(self, reason: str) -> int | None:
         """Choose the step every member snapshots after: ahead of the fastest member by what it may run
-        before it hears of it (two heartbeat intervals at its observed pace, plus two steps), and push it."""
+        before it hears of it (two heartbeat intervals at its observed pace, plus two steps), and push it.
+        None while no member's pace is known yet (fewer than two heartbeats with a step): a step planned then
+        could already be behind the members, and a snapshot planned for a passed step never happens."""
         members = [self.workers[w] for w in self.members.values() if w in self.workers]
         newest = max((m.step for m in members), default=-1)
         rate = max((m.rate for m in members), default=0.0)
+        if rate <= 0:
+            return None
         step = max(0, newest) + int(rate * (2 * self.config.heartbeat_interval_s + 0.5)) + 2
         self.snapshot_steps.append(step)
         for wid in self.members.values():
@@ -682,7 +686,15 @@ class Coordinator(SocketThread):
             self._reply_error(ident, msg, f"cannot snapshot now: the job is not training (state {self.state})")
             return
         requester = str(msg.get("requester") or msg.get("wid") or "cli")
-        self._reply(ident, msg["id"], step=self.plan_snapshot(f"requested by {requester}"))
+        step = self.plan_snapshot(f"requested by {requester}")
+        if step is None:
+            self._reply_error(
+                ident,
+                msg,
+                "cannot snapshot yet: the job has just started and its pace is not known; ask again in a few seconds",
+            )
+            return
+        self._reply(ident, msg["id"], step=step)
 
     def _on_departed(self, ident: bytes, msg: dict[str, Any]) -> None:
         self._reply(ident, msg["id"])
@@ -970,7 +982,8 @@ class Coordinator(SocketThread):
         if self._snapshot_due is not None and now >= self._snapshot_due:
             self._snapshot_due = now + self.config.snapshot_interval_s
             if self.state == RUNNING and self._progressed and not self.vacant:
-                self.plan_snapshot("periodic")
+                if self.plan_snapshot("periodic") is None:  # pace not known yet: try again soon
+                    self._snapshot_due = now + self.config.heartbeat_interval_s
         if self._grace is not None and now >= self._grace[1]:
             gen, _ = self._grace
             self._grace = None

@@ -52,12 +52,12 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("snapshot-sandbox")
 
 
-def _submit(box: Sandbox, out: Path, *, snapshot: str) -> tuple[int, dict[str, str]]:
+def _submit(box: Sandbox, out: Path, *, snapshot: str, steps: int = STEPS) -> tuple[int, dict[str, str]]:
     out.mkdir()
     env = dict(
         slurm_env(box),
         CW_TEST_DIR=str(out),
-        CW_TEST_STEPS=str(STEPS),
+        CW_TEST_STEPS=str(steps),
         CW_TEST_STEP_SLEEP=str(STEP_SLEEP_S),
         CLOCKWORK_SNAPSHOT_DIR=str(out / "snapshots"),
         OMP_NUM_THREADS="1",
@@ -140,7 +140,8 @@ def test_requeued_job_resumes_from_its_snapshot_bitwise(box: Sandbox, base: Path
 
 def test_clockwork_snapshot_take(box: Sandbox, base: Path) -> None:
     out = base / "take"
-    job_id, env = _submit(box, out, snapshot="off")
+    steps = 3 * STEPS  # ~36 s of training: the on-demand step is planned well before the end even on a slow start
+    job_id, env = _submit(box, out, snapshot="off", steps=steps)
     deadline = time.monotonic() + 120
     answer = ""
     while time.monotonic() < deadline:
@@ -157,6 +158,7 @@ def test_clockwork_snapshot_take(box: Sandbox, base: Path) -> None:
         time.sleep(0.5)  # the job may still be starting: not a TorchPass job yet, or not training
     assert "every rank snapshots after step" in answer, answer
     step = int(answer.split("after step")[1].split()[0])
+    assert step < steps, f"the snapshot was planned after the job's last step: {answer}"
     _wait_end(box, job_id, out)
     snapdir = out / "snapshots"
     assert step in {i.step for i in list_snapshots(snapdir) if i.complete}

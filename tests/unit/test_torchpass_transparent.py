@@ -388,6 +388,49 @@ def test_planned_migration_with_torchpass_migrate(base: Path, reference: Run) ->
     assert not run.of_kind("torchpass.member_failed")
 
 
+def test_snapshot_then_whole_job_killed_restores_bitwise(base: Path, reference: Run) -> None:
+    """Snapshots in transparent mode: the unmodified script snapshots every 8 steps; once step 15's snapshot
+    is complete the whole job (launcher, ranks, spare, writers) is SIGKILLed; ``--restore latest`` resumes it
+    from that snapshot, mid-epoch, and it ends bitwise equal to the fault-free run."""
+    snapdir = base / "snapshots-transparent"
+    out = base / "snapshot-killed"
+    out.mkdir()
+    cmd = _command(out, SCRIPT)
+    cmd[-1:-1] = ["--set", f"snapshot_dir={snapdir}", "--set", "snapshot_every_steps=8"]
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(out, CW_TEST_STEP_SLEEP="0.1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: the kill below takes the whole job and only it
+    )
+    manifest = snapdir / "step-0000000015" / "manifest.json"
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not manifest.exists():
+            assert proc.poll() is None, proc.communicate()[0][-6000:]
+            assert time.monotonic() < deadline, "no complete snapshot of step 15"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert not (out / "final-slot0.pt").exists(), "the job ended before it was killed"
+
+    out2 = base / "snapshot-restored"
+    out2.mkdir()
+    cmd = _command(out2, SCRIPT)
+    cmd[-1:-1] = ["--set", f"snapshot_dir={snapdir}", "--restore", "latest"]
+    done = subprocess.run(cmd, env=_env(out2), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    run = Run(out2, done.returncode, done.stdout + done.stderr)
+    run.check_ok()
+    restored = [line for line in run.output.splitlines() if " event torchpass.restored " in line]
+    assert len(restored) == NPROC, run.output[-6000:]
+    steps = {json.loads(line.split(" event torchpass.restored ", 1)[1])["step"] for line in restored}
+    assert steps and min(steps) >= 15, restored  # from the snapshot (or a later one), not from the start
+    _assert_same_final_state(run, reference)
+
+
 def test_script_without_distributed_sampler_is_refused_with_a_warning(base: Path) -> None:
     run = _run(base, "no-sampler", spares=0, nproc=2, CW_TEST_VARIANT="no-sampler")
     assert run.returncode != 0, run.output[-4000:]
