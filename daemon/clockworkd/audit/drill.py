@@ -83,11 +83,14 @@ def run_drill(
     LinkPass is still holding down is flap damping at work (each drill is a flap), not a fault.
     """
 
-    def homed(peer: tuple[str, str, int]) -> bool:
+    def steady(peer: tuple[str, str, int]) -> bool:
         states = peer_paths(peer[0])
-        return bool(states) and all(v == "alive" for v in states.values()) and route_device(peer[1], node_ip) == nic
+        return bool(states) and all(v == "alive" for v in states.values())
 
-    name, dst, port = next((p for p in peers if homed(p)), peers[0])
+    def homed(peer: tuple[str, str, int]) -> bool:
+        return steady(peer) and route_device(peer[1], node_ip) == nic
+
+    name, dst, port = next((p for p in peers if homed(p)), next((p for p in peers if steady(p)), peers[0]))
     result: dict[str, Any] = {"nic": nic, "peer": name}
     if _first_reply(node_ip, dst, port, run, 2.0) is None:
         result["error"] = f"the peer {dst} did not answer before the drill (nothing to measure)"

@@ -35,6 +35,9 @@ from clockworkd.jobkey import JobKey
 
 log = logging.getLogger("clockwork.audit")
 
+#: The longest the drills wait for the fabric to settle from the previous drill (LinkPass's hold-down cap).
+SETTLE_S = 30.0
+
 
 class AuditError(ClockworkError):
     """The audit could not run (not: the audit found faults)."""
@@ -274,6 +277,23 @@ class Driver:
     def _healthy_nics(self, node: str) -> bool:
         return all(f.get("operstate") == "up" and f.get("carrier") for f in self._nics(node).values())
 
+    def _wait_settled(self) -> bool:
+        """Wait (bounded by LinkPass's longest hold-down) until every node's LinkPass calls every path alive.
+
+        Each drill is a flap, and LinkPass damps flaps with a hold-down that doubles per flap: a peer whose
+        other path to the drilled node is still held down cannot move the traffic yet, and the drill would
+        time the damping instead of the failover (seen on the sandbox: 1 to 2 s). Drills therefore start
+        on a settled fabric."""
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            answers = self.ask({node: {"op": "linkpass"} for node in self.hello})
+            states = [v for a in answers.values() for rails in (a.get("paths") or {}).values() for v in rails.values()]
+            if states and all(v == "alive" for v in states):
+                return True
+            time.sleep(0.2)
+        log.warning("the fabric did not settle within %.0f s before a drill", SETTLE_S)
+        return False
+
     def _round_drills(self, paths: list[dict[str, Any]]) -> list[dict[str, Any]]:
         replies = {(p["src"], p["dst"]): p.get("replies", 0) for p in paths}
 
@@ -310,6 +330,7 @@ class Driver:
                     "run": next(self._runs),
                     "timeout_s": self.cfg.drill_timeout_s,
                 }
+                self._wait_settled()
                 answer = self.ask({node: req}, self.cfg.step_timeout_s + 3 * self.cfg.drill_timeout_s)[node]
                 answer.pop("id", None)
                 results.append({"node": node, **answer, "nic": nic})

@@ -60,20 +60,26 @@ class Worker:
             return {"paths": measure.mtu_check(targets, req["mtu"], req["tries"], req["run"])}
         if op == "transfer":
             return measure.transfer(measure.Target.from_dict(req["target"]), req["seconds"])
+        if op == "linkpass":  # LinkPass's state of every path of this node (the driver waits for a settled fabric)
+            return {"paths": self.all_paths()}
         if op == "drill":
             peers = [(name, ip, int(port)) for name, ip, port in req["peers"]]
             return drill.run_drill(req["nic"], req["node_ip"], peers, req["run"], req["timeout_s"], self.peer_paths)
         return {"error": f"unknown request {op!r}"}
 
-    def peer_paths(self, peer: str) -> dict[str, str]:
-        """LinkPass's state of each path to ``peer`` (rail -> alive, holddown, dead: ...), from the daemon."""
+    def all_paths(self) -> dict[str, dict[str, str]]:
+        """peer -> rail -> LinkPass's state of that path (alive, holddown, dead: ...); empty if unknown."""
         try:
             with DaemonClient.from_config(self.daemon_cfg, self.node) as client:
                 paths = (client.status().get("linkpass") or {}).get("paths") or {}
         except ClockworkError as exc:
             log.warning("node %s: cannot read LinkPass's paths: %s", self.node, exc)
             return {}
-        return {str(k): str(v) for k, v in (paths.get(peer) or {}).items()}
+        return {str(p): {str(k): str(v) for k, v in (r or {}).items()} for p, r in paths.items()}
+
+    def peer_paths(self, peer: str) -> dict[str, str]:
+        """LinkPass's state of each path to ``peer`` (rail -> state)."""
+        return self.all_paths().get(peer, {})
 
     def close(self) -> None:
         self.echo.close()
