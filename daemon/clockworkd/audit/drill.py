@@ -72,31 +72,34 @@ def run_drill(
     peers: list[tuple[str, str, int]],
     run: int,
     timeout_s: float,
-    peer_paths: Callable[[str], dict[str, str]],
+    linkpass_paths: Callable[[], dict[str, dict[str, str]]],
 ) -> dict[str, Any]:
     """Drill ``nic``: traffic from ``node_ip`` to a peer must survive the NIC going down.
 
     The peer is the first of ``peers`` (name, node address, echo port) whose traffic is homed on ``nic``:
-    routed through it while LinkPass calls every path to that peer alive (``peer_paths(peer)``: rail ->
-    alive, holddown or dead), so the route is its home and the drill moves real traffic that must come
+    routed through it while LinkPass calls every path to that peer alive (``linkpass_paths()``: peer ->
+    rail -> alive, holddown or dead), so the route is its home and the drill moves real traffic that must come
     back. Where there is none, the first peer: the drill then shows the node stays reachable. A fail-back
     LinkPass is still holding down is flap damping at work (each drill is a flap), not a fault.
     """
 
+    paths = linkpass_paths()  # read once: the driver starts each drill on a settled fabric
+
     def steady(peer: tuple[str, str, int]) -> bool:
-        states = peer_paths(peer[0])
+        states = paths.get(peer[0], {})
         return bool(states) and all(v == "alive" for v in states.values())
 
     def homed(peer: tuple[str, str, int]) -> bool:
         return steady(peer) and route_device(peer[1], node_ip) == nic
 
-    name, dst, port = next((p for p in peers if homed(p)), next((p for p in peers if steady(p)), peers[0]))
+    chosen = next((p for p in peers if homed(p)), None) or next((p for p in peers if steady(p)), peers[0])
+    name, dst, port = chosen
     result: dict[str, Any] = {"nic": nic, "peer": name}
     if _first_reply(node_ip, dst, port, run, 2.0) is None:
         result["error"] = f"the peer {dst} did not answer before the drill (nothing to measure)"
         return result
     home = route_device(dst, node_ip)
-    result["homed_here"] = home == nic and all(v == "alive" for v in peer_paths(name).values())
+    result["homed_here"] = home == nic and steady(chosen)
     try:
         _set_link(nic, "down")
         moved = _first_reply(node_ip, dst, port, run, timeout_s)
@@ -114,7 +117,7 @@ def run_drill(
             time.sleep(0.02)
         result["failback_ms"] = None if back is None else back * 1000
         if back is None:
-            result["linkpass_path"] = peer_paths(name).get(nic)
+            result["linkpass_path"] = linkpass_paths().get(name, {}).get(nic)
     # Whatever the routes did, the peer must be reachable once the NIC is up again.
     result["reachable_after"] = _first_reply(node_ip, dst, port, run, 2.0) is not None
     return result

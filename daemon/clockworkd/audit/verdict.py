@@ -73,7 +73,7 @@ def _rails(raw: dict[str, Any]) -> dict[str, list[str]]:
     return rails
 
 
-def _dead_links(raw: dict[str, Any], probes: list[dict[str, Any]], fwd: dict[tuple[str, str], float]) -> dict[str, str]:
+def _dead_links(raw: dict[str, Any], probes: list[dict[str, Any]]) -> dict[str, str]:
     """NIC ids that carry nothing: down by the kernel's word, or silent both ways on every path."""
     dead = {}
     for node, rep in raw["node_reports"].items():
@@ -165,7 +165,7 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
             fwd_loss[(p["src"], p["dst"])] = 100.0 * max(0, attempted - got) / attempted
         if got:
             rev_loss[(p["src"], p["dst"])] = 100.0 * max(0, got - p.get("replies", 0)) / got
-    dead = _dead_links(raw, probes, fwd_loss)
+    dead = _dead_links(raw, probes)
     for nic_id, why in sorted(dead.items()):
         f.add("nic", nic_id, why, **((reports.get(_node_of(nic_id)) or {}).get("nics", {}).get(_nic_of(nic_id)) or {}))
 

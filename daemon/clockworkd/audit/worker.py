@@ -64,7 +64,7 @@ class Worker:
             return {"paths": self.all_paths()}
         if op == "drill":
             peers = [(name, ip, int(port)) for name, ip, port in req["peers"]]
-            return drill.run_drill(req["nic"], req["node_ip"], peers, req["run"], req["timeout_s"], self.peer_paths)
+            return drill.run_drill(req["nic"], req["node_ip"], peers, req["run"], req["timeout_s"], self.all_paths)
         return {"error": f"unknown request {op!r}"}
 
     def all_paths(self) -> dict[str, dict[str, str]]:
@@ -76,10 +76,6 @@ class Worker:
             log.warning("node %s: cannot read LinkPass's paths: %s", self.node, exc)
             return {}
         return {str(p): {str(k): str(v) for k, v in (r or {}).items()} for p, r in paths.items()}
-
-    def peer_paths(self, peer: str) -> dict[str, str]:
-        """LinkPass's state of each path to ``peer`` (rail -> state)."""
-        return self.all_paths().get(peer, {})
 
     def close(self) -> None:
         self.echo.close()
