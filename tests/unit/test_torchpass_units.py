@@ -267,6 +267,9 @@ _BUCKETS_SCRIPT = textwrap.dedent(
         data = ddp._get_ddp_logging_data()
         out[kind] = {"rebuilt": data["has_rebuilt_buckets"], "before": before, "after": data["bucket_sizes"],
                      "unused": ddp.find_unused_parameters}
+    # Default caps: three 1 MiB layers (weights of 262,144 floats) must not share one bucket.
+    big = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 512))
+    out["default_caps"] = TorchPassDDP(big, Guard())._get_ddp_logging_data()["bucket_sizes"]
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
     os._exit(0)  # gloo's threads must not meet the interpreter's teardown (an abort, not a test result)
@@ -290,6 +293,9 @@ def test_ddp_wrapper_keeps_the_construction_time_buckets(tmp_path: Path) -> None
     assert result["torchpass"]["rebuilt"] == 0, result
     assert result["torchpass"]["after"] == result["torchpass"]["before"], result
     assert result["torchpass"]["unused"] is False, result
+    # Cut by size from the start (one bucket for the whole model would leave no overlap with backward).
+    assert len(result["torchpass"]["before"].split(",")) > 1, result
+    assert len(result["default_caps"].split(",")) > 1, result  # DDP logs the sizes as "s1, s2, ..."
 
 
 def test_example_script_trains_alone() -> None:
