@@ -111,7 +111,7 @@ def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     if not ctx._collective_allowed():
         return _completed(buffer)
-    buffer.div_(ctx.world_size)
+    world = ctx.world_size
     try:
         work = dist.all_reduce(buffer, async_op=True)
     except Exception as exc:
@@ -124,7 +124,11 @@ def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Fu
             future.value()
         except Exception as exc:  # runs on a backend thread: record, never raise into backward()
             ctx._abandon_step(exc)
-        return buffer
+            return buffer
+        # Averaged here, on the backend's thread once the sum is in, not before the launch: DDP without a hook
+        # folds the division into its gradient copy, a hook cannot, and a division on the autograd thread
+        # would add a pass over every bucket to the backward pass's critical path.
+        return buffer.div_(world)
 
     return work.get_future().then(finish)
 

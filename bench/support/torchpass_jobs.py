@@ -93,9 +93,15 @@ def ddp_rank(
 
 
 def torchpass_job(
-    args: argparse.Namespace, out: Path, spares: int, extra: list[str] | None = None, respawn: bool = True
+    args: argparse.Namespace,
+    out: Path,
+    spares: int,
+    extra: list[str] | None = None,
+    respawn: bool = True,
+    mode: str = "torchpass",
 ) -> subprocess.Popen[bytes]:
-    """``torchpass run --local`` of the workload (``respawn`` False: no new spare when one takes a slot)."""
+    """``torchpass run --local`` of the workload in ``mode`` (``respawn`` False: no new spare when one takes a
+    slot)."""
     cmd = [
         sys.executable,
         "-m",
@@ -110,7 +116,7 @@ def torchpass_job(
         "--events",
         str(out / "events.jsonl"),
         str(WORKLOAD),
-        "torchpass",
+        mode,
         *workload_args(args, out, extra),
     ]
     return spawn(cmd, base_env(), out / "torchpass.err")

@@ -10,6 +10,8 @@ the three systems train exactly the same model on exactly the same batches:
   (``torch.save`` to a temporary file, then an atomic rename);
 * ``torchpass``: the same loop under ``torchpass run --local`` (``tp.init``, ``wrap_model``, ``wrap_optimizer``,
   ``ctx.steps``);
+* ``interleaved``: plain DDP and TorchPass alternating in the same ranks under ``torchpass run --local``
+  (``bench/torchpass_overhead.py``'s low-noise figure; see :func:`train_interleaved`);
 * ``torchft``: one TorchFT replica group of one process (``torchft.Manager`` with a ``ProcessGroupGloo``,
   ``torchft.DistributedDataParallel`` and ``OptimizerWrapper``; ``REPLICA_ID``/``NUM_REPLICAS``/
   ``TORCHFT_LIGHTHOUSE`` from the launcher), its own TCPStore.
@@ -182,6 +184,52 @@ def train_torchpass(args: argparse.Namespace) -> None:
     ctx.close()
 
 
+def train_interleaved(args: argparse.Namespace) -> None:
+    """Plain DDP and TorchPass in the same ranks, alternating every ``--segment`` steps (one ``torchpass run``).
+
+    Two identical models: one wrapped by TorchPass and trained through ``ctx.steps``, one in plain DDP over the
+    same gloo group. At every segment boundary, inside TorchPass's step, the ranks meet at a barrier and train
+    the DDP model for a segment of the same steps' batches; then TorchPass's next segment is timed. A slow
+    phase of a shared machine lasts seconds and so hits both forms alike: the per-segment ratio is far less
+    noisy than two separate jobs' steps/s. Rank 0 writes ``interleaved.json``: every segment's seconds per
+    form (the first pair, the warm-up, excluded)."""
+    import torchpass as tp
+
+    seg = args.segment
+    ddp_model, tp_model = make_model(args.hidden, args.layers), make_model(args.hidden, args.layers)
+    ctx = tp.init()
+    tp_ddp = ctx.wrap_model(tp_model)
+    tp_opt = ctx.wrap_optimizer(torch.optim.AdamW(tp_model.parameters(), lr=1e-3))
+    ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
+    plain: nn.parallel.DistributedDataParallel | None = None
+    times: dict[str, list[float]] = {"ddp": [], "torchpass": []}
+    started: float | None = None
+    for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), args.steps - args.steps % seg):
+        if step % seg == 0:
+            if started is not None:
+                times["torchpass"].append(time.perf_counter() - started)
+            plain = plain or nn.parallel.DistributedDataParallel(ddp_model)  # over TorchPass's current group
+            dist.barrier()
+            t0 = time.perf_counter()
+            for s in range(step, step + seg):
+                xa, ya = batch(s, ctx.slot, args.batch)
+                nn.functional.mse_loss(plain(xa), ya).backward()
+                ddp_opt.step()
+                ddp_opt.zero_grad()
+            times["ddp"].append(time.perf_counter() - t0)
+            dist.barrier()
+            started = time.perf_counter()
+        nn.functional.mse_loss(tp_ddp(x), y).backward()
+        tp_opt.step()
+        tp_opt.zero_grad()
+    if started is not None:
+        times["torchpass"].append(time.perf_counter() - started)
+    if ctx.slot == 0:
+        result = {"segment": seg, "ddp": times["ddp"][1:], "torchpass": times["torchpass"][1:]}
+        (Path(args.out) / "interleaved.json").write_text(json.dumps(result))
+    ctx.close()
+
+
 def train_torchft(args: argparse.Namespace) -> None:
     from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
@@ -236,7 +284,7 @@ def train_torchft(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("ddp", "torchpass", "torchft"))
+    parser.add_argument("mode", choices=("ddp", "torchpass", "torchft", "interleaved"))
     parser.add_argument("--out", required=True, help="folder for the step logs and results")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20, help="steps excluded from the timing")
@@ -251,9 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wait-spares", type=int, default=0, help="torchpass: start training once this many spares are ready"
     )
+    parser.add_argument("--segment", type=int, default=20, help="interleaved: steps per segment of each form")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    {"ddp": train_ddp, "torchpass": train_torchpass, "torchft": train_torchft}[args.mode](args)
+    modes = {"ddp": train_ddp, "torchpass": train_torchpass, "torchft": train_torchft, "interleaved": train_interleaved}
+    modes[args.mode](args)
     return 0
 
 
