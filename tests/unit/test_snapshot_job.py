@@ -43,6 +43,13 @@ def _rank_main() -> int:
     kill_at = int(os.environ.get("CW_TEST_KILL_AT", "-1"))
     wait_for = os.environ.get("CW_TEST_WAIT_FOR", "")
     sleep_s = float(os.environ.get("CW_TEST_STEP_SLEEP", "0"))
+    pause_at, _, pause_for = os.environ.get("CW_TEST_PAUSE", "-1:").partition(":")  # "STEP:FILE"
+
+    def wait(path: str) -> None:
+        deadline = time.monotonic() + 60
+        while path and not Path(path).exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     ctx = tp.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1))
@@ -62,10 +69,10 @@ def _rank_main() -> int:
         sched.step()
         if sleep_s:
             time.sleep(sleep_s)
+        if step == int(pause_at) and ctx.slot == 0:
+            wait(pause_for)  # the other slot waits in the next step's all-reduce
         if step == kill_at and ctx.slot == 0:
-            deadline = time.monotonic() + 60
-            while wait_for and not Path(wait_for).exists() and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait(wait_for)
             os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job: launcher, ranks, writers
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
@@ -160,10 +167,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run snapshotting every 8 steps (after steps 7 and 15), killed whole at step 19 once step 15's
-    snapshot exists; returns its snapshot directory."""
+    snapshot exists; returns its snapshot directory. Step 14 waits for step 7's snapshot: on a loaded machine
+    the writers could still be busy at step 15, which skips that snapshot (by design: training never waits)."""
     out = tmp_path_factory.mktemp("killed")
     snapdir = out / "snapshots"
-    env = {"CW_TEST_KILL_AT": "19", "CW_TEST_WAIT_FOR": str(snapdir / "step-0000000015" / "manifest.json")}
+    env = {
+        "CW_TEST_KILL_AT": "19",
+        "CW_TEST_WAIT_FOR": str(snapdir / "step-0000000015" / "manifest.json"),
+        "CW_TEST_PAUSE": f"14:{snapdir / 'step-0000000007' / 'manifest.json'}",
+    }
     proc = _launch(out, snapdir, "--set", "snapshot_every_steps=8", env=env)
     assert proc.returncode == -signal.SIGKILL, _log(out)
     assert not (out / "final-0.json").exists()  # it really died before the end
