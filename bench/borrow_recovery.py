@@ -26,29 +26,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clockworkd.config.schema import SandboxConfig
+from support import sandbox_recovery as recovery
+
 from clockworkd.sandbox.cluster import Sandbox
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKLOAD = ROOT / "bench" / "support" / "torchpass_workload.py"
 NODES = 5
-
-
-def _events(out: Path) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    for path in out.glob("events-*.jsonl"):
-        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return events
 
 
 def _low_job(box: Sandbox, env: dict[str, str], out: Path) -> int:
@@ -70,54 +59,28 @@ def _low_job(box: Sandbox, env: dict[str, str], out: Path) -> int:
 def one_run(box: Sandbox, out: Path, args: argparse.Namespace, kind: str) -> dict[str, Any]:
     """Submit the job (kind 'standby' or 'borrow'), crash rank 1's node at the chosen step, wait; the figures."""
     out.mkdir()
-    env = dict(box.slurm_env(), OMP_NUM_THREADS="1", CLOCKWORK_CONFIG=str(box.paths.clockwork_toml))
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
-    workload = f"{WORKLOAD} torchpass --out {out} --steps {args.steps} --warmup 0 --hidden {args.hidden}"
-    command = (
-        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl {workload} "
-        f"--node-crash-step {args.crash_step}"
-    )
+    env = recovery.job_env(box)
+    command = recovery.crash_command(out, args)
     low = _low_job(box, env, out / "low.out") if kind == "borrow" else 0
     if kind == "borrow":
         options = ["-N4", "-w", "node[1-4]", "-p", "high", "--clockwork-spares=borrow"]
     else:
         options = [f"-N{NODES}", "--clockwork-spares=standby"]
     options += ["--no-kill", "--clockwork-ft", f"--output={out}/job.out"]
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", *options, f"--wrap={command}"], env=env, capture_output=True, text=True, check=True
-    )
-    job_id = int(submitted.stdout.strip().split(";")[0])
-    slurm = box.slurm()
-    crashed, t_fault = "", 0.0
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        request = out / "crash-request"
-        if not crashed and request.exists() and request.read_text().strip():
-            crashed = request.read_text().split()[0]
-            t_fault = time.time()
-            box.crash_node(crashed)
-        info = slurm.job(job_id)
-        if info is None or info.finished or (crashed and "COMPLETING" in info.state):
-            break
-        time.sleep(0.02)
-    if crashed:
-        box.restore_node(crashed)
-    while (info := slurm.job(job_id)) is not None and not info.finished and time.monotonic() < deadline:
-        time.sleep(0.3)
+    job_id = recovery.submit(options, command, env)
+    t_fault = recovery.crash_and_wait(box, out, job_id)
     if low:
-        slurm.cancel(low)
+        box.slurm().cancel(low)
     return figures_of(out, t_fault, args.crash_step, kind)
 
 
 def figures_of(out: Path, t_fault: float, crash_step: int, kind: str) -> dict[str, float]:
-    events = _events(out)
+    events = recovery.read_events(out)
     recovered = [e["fields"] for e in events if e["kind"] == "torchpass.recovered"]
     borrowed = [e["fields"] for e in events if e["kind"] == "torchpass.borrowed"]
-    starts = []
-    for path in out.glob("steps-*.log"):
-        starts += [float(t) for s, t in (line.split() for line in path.read_text().splitlines()) if int(s) > crash_step]
+    starts = recovery.starts_after(out, crash_step)
     if not t_fault or not recovered or not starts or (kind == "borrow" and not borrowed):
-        tail = (out / "job.out").read_text()[-3000:] if (out / "job.out").exists() else "(no job output)"
+        tail = recovery.job_tail(out)
         raise SystemExit(
             f"{kind} run in {out} did not recover (fault at {t_fault}, {len(recovered)} recoveries):\n{tail}"
         )
@@ -142,29 +105,19 @@ def figures_of(out: Path, t_fault: float, crash_step: int, kind: str) -> dict[st
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5, help="runs of each kind (default 5; medians are reported)")
-    parser.add_argument("--steps", type=int, default=80, help="steps per job (default 80)")
-    parser.add_argument("--crash-step", type=int, default=40, help="the step at which the node crashes (default 40)")
-    parser.add_argument("--hidden", type=int, default=256, help="MLP width (default 256)")
-    parser.add_argument("--quick", action="store_true", help="one run of each kind, shorter jobs (about a minute)")
-    args = parser.parse_args()
-    if args.quick:
-        args.runs, args.steps, args.crash_step = 1, 40, 20
-    if os.geteuid() != 0:
-        print("bench/borrow_recovery.py needs root (it builds the sandbox cluster)", file=sys.stderr)
+    args = recovery.parse_args(
+        __doc__,
+        runs_help="runs of each kind (default 5; medians are reported)",
+        quick_help="one run of each kind, shorter jobs (about a minute)",
+    )
+    if recovery.lacks_root("bench/borrow_recovery.py"):
         return 2
     rows: dict[str, list[dict[str, float]]] = {"standby": [], "borrow": []}
-    with tempfile.TemporaryDirectory(prefix="cw-bench-") as tmp:
-        box = Sandbox(replace(SandboxConfig(), nodes=NODES, accounting=True, state_dir=str(Path(tmp) / "state")))
-        box.up()
-        try:
-            for k in range(args.runs):
-                for kind in ("standby", "borrow"):  # interleaved: both see the same machine load
-                    rows[kind].append(one_run(box, Path(tmp) / f"{kind}{k}", args, kind))
-                    print(f"{kind} run {k}: " + " ".join(f"{a} {v:.3f}" for a, v in rows[kind][-1].items()), flush=True)
-        finally:
-            box.down()
+    with recovery.running_sandbox(nodes=NODES, accounting=True) as (work, box):
+        for k in range(args.runs):
+            for kind in ("standby", "borrow"):  # interleaved: both see the same machine load
+                rows[kind].append(one_run(box, work / f"{kind}{k}", args, kind))
+                print(f"{kind} run {k}: " + " ".join(f"{a} {v:.3f}" for a, v in rows[kind][-1].items()), flush=True)
     med = {kind: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for kind, rs in rows.items()}
     s, b = med["standby"], med["borrow"]
     print(f"\nnode crash at step {args.crash_step}, 4 ranks on the sandbox, median of {args.runs} run(s) each")

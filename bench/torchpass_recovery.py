@@ -20,21 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clockworkd.config.schema import SandboxConfig
+from support import sandbox_recovery as recovery
+
 from clockworkd.sandbox.cluster import Sandbox
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKLOAD = ROOT / "bench" / "support" / "torchpass_workload.py"
 GOAL_S = 10.0
 NODES = 5
 SPLIT = ("detect_ms", "spare_ready_ms", "transfer_ms", "rebuild_ms", "total_ms")
@@ -43,48 +37,20 @@ SPLIT = ("detect_ms", "spare_ready_ms", "transfer_ms", "rebuild_ms", "total_ms")
 def one_run(box: Sandbox, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Submit the job, crash rank 1's node at the chosen step, wait for the end; the run's figures."""
     out.mkdir()
-    env = dict(box.slurm_env(), OMP_NUM_THREADS="1", CLOCKWORK_CONFIG=str(box.paths.clockwork_toml))
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
-    workload = f"{WORKLOAD} torchpass --out {out} --steps {args.steps} --warmup 0 --hidden {args.hidden}"
-    command = (
-        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl {workload} "
-        f"--node-crash-step {args.crash_step}"
-    )
+    env = recovery.job_env(box)
+    command = recovery.crash_command(out, args)
     options = [f"-N{NODES}", "--no-kill", "--clockwork-ft", "--clockwork-spares=standby", f"--output={out}/job.out"]
-    submitted = subprocess.run(
-        ["sbatch", "--parsable", *options, f"--wrap={command}"], env=env, capture_output=True, text=True, check=True
-    )
-    job_id = int(submitted.stdout.strip().split(";")[0])
-    slurm = box.slurm()
-    crashed, t_fault = "", 0.0
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        request = out / "crash-request"
-        if not crashed and request.exists() and request.read_text().strip():
-            crashed = request.read_text().split()[0]
-            t_fault = time.time()
-            box.crash_node(crashed)
-        info = slurm.job(job_id)
-        if info is None or info.finished or (crashed and "COMPLETING" in info.state):
-            break
-        time.sleep(0.02)
-    if crashed:
-        box.restore_node(crashed)
-    while (info := slurm.job(job_id)) is not None and not info.finished and time.monotonic() < deadline:
-        time.sleep(0.3)
+    job_id = recovery.submit(options, command, env)
+    t_fault = recovery.crash_and_wait(box, out, job_id)
     return figures_of(out, t_fault, args.crash_step)
 
 
 def figures_of(out: Path, t_fault: float, crash_step: int) -> dict[str, Any]:
-    events = []
-    for path in out.glob("events-*.jsonl"):
-        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    events = recovery.read_events(out)
     recovered = [e["fields"] for e in events if e["kind"] == "torchpass.recovered"]
-    starts = []
-    for path in out.glob("steps-*.log"):
-        starts += [float(t) for s, t in (line.split() for line in path.read_text().splitlines()) if int(s) > crash_step]
+    starts = recovery.starts_after(out, crash_step)
     if not t_fault or not recovered or not starts:
-        tail = (out / "job.out").read_text()[-3000:] if (out / "job.out").exists() else "(no job output)"
+        tail = recovery.job_tail(out)
         raise SystemExit(f"run in {out} did not recover (fault at {t_fault}, {len(recovered)} recoveries):\n{tail}")
     fields = recovered[0]
     row = {key: float(fields[key]) for key in SPLIT}
@@ -93,28 +59,18 @@ def figures_of(out: Path, t_fault: float, crash_step: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5, help="runs (default 5; the medians are reported)")
-    parser.add_argument("--steps", type=int, default=80, help="steps per job (default 80)")
-    parser.add_argument("--crash-step", type=int, default=40, help="the step at which the node crashes (default 40)")
-    parser.add_argument("--hidden", type=int, default=256, help="MLP width (default 256)")
-    parser.add_argument("--quick", action="store_true", help="one run of a shorter job (under a minute)")
-    args = parser.parse_args()
-    if args.quick:
-        args.runs, args.steps, args.crash_step = 1, 40, 20
-    if os.geteuid() != 0:
-        print("bench/torchpass_recovery.py needs root (it builds the sandbox cluster)", file=sys.stderr)
+    args = recovery.parse_args(
+        __doc__,
+        runs_help="runs (default 5; the medians are reported)",
+        quick_help="one run of a shorter job (under a minute)",
+    )
+    if recovery.lacks_root("bench/torchpass_recovery.py"):
         return 2
     rows = []
-    with tempfile.TemporaryDirectory(prefix="cw-bench-") as tmp:
-        box = Sandbox(replace(SandboxConfig(), nodes=NODES, accounting=False, state_dir=str(Path(tmp) / "state")))
-        box.up()
-        try:
-            for k in range(args.runs):
-                rows.append(one_run(box, Path(tmp) / f"run{k}", args))
-                print(f"run {k}: " + " ".join(f"{key} {value:.3f}" for key, value in rows[-1].items()), flush=True)
-        finally:
-            box.down()
+    with recovery.running_sandbox(nodes=NODES, accounting=False) as (work, box):
+        for k in range(args.runs):
+            rows.append(one_run(box, work / f"run{k}", args))
+            print(f"run {k}: " + " ".join(f"{key} {value:.3f}" for key, value in rows[-1].items()), flush=True)
     med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     print(f"\nnode crash at step {args.crash_step} of a 4-rank TorchPass job on the sandbox, median of {len(rows)}")
     print(f"  detection        {med['detect_ms']:8.0f} ms   (from its last heartbeat to counted lost)")

@@ -32,6 +32,7 @@ import pytest
 from clockworkd.client import DaemonClient
 from clockworkd.errors import DaemonError
 from clockworkd.sandbox.cluster import Sandbox
+from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, wait_job
 from tests.unit import test_torchpass_oracle as oracle
 
@@ -50,10 +51,7 @@ CRASHED_SLOT, CRASHED_NODE = 1, "node3"
 
 @pytest.fixture(scope="module")
 def box(sandbox_manager: SandboxManager) -> Sandbox:
-    sandbox = sandbox_manager.ensure_up(nodes=NODES, accounting=True)
-    sandbox.clear_faults()
-    print(f"fault seed {SEED} (CW_TEST_SEED={SEED} replays it)")
-    return sandbox
+    return jobs.faults_box(sandbox_manager, nodes=NODES, accounting=True, seed=SEED, replays="it")
 
 
 @pytest.fixture(scope="module")
@@ -97,30 +95,12 @@ def _low_job(box: Sandbox, out: Path) -> int:
     return job_id
 
 
-def _events(out: Path) -> list[dict[str, object]]:
-    events = []
-    for path in sorted(out.glob("events-*.jsonl")):
-        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted(events, key=lambda e: float(str(e.get("time", 0))))
-
-
 def _train(box: Sandbox, base: Path, name: str, *, kill: str = "", during: object = None) -> tuple[int, oracle.Run]:
     """Run the 4-node borrow training job; crash the node its rank asks for; ``during(job_id)`` once it runs."""
     out = base / name
     out.mkdir()
-    env = dict(
-        slurm_env(box),
-        CW_TEST_DIR=str(out),
-        CW_TEST_KILL=kill,
-        CW_TEST_STEPS=str(STEPS),
-        CW_TEST_STEP_SLEEP=str(STEP_SLEEP_S),
-        OMP_NUM_THREADS="1",
-        CLOCKWORK_CONFIG=str(box.paths.clockwork_toml),
-    )
-    command = (
-        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl --set collective_timeout_s=20 "
-        f"{oracle.SCRIPT}"
-    )
+    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS))
+    command = jobs.torchpass_command(out, oracle.SCRIPT)
     job_id = _sbatch(
         box,
         f"-N{NPROC}",
@@ -136,31 +116,16 @@ def _train(box: Sandbox, base: Path, name: str, *, kill: str = "", during: objec
         env=env,
     )
     slurm = box.slurm()
-    crashed: list[str] = []
-    handled: set[str] = set()
     called = during is None
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    info = slurm.job(job_id)
-    while time.monotonic() < deadline:
-        for request in sorted(out.glob("crash-request-*")):
-            if request.name not in handled:
-                handled.add(request.name)
-                node = request.read_text().split()[0]
-                box.crash_node(node)  # what `clockwork sandbox fault node NODE crash` does
-                crashed.append(node)
-        if not called and any(e["kind"] == "torchpass.borrowed" for e in _events(out)):
+
+    def once_borrowed() -> None:
+        nonlocal called
+        if not called and any(e["kind"] == "torchpass.borrowed" for e in jobs.job_events(out)):
             called = True
             during(job_id)  # type: ignore[operator]
-        info = slurm.job(job_id)
-        if info is not None and (info.finished or (crashed and "COMPLETING" in info.state)):
-            break
-        time.sleep(0.05)
-    for node in crashed:
-        box.restore_node(node)
-    output = (out / "job.out").read_text() if (out / "job.out").exists() else ""
-    assert info is not None and (info.finished or "COMPLETING" in info.state), f"job {job_id}: {info}\n{output[-6000:]}"
-    returncode = int(info.exit_code.split(":")[0]) if info.exit_code else -1
-    run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}", _events(out))
+
+    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S, once_borrowed)
+    run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}", jobs.job_events(out))
     _wait(lambda: (lambda i: i is None or i.finished)(slurm.job(job_id)), f"job {job_id} to end", 90)
     return job_id, run
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from clockworkd.client import DaemonClient
 from clockworkd.sandbox.cluster import Sandbox
+from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import CLOCKWORK, daemon_paths, slurm_env
 from tests.integration.test_torchpass_sandbox import (
     JOB_TIMEOUT_S,
@@ -33,8 +34,6 @@ from tests.integration.test_torchpass_sandbox import (
     STEPS,
     _check,
     _committed,
-    _events,
-    _wait_gone,
     base,
     box,
     reference,
@@ -108,8 +107,8 @@ def _run_with_hot_gpu(box: Sandbox, base: Path, name: str, fault_step: int) -> t
     output = (out / "job.out").read_text() if (out / "job.out").exists() else ""
     assert info is not None and info.finished, f"job {job_id}: {info}\n{output[-6000:]}"
     returncode = int(info.exit_code.split(":")[0]) if info.exit_code else -1
-    run = oracle.Run(out, returncode, f"{output}\nheated: {heated}", _events(out))
-    _wait_gone(box, job_id)
+    run = oracle.Run(out, returncode, f"{output}\nheated: {heated}", jobs.job_events(out))
+    jobs.wait_gone(box, job_id)
     return run, job_id, gpus
 
 

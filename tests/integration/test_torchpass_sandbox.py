@@ -18,19 +18,18 @@ the fault-free run's, and every slot's journal shows each step committed exactly
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from clockworkd.sandbox.cluster import Sandbox
-from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
+from tests.integration import sandbox_jobs as jobs
+from tests.integration.conftest import SandboxManager
 from tests.unit import test_torchpass_oracle as oracle
+from tests.unit.local_jobs import assert_bitwise_equal
 
 NODES = 5
 NPROC = 4
@@ -49,22 +48,12 @@ def _fault(rng: random.Random, first: int = 8, last: int = 40, phases: tuple[str
 
 @pytest.fixture(scope="module")
 def box(sandbox_manager: SandboxManager) -> Sandbox:
-    sandbox = sandbox_manager.ensure_up(nodes=NODES, accounting=False)
-    sandbox.clear_faults()
-    print(f"fault seed {SEED} (CW_TEST_SEED={SEED} replays these faults)")
-    return sandbox
+    return jobs.faults_box(sandbox_manager, nodes=NODES, accounting=False, seed=SEED, replays="these faults")
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("torchpass-sandbox")
-
-
-def _events(out: Path) -> list[dict[str, object]]:
-    events = []
-    for path in sorted(out.glob("events-*.jsonl")):
-        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return sorted(events, key=lambda e: float(str(e.get("time", 0))))
 
 
 def _committed(out: Path, slot: int) -> int:
@@ -77,77 +66,21 @@ def _run(box: Sandbox, base: Path, name: str, *, kill: str = "", migrate: tuple[
     """Submit the job, crash the nodes its ranks ask for, migrate when asked, wait for its end."""
     out = base / name
     out.mkdir()
-    env = dict(
-        slurm_env(box),
-        CW_TEST_DIR=str(out),
-        CW_TEST_KILL=kill,
-        CW_TEST_STEPS=str(STEPS),
-        CW_TEST_STEP_SLEEP=str(STEP_SLEEP_S),
-        OMP_NUM_THREADS="1",
-        CLOCKWORK_CONFIG=str(box.paths.clockwork_toml),  # what `eval "$(clockwork sandbox env)"` sets
-    )
-    command = (
-        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl --set collective_timeout_s=20 "
-        f"{oracle.SCRIPT}"
-    )
+    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS))
+    command = jobs.torchpass_command(out, oracle.SCRIPT)
     options = [f"-N{NODES}", "--no-kill", "--clockwork-ft", "--clockwork-spares=standby", f"--output={out}/job.out"]
-    submit = subprocess.run(
-        ["sbatch", "--parsable", *options, f"--wrap={command}"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    job_id = int(submit.stdout.strip().split(";")[0])
-    slurm = box.slurm()
-    crashed: list[str] = []
-    handled: set[str] = set()
+    job_id = jobs.submit(options, command, env)
     migrated = ""
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    info = slurm.job(job_id)
-    while time.monotonic() < deadline:
-        for request in sorted(out.glob("crash-request-*")):
-            if request.name not in handled:
-                handled.add(request.name)
-                node = request.read_text().split()[0]
-                box.crash_node(node)
-                crashed.append(node)
+
+    def migrate_when_due() -> None:
+        nonlocal migrated
         if migrate is not None and not migrated and _committed(out, 0) >= migrate[1]:
-            proc = subprocess.run(  # on one of the job's nodes, as on a real cluster
-                box.exec_argv("node2", [CLOCKWORK, "migrate", str(job_id), "--rank", str(migrate[0])]),
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            migrated = f"rc {proc.returncode}: {proc.stdout}{proc.stderr}"
-            assert proc.returncode == 0, migrated
-        info = slurm.job(job_id)
-        # A crashed node keeps its job COMPLETING until Slurm hears from it again: bring it back at the end.
-        if info is not None and (info.finished or (crashed and "COMPLETING" in info.state)):
-            break
-        time.sleep(0.05)
-    for node in crashed:
-        box.restore_node(node)
-    output = (out / "job.out").read_text() if (out / "job.out").exists() else ""
-    assert info is not None and (info.finished or "COMPLETING" in info.state), f"job {job_id}: {info}\n{output[-6000:]}"
-    returncode = int(info.exit_code.split(":")[0]) if info.exit_code else -1
-    run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}\nmigrate: {migrated}", _events(out))
-    _wait_gone(box, job_id)
+            migrated = jobs.clockwork_migrate(box, job_id, migrate[0], env)
+
+    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S, migrate_when_due)
+    run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}\nmigrate: {migrated}", jobs.job_events(out))
+    jobs.wait_gone(box, job_id)
     return run
-
-
-def _wait_gone(box: Sandbox, job_id: int, timeout_s: float = 60) -> None:
-    """The next job needs every node: wait until this one has left them (a restored node reports in)."""
-    slurm = box.slurm()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        info = slurm.job(job_id)
-        if info is None or info.finished:
-            if all("IDLE" in node.state[:1] for node in slurm.nodes()):
-                return
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} still holds nodes: {slurm.job(job_id)} {slurm.nodes()}")
 
 
 def _check(run: oracle.Run, reference: oracle.Run) -> dict[int, list[tuple[str, int, int, int]]]:
@@ -168,7 +101,7 @@ def test_fault_free_job_is_consistent(reference: oracle.Run) -> None:
     assert not reference.of_kind("torchpass.recovered")
     expected = oracle._final(reference, 0)
     for slot in range(1, NPROC):
-        oracle._assert_bitwise_equal(oracle._final(reference, slot), expected, f"slot {slot}")
+        assert_bitwise_equal(oracle._final(reference, slot), expected, f"slot {slot}")
 
 
 @pytest.mark.parametrize("slot", [2, 0], ids=["rank", "rank0"])

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from clockworkd.sandbox.cluster import Sandbox
-from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
-from tests.integration.test_torchpass_sandbox import _events, _wait_gone
+from tests.integration import sandbox_jobs as jobs
+from tests.integration.conftest import SandboxManager
 from tests.unit import test_torchpass_transparent as transparent
 
 NODES = 5
@@ -42,10 +40,7 @@ CRASH_PHASES = ("crashnode", "crashnode-backward", "crashnode-optimizer")
 
 @pytest.fixture(scope="module")
 def box(sandbox_manager: SandboxManager) -> Sandbox:
-    sandbox = sandbox_manager.ensure_up(nodes=NODES, accounting=False)
-    sandbox.clear_faults()
-    print(f"fault seed {SEED} (CW_TEST_SEED={SEED} replays these faults)")
-    return sandbox
+    return jobs.faults_box(sandbox_manager, nodes=NODES, accounting=False, seed=SEED, replays="these faults")
 
 
 @pytest.fixture(scope="module")
@@ -57,19 +52,9 @@ def _run(box: Sandbox, base: Path, name: str, *, kill: str = "", migrate: int | 
     """Submit the job, crash the nodes its ranks ask for, migrate rank ``migrate`` mid-job, wait for its end."""
     out = base / name
     out.mkdir()
-    env = dict(
-        slurm_env(box),
-        CW_TEST_DIR=str(out),
-        CW_TEST_KILL=kill,
-        CW_TEST_STEP_FILE="0:6" if migrate is not None else "",
-        CW_TEST_STEP_SLEEP=str(STEP_SLEEP_S),
-        OMP_NUM_THREADS="1",
-        CLOCKWORK_CONFIG=str(box.paths.clockwork_toml),
-    )
-    command = (
-        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl --set collective_timeout_s=20 "
-        f"{transparent.SCRIPT}"
-    )
+    step_file = "0:6" if migrate is not None else ""
+    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEP_FILE=step_file)
+    command = jobs.torchpass_command(out, transparent.SCRIPT)
     options = [
         f"-N{NODES}",
         "--no-kill",
@@ -77,45 +62,18 @@ def _run(box: Sandbox, base: Path, name: str, *, kill: str = "", migrate: int | 
         "--clockwork-spares=standby",
         f"--output={out}/job.out",
     ]
-    submit = subprocess.run(
-        ["sbatch", "--parsable", *options, f"--wrap={command}"], env=env, capture_output=True, text=True, check=True
-    )
-    job_id = int(submit.stdout.strip().split(";")[0])
-    slurm = box.slurm()
-    crashed: list[str] = []
-    handled: set[str] = set()
+    job_id = jobs.submit(options, command, env)
     migrated = ""
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    info = slurm.job(job_id)
-    while time.monotonic() < deadline:
-        for request in sorted(out.glob("crash-request-*")):
-            if request.name not in handled:
-                handled.add(request.name)
-                node = request.read_text().split()[0]
-                box.crash_node(node)
-                crashed.append(node)
+
+    def migrate_when_due() -> None:
+        nonlocal migrated
         if migrate is not None and not migrated and (out / "at-step").exists():
-            proc = subprocess.run(
-                box.exec_argv("node2", [CLOCKWORK, "migrate", str(job_id), "--rank", str(migrate)]),
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            migrated = f"rc {proc.returncode}: {proc.stdout}{proc.stderr}"
-            assert proc.returncode == 0, migrated
-        info = slurm.job(job_id)
-        if info is not None and (info.finished or (crashed and "COMPLETING" in info.state)):
-            break
-        time.sleep(0.05)
-    for node in crashed:
-        box.restore_node(node)
-    output = (out / "job.out").read_text() if (out / "job.out").exists() else ""
-    assert info is not None and (info.finished or "COMPLETING" in info.state), f"job {job_id}: {info}\n{output[-6000:]}"
-    returncode = int(info.exit_code.split(":")[0]) if info.exit_code else -1
+            migrated = jobs.clockwork_migrate(box, job_id, migrate, env)
+
+    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S, migrate_when_due)
     run = transparent.Run(out, returncode, f"{output}\ncrashed: {crashed}\nmigrate: {migrated}")
-    run.events = _events(out)
-    _wait_gone(box, job_id)
+    run.events = jobs.job_events(out)
+    jobs.wait_gone(box, job_id)
     return run
 
 

@@ -173,21 +173,18 @@ if __name__ == "__main__":
 # The tests (run by pytest in the parent process)
 # ======================================================================================================
 
+# After the rank script: its processes must not need ``tests`` importable.
+from tests.unit.local_jobs import JobResult, assert_bitwise_equal, load_final, local_command  # noqa: E402
+
 
 @dataclass
-class Run:
+class Run(JobResult):
     """One finished job: its folder, launcher exit status and output, and the coordinator's events."""
 
     out: Path
     returncode: int
     output: str
     events: list[dict[str, Any]]
-
-    def check_ok(self) -> None:
-        assert self.returncode == 0, f"launcher exit {self.returncode}\n{self.output[-6000:]}"
-
-    def of_kind(self, kind: str) -> list[dict[str, Any]]:
-        return [e["fields"] for e in self.events if e["kind"] == kind]
 
 
 def _run(
@@ -204,25 +201,7 @@ def _run(
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MIGRATE=migrate, CW_TEST_STEPS=str(STEPS))
     env["CW_TEST_USER_COLLECTIVE"] = "1" if user_collective else ""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torchpass",
-        "run",
-        "--local",
-        "--nproc",
-        str(NPROC),
-        "--spares",
-        str(spares),
-        "--events",
-        str(out / "events.jsonl"),
-        "--set",
-        "collective_timeout_s=20",
-        "--set",
-        "join_timeout_s=60",
-        *(arg for setting in settings for arg in ("--set", setting)),
-        str(SCRIPT),
-    ]
+    cmd = local_command(out, SCRIPT, nproc=NPROC, spares=spares, settings=settings)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     events_file = out / "events.jsonl"
     events = [json.loads(line) for line in events_file.read_text().splitlines()] if events_file.exists() else []
@@ -230,35 +209,14 @@ def _run(
 
 
 def _final(run: Run, slot: int) -> dict[str, Any]:
-    import torch
-
-    return torch.load(run.out / f"final-slot{slot}.pt", weights_only=False)
-
-
-def _assert_bitwise_equal(a: Any, b: Any, where: str) -> None:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}"
-        assert torch.equal(a, b), f"{where}: tensors differ (max diff {(a.double() - b.double()).abs().max()})"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b)}"
-        for key in a:
-            _assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b), f"{where}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+    return load_final(run.out, slot)
 
 
 def _assert_same_final_state(run: Run, reference: Run, *, nproc: int = NPROC, steps: int = STEPS) -> None:
     expected = _final(reference, 0)
     assert expected["committed"] == steps - 1
     for slot in range(nproc):
-        _assert_bitwise_equal(_final(run, slot), expected, f"slot {slot}")
+        assert_bitwise_equal(_final(run, slot), expected, f"slot {slot}")
 
 
 def _journal(run: Run, slot: int) -> list[tuple[str, int, int, int]]:
@@ -316,7 +274,7 @@ def test_fault_free_run_is_consistent(reference: Run) -> None:
     assert len(started) == 1 and started[0]["generation"] == 0
     expected = _final(reference, 0)
     for slot in range(1, NPROC):  # the replicas agree with each other
-        _assert_bitwise_equal(_final(reference, slot), expected, f"slot {slot}")
+        assert_bitwise_equal(_final(reference, slot), expected, f"slot {slot}")
     assert expected["tally"]["samples"] == STEPS * 8
 
 

@@ -158,8 +158,11 @@ if __name__ == "__main__":
 # The tests (run by pytest in the parent process)
 # ======================================================================================================
 
+# After the rank script: its processes must not need ``tests`` importable.
+from tests.unit.local_jobs import JobResult, assert_bitwise_equal, load_final, local_command  # noqa: E402
 
-class Run:
+
+class Run(JobResult):
     """One finished job: its folder, launcher exit status and output, and the coordinator's events."""
 
     def __init__(self, out: Path, returncode: int, output: str) -> None:
@@ -168,41 +171,17 @@ class Run:
         lines = events_file.read_text().splitlines() if events_file.exists() else []
         self.events = [json.loads(line) for line in lines]
 
-    def check_ok(self) -> None:
-        assert self.returncode == 0, f"launcher exit {self.returncode}\n{self.output[-6000:]}"
-
-    def of_kind(self, kind: str) -> list[dict[str, Any]]:
-        return [e["fields"] for e in self.events if e["kind"] == kind]
-
     def final(self, slot: int) -> dict[str, Any]:
-        return _final(self.out, slot)
+        return load_final(self.out, slot)
 
     def pids(self, slot: int) -> set[int]:
         return {int(p.name.rsplit("-", 1)[1]) for p in self.out.glob(f"pid-slot{slot}-*")}
 
 
 def _command(out: Path, script: Path, *, spares: int = 1, nproc: int = NPROC, flag: bool = True) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torchpass",
-        "run",
-        "--local",
-        *(["--transparent"] if flag else []),
-        "--nproc",
-        str(nproc),
-        "--spares",
-        str(spares),
-        "--events",
-        str(out / "events.jsonl"),
-        "--coordinator-file",
-        str(out / "coordinator"),
-        "--set",
-        "collective_timeout_s=20",
-        "--set",
-        "join_timeout_s=60",
-        str(script),
-    ]
+    flags = ["--transparent"] if flag else []
+    options = ["--coordinator-file", str(out / "coordinator")]
+    return local_command(out, script, nproc=nproc, spares=spares, flags=flags, options=options)
 
 
 def _env(out: Path, **extra: str) -> dict[str, str]:
@@ -224,31 +203,6 @@ def _run(
     return Run(out, proc.returncode, proc.stdout + proc.stderr)
 
 
-def _assert_bitwise_equal(a: Any, b: Any, where: str) -> None:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}"
-        assert torch.equal(a, b), f"{where}: tensors differ (max diff {(a.double() - b.double()).abs().max()})"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b)}"
-        for key in a:
-            _assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b), f"{where}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_bitwise_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def _final(out: Path, slot: int) -> dict[str, Any]:
-    import torch
-
-    return torch.load(out / f"final-slot{slot}.pt", weights_only=False)
-
-
 def _training_state(final: dict[str, Any]) -> dict[str, Any]:
     return {k: final[k] for k in ("model", "optim", "sched")}
 
@@ -256,9 +210,9 @@ def _training_state(final: dict[str, Any]) -> dict[str, Any]:
 def _assert_same_final_state(run: Any, reference: Any, *, nproc: int = NPROC, steps: int = STEPS) -> None:
     """Every slot of ``run`` (a local, Slurm-mode or sandbox run: anything with ``out`` and ``of_kind``) ends
     bitwise equal to the fault-free reference, and the coordinator finished with every member at the last step."""
-    expected = _training_state(_final(reference.out, 0))
+    expected = _training_state(load_final(reference.out, 0))
     for slot in range(nproc):
-        _assert_bitwise_equal(_training_state(_final(run.out, slot)), expected, f"slot {slot}")
+        assert_bitwise_equal(_training_state(load_final(run.out, slot)), expected, f"slot {slot}")
     finished = run.of_kind("torchpass.finished")
     assert finished and finished[-1]["committed"] == [steps - 1], finished
 
@@ -284,7 +238,7 @@ def test_fault_free_run_trains_every_batch_once(reference: Run) -> None:
     assert steps == {STEPS}, f"Adam took {steps} steps, the loader has {STEPS} batches per rank"
     assert final["sched"]["last_epoch"] == EPOCHS
     for slot in range(1, NPROC):
-        _assert_bitwise_equal(_training_state(reference.final(slot)), _training_state(final), f"slot {slot}")
+        assert_bitwise_equal(_training_state(reference.final(slot)), _training_state(final), f"slot {slot}")
     assert not reference.of_kind("torchpass.recovered")
     started = reference.of_kind("torchpass.started")
     assert len(started) == 1 and started[0]["generation"] == 0

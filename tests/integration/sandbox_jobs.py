@@ -1,0 +1,134 @@
+"""TorchPass training jobs on the sandbox's Slurm: submitted, faulted on request and followed to their end.
+
+Shared by test_torchpass_sandbox.py, test_torchpass_transparent_sandbox.py and test_borrow_sandbox.py, which all
+run a rank script of tests/unit (the oracle's training, the unmodified DDP script) under ``torchpass run`` as a
+Slurm job and crash the nodes its ranks ask for: one way to submit, fault, wait and read what the job left, so
+that a difference between their results is a difference in what they test, not in how they drive the job.
+test_gpu_health_sandbox.py reads its job's events and waits for the nodes the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from clockworkd.sandbox.cluster import Sandbox
+from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
+
+
+def faults_box(manager: SandboxManager, *, nodes: int, accounting: bool, seed: int, replays: str) -> Sandbox:
+    """The sandbox in the shape a module needs, with no fault left over from an earlier test.
+
+    It prints the seed of the module's random faults: a failure seen once can be replayed with ``CW_TEST_SEED``.
+    """
+    sandbox = manager.ensure_up(nodes=nodes, accounting=accounting)
+    sandbox.clear_faults()
+    print(f"fault seed {seed} (CW_TEST_SEED={seed} replays {replays})")
+    return sandbox
+
+
+def job_env(box: Sandbox, out: Path, *, kill: str, step_sleep: float, **extra: str) -> dict[str, str]:
+    """The job's environment: the rank script's ``CW_TEST_*`` settings (``extra`` adds more) and the sandbox's
+    Slurm and Clockwork configuration, as ``eval "$(clockwork sandbox env)"`` sets them for a user."""
+    return dict(
+        slurm_env(box),
+        CW_TEST_DIR=str(out),
+        CW_TEST_KILL=kill,
+        CW_TEST_STEP_SLEEP=str(step_sleep),
+        OMP_NUM_THREADS="1",
+        CLOCKWORK_CONFIG=str(box.paths.clockwork_toml),
+        **extra,
+    )
+
+
+def torchpass_command(out: Path, script: Path) -> str:
+    """The batch script: ``torchpass run`` of the rank script, each node agent writing its events under ``out``
+    (``events-AGENT.jsonl``); a short collective timeout so that a rank on a crashed node is given up quickly."""
+    return (
+        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl --set collective_timeout_s=20 "
+        f"{script}"
+    )
+
+
+def submit(options: list[str], command: str, env: dict[str, str]) -> int:
+    """``sbatch --parsable OPTIONS --wrap=COMMAND``; the job's id (a failed submission raises)."""
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", *options, f"--wrap={command}"], env=env, capture_output=True, text=True, check=True
+    )
+    return int(submitted.stdout.strip().split(";")[0])
+
+
+def follow_job(
+    box: Sandbox, job_id: int, out: Path, timeout_s: float, tick: Callable[[], None] | None = None
+) -> tuple[list[str], str, int]:
+    """Crash every node the job's ranks ask for, call ``tick`` (the test's own action mid-job) every round until
+    the job ends, then bring the crashed nodes back; the crashed nodes, the job's output and its exit code.
+
+    A rank asks by writing ``crash-request-SLOT-STEP`` (its node's name) and waits there for the crash, so the
+    fault lands at the point it chose. A crashed node keeps its job COMPLETING until Slurm hears from it again:
+    that counts as the end here, and the node is restored afterwards.
+    """
+    slurm = box.slurm()
+    crashed: list[str] = []
+    handled: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    info = slurm.job(job_id)
+    while time.monotonic() < deadline:
+        for request in sorted(out.glob("crash-request-*")):
+            if request.name not in handled:
+                handled.add(request.name)
+                node = request.read_text().split()[0]
+                box.crash_node(node)  # what `clockwork sandbox fault node NODE crash` does
+                crashed.append(node)
+        if tick is not None:
+            tick()
+        info = slurm.job(job_id)
+        if info is not None and (info.finished or (crashed and "COMPLETING" in info.state)):
+            break
+        time.sleep(0.05)
+    for node in crashed:
+        box.restore_node(node)
+    output = (out / "job.out").read_text() if (out / "job.out").exists() else ""
+    assert info is not None and (info.finished or "COMPLETING" in info.state), f"job {job_id}: {info}\n{output[-6000:]}"
+    returncode = int(info.exit_code.split(":")[0]) if info.exit_code else -1
+    return crashed, output, returncode
+
+
+def clockwork_migrate(box: Sandbox, job_id: int, rank: int, env: dict[str, str]) -> str:
+    """``clockwork migrate JOBID --rank R`` on one of the job's nodes (node2), as on a real cluster; what it said
+    (``rc N: ...``, for the run's output). It must succeed."""
+    proc = subprocess.run(
+        box.exec_argv("node2", [CLOCKWORK, "migrate", str(job_id), "--rank", str(rank)]),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    migrated = f"rc {proc.returncode}: {proc.stdout}{proc.stderr}"
+    assert proc.returncode == 0, migrated
+    return migrated
+
+
+def job_events(out: Path) -> list[dict[str, object]]:
+    """Every node agent's events (``events-*.jsonl`` under ``out``) in one list, in time order."""
+    events = []
+    for path in sorted(out.glob("events-*.jsonl")):
+        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(events, key=lambda e: float(str(e.get("time", 0))))
+
+
+def wait_gone(box: Sandbox, job_id: int, timeout_s: float = 60) -> None:
+    """The next job needs every node: wait until this one has left them (a restored node reports in)."""
+    slurm = box.slurm()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = slurm.job(job_id)
+        if info is None or info.finished:
+            if all("IDLE" in node.state[:1] for node in slurm.nodes()):
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} still holds nodes: {slurm.job(job_id)} {slurm.nodes()}")

@@ -1,0 +1,92 @@
+"""A local TorchPass job (``torchpass run --local``) as the oracle tests launch and check it.
+
+Shared by test_torchpass_oracle.py (the model-aware training) and test_torchpass_transparent.py (the unmodified
+DDP script), so that both launch their job with the same options and hold its final state to the same bitwise
+standard. Their rank scripts do not import this module: a rank process need not find ``tests`` on its path.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class JobResult:
+    """What a finished job's record offers its tests, whatever launched it (it needs ``returncode``,
+    ``output`` and ``events``)."""
+
+    returncode: int
+    output: str
+    events: list[dict[str, Any]]
+
+    def check_ok(self) -> None:
+        assert self.returncode == 0, f"launcher exit {self.returncode}\n{self.output[-6000:]}"
+
+    def of_kind(self, kind: str) -> list[dict[str, Any]]:
+        return [e["fields"] for e in self.events if e["kind"] == kind]
+
+
+def local_command(
+    out: Path,
+    script: Path,
+    *,
+    nproc: int,
+    spares: int,
+    flags: Sequence[str] = (),
+    options: Sequence[str] = (),
+    settings: Sequence[str] = (),
+) -> list[str]:
+    """``torchpass run --local FLAGS`` of ``script``: events to ``out/events.jsonl``, then ``options``; the
+    collective and rendezvous timeouts shortened from their defaults (20 s and 60 s: a hung peer or a broken
+    generation costs a test seconds, not minutes), then every ``--set`` of ``settings``."""
+    return [
+        sys.executable,
+        "-m",
+        "torchpass",
+        "run",
+        "--local",
+        *flags,
+        "--nproc",
+        str(nproc),
+        "--spares",
+        str(spares),
+        "--events",
+        str(out / "events.jsonl"),
+        *options,
+        "--set",
+        "collective_timeout_s=20",
+        "--set",
+        "join_timeout_s=60",
+        *(arg for setting in settings for arg in ("--set", setting)),
+        str(script),
+    ]
+
+
+def load_final(out: Path, slot: int) -> dict[str, Any]:
+    """The state a slot saved when it finished (``final-slotN.pt``, written by the rank script)."""
+    import torch
+
+    return torch.load(out / f"final-slot{slot}.pt", weights_only=False)
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str) -> None:
+    """``a`` and ``b`` (nested dicts, lists and tensors) are equal to the bit: same keys, same dtypes and shapes,
+    ``torch.equal`` tensors; ``where`` names the first difference's place."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}"
+        assert torch.equal(a, b), f"{where}: tensors differ (max diff {(a.double() - b.double()).abs().max()})"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
