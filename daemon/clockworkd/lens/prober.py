@@ -17,7 +17,6 @@ every daemon hands its own paths through a suspect NIC to LinkPass as gray.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -61,6 +60,8 @@ class GrayTarget(Protocol):
 
 
 ECHO_RING = 1024  # transmit times kept per path for echoes (10 s of probes at 10 ms)
+RTT_MAX_NS = 10_000_000_000
+R_PATH, R_KIND, R_FLAGS, R_SEQ, R_TX, R_RX, R_SESSION, R_AUX, R_ECHO_SEQ, R_HOLD, R_LENGTH, R_SRC_NODE = range(12)
 
 
 @dataclass
@@ -68,26 +69,13 @@ class OutPath:
     peer: NicId
     addr: bytes  # struct sockaddr_in of the peer NIC's probe port
     dst: tuple[int, int]  # (node index, NIC index)
-    seq: int = 0
-    sent_seq: list[int] = field(default_factory=lambda: [-1] * ECHO_RING)  # seq -> transmit time, for echoes
-    sent_tx: list[int] = field(default_factory=lambda: [0] * ECHO_RING)
-    reverse: PathWindow | None = None  # the peer's probes to this NIC (what we echo back)
-
-    def echo(self, tx: int) -> tuple[int, int]:
-        """(seq, hold ns) of the newest probe received on the reverse path, or no echo."""
-        rev = self.reverse
-        if rev is None or rev.echo_seq < 0:
-            return 0, wire.NO_ECHO
-        hold = tx - rev.echo_rx_clock
-        return (rev.echo_seq & 0xFFFFFFFF, hold) if 0 <= hold < wire.NO_ECHO else (0, wire.NO_ECHO)
-
-    def sent(self, seq: int, tx: int) -> None:
-        slot = seq % ECHO_RING
-        self.sent_seq[slot], self.sent_tx[slot] = seq & 0xFFFFFFFF, tx
+    reverse: int = -1  # index (Lens.in_paths) of the peer's probes to this NIC (what we echo back), -1: none
 
 
 @dataclass
 class LocalNic:
+    """One probing NIC. Per outgoing path k, the arrays the C sender reads and advances (row k each)."""
+
     name: str
     nic: NicId
     index: int
@@ -96,6 +84,13 @@ class LocalNic:
     out: list[OutPath] = field(default_factory=list)
     train_seq: int = 0
     train_next_peer: int = 0
+    first_out: int = 0  # row of out[0] in Lens.ring_seq/ring_tx
+    seq: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # newest seq sent per path
+    dst_node: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    dst_nic: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    addrs: bytes = b""  # the paths' sockaddr_in, back to back
+    rev: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # OutPath.reverse per path
+    path_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # (node, NIC) -> in path
 
 
 @dataclass
@@ -146,7 +141,6 @@ class Lens:
                 self.nic_ip[self.node_index[n], j] = np.frombuffer(
                     socket.inet_aton(fabric.nodes[n].nics[name]), dtype=np.uint32
                 )[0]
-        self.nic_ip_rows = self.nic_ip.tolist()  # the same, as lists (the per-packet check is plain Python)
         self.session = int.from_bytes(os.urandom(4), "little")
         self.local: list[LocalNic] = []
         self.incoming: dict[tuple[int, int, int], PathWindow] = {}  # (src node, src NIC, local NIC) -> window
@@ -165,8 +159,19 @@ class Lens:
         self.solved_at_real_ns = 0  # real time of the last solution (benchmarks compare against seam truth)
         self.suspects: dict[str, SuspectState] = {}
         self.localizer: tomography.Localizer | None = None
-        self.sender = fastio.Sender()
-        self.receiver = fastio.Receiver()
+        self.sender = fastio.Sender()  # summaries (a few a second); probes and trains go through _probeio
+        # Incoming paths by index (the C receiver names a packet's path by it) and their per-path state
+        # that the per-batch filing and the C sender share: arrays, so neither touches a Python object per packet.
+        self.in_paths: list[PathWindow] = []
+        self.in_session = np.zeros(0, dtype=np.int64)  # PathWindow.session, as the filing checks it
+        self.in_echo_seq = np.zeros(0, dtype=np.int64)  # newest probe received per path (echoed back), -1: none
+        self.in_echo_rx = np.zeros(0, dtype=np.int64)  # when it arrived (our clock, ns)
+        self.in_rev_out = np.zeros(0, dtype=np.int64)  # row in ring_seq/ring_tx of the reverse path, -1: none
+        self.ring_seq = np.zeros((0, ECHO_RING), dtype=np.int64)  # per outgoing path: seq % ECHO_RING -> seq
+        self.ring_tx = np.zeros((0, ECHO_RING), dtype=np.int64)  # ... and its transmit time (our clock)
+        self._records = np.zeros((fastio.RECORDS, fastio.RECORD_FIELDS), dtype=np.int64)  # C receiver's output
+        self._pending: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []  # (t, path, seq, delay) blocks
+        self._pending_rtt: list[tuple[float, np.ndarray, np.ndarray]] = []  # (t, path, rtt ns) blocks
         self.tick_no = 0
         now = time.monotonic()
         self.next_probe = now
@@ -194,31 +199,52 @@ class Lens:
     # ----- life cycle -----------------------------------------------------------------------
 
     def start(self) -> None:
+        probeio = fastio.probeio()  # raises, naming the fix, when the C extension is not built
         plan = peers.plan(self.topology, self.cfg.peers_per_nic)
         probed_by = peers.probed_by(plan)
         self.localizer = tomography.Localizer(self.topology, plan)
         me = self.fabric.node(self.me)
+        ncols = self.nic_ip.shape[1]
         for j, name in enumerate(self.nic_names[self.me]):
             nic = nic_id(self.me, name)
             if nic not in plan:
                 continue
+            if len(plan[nic]) > probeio.MAX_PATHS:
+                raise ValueError(f"{nic}: {len(plan[nic])} peers, at most {probeio.MAX_PATHS} per NIC")
             sock = fastio.open_socket(me.nics[name], self.cfg.port, name)
             local = LocalNic(name, nic, j, me.nics[name], sock)
             for peer in plan[nic]:
                 pnode, pname = split_nic(peer)
                 addr = fastio.sockaddr_in(self.fabric.nodes[pnode].nics[pname], self.cfg.port)
                 local.out.append(OutPath(peer, addr, (self.node_index[pnode], self.nic_names[pnode].index(pname))))
+            local.path_of = np.full(len(self.nodes) * ncols, -1, dtype=np.int64)
             for src in probed_by.get(nic, ()):
                 snode, sname = split_nic(src)
                 key = (self.node_index[snode], self.nic_names[snode].index(sname), j)
                 self.incoming[key] = PathWindow(src, nic)
+                local.path_of[key[0] * ncols + key[1]] = len(self.in_paths)
+                self.in_paths.append(self.incoming[key])
             self.local.append(local)
-        out_by_pair = {(local.nic, path.peer): path for local in self.local for path in local.out}
-        for pw in self.incoming.values():
-            out = out_by_pair.get((pw.dst, pw.src))
-            pw.reverse_out = out
-            if out is not None:
-                out.reverse = pw
+        index = {(pw.dst, pw.src): i for i, pw in enumerate(self.in_paths)}
+        rows = 0
+        self.in_rev_out = np.full(len(self.in_paths), -1, dtype=np.int64)
+        for local in self.local:
+            local.first_out = rows
+            for k, path in enumerate(local.out):
+                path.reverse = index.get((local.nic, path.peer), -1)
+                if path.reverse >= 0:
+                    self.in_rev_out[path.reverse] = rows + k
+            rows += len(local.out)
+            local.seq = np.zeros(len(local.out), dtype=np.int64)
+            local.dst_node = np.array([p.dst[0] for p in local.out], dtype=np.int64)
+            local.dst_nic = np.array([p.dst[1] for p in local.out], dtype=np.int64)
+            local.addrs = b"".join(p.addr for p in local.out)
+            local.rev = np.array([p.reverse for p in local.out], dtype=np.int64)
+        self.ring_seq = np.full((rows, ECHO_RING), -1, dtype=np.int64)
+        self.ring_tx = np.zeros((rows, ECHO_RING), dtype=np.int64)
+        self.in_session = np.full(len(self.in_paths), -1, dtype=np.int64)
+        self.in_echo_seq = np.full(len(self.in_paths), -1, dtype=np.int64)
+        self.in_echo_rx = np.zeros(len(self.in_paths), dtype=np.int64)
         log.info(
             "lens on %s: NICs %s, %d outgoing and %d incoming paths, probe every %g ms, reference clock %s%s",
             self.me,
@@ -286,41 +312,43 @@ class Lens:
     def _send_probes(self) -> None:
         """One batch per NIC: a probe to every planned peer, one of them (peers take turns) a coded pair.
 
-        The pair is built last, right after its transmit stamp is taken, and goes out first: its stamp is
-        the exact one the clock sync needs; the others' stamps are a few µs early, which only shifts
-        their paths' baselines.
+        The C sender builds, tags and sends the whole batch in one call (a few µs), the pair first: its
+        transmit stamp is the one the clock sync needs; the others' go out microseconds later, which
+        only shifts their paths' baselines.
         """
-        src_node = self.node_index[self.me]
+        src_node, key, session, probeio = self.node_index[self.me], self.key, self.session, fastio.probeio()
+        pair_every = self.cfg.pair_every
         for local in self.local:
-            if not local.out:
+            paths = len(local.out)
+            if not paths:
                 continue
-            src = (src_node, local.index)
-            first = (self.tick_no // max(1, self.cfg.pair_every)) % len(local.out) if self.cfg.pair_every else -1
-            tx = self._clock_ns()
-            messages = []
-            for k, path in enumerate(local.out):
-                if k == first:
-                    continue
-                path.seq += 1
-                path.sent(path.seq, tx)
-                head = wire.header(wire.PROBE, 0, src, path.dst, path.seq, tx, self.session, 0, *path.echo(tx))
-                messages.append((wire.sign(self.key, head), path.addr))
-            if first >= 0:
-                path = local.out[first]
-                path.seq += 2
-                tx = self._clock_ns()
-                echo = path.echo(tx)
-                pair = []
-                for flag, seq in ((wire.PAIR_FIRST, path.seq - 1), (wire.PAIR_SECOND, path.seq)):
-                    path.sent(seq, tx)
-                    head = wire.header(wire.PROBE, flag, src, path.dst, seq, tx, self.session, 0, *echo)
-                    pair.append((wire.sign(self.key, head), path.addr))
-                messages[:0] = pair
-            self._send(local, messages, "probes_sent")
+            first = (self.tick_no // max(1, pair_every)) % paths if pair_every else -1
+            rows = slice(local.first_out, local.first_out + paths)
+            sent, err = probeio.send_probes(
+                local.sock.fileno(),
+                key,
+                src_node,
+                local.index,
+                session,
+                self._clock_ns(),
+                first,
+                local.seq,
+                local.dst_node,
+                local.dst_nic,
+                local.addrs,
+                self.ring_seq[rows],
+                self.ring_tx[rows],
+                local.rev,
+                self.in_echo_seq,
+                self.in_echo_rx,
+            )
+            self.counters["probes_sent"] += sent
+            if err:
+                self.counters["send_errors"] += 1
 
     def _send_trains(self) -> None:
         count = max(2, self.cfg.train_bytes // wire.TRAIN_PACKET)
-        src_index = self.node_index[self.me]
+        src_index, probeio = self.node_index[self.me], fastio.probeio()
         for local in self.local:
             if not local.out:
                 continue
@@ -328,27 +356,28 @@ class Lens:
             local.train_next_peer += 1
             local.train_seq += 1
             tx = self._clock_ns()
-            messages = [
-                (
-                    wire.sign(
-                        self.key,
-                        wire.header(
-                            wire.TRAIN,
-                            0,
-                            (src_index, local.index),
-                            path.dst,
-                            local.train_seq,
-                            tx,
-                            self.session,
-                            (i << 16) | count,
-                        ),
-                        pad_to=wire.TRAIN_PACKET,
-                    ),
+            for first in range(0, count, probeio.MAX_TRAIN):
+                n = min(probeio.MAX_TRAIN, count - first)
+                sent, err = probeio.send_train(
+                    local.sock.fileno(),
+                    self.key,
+                    src_index,
+                    local.index,
+                    path.dst[0],
+                    path.dst[1],
                     path.addr,
+                    local.train_seq,
+                    tx,
+                    self.session,
+                    first,
+                    n,
+                    count,
+                    wire.TRAIN_PACKET,
                 )
-                for i in range(count)
-            ]
-            self._send(local, messages, "trains_sent")
+                self.counters["trains_sent"] += sent
+                if err:
+                    self.counters["send_errors"] += 1
+                    break
 
     def _summary_entries(self) -> dict[str, list[list[Any]]]:
         """What this node tells the others: its paths' verdicts, new envelope minima, its clock fits."""
@@ -414,84 +443,155 @@ class Lens:
     # ----- receiving ------------------------------------------------------------------------
 
     def _drain(self, local: LocalNic, now: float) -> None:
-        for _ in range(64):  # at most 4096 packets per NIC per tick
-            try:
-                n, lengths, rx, src_ip, truncated = self.receiver.recv(local.sock.fileno())
-            except OSError as exc:
-                log.warning("lens on %s: receive on %s failed: %s", self.me, local.name, exc)
-                return
-            if n == 0:
-                return
-            self._handle_batch(local, now, n, lengths, rx, src_ip, truncated)
-            if n < self.receiver.batch:
-                return
-
-    def _handle_batch(
-        self,
-        local: LocalNic,
-        now: float,
-        n: int,
-        lengths: np.ndarray,
-        rx: np.ndarray,
-        src_ip: np.ndarray,
-        truncated: np.ndarray,
-    ) -> None:
-        """Check and file one batch. Plain Python per packet: at tens of packets per batch numpy's fixed cost
-        per call would outweigh the work (measured: ~3 µs per packet here against ~150 µs per numpy batch)."""
-        payload = self.receiver.payload
-        unpack = wire.HEADER.unpack_from
-        me, nic_index, nic_ip, key = self.node_index[self.me], local.index, self.nic_ip_rows, self.key
-        blake2b, head_end, tag_end = hashlib.blake2b, wire.HEADER_BYTES, wire.PROBE_BYTES
-        rejected = probes = 0
-        for i, (length, rx_ns, src, cut) in enumerate(
-            zip(lengths.tolist(), rx.tolist(), src_ip.tolist(), truncated.tolist(), strict=True)
-        ):
-            off = i * fastio.SLOT
-            if cut or not rx_ns or length < tag_end:
-                rejected += 1
-                continue
-            magic, kind, flags, sn, snic, dnic, dn, seq, tx, session, aux, echo_seq, hold = unpack(payload, off)
-            if kind == wire.SUMMARY:  # a body follows the header: the general check
-                authentic = wire.verify(key, payload[off:], length)
-            else:  # probes and trains: header + tag, checked inline (the hot path)
-                digest = blake2b(payload[off : off + head_end], key=key, digest_size=wire.TAG).digest()
-                authentic = magic == wire.MAGIC and payload[off + head_end : off + tag_end] == digest
-            row = nic_ip[sn] if sn < len(nic_ip) else ()
-            if not authentic or dn != me or dnic != nic_index or snic >= len(row) or row[snic] != src:
-                rejected += 1  # forged, not for this NIC, or not sent by the NIC it claims
-                continue
-            if kind == wire.SUMMARY:
-                seen = self._summaries_seen.setdefault(self.nodes[sn], deque(maxlen=64))
-                copy = bytes(payload[off + length - wire.TAG : off + length])  # its tag: the same datagram again
-                if (session, seq, copy) in seen:  # the copy that came over the other NIC
-                    continue
-                seen.append((session, seq, copy))
-                self._on_summary(payload[off : off + length])
-                continue
-            pw = self.incoming.get((sn, snic, nic_index))
-            if pw is None:
-                continue  # a path this node does not watch (another plan version): ignore
-            if kind == wire.TRAIN:
-                pw.add_train(seq, aux >> 16, aux & 0xFFFF, rx_ns, length, now)
-            elif kind == wire.PROBE:
-                probes += 1
-                rx_clock = self.seam.apply(rx_ns) if self.seam else rx_ns
-                pw.add_one(now, session, seq, rx_clock - tx)
-                if seq > pw.echo_seq:
-                    pw.echo_seq, pw.echo_rx_clock = seq, rx_clock
-                out = pw.reverse_out
-                if hold != wire.NO_ECHO and out is not None and out.sent_seq[echo_seq % ECHO_RING] == echo_seq:
-                    rtt = rx_clock - out.sent_tx[echo_seq % ECHO_RING] - hold  # both ends on our clock
-                    if 0 < rtt < 10_000_000_000:
-                        pw.rtts.append((now, rtt))
-                if flags == wire.PAIR_FIRST:
-                    pw.pair_first = (seq, tx, rx_clock, rx_ns)
-                elif flags == wire.PAIR_SECOND and pw.pair_first is not None and pw.pair_first[0] == seq - 1:
-                    _, tx1, rx1_clock, rx1 = pw.pair_first
-                    pw.pair_first = None
-                    self._envelope(pw).add(tx1, rx1_clock, 0 <= rx_ns - rx1 <= PAIR_PURE_NS)
+        """Read, authenticate and parse what waits on one NIC (C), then file it per batch (numpy)."""
+        try:
+            n, rejected, summaries = fastio.probeio().drain(
+                local.sock.fileno(),
+                self.key,
+                self.node_index[self.me],
+                local.index,
+                self.nic_ip,
+                self.nic_ip.shape[1],
+                local.path_of,
+                self._records,
+                64,  # at most 4096 datagrams per NIC per drain
+            )
+        except OSError as exc:
+            log.warning("lens on %s: receive on %s failed: %s", self.me, local.name, exc)
+            return
         self.counters["rejected"] += rejected
-        self.counters["probes_received"] += probes
+        for packet in summaries:
+            self._on_summary_packet(packet)
+        if n:
+            records = self._records[:n]
+            kinds = records[:, R_KIND]
+            probes = records[kinds == wire.PROBE]
+            if len(probes):
+                self._file_probes(probes, now)
+            trains = records[kinds == wire.TRAIN]
+            if len(trains):
+                self._file_trains(trains, now)
+
+    def _on_summary_packet(self, packet: bytes) -> None:
+        """An authentic summary: the first copy of each goes on (it comes over every NIC)."""
+        head = wire.HEADER.unpack_from(packet)
+        sn, seq, session = head[3], head[7], head[9]
+        seen = self._summaries_seen.setdefault(self.nodes[sn], deque(maxlen=64))
+        copy = (session, seq, packet[-wire.TAG :])  # its tag: the same datagram again
+        if copy in seen:  # the copy that came over the other NIC
+            return
+        seen.append(copy)
+        self._on_summary(memoryview(packet))
+
+    def _file_probes(self, p: np.ndarray, now: float) -> None:
+        """One drain's probes (records in arrival order): numpy over the batch, Python only per coded pair.
+
+        Samples wait as blocks (one per drain) until the next evaluation files them into their paths;
+        what the sender needs before that (the newest sequence number of each path, for echoes) is
+        kept in arrays here.
+        """
+        path, seq, session, rx = p[:, R_PATH], p[:, R_SEQ], p[:, R_SESSION], p[:, R_RX]
+        rx_clock = self.seam.apply_many(rx) if self.seam else rx
+        delay = rx_clock - p[:, R_TX]
+        self.counters["probes_received"] += len(p)
+        if np.any(session != self.in_session[path]):
+            self._file_restarted(path, seq, session, delay, rx_clock, now)
+        else:
+            self._pending.append((now, path, seq, delay))
+            order = np.lexsort((seq, path))  # newest sequence number of each path in this batch
+            ordered = path[order]
+            last = order[np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))]
+            newer = last[seq[last] > self.in_echo_seq[path[last]]]
+            self.in_echo_seq[path[newer]] = seq[newer]
+            self.in_echo_rx[path[newer]] = rx_clock[newer]
+        # Round trips: the echo names one of our probes; its transmit time is in the reverse path's ring.
+        hold, rows = p[:, R_HOLD], self.in_rev_out[path]
+        echoed = np.flatnonzero((hold != wire.NO_ECHO) & (rows >= 0))
+        if len(echoed):
+            echo_seq, rows = p[echoed, R_ECHO_SEQ], rows[echoed]
+            slots = echo_seq % ECHO_RING
+            rtt = rx_clock[echoed] - self.ring_tx[rows, slots] - hold[echoed]  # both ends on our clock
+            ok = (self.ring_seq[rows, slots] == echo_seq) & (rtt > 0) & (rtt < RTT_MAX_NS)
+            if ok.any():
+                self._pending_rtt.append((now, path[echoed[ok]], rtt[ok]))
+        flagged = np.flatnonzero(p[:, R_FLAGS])
+        if len(flagged):
+            self._file_pairs(p[flagged], rx_clock[flagged])
+
+    def _file_restarted(
+        self,
+        path: np.ndarray,
+        seq: np.ndarray,
+        session: np.ndarray,
+        delay: np.ndarray,
+        rx_clock: np.ndarray,
+        now: float,
+    ) -> None:
+        """A batch in which some sender's session changed (it restarted): probe by probe, in arrival order."""
+        for i, q, sess, d, rxc in zip(
+            path.tolist(), seq.tolist(), session.tolist(), delay.tolist(), rx_clock.tolist(), strict=True
+        ):
+            pw = self.in_paths[i]
+            if sess != self.in_session[i]:
+                self._flush_samples()  # the old session's samples go to the window before it starts again
+                self.in_session[i] = sess
+                self.in_echo_seq[i] = -1
+            pw.add_one(now, sess, q, d)  # resets the window at a new session
+            if q > self.in_echo_seq[i]:
+                self.in_echo_seq[i], self.in_echo_rx[i] = q, rxc
+
+    def _file_pairs(self, p: np.ndarray, rx_clock: np.ndarray) -> None:
+        """Coded pairs: a second that follows its first closely enough feeds the path's delay envelope."""
+        for i, flags, seq, tx, rx_ns, rxc in zip(
+            p[:, R_PATH].tolist(),
+            p[:, R_FLAGS].tolist(),
+            p[:, R_SEQ].tolist(),
+            p[:, R_TX].tolist(),
+            p[:, R_RX].tolist(),
+            rx_clock.tolist(),
+            strict=True,
+        ):
+            pw = self.in_paths[i]
+            if flags == wire.PAIR_FIRST:
+                pw.pair_first = (seq, tx, rxc, rx_ns)
+            elif flags == wire.PAIR_SECOND and pw.pair_first is not None and pw.pair_first[0] == seq - 1:
+                _, tx1, rx1_clock, rx1 = pw.pair_first
+                pw.pair_first = None
+                self._envelope(pw).add(tx1, rx1_clock, 0 <= rx_ns - rx1 <= PAIR_PURE_NS)
+
+    def _file_trains(self, t: np.ndarray, now: float) -> None:
+        """Train packets, one call per run of the same train (a train usually arrives within one drain)."""
+        path, seq, aux = t[:, R_PATH], t[:, R_SEQ], t[:, R_AUX]
+        cuts = np.flatnonzero((path[1:] != path[:-1]) | (seq[1:] != seq[:-1])) + 1
+        starts = [0, *cuts.tolist()]
+        ends = [*starts[1:], len(t)]
+        for a, b in zip(starts, ends, strict=True):
+            self.in_paths[int(path[a])].add_train_run(
+                int(seq[a]), int(aux[a]) & 0xFFFF, t[a:b, R_RX], t[a:b, R_LENGTH], now
+            )
+
+    def _flush_samples(self) -> None:
+        """File the probes and round trips waiting since the last evaluation into their paths' windows."""
+        for blocks, kind in ((self._pending, "probes"), (self._pending_rtt, "rtts")):
+            if not blocks:
+                continue
+            t = np.concatenate([np.full(len(b[1]), b[0]) for b in blocks])
+            path = np.concatenate([b[1] for b in blocks])
+            values = [np.concatenate([b[k] for b in blocks]) for k in range(2, len(blocks[0]))]
+            blocks.clear()
+            order = np.argsort(path, kind="stable")  # arrival order kept within each path
+            path = path[order]
+            t = t[order]
+            values = [v[order] for v in values]
+            cuts = np.flatnonzero(path[1:] != path[:-1]) + 1
+            starts = [0, *cuts.tolist()]
+            ends = [*starts[1:], len(path)]
+            for a, b in zip(starts, ends, strict=True):
+                pw = self.in_paths[int(path[a])]
+                if kind == "probes":
+                    pw.add_block(t[a:b], values[0][a:b], values[1][a:b])
+                else:
+                    pw.add_rtts(t[a:b], values[0][a:b])
 
     def _envelope(self, pw: PathWindow) -> clocksync.Envelope:
         """The delay envelope of a path this node receives (coded pairs that were not queued feed the clock sync)."""
@@ -626,6 +726,7 @@ class Lens:
 
     def evaluate(self, now: float) -> None:
         self.counters["evaluations"] += 1
+        self._flush_samples()
         self._solve_clocks()
         heard = {pw.src.partition("/")[0] for pw in self.incoming.values() if now - pw.last_rx < self.th.window_s}
         results: list[tuple[PathStats, PathVerdict | None]] = []
