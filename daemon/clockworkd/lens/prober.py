@@ -24,7 +24,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +41,7 @@ log = logging.getLogger("clockwork.lens")
 
 Emit = Callable[[str, dict[str, Any]], None]
 CLOCK_EVERY_S = 4.0  # clock fit cadence (a fit costs ~2 ms; drift carries the offset between fits)
+SOLVE_EVERY_S = 2.0  # full clock graph solve cadence at most (drift carries the solution in between)
 FIRST_CLOCK_FIT_S = 1.5  # the first fit as soon as the envelopes have a few sub-windows
 GRAY_KINDS = frozenset({"loss", "delay", "jitter", "rate"})  # what LinkPass cannot see by itself
 PAIR_FRESH_S = 15.0  # a pair's clock estimate older than this is not used
@@ -91,6 +92,7 @@ class LocalNic:
     addrs: bytes = b""  # the paths' sockaddr_in, back to back
     rev: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # OutPath.reverse per path
     path_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # (node, NIC) -> in path
+    summary_to: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)  # every peer on this rail
 
 
 @dataclass
@@ -157,6 +159,8 @@ class Lens:
         self.clock_tracker = clocksync.SuspectTracker()
         self.clock_suspects: set[tuple[str, str]] = set()  # pairs whose offsets persistently break loops
         self.solved_at_real_ns = 0  # real time of the last solution (benchmarks compare against seam truth)
+        self._next_solve = 0.0  # monotonic time of the next full graph solve
+        self._solved_pairs: set[tuple[str, str]] = set()  # the pairs the last full solve used
         self.suspects: dict[str, SuspectState] = {}
         self.localizer: tomography.Localizer | None = None
         self.sender = fastio.Sender()  # summaries (a few a second); probes and trains go through _probeio
@@ -190,6 +194,9 @@ class Lens:
             "send_errors": 0,
             "evaluations": 0,
         }
+        # CPU time per phase of tick() (ns, user + kernel): probes = build, tag and send them; receive =
+        # read, verify and file probes, trains and summaries; evaluate = clock solve, verdicts, localization.
+        self.cpu_ns = dict.fromkeys(("probes", "receive", "trains", "summaries", "clock_fits", "evaluate"), 0)
         self.last_stats: list[tuple[PathStats, PathVerdict | None]] = []
         self._snapshot: dict[str, Any] | None = None
         self._snapshot_stale = True
@@ -218,6 +225,14 @@ class Lens:
                 addr = fastio.sockaddr_in(self.fabric.nodes[pnode].nics[pname], self.cfg.port)
                 local.out.append(OutPath(peer, addr, (self.node_index[pnode], self.nic_names[pnode].index(pname))))
             local.path_of = np.full(len(self.nodes) * ncols, -1, dtype=np.int64)
+            local.summary_to = [
+                (
+                    (self.node_index[peer], self.nic_names[peer].index(name)),
+                    fastio.sockaddr_in(self.fabric.nodes[peer].nics[name], self.cfg.port),
+                )
+                for peer in self.nodes
+                if peer != self.me and name in self.fabric.nodes[peer].nics
+            ]
             for src in probed_by.get(nic, ()):
                 snode, sname = split_nic(src)
                 key = (self.node_index[snode], self.nic_names[snode].index(sname), j)
@@ -273,29 +288,49 @@ class Lens:
         return self.next_probe
 
     def tick(self) -> None:
+        # Each phase's CPU time (this thread's, user + kernel) is added up in cpu_ns: what Lens costs and
+        # where (bench/lens_overhead.py prints it). One clock read per phase that runs (~0.5 µs each).
         now = time.monotonic()
+        cpu, spent = time.thread_time_ns, self.cpu_ns
+        t0 = cpu()
         if now >= self.next_probe:
             self._send_probes()
             self.tick_no += 1
             self.next_probe += self.interval
             if now - self.next_probe > self.interval:  # fell behind (a stalled loop): skip, never burst
                 self.next_probe = now + self.interval
+            t1 = cpu()
+            spent["probes"] += t1 - t0
+            t0 = t1
         if now >= self.next_drain or now >= self.next_eval:  # late reads cost no accuracy (arrival stamps)
             self.next_drain = now + DRAIN_EVERY_S
             for local in self.local:
                 self._drain(local, now)
+            t1 = cpu()
+            spent["receive"] += t1 - t0
+            t0 = t1
         if self.cfg.train_interval_ms > 0 and now >= self.next_train:
             self._send_trains()
             self.next_train = now + self.cfg.train_interval_ms / 1000
+            t1 = cpu()
+            spent["trains"] += t1 - t0
+            t0 = t1
         if now >= self.next_summary:
             self._send_summaries()
             self.next_summary = now + self.cfg.summary_ms / 1000
+            t1 = cpu()
+            spent["summaries"] += t1 - t0
+            t0 = t1
         if now >= self.next_clock:
             self._estimate_own_pairs()
             self.next_clock = now + CLOCK_EVERY_S
+            t1 = cpu()
+            spent["clock_fits"] += t1 - t0
+            t0 = t1
         if now >= self.next_eval:
             self.evaluate(now)
             self.next_eval = now + self.cfg.evaluate_ms / 1000
+            spent["evaluate"] += cpu() - t0
 
     # ----- sending --------------------------------------------------------------------------
 
@@ -429,14 +464,14 @@ class Lens:
         """One summary datagram to every peer, over each NIC (the receivers keep the first copy)."""
         src_index = self.node_index[self.me]
         for local in self.local:
-            messages = []
-            for peer in self.nodes:
-                if peer == self.me or local.name not in self.fabric.nodes[peer].nics:
-                    continue
-                dst = (self.node_index[peer], self.nic_names[peer].index(local.name))
-                head = wire.header(wire.SUMMARY, 0, (src_index, local.index), dst, seq, 0, self.session, len(body))
-                addr = fastio.sockaddr_in(self.fabric.nodes[peer].nics[local.name], self.cfg.port)
-                messages.append((wire.sign(self.key, head, body), addr))
+            src = (src_index, local.index)
+            messages = [
+                (
+                    wire.sign(self.key, wire.header(wire.SUMMARY, 0, src, dst, seq, 0, self.session, len(body)), body),
+                    addr,
+                )
+                for dst, addr in local.summary_to
+            ]
             if messages:
                 self._send(local, messages, "summaries_sent")
 
@@ -681,33 +716,46 @@ class Lens:
     def _solve_clocks(self) -> None:
         """Reconcile the pair estimates (each extrapolated to now with its drift) over the probe graph.
 
-        Cheap next to the fits, so it runs at every evaluation: with clocks drifting apart by up to
-        100 µs a second, a two-second-old solution would bend every one-way delay.
+        With clocks drifting apart by up to 100 µs a second, a two-second-old solution would bend every
+        one-way delay, so every evaluation needs the offsets of now. A full solve (two graph solves, the
+        second for the drift, ~3 ms each on 17 nodes) runs when the set of pairs changed or SOLVE_EVERY_S
+        passed; in between the last solution is carried forward with its drift, which is what a new
+        solve of the same estimates would give (they are refitted only every CLOCK_EVERY_S anyway).
         """
         now = time.monotonic()
         fresh = {pair: est for pair, (t, est) in self.pair_estimates.items() if now - t < PAIR_FRESH_S}
-        if fresh:
-            at = self._clock_ns()
-            self.solution = clocksync.solve_graph(fresh, self.reference, at, nodes=self.nodes)
+        if not fresh:
+            return
+        at = self._clock_ns()
+        sol = self.solution
+        if sol is not None and sol.at_ns is not None and now < self._next_solve and fresh.keys() == self._solved_pairs:
+            dt = at - sol.at_ns
+            offsets = {n: off + self.drift.get(n, 0.0) * dt for n, off in sol.offsets_ns.items()}
+            self.solution = replace(sol, at_ns=at, offsets_ns=offsets)
             self.solved_at_real_ns = time.time_ns()
-            # The same a second earlier gives each node's drift against the reference: one-way delays
-            # over a window are corrected sample by sample with it (100 ppm is 200 µs over a 2 s window).
-            before = clocksync.solve_graph(fresh, self.reference, at - 1_000_000_000, nodes=self.nodes)
-            self.drift = {
-                n: (off - before.offsets_ns[n]) / 1e9
-                for n, off in self.solution.offsets_ns.items()
-                if n in before.offsets_ns
-            }
-            persistent = set(self.clock_tracker.update(self.solution))
-            for a, b in sorted(persistent - self.clock_suspects):
-                log.warning(
-                    "lens on %s: clock pair %s-%s disagrees with the rest of the probe graph (loop residual): "
-                    "an asymmetric or faulty path between them",
-                    self.me,
-                    a,
-                    b,
-                )
-            self.clock_suspects = persistent
+            return
+        self._next_solve = now + SOLVE_EVERY_S
+        self._solved_pairs = set(fresh)
+        self.solution = clocksync.solve_graph(fresh, self.reference, at, nodes=self.nodes)
+        self.solved_at_real_ns = time.time_ns()
+        # The same a second earlier gives each node's drift against the reference: one-way delays
+        # over a window are corrected sample by sample with it (100 ppm is 200 µs over a 2 s window).
+        before = clocksync.solve_graph(fresh, self.reference, at - 1_000_000_000, nodes=self.nodes)
+        self.drift = {
+            n: (off - before.offsets_ns[n]) / 1e9
+            for n, off in self.solution.offsets_ns.items()
+            if n in before.offsets_ns
+        }
+        persistent = set(self.clock_tracker.update(self.solution))
+        for a, b in sorted(persistent - self.clock_suspects):
+            log.warning(
+                "lens on %s: clock pair %s-%s disagrees with the rest of the probe graph (loop residual): "
+                "an asymmetric or faulty path between them",
+                self.me,
+                a,
+                b,
+            )
+        self.clock_suspects = persistent
 
     def offset_ns(self, src_node: str) -> float | None:
         """Receiver (this node) clock minus ``src_node``'s clock, when the clocks are reconciled."""
@@ -852,6 +900,7 @@ class Lens:
                 {**st.suspect.to_dict(), "since": st.raised_wall} for st in self.suspects.values() if st.raised
             ],
             "counters": dict(self.counters),
+            "cpu_ms": {k: round(v / 1e6, 3) for k, v in self.cpu_ns.items()},
         }
 
     def _remote_paths(self) -> list[dict[str, Any]]:
@@ -885,6 +934,7 @@ class Lens:
             "bad_paths": sum(1 for p in snap.get("paths", []) if p.get("verdict") and p["verdict"]["bad"]),
             "suspects": [s["link"] for s in snap.get("suspects", [])],
             "counters": dict(self.counters),
+            "cpu_ms": {k: round(v / 1e6, 3) for k, v in self.cpu_ns.items()},
         }
 
 
