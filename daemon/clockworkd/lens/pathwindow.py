@@ -215,7 +215,11 @@ class PathWindow:
         else:
             ts = np.zeros(0)
             seqs = ds = np.zeros(0, dtype=np.int64)
-        received = len(np.unique(seqs)) if len(seqs) else 0
+        if len(seqs) > 1:  # distinct sequence numbers (np.unique's count, without its bookkeeping)
+            ordered_seqs = np.sort(seqs)
+            received = 1 + int(np.count_nonzero(ordered_seqs[1:] != ordered_seqs[:-1]))
+        else:
+            received = len(seqs)
         # Expected: from the first sequence number of the window to the newest, extended by what the
         # sender should have sent since the newest arrived (a path that went silent loses the rest).
         self.silent_s = now - self.last_rx if received else 0.0

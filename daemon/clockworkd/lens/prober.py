@@ -155,6 +155,7 @@ class Lens:
         self._summaries_seen: dict[str, deque[tuple[int, int, bytes]]] = {}  # node -> recent (session, seq, tag)
         self.solution: clocksync.GraphSolution | None = None
         self.pair_estimates: dict[tuple[str, str], tuple[float, clocksync.PairEstimate]] = {}
+        self._pair_raw: dict[tuple[str, str], list[Any]] = {}  # summary entry each remote estimate came from
         self.drift: dict[str, float] = {}  # node -> d(offset to the reference)/dt, ns per ns
         self.clock_tracker = clocksync.SuspectTracker()
         self.clock_suspects: set[tuple[str, str]] = set()  # pairs whose offsets persistently break loops
@@ -173,7 +174,8 @@ class Lens:
         self.in_rev_out = np.zeros(0, dtype=np.int64)  # row in ring_seq/ring_tx of the reverse path, -1: none
         self.ring_seq = np.zeros((0, ECHO_RING), dtype=np.int64)  # per outgoing path: seq % ECHO_RING -> seq
         self.ring_tx = np.zeros((0, ECHO_RING), dtype=np.int64)  # ... and its transmit time (our clock)
-        self._records = np.zeros((fastio.RECORDS, fastio.RECORD_FIELDS), dtype=np.int64)  # C receiver's output
+        # The C receiver's output: room for one full drain of every NIC.
+        self._records = np.zeros((0, fastio.RECORD_FIELDS), dtype=np.int64)
         self._pending: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []  # (t, path, seq, delay) blocks
         self._pending_rtt: list[tuple[float, np.ndarray, np.ndarray]] = []  # (t, path, rtt ns) blocks
         self.tick_no = 0
@@ -256,6 +258,7 @@ class Lens:
             local.addrs = b"".join(p.addr for p in local.out)
             local.rev = np.array([p.reverse for p in local.out], dtype=np.int64)
         self.ring_seq = np.full((rows, ECHO_RING), -1, dtype=np.int64)
+        self._records = np.zeros((fastio.RECORDS * max(1, len(self.local)), fastio.RECORD_FIELDS), dtype=np.int64)
         self.ring_tx = np.zeros((rows, ECHO_RING), dtype=np.int64)
         self.in_session = np.full(len(self.in_paths), -1, dtype=np.int64)
         self.in_echo_seq = np.full(len(self.in_paths), -1, dtype=np.int64)
@@ -304,8 +307,7 @@ class Lens:
             t0 = t1
         if now >= self.next_drain or now >= self.next_eval:  # late reads cost no accuracy (arrival stamps)
             self.next_drain = now + DRAIN_EVERY_S
-            for local in self.local:
-                self._drain(local, now)
+            self._drain_all(now)
             t1 = cpu()
             spent["receive"] += t1 - t0
             t0 = t1
@@ -477,26 +479,11 @@ class Lens:
 
     # ----- receiving ------------------------------------------------------------------------
 
-    def _drain(self, local: LocalNic, now: float) -> None:
-        """Read, authenticate and parse what waits on one NIC (C), then file it per batch (numpy)."""
-        try:
-            n, rejected, summaries = fastio.probeio().drain(
-                local.sock.fileno(),
-                self.key,
-                self.node_index[self.me],
-                local.index,
-                self.nic_ip,
-                self.nic_ip.shape[1],
-                local.path_of,
-                self._records,
-                64,  # at most 4096 datagrams per NIC per drain
-            )
-        except OSError as exc:
-            log.warning("lens on %s: receive on %s failed: %s", self.me, local.name, exc)
-            return
-        self.counters["rejected"] += rejected
-        for packet in summaries:
-            self._on_summary_packet(packet)
+    def _drain_all(self, now: float) -> None:
+        """Read, authenticate and parse what waits on every NIC (C), then file it all at once (numpy)."""
+        n = 0
+        for local in self.local:
+            n += self._drain(local, self._records[n:])
         if n:
             records = self._records[:n]
             kinds = records[:, R_KIND]
@@ -506,6 +493,28 @@ class Lens:
             trains = records[kinds == wire.TRAIN]
             if len(trains):
                 self._file_trains(trains, now)
+
+    def _drain(self, local: LocalNic, out: np.ndarray) -> int:
+        """One NIC's waiting datagrams: probe and train records into ``out`` (how many), summaries taken in."""
+        try:
+            n, rejected, summaries = fastio.probeio().drain(
+                local.sock.fileno(),
+                self.key,
+                self.node_index[self.me],
+                local.index,
+                self.nic_ip,
+                self.nic_ip.shape[1],
+                local.path_of,
+                out,
+                64,  # at most 4096 datagrams per NIC per drain
+            )
+        except OSError as exc:
+            log.warning("lens on %s: receive on %s failed: %s", self.me, local.name, exc)
+            return 0
+        self.counters["rejected"] += rejected
+        for packet in summaries:
+            self._on_summary_packet(packet)
+        return int(n)
 
     def _on_summary_packet(self, packet: bytes) -> None:
         """An authentic summary: the first copy of each goes on (it comes over every NIC)."""
@@ -656,25 +665,27 @@ class Lens:
                 if v[1].partition("/")[0] == node:  # a daemon speaks only for the paths it receives
                     paths.append(v)
             minima = []
+            mine, theirs = self.me + "/", node + "/"
             for src, dst, flat in doc.get("e", []):
-                if not isinstance(src, str) or not isinstance(dst, str):
+                if type(src) is not str or type(dst) is not str:
                     raise wire.WireError("malformed envelope entry")
-                if split_nic(dst)[0] != node or split_nic(src)[0] != self.me:
+                if not (dst.startswith(theirs) and src.startswith(mine)):
                     continue  # only the envelopes of this node's own paths: it fits only its own pairs
                 arr = np.asarray(flat, dtype=np.int64).reshape(-1, 2)
                 minima.append(((src, dst), arr))
             pairs = []
-            for a, b, offset, drift, unc, at, samples in doc.get("c", []):
+            for entry in doc.get("c", []):
+                a, b, offset, drift, unc, at, samples = entry
                 if a != node or b not in self.node_index:
                     continue  # a daemon speaks only for the pairs it fits
+                known = self.pair_estimates.get((a, b))
+                if known is not None and self._pair_raw.get((a, b)) == entry:
+                    pairs.append(((a, b), known[1], entry))  # told again unchanged (fits: every CLOCK_EVERY_S)
+                    continue
                 if not all(math.isfinite(float(x)) for x in (offset, drift, unc)) or float(unc) <= 0:
                     raise wire.WireError(f"non-finite clock estimate for {a}-{b}")
-                pairs.append(
-                    (
-                        (a, b),
-                        clocksync.PairEstimate(float(offset), float(drift), float(unc), int(samples), 0.0, int(at)),
-                    )
-                )
+                est = clocksync.PairEstimate(float(offset), float(drift), float(unc), int(samples), 0.0, int(at))
+                pairs.append(((a, b), est, entry))
         except Exception as exc:  # a keyed peer sending nonsense must not stop this loop
             self.counters["rejected"] += 1
             log.debug("lens on %s: summary dropped: %s", self.me, exc)
@@ -688,8 +699,9 @@ class Lens:
             if env is None:
                 env = self.envelopes[key] = clocksync.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
             env.add_many(arr[:, 0], arr[:, 0] + arr[:, 1], np.ones(len(arr), dtype=bool))
-        for key, est in pairs:
+        for key, est, entry in pairs:
             self.pair_estimates[key] = (now, est)
+            self._pair_raw[key] = entry
 
     # ----- clocks ---------------------------------------------------------------------------
 
