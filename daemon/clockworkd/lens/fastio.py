@@ -1,11 +1,14 @@
-"""Batched UDP I/O with kernel receive timestamps: ``sendmmsg``/``recvmmsg`` through ctypes.
+"""Batched UDP I/O with kernel receive timestamps: the probe sockets, and the C extension that uses them.
 
 Why: a node probes 16 peers from each NIC every 10 ms, thousands of packets a second. A Python
 ``sendto``/``recvmsg`` per packet costs ~10 µs of CPU each (interpreter + syscall), which alone
-would spend the whole probing budget (< 3 % of a core). One ``sendmmsg`` per NIC per tick and one
-``recvmmsg`` draining up to 64 packets per call, with the headers parsed by numpy in one go, keep the
-per-packet cost to the kernel's own work. Reads can be lazy (once per tick, not per packet) because
-the kernel stamps each packet when it arrives (SO_TIMESTAMPNS), not when it is read.
+would spend the whole probing budget (< 3 % of a core). Probes and trains go through
+``clockworkd.lens._probeio`` (C; :func:`probeio`): one ``sendmmsg`` per NIC per tick with every header
+built and tagged in C, and one call per drain that reads (``recvmmsg``), authenticates and parses
+everything waiting into int64 records (RECORD_FIELDS per packet) numpy files in one go. Reads can be
+lazy (every 50 ms, not per packet) because the kernel stamps each packet when it arrives
+(SO_TIMESTAMPNS), not when it is read. :class:`Sender` (ctypes ``sendmmsg``) sends the summaries (a few
+a second); :class:`Receiver` is the ctypes reader the tests use as a reference.
 
 Linux x86-64/arm64 only (struct layouts below are the LP64 ones).
 """
