@@ -302,3 +302,13 @@ def test_a_missing_build_stops_lens_loudly(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(fastio.importlib, "import_module", missing)
     with pytest.raises(fastio.ProbeIOMissing, match="make venv"):
         fastio.probeio()
+
+
+def test_more_paths_than_one_send_batch(rx_socket: socket.socket, tx_socket: socket.socket) -> None:
+    """A NIC may probe more peers than one sendmmsg batch holds (peers_per_nic has no upper bound)."""
+    state = _send_probes(tx_socket, rx_socket.getsockname()[1], paths=200, pair=150, tx_ns=10**18, echo=None)
+    assert (state["sent"], state["err"]) == (201, 0)
+    heads = [wire.HEADER.unpack(p[: wire.HEADER_BYTES]) for p in _recv_raw(rx_socket, 201)]
+    assert len(heads) == 201
+    assert [h[2] for h in heads[:2]] == [wire.PAIR_FIRST, wire.PAIR_SECOND]
+    assert sorted(h[7] for h in heads[2:]) == sorted(10 * (k + 1) + 1 for k in range(200) if k != 150)

@@ -92,18 +92,25 @@ static int64_t *i64(PyObject *obj, Py_buffer *view, Py_ssize_t count, int writab
     return (int64_t *)view->buf;
 }
 
-/* sendmmsg of the first ``count`` prepared slots, going on after a partial send; returns (sent, errno). */
-static PyObject *send_prepared(int fd, unsigned count) {
+/* sendmmsg of the first ``count`` prepared slots, going on after a partial send; returns the number sent
+ * and sets ``*err`` to the errno of a failure (0: all sent). */
+static unsigned send_slots(int fd, unsigned count, int *err) {
     unsigned done = 0;
-    int err = 0;
+    *err = 0;
     while (done < count) {
         int n = sendmmsg(fd, send_hdrs + done, count - done, MSG_DONTWAIT);
         if (n <= 0) {
-            err = errno ? errno : EAGAIN;
+            *err = errno ? errno : EAGAIN;
             break;
         }
         done += (unsigned)n;
     }
+    return done;
+}
+
+static PyObject *send_prepared(int fd, unsigned count) {
+    int err;
+    unsigned done = send_slots(fd, count, &err);
     return Py_BuildValue("(Ii)", done, err);
 }
 
@@ -167,8 +174,8 @@ static PyObject *py_send_probes(PyObject *self, PyObject *args) {
     held = 1;
     Py_ssize_t paths = b[0].len / 8;
     int64_t *seq = b[0].buf, *dn, *dnic, *rseq, *rtx, *rev, *eseq, *erx;
-    if (b[0].len % 8 != 0 || paths + 1 > SEND_BATCH) {
-        PyErr_Format(PyExc_ValueError, "seq: %zd bytes (at most %d int64 paths)", b[0].len, SEND_BATCH - 1);
+    if (b[0].len % 8 != 0) {
+        PyErr_Format(PyExc_ValueError, "seq: %zd bytes is not a whole number of int64", b[0].len);
         goto done;
     }
     if (!(dn = i64(o_dn, &b[1], paths, 0, "dst_node"))) goto done;
@@ -195,7 +202,8 @@ static PyObject *py_send_probes(PyObject *self, PyObject *args) {
     held++;
     Py_ssize_t echoes = b[7].len / 8;
     const uint8_t *addrs = b[3].buf;
-    unsigned count = 0;
+    unsigned count = 0, sent = 0;
+    int err = 0;
     if (pair >= paths) pair = -1;
     /* The pair first (its transmit stamp is the one clock sync relies on), then every other path. */
     for (Py_ssize_t step = 0; step <= paths; step++) {
@@ -223,10 +231,17 @@ static PyObject *py_send_probes(PyObject *self, PyObject *args) {
                    e_seq, hold);
             blake2b_final_from(&s, p, HEADER, p + HEADER);
             slot(count, p, PROBE_BYTES, addrs + 16 * k);
-            count++;
+            if (++count == SEND_BATCH) { /* more paths than one batch: send this one, go on */
+                unsigned n = send_slots(fd, count, &err);
+                sent += n;
+                count = 0;
+                if (err) goto sent_all;
+            }
         }
     }
-    result = send_prepared(fd, count);
+    if (count > 0) sent += send_slots(fd, count, &err);
+sent_all:
+    result = Py_BuildValue("(Ii)", sent, err);
 done:
     for (int i = 0; i < held; i++) PyBuffer_Release(&b[i]);
     return result;
@@ -429,7 +444,6 @@ PyMODINIT_FUNC PyInit__probeio(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "RECORD_FIELDS", RECORD_FIELDS) != 0 ||
-        PyModule_AddIntConstant(m, "MAX_PATHS", SEND_BATCH - 1) != 0 ||
         PyModule_AddIntConstant(m, "MAX_TRAIN", SEND_BATCH) != 0 ||
         PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) != 0) {
         Py_DECREF(m);
