@@ -92,7 +92,7 @@ class LocalNic:
     addrs: bytes = b""  # the paths' sockaddr_in, back to back
     rev: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # OutPath.reverse per path
     path_of: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # (node, NIC) -> in path
-    summary_to: list[tuple[tuple[int, int], bytes]] = field(default_factory=list)  # every peer on this rail
+    summary_to: dict[str, tuple[tuple[int, int], bytes]] = field(default_factory=dict)  # peer -> (dst, addr)
 
 
 @dataclass
@@ -225,14 +225,14 @@ class Lens:
                 addr = fastio.sockaddr_in(self.fabric.nodes[pnode].nics[pname], self.cfg.port)
                 local.out.append(OutPath(peer, addr, (self.node_index[pnode], self.nic_names[pnode].index(pname))))
             local.path_of = np.full(len(self.nodes) * ncols, -1, dtype=np.int64)
-            local.summary_to = [
-                (
+            local.summary_to = {
+                peer: (
                     (self.node_index[peer], self.nic_names[peer].index(name)),
                     fastio.sockaddr_in(self.fabric.nodes[peer].nics[name], self.cfg.port),
                 )
                 for peer in self.nodes
                 if peer != self.me and name in self.fabric.nodes[peer].nics
-            ]
+            }
             for src in probed_by.get(nic, ()):
                 snode, sname = split_nic(src)
                 key = (self.node_index[snode], self.nic_names[snode].index(sname), j)
@@ -414,64 +414,88 @@ class Lens:
                     self.counters["send_errors"] += 1
                     break
 
-    def _summary_entries(self) -> dict[str, list[list[Any]]]:
-        """What this node tells the others: its paths' verdicts, new envelope minima, its clock fits."""
+    def _summary_entries(self) -> tuple[list[list[Any]], dict[str, list[list[Any]]], list[list[Any]]]:
+        """What this node tells the others: its paths' verdicts and its clock fits (for every peer), and
+        new envelope minima (each peer only those of its own paths: the only ones it fits)."""
         verdicts = [
             [s.src, s.dst, int(v.bad), ",".join(v.kinds), v.score, s.loss, s.owd_p50_us, s.owd_p99_us]
             for s, v in self.last_stats
             if v is not None
         ]
-        minima = []
+        minima: dict[str, list[list[Any]]] = {}
         for pw in self.incoming.values():
             env = self.envelopes.get((pw.src, pw.dst))
-            if env is None or split_nic(pw.src)[0] > self.me:
+            src_node = split_nic(pw.src)[0]
+            if env is None or src_node > self.me:
                 continue  # a pair is fitted by its lower-named node, which has the other direction itself
             told = self._sent_minima.get((pw.src, pw.dst), -1)
             new = [(t, d) for t, d in env.minima() if t > told][-40:]
             if new:
                 self._sent_minima[(pw.src, pw.dst)] = new[-1][0]
-                minima.append([pw.src, pw.dst, [v for td in new for v in td]])
+                minima.setdefault(src_node, []).append([pw.src, pw.dst, [v for td in new for v in td]])
         pairs = [
             [a, b, est.offset_ns, est.drift_ppm, est.uncertainty_ns, est.at_ns, est.samples]
             for (a, b), (_t, est) in self.pair_estimates.items()
             if a == self.me
         ]
-        return {"v": verdicts, "e": minima, "c": pairs}
+        return verdicts, minima, pairs
 
-    def _summary_bodies(self) -> list[bytes]:
-        """The summary split into bodies that each fit one datagram (never a cut message)."""
+    def _summary_bodies(
+        self,
+        peer: str | None = None,
+        entries: tuple[list[list[Any]], dict[str, list[list[Any]]], list[list[Any]]] | None = None,
+        shared: list[tuple[str, list[Any], int]] | None = None,
+    ) -> list[bytes]:
+        """The summary for ``peer`` (None: the part every peer gets) split into bodies that each fit one
+        datagram (never a cut message). ``shared``: the verdicts and clock fits with their packed sizes."""
+        verdicts, minima, pairs = entries if entries is not None else self._summary_entries()
+        if shared is None:
+            shared = self._sized([("v", v) for v in verdicts] + [("c", c) for c in pairs])
+        items = shared + self._sized([("e", e) for e in minima.get(peer or "", [])])
         bodies: list[bytes] = []
         doc: dict[str, Any] = {"n": self.me, "v": [], "e": [], "c": []}
-        size = len(wire.summary_body(doc))
-        for key, entries in self._summary_entries().items():
-            for entry in entries:
-                grows = len(wire.summary_body(entry)) + 1
-                if size + grows > wire.MAX_SUMMARY_BODY and any(doc[k] for k in ("v", "e", "c")):
-                    bodies.append(wire.summary_body(doc))
-                    doc = {"n": self.me, "v": [], "e": [], "c": []}
-                    size = len(wire.summary_body(doc))
-                doc[key].append(entry)
-                size += grows
+        empty = size = len(wire.summary_body(doc))
+        for key, entry, grows in items:
+            if size + grows > wire.MAX_SUMMARY_BODY and any(doc[k] for k in ("v", "e", "c")):
+                bodies.append(wire.summary_body(doc))
+                doc = {"n": self.me, "v": [], "e": [], "c": []}
+                size = empty
+            doc[key].append(entry)
+            size += grows
         bodies.append(wire.summary_body(doc))
         return bodies[:MAX_SUMMARY_PACKETS]
 
-    def _send_summaries(self) -> None:
-        for body in self._summary_bodies():
-            self.summary_seq += 1
-            self._send_summary(body, self.summary_seq)
+    @staticmethod
+    def _sized(items: list[tuple[str, list[Any]]]) -> list[tuple[str, list[Any], int]]:
+        return [(key, entry, len(wire.summary_body(entry)) + 1) for key, entry in items]
 
-    def _send_summary(self, body: bytes, seq: int = 0) -> None:
-        """One summary datagram to every peer, over each NIC (the receivers keep the first copy)."""
+    def _send_summaries(self) -> None:
+        """Every peer gets the verdicts and clock fits plus its own paths' envelope minima, over each NIC
+        that reaches it (the receiver keeps the first copy): one sendmmsg per NIC per round."""
+        entries = self._summary_entries()
+        shared = self._sized([("v", v) for v in entries[0]] + [("c", c) for c in entries[2]])
+        common: list[bytes] | None = None
         src_index = self.node_index[self.me]
-        for local in self.local:
-            src = (src_index, local.index)
-            messages = [
-                (
-                    wire.sign(self.key, wire.header(wire.SUMMARY, 0, src, dst, seq, 0, self.session, len(body)), body),
-                    addr,
-                )
-                for dst, addr in local.summary_to
-            ]
+        outgoing: list[list[tuple[bytes, bytes]]] = [[] for _ in self.local]
+        for peer in self.nodes:
+            if peer == self.me:
+                continue
+            if peer in entries[1]:
+                bodies = self._summary_bodies(peer, entries, shared)
+            else:
+                common = common if common is not None else self._summary_bodies(None, entries, shared)
+                bodies = common
+            for body in bodies:
+                self.summary_seq += 1
+                for local, messages in zip(self.local, outgoing, strict=True):
+                    to = local.summary_to.get(peer)
+                    if to is not None:
+                        dst, addr = to
+                        head = wire.header(
+                            wire.SUMMARY, 0, (src_index, local.index), dst, self.summary_seq, 0, self.session, len(body)
+                        )
+                        messages.append((wire.sign(self.key, head, body), addr))
+        for local, messages in zip(self.local, outgoing, strict=True):
             if messages:
                 self._send(local, messages, "summaries_sent")
 
