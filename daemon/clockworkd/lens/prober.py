@@ -176,9 +176,8 @@ class Lens:
         self.ring_tx = np.zeros((0, ECHO_RING), dtype=np.int64)  # ... and its transmit time (our clock)
         # The C receiver's output: room for one full drain of every NIC.
         self._records = np.zeros((0, fastio.RECORD_FIELDS), dtype=np.int64)
-        self._probe_queue: list[tuple[float, np.ndarray]] = []  # (when read, probe records) since the evaluation
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # (t, path, seq, delay)
-        self._pending_rtt: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (t, path, rtt ns) blocks
+        self._pending: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []  # (t, path, seq, delay) blocks
+        self._pending_rtt: list[tuple[float, np.ndarray, np.ndarray]] = []  # (t, path, rtt ns) blocks
         self._summary_queue: list[bytes] = []  # authentic summaries waiting for the next evaluation
         self.tick_no = 0
         now = time.monotonic()
@@ -504,8 +503,7 @@ class Lens:
     # ----- receiving ------------------------------------------------------------------------
 
     def _drain_all(self, now: float) -> None:
-        """Read, authenticate and parse what waits on every NIC (C); keep the echoes current, and queue
-        the probes for the next evaluation, which files every drain's in one numpy pass."""
+        """Read, authenticate and parse what waits on every NIC (C), then file it all at once (numpy)."""
         n = 0
         for local in self.local:
             n += self._drain(local, self._records[n:])
@@ -514,36 +512,10 @@ class Lens:
             kinds = records[:, R_KIND]
             probes = records[kinds == wire.PROBE]
             if len(probes):
-                self.counters["probes_received"] += len(probes)
-                if np.any(probes[:, R_SESSION] != self.in_session[probes[:, R_PATH]]):  # a sender restarted
-                    self._take_probes()  # what came before it first: filing keeps arrival order
-                    self._file_probes(probes, np.full(len(probes), now))
-                else:
-                    rx = probes[:, R_RX]
-                    self._update_echoes(
-                        probes[:, R_PATH], probes[:, R_SEQ], self.seam.apply_many(rx) if self.seam else rx
-                    )
-                    self._probe_queue.append((now, probes))
+                self._file_probes(probes, now)
             trains = records[kinds == wire.TRAIN]
             if len(trains):
                 self._file_trains(trains, now)
-
-    def _take_probes(self) -> None:
-        """File the probes queued since the last evaluation (one pass over all drains)."""
-        if not self._probe_queue:
-            return
-        queue, self._probe_queue = self._probe_queue, []
-        probes = np.concatenate([p for _, p in queue]) if len(queue) > 1 else queue[0][1]
-        self._file_probes(probes, np.concatenate([np.full(len(p), t) for t, p in queue]))
-
-    def _update_echoes(self, path: np.ndarray, seq: np.ndarray, rx_clock: np.ndarray) -> None:
-        """The newest sequence number received per path (and when): what the probes back echo."""
-        order = np.lexsort((seq, path))
-        ordered = path[order]
-        last = order[np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))]
-        newer = last[seq[last] > self.in_echo_seq[path[last]]]
-        self.in_echo_seq[path[newer]] = seq[newer]
-        self.in_echo_rx[path[newer]] = rx_clock[newer]
 
     def _drain(self, local: LocalNic, out: np.ndarray) -> int:
         """One NIC's waiting datagrams: probe and train records into ``out`` (how many), summaries taken in."""
@@ -588,17 +560,27 @@ class Lens:
         seen.append(copy)
         self._on_summary(memoryview(packet))
 
-    def _file_probes(self, p: np.ndarray, t: np.ndarray) -> None:
-        """Probes (records in arrival order, ``t`` = when each was read): numpy over the batch, Python only
-        per coded pair. Samples wait as blocks until the evaluation files them into their paths."""
+    def _file_probes(self, p: np.ndarray, now: float) -> None:
+        """One drain's probes (records in arrival order): numpy over the batch, Python only per coded pair.
+
+        Samples wait as blocks (one per drain) until the next evaluation files them into their paths;
+        what the sender needs before that (the newest sequence number of each path, for echoes) is
+        kept in arrays here.
+        """
         path, seq, session, rx = p[:, R_PATH], p[:, R_SEQ], p[:, R_SESSION], p[:, R_RX]
         rx_clock = self.seam.apply_many(rx) if self.seam else rx
         delay = rx_clock - p[:, R_TX]
+        self.counters["probes_received"] += len(p)
         if np.any(session != self.in_session[path]):
-            self._file_restarted(path, seq, session, delay, rx_clock, t)
+            self._file_restarted(path, seq, session, delay, rx_clock, now)
         else:
-            self._pending.append((t, path, seq, delay))
-            self._update_echoes(path, seq, rx_clock)
+            self._pending.append((now, path, seq, delay))
+            order = np.lexsort((seq, path))  # newest sequence number of each path in this batch
+            ordered = path[order]
+            last = order[np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))]
+            newer = last[seq[last] > self.in_echo_seq[path[last]]]
+            self.in_echo_seq[path[newer]] = seq[newer]
+            self.in_echo_rx[path[newer]] = rx_clock[newer]
         # Round trips: the echo names one of our probes; its transmit time is in the reverse path's ring.
         hold, rows = p[:, R_HOLD], self.in_rev_out[path]
         echoed = np.flatnonzero((hold != wire.NO_ECHO) & (rows >= 0))
@@ -608,7 +590,7 @@ class Lens:
             rtt = rx_clock[echoed] - self.ring_tx[rows, slots] - hold[echoed]  # both ends on our clock
             ok = (self.ring_seq[rows, slots] == echo_seq) & (rtt > 0) & (rtt < RTT_MAX_NS)
             if ok.any():
-                self._pending_rtt.append((t[echoed[ok]], path[echoed[ok]], rtt[ok]))
+                self._pending_rtt.append((now, path[echoed[ok]], rtt[ok]))
         flagged = np.flatnonzero(p[:, R_FLAGS])
         if len(flagged):
             self._file_pairs(p[flagged], rx_clock[flagged])
@@ -620,11 +602,11 @@ class Lens:
         session: np.ndarray,
         delay: np.ndarray,
         rx_clock: np.ndarray,
-        t: np.ndarray,
+        now: float,
     ) -> None:
         """A batch in which some sender's session changed (it restarted): probe by probe, in arrival order."""
-        for i, q, sess, d, rxc, now in zip(
-            path.tolist(), seq.tolist(), session.tolist(), delay.tolist(), rx_clock.tolist(), t.tolist(), strict=True
+        for i, q, sess, d, rxc in zip(
+            path.tolist(), seq.tolist(), session.tolist(), delay.tolist(), rx_clock.tolist(), strict=True
         ):
             pw = self.in_paths[i]
             if sess != self.in_session[i]:
@@ -670,7 +652,7 @@ class Lens:
         for blocks, kind in ((self._pending, "probes"), (self._pending_rtt, "rtts")):
             if not blocks:
                 continue
-            t = np.concatenate([b[0] for b in blocks])
+            t = np.concatenate([np.full(len(b[1]), b[0]) for b in blocks])
             path = np.concatenate([b[1] for b in blocks])
             values = [np.concatenate([b[k] for b in blocks]) for k in range(2, len(blocks[0]))]
             blocks.clear()
@@ -838,7 +820,6 @@ class Lens:
     def evaluate(self, now: float) -> None:
         self.counters["evaluations"] += 1
         self._take_summaries()
-        self._take_probes()
         self._flush_samples()
         self._solve_clocks()
         heard = {pw.src.partition("/")[0] for pw in self.incoming.values() if now - pw.last_rx < self.th.window_s}
