@@ -5,10 +5,11 @@ SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Debian packages the sandbox cluster and the SPANK build need (chromium: the test that renders the audit's HTML report).
+# Debian packages the sandbox cluster and the SPANK build need (chromium: the test that renders the audit's HTML report;
+# gcc and python3-dev: Fleet Lens's C extension, which `pip install -e` compiles).
 APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
 	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping \
-	chromium
+	chromium gcc python3-dev
 
 .PHONY: help venv system-packages demo test lint clean sandbox-down spank
 
@@ -34,7 +35,8 @@ system-packages:
 
 # torch is pinned to the CPU build that lies on local disk; it is installed first so that the
 # project's `torch>=2.4` range is already satisfied and nothing newer (or CUDA) is pulled.
-$(STAMP): pyproject.toml
+# setup.py and the C sources too: `pip install -e` compiles Fleet Lens's extension (clockworkd.lens._probeio) in place.
+$(STAMP): pyproject.toml setup.py $(wildcard daemon/clockworkd/lens/csrc/*.[ch])
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[torch,dev]'
@@ -54,4 +56,4 @@ sandbox-down: venv
 
 clean:
 	$(MAKE) -C spank clean
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache daemon/clockworkd/lens/*.so

@@ -48,12 +48,25 @@ def measure(daemons: NodeDaemons, settings: dict[str, str], seconds: float, warm
     pids = daemons.start_all(settings)
     time.sleep(warmup)
     c0 = {n: cpu_seconds(p) for n, p in pids.items()}
-    s0 = {n: (daemons.request(n, "lens") or {}).get("counters", {}).get("probes_sent", 0) for n in pids}
+    r0 = {n: daemons.request(n, "lens") or {} for n in pids}
     t0 = time.monotonic()
     time.sleep(seconds)
     dt = time.monotonic() - t0
     c1 = {n: cpu_seconds(p) for n, p in pids.items()}
-    s1 = {n: (daemons.request(n, "lens") or {}).get("counters", {}).get("probes_sent", 0) for n in pids}
+    r1 = {n: daemons.request(n, "lens") or {} for n in pids}
+    s0 = {n: r.get("counters", {}).get("probes_sent", 0) for n, r in r0.items()}
+    s1 = {n: r.get("counters", {}).get("probes_sent", 0) for n, r in r1.items()}
+    # Lens's own account of its CPU time per phase (user + kernel of its event loop thread), median node.
+    phases = sorted({k for r in r1.values() for k in r.get("cpu_ms", {})})
+    per_phase = {
+        k: round(
+            statistics.median(
+                (r1[n].get("cpu_ms", {}).get(k, 0.0) - r0[n].get("cpu_ms", {}).get(k, 0.0)) / 10 / dt for n in pids
+            ),
+            3,
+        )
+        for k in phases
+    }
     user = [100 * (c1[n][0] - c0[n][0]) / dt for n in pids]
     system = [100 * (c1[n][1] - c0[n][1]) / dt for n in pids]
     cpu = [u + k for u, k in zip(user, system, strict=True)]
@@ -64,6 +77,7 @@ def measure(daemons: NodeDaemons, settings: dict[str, str], seconds: float, warm
         "user_median_pct": round(statistics.median(user), 2),
         "system_median_pct": round(statistics.median(system), 2),
         "probes_per_s_median": round(statistics.median(rate), 1),
+        "lens_phases_pct": per_phase,
     }
 
 
@@ -106,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"user {m['user_median_pct']:5.2f} %, kernel {m['system_median_pct']:5.2f} %), "
                 f"Lens's share {m['lens_pct']:5.2f} % of a core, {m['probes_per_s_median']:.0f} probes/s sent"
             )
+            if m["lens_phases_pct"]:
+                say(
+                    "      by phase (Lens's own account, % of a core, median node): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in m["lens_phases_pct"].items())
+                )
         daemons.stop_all()
     finally:
         box.down()

@@ -339,3 +339,78 @@ def test_a_moderate_rate_drop_is_fine() -> None:
     _train(feed.pw, 2, 5_000_000, now)  # a fifth of the baseline: above 10 %
     _, verdict = feed.judge(now)
     assert verdict is not None and not verdict.bad
+
+
+# ----- batch filing (what the Lens receiver does per drain) --------------------------------------
+
+
+def _mixed_samples(n: int = 300) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    t = T0 + np.repeat(np.arange(n // 5) * 0.05, 5)  # one filing time per drain of 5 probes
+    seq = np.arange(1, n + 1, dtype=np.int64)
+    seq[10], seq[11] = seq[11], seq[10]  # reordered
+    d = OFFSET_NS + rng.integers(15_000, 40_000, n)
+    return t, seq, d
+
+
+def test_blocks_give_the_same_figures_as_probe_by_probe() -> None:
+    t, seq, d = _mixed_samples()
+    one, batch = PathWindow("n2/lo", "n1/lo"), PathWindow("n2/lo", "n1/lo")
+    batch.session = one.session = SESSION
+    for ti, q, di in zip(t.tolist(), seq.tolist(), d.tolist(), strict=True):
+        one.add_one(ti, SESSION, q, di)
+    for start in range(0, len(t), 5):
+        batch.add_block(t[start : start + 5], seq[start : start + 5], d[start : start + 5])
+    rtt = np.full(len(t), 50_000, dtype=np.int64)
+    for pw in (one, batch):
+        pw.add_rtts(t, rtt + np.arange(len(t)))
+    now = float(t[-1]) + 0.005
+    assert batch.last_seq == one.last_seq == len(t) and batch.last_rx == one.last_rx
+    a, b = one.stats(now, OFFSET_NS, TH), batch.stats(now, OFFSET_NS, TH)
+    assert a == b
+    assert a.received > 0 and a.owd_p50_us is not None and a.jitter_us is not None and a.rtt_min_us is not None
+
+
+def test_probe_by_probe_then_blocks_keep_arrival_order() -> None:
+    """A restart batch is filed probe by probe, later drains as blocks: jitter must see one ordered stream."""
+    t, seq, d = _mixed_samples(20)
+    ref, mixed = PathWindow("n2/lo", "n1/lo"), PathWindow("n2/lo", "n1/lo")
+    for ti, q, di in zip(t.tolist(), seq.tolist(), d.tolist(), strict=True):
+        ref.add_one(ti, SESSION, q, di)
+    for ti, q, di in zip(t[:7].tolist(), seq[:7].tolist(), d[:7].tolist(), strict=True):
+        mixed.add_one(ti, SESSION, q, di)
+    mixed.add_block(t[7:], seq[7:], d[7:])
+    now = float(t[-1])
+    assert ref.stats(now, OFFSET_NS, TH) == mixed.stats(now, OFFSET_NS, TH)
+
+
+def test_a_session_change_drops_pending_blocks() -> None:
+    pw = PathWindow("n2/lo", "n1/lo")
+    pw.add_one(T0, SESSION, 1, OFFSET_NS)
+    pw.add_block(np.array([T0 + 0.01]), np.array([2]), np.array([OFFSET_NS]))
+    pw.add_one(T0 + 0.02, SESSION + 1, 1, OFFSET_NS)  # the sender restarted
+    stats = pw.stats(T0 + 0.03, OFFSET_NS, TH)
+    assert stats.received == 1 and pw.last_seq == 1
+
+
+@pytest.mark.parametrize("split", [[47], [10, 37], [1, 1, 45], [20, 27, 5]])
+def test_train_runs_match_packet_by_packet(split: list[int]) -> None:
+    """47 packets of a train (then 5 of the next, when the split goes past 47), filed in runs."""
+    rng = np.random.default_rng(len(split))
+    total = sum(split)
+    ids = np.array([5] * min(total, 47) + [6] * max(0, total - 47))
+    rx = 10**15 + rng.permutation(total).astype(np.int64) * 20_000
+    sizes = np.full(total, 1400, dtype=np.int64)
+    one, runs = PathWindow("n2/lo", "n1/lo"), PathWindow("n2/lo", "n1/lo")
+    for i in range(total):
+        one.add_train(int(ids[i]), i, 47, int(rx[i]), 1400, T0)
+    start = 0
+    for size in split:
+        part = slice(start, start + size)
+        for train_id in np.unique(ids[part]):  # a run is one train
+            sel = np.flatnonzero(ids[part] == train_id) + start
+            runs.add_train_run(int(train_id), 47, rx[sel], sizes[sel], T0)
+        start += size
+    keys = ("train_id", "train_got", "train_bytes", "train_first_ns", "train_last_ns", "last_rate", "prev_rate")
+    assert {k: getattr(runs, k) for k in keys} == {k: getattr(one, k) for k in keys}
+    assert one.last_rate is not None

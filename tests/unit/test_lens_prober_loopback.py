@@ -379,3 +379,29 @@ def test_clock_seam_is_recovered() -> None:
             assert p is not None and p["owd_p50_us"] is not None and abs(p["owd_p50_us"]) < 1000, p
         p = _path(c["n2"].snapshot(), "n1/lo", "n2/lo")
         assert p is not None and p["owd_p50_us"] is not None and abs(p["owd_p50_us"]) < 1000, p
+
+
+# ----- a restarted peer ------------------------------------------------------------------------------
+
+
+def test_a_restarted_peer_starts_its_paths_afresh() -> None:
+    """A peer daemon that restarts numbers its probes from 1 again (a new session): its paths start over
+    instead of looking like a huge loss or a dead path, and the round trips come back."""
+    with cluster() as c:
+        n1 = c["n1"]
+        c.drive(1.2)
+        pw = next(p for p in n1.incoming.values() if p.src == "n2/lo")
+        old_session, old_seq = pw.session, pw.last_seq
+        assert old_seq > 50
+        c["n2"].close()
+        fresh = Lens(c.cfg, "n2", c.fabric, c.topology, KEY, c._emit("n2"))
+        fresh.start()
+        c.lenses["n2"] = fresh
+        c.drive(0.7)
+        assert pw.session == fresh.session != old_session
+        assert 0 < pw.last_seq < old_seq  # numbered from 1 again: the window started over
+        p = _path(n1.snapshot(), "n2/lo", "n1/lo")
+        assert p is not None and p["received"] > 20 and p["loss"] < 0.05, p
+        assert p["verdict"] is not None and "dead" not in p["verdict"]["kinds"], p
+        back = _path(fresh.snapshot(), "n1/lo", "n2/lo")
+        assert back is not None and back["rtt_min_us"] is not None, back  # n1 echoes the new session's probes

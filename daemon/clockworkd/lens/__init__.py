@@ -12,5 +12,6 @@ Modules (each small, each with one job):
 - ``clocksync``: pairwise clock offset and drift from one-way delay envelopes; least squares over
   the probe graph.
 - ``wire``/``fastio``/``prober``: the probe packets, batched kernel I/O, and the component the
-  node daemon hosts in its event loop.
+  node daemon hosts in its event loop. ``_probeio`` (C, sources in ``csrc/``) does the per-packet
+  work: build, tag and send probes and trains; receive, verify and parse them (wire.py is its reference).
 """

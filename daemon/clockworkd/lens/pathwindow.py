@@ -82,16 +82,16 @@ class PathWindow:
     session: int = -1
     last_seq: int = -1
     last_rx: float = 0.0  # receiver's monotonic time of the newest probe
-    # Samples since the last evaluation (plain lists: appending costs ~0.1 µs), then one numpy block per
-    # evaluation (t = when the block was closed, seqs, delays) for as long as the window reaches back.
+    # Samples since the last evaluation: probe by probe (add_one: plain lists, appending costs ~0.1 µs) or
+    # as arrays (add_block: the receiver files a whole drain at once), kept in arrival order; then one numpy
+    # block per evaluation (t = when each sample was filed, seqs, delays) for as long as the window reaches back.
     pending_t: list[float] = field(default_factory=list)
     pending_seq: list[int] = field(default_factory=list)
     pending_d: list[int] = field(default_factory=list)
+    pending_blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     blocks: deque[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=deque)  # (t, seq, d)
     pair_first: tuple[int, int, int, int] | None = None  # (seq, tx, rx on our clock, rx real) awaiting its second
-    echo_seq: int = -1  # newest probe received (echoed back to the sender in our probes to it)
-    echo_rx_clock: int = 0  # when it arrived, our clock (ns)
-    rtts: deque[tuple[float, int]] = field(default_factory=deque)  # (when, round trip ns)
+    rtts: deque[tuple[np.ndarray, np.ndarray]] = field(default_factory=deque)  # blocks of (when, round trip ns)
     train_id: int = -1
     train_first_ns: int = 0
     train_last_ns: int = 0
@@ -114,14 +114,59 @@ class PathWindow:
         if session != self.session:  # the sender restarted: its sequence numbers begin again
             self.session = session
             self.pending_t, self.pending_seq, self.pending_d = [], [], []
+            self.pending_blocks.clear()
             self.blocks.clear()
-            self.last_seq = self.echo_seq = -1
+            self.last_seq = -1
         self.pending_t.append(now)
         self.pending_seq.append(seq)
         self.pending_d.append(d_ns)
         if seq > self.last_seq:
             self.last_seq = seq
         self.last_rx = now
+
+    def add_block(self, t: np.ndarray, seq: np.ndarray, d_ns: np.ndarray) -> None:
+        """Probes of the path's current session as arrays (arrival order): when filed, seq, delay (ns)."""
+        if not len(seq):
+            return
+        self._close_lists()
+        self.pending_blocks.append((np.asarray(t, dtype=np.float64), np.asarray(seq), np.asarray(d_ns)))
+        self.last_seq = max(self.last_seq, int(seq.max()))
+        self.last_rx = max(self.last_rx, float(t.max()))
+
+    def add_rtts(self, t: np.ndarray, rtt_ns: np.ndarray) -> None:
+        """Round trips measured from echoes: when, and the round trip (ns)."""
+        if len(rtt_ns):
+            self.rtts.append((np.asarray(t, dtype=np.float64), np.asarray(rtt_ns, dtype=np.int64)))
+
+    def _close_lists(self) -> None:
+        """Probe-by-probe samples become a block (so that they stay in order with the blocks after them)."""
+        if self.pending_seq:
+            self.pending_blocks.append(
+                (
+                    np.array(self.pending_t, dtype=np.float64),
+                    np.array(self.pending_seq, dtype=np.int64),
+                    np.array(self.pending_d, dtype=np.int64),
+                )
+            )
+            self.pending_t, self.pending_seq, self.pending_d = [], [], []
+
+    def add_train_run(self, train_id: int, count: int, rx_ns: np.ndarray, sizes: np.ndarray, now: float) -> None:
+        """Consecutive packets of one train as arrays (what :meth:`add_train` does for each, in one go)."""
+        k, n = 0, len(rx_ns)
+        while k < n:
+            if train_id != self.train_id:
+                self.finish_train(now)
+                self.train_id, self.train_count, self.train_got, self.train_bytes = train_id, count, 0, 0
+                self.train_first_ns = self.train_last_ns = int(rx_ns[k])
+            take = min(n - k, max(1, self.train_count - self.train_got))
+            rx, size = rx_ns[k : k + take], sizes[k : k + take]
+            self.train_bytes += int(size.sum()) - (int(size[0]) if self.train_got == 0 else 0)
+            self.train_got += take
+            self.train_first_ns = min(self.train_first_ns, int(rx.min()))
+            self.train_last_ns = max(self.train_last_ns, int(rx.max()))
+            if self.train_got >= self.train_count:
+                self.finish_train(now)
+            k += take
 
     def add_train(self, train_id: int, index: int, count: int, rx_ns: int, size: int, now: float) -> None:
         if train_id != self.train_id:
@@ -148,15 +193,12 @@ class PathWindow:
         """The window's figures; ``offset_ns`` = receiver clock minus sender clock now (None = unknown),
         changing at ``offset_rate`` ns per ns (the two clocks' relative drift): each sample is corrected
         with the offset of its own moment."""
-        if self.pending_seq:
-            self.blocks.append(
-                (
-                    np.array(self.pending_t),
-                    np.array(self.pending_seq, dtype=np.int64),
-                    np.array(self.pending_d, dtype=np.int64),
-                )
-            )
-            self.pending_t, self.pending_seq, self.pending_d = [], [], []
+        self._close_lists()
+        if len(self.pending_blocks) == 1:
+            self.blocks.append(self.pending_blocks[0])
+        elif self.pending_blocks:
+            self.blocks.append(tuple(np.concatenate(parts) for parts in zip(*self.pending_blocks, strict=True)))  # type: ignore[arg-type]
+        self.pending_blocks.clear()
         horizon = now - th.window_s
         while self.blocks and self.blocks[0][0][-1] < horizon:  # wholly out of the window
             self.blocks.popleft()
@@ -173,7 +215,11 @@ class PathWindow:
         else:
             ts = np.zeros(0)
             seqs = ds = np.zeros(0, dtype=np.int64)
-        received = len(np.unique(seqs)) if len(seqs) else 0
+        if len(seqs) > 1:  # distinct sequence numbers (np.unique's count, without its bookkeeping)
+            ordered_seqs = np.sort(seqs)
+            received = 1 + int(np.count_nonzero(ordered_seqs[1:] != ordered_seqs[:-1]))
+        else:
+            received = len(seqs)
         # Expected: from the first sequence number of the window to the newest, extended by what the
         # sender should have sent since the newest arrived (a path that went silent loses the rest).
         self.silent_s = now - self.last_rx if received else 0.0
@@ -195,11 +241,15 @@ class PathWindow:
                 p = _quantiles(owd)
             if len(ds) > 1:
                 jitter = float(np.mean(np.abs(np.diff(ds)))) / 1e3  # consecutive arrivals
-        while self.rtts and self.rtts[0][0] < horizon:
+        while self.rtts and self.rtts[0][0][-1] < horizon:  # wholly out of the window
             self.rtts.popleft()
+        if self.rtts and self.rtts[0][0][0] < horizon:
+            t, r = self.rtts[0]
+            keep = t >= horizon
+            self.rtts[0] = (t[keep], r[keep])
         rtt_min = rtt_p50 = None
         if self.rtts:
-            rt = np.sort(np.array([r for _, r in self.rtts], dtype=np.float64)) / 1e3
+            rt = np.sort(np.concatenate([r for _, r in self.rtts]).astype(np.float64)) / 1e3
             rtt_min, rtt_p50 = float(rt[0]), _quantiles(rt)[1]
         rate = None
         if self.last_rate is not None and now - self.last_rate[0] < TRAIN_STALE_S:

@@ -1,0 +1,23 @@
+"""The one thing pyproject.toml cannot say with every setuptools >= 68: Fleet Lens's C extension.
+
+``clockworkd.lens._probeio`` does Lens's per-packet work (build, tag and send probes; receive, verify and
+parse them), which in Python cost several percent of a core per node (docs: bench/lens_overhead.py).
+``pip install -e .`` (``make venv``) compiles it in place next to its Python package.
+"""
+
+from setuptools import Extension, setup
+
+CSRC = "daemon/clockworkd/lens/csrc"
+
+setup(
+    ext_modules=[
+        Extension(
+            "clockworkd.lens._probeio",
+            sources=[f"{CSRC}/_probeio.c", f"{CSRC}/blake2b.c"],
+            depends=[f"{CSRC}/blake2b.h"],
+            define_macros=[("_GNU_SOURCE", None), ("_FORTIFY_SOURCE", "2")],
+            extra_compile_args=["-std=gnu11", "-O2", "-fstack-protector-strong", "-Wall", "-Wextra", "-Werror"],
+            extra_link_args=["-Wl,-z,relro,-z,now", "-Wl,-z,noexecstack"],
+        )
+    ]
+)
