@@ -57,12 +57,12 @@ def interleaved(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out = work / "interleaved"
     out.mkdir()
     extra = ["--segment", str(args.segment)]
-    steps = argparse.Namespace(**{**vars(args), "steps": args.segment * (args.segments + 1)})
-    code = wait_all([torchpass_job(steps, out, spares=0, extra=extra, mode="interleaved")], args.timeout)[0]
+    job_args = argparse.Namespace(**{**vars(args), "steps": args.segment * (args.segments + 1)})
+    code = wait_all([torchpass_job(job_args, out, spares=0, extra=extra, mode="interleaved")], args.timeout)[0]
     if code:
         raise RuntimeError(f"the interleaved job exited with {code}; see {out}/torchpass.err")
     times = json.loads((out / "interleaved.json").read_text())
-    ratios = [tp / ddp for ddp, tp in zip(times["ddp"], times["torchpass"], strict=False)]
+    ratios = [tp / ddp for ddp, tp in zip(times["ddp"], times["torchpass"], strict=True)]
     ddp_s, tp_s = statistics.median(times["ddp"]), statistics.median(times["torchpass"])
     return {
         "segments": len(ratios),

@@ -21,7 +21,7 @@ group underneath it without rebuilding it:
   25 MiB, the bucket reduced last capped at DDP's 1 MiB first-bucket size). DDP itself puts every
   parameter into one bucket until its rebuild (unless ``find_unused_parameters``); kept for good, that
   one bucket could only be reduced after the whole backward pass, with no overlap of gradient traffic
-  and backward compute: 14.6 % fewer steps/s than plain DDP on 16 cores (``bench/torchpass_overhead.py``).
+  and backward compute (the likely cause of 14.6 % fewer steps/s than plain DDP measured on 16 cores).
   Needs DDP's ``bucket_cap_mb_list`` (torch 2.13); earlier releases keep the single bucket, with a warning.
 
 Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forward, as DDP's
@@ -81,7 +81,7 @@ _DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
 _DEFAULT_CAP_MB = 25.0  # DDP's default bucket_cap_mb
 _MIB = 1024 * 1024
 
-log = logging.getLogger("torchpass.ddp")
+log = logging.getLogger("clockwork.torchpass.ddp")
 
 
 def _bucket_caps(bucket_cap_mb: float | None) -> dict[str, Any]:
