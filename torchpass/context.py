@@ -218,7 +218,7 @@ class Context:
             if ctx._abandoned:
                 ctx.log.debug("optimizer step skipped (step abandoned: %s)", ctx._abandon_reason)
                 return None
-            ctx._snapshotter.before_update()  # GPU snapshot copies still reading the parameters come first
+            ctx._snapshotter.before_update()  # snapshot copies still reading the parameters come first
             result = inner(*args, **kwargs)
             ctx._optimizer_steps += 1
             return result
@@ -457,6 +457,7 @@ class Context:
         self._join_loop(after=gen, first=None, left_at=left_at)
 
     def _join_loop(self, after: int, first: GenerationInfo | None, left_at: float | None = None) -> None:
+        self._snapshotter.before_update()  # joining may overwrite the state a snapshot is still copying
         info = first
         while True:
             if info is None:

@@ -9,11 +9,15 @@ Taking one (:class:`Snapshotter`, at a step boundary right after a commit, on ev
    are spread over the data-parallel replicas, which all hold the same values: each tensor is staged and
    written by one replica only (greedy by size, the same plan on every rank), and rank 0 also stages the
    state's description. Each rank adds its own state (RNG generators, slot, data position);
-2. GPU tensors are copied with non-blocking copies (parameters and optimizer state on a side stream, which
-   the next optimizer step waits for on the GPU; anything a forward pass may change, on the compute stream
-   itself), the arena being page-locked with ``cudaHostRegister``; CPU tensors are copied. The host does not
-   wait for the GPU copies: a background thread does, then hands the arena to the writer process
-   (:mod:`clockworkd.snapshots.writer`), which checksums, writes and fsyncs the shard while training goes on;
+2. parameters and optimizer state, which only an optimizer step changes, are copied while the next
+   forward and backward pass run, and the next optimizer step waits for that copy (:meth:`before_update`):
+   on the GPU with non-blocking copies on a side stream (the arena page-locked with ``cudaHostRegister``;
+   the GPU waits, not the host), on the CPU by the snapshot thread (``Tensor.copy_`` releases the GIL).
+   Anything a forward pass may change (buffers) and the rank's own small state are copied at the boundary
+   (on the compute stream for GPU tensors). A recovery that may overwrite the state waits for the copies
+   first. Then the snapshot thread hands the arena to the writer process
+   (:mod:`clockworkd.snapshots.writer`), which checksums, writes and fsyncs the shard while training goes on.
+   Parameters and optimizer state must therefore change only inside the wrapped ``optimizer.step()``;
 3. rank 0's writer waits for every shard, writes the manifest (the snapshot now exists) and applies
    retention. If the writer is still busy with the previous snapshot when the next is due, the new one is
    skipped (logged, ``torchpass.snapshot_skipped``): training never waits for the disk. A write error fails
@@ -54,6 +58,7 @@ import torch
 
 from clockworkd.snapshots.store import (
     FAILED_PREFIX,
+    NICE_INCREMENT,
     SnapshotCorrupt,
     list_snapshots,
     load_manifest,
@@ -212,11 +217,13 @@ class Snapshotter:
         self._jobs: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._pending_event: Any = None  # CUDA event the next optimizer step waits for
+        self._copied: threading.Event | None = None  # set once the snapshot thread copied the CPU tensors
         self._ids = 0
         self.taken = 0
         self.skipped = 0
         self.failed = 0
-        self.last_stall_s = 0.0
+        self.last_stall_s = 0.0  # the last capture() call
+        self.last_wait_s = 0.0  # what the optimizer step after it waited for the CPU copies
         self.shard_seconds: list[float] = []  # the writer's time per shard (checksums, HDF5 write, fsync)
 
     # ----- when -----------------------------------------------------------------------------
@@ -242,11 +249,17 @@ class Snapshotter:
     # ----- taking one -----------------------------------------------------------------------
 
     def before_update(self) -> None:
-        """Called before each optimizer step: the GPU waits (not the host) for the copies still reading the
-        parameters and optimizer state."""
+        """Called before each optimizer step, and before a recovery may overwrite the state: the copies still
+        reading the parameters and optimizer state come first (the GPU waits for its side stream, the host
+        for the snapshot thread's CPU copies, which normally finished during the forward and backward pass)."""
         event, self._pending_event = self._pending_event, None
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+        copied, self._copied = self._copied, None
+        if copied is not None:
+            started = time.perf_counter()
+            copied.wait()
+            self.last_wait_s = time.perf_counter() - started
 
     def capture(self, parts: StateParts, committed: int, slot: int, world_size: int) -> bool:
         """Stage the state of step ``committed`` and hand it to the writer; False when skipped (still busy)."""
@@ -286,7 +299,7 @@ class Snapshotter:
             add(name, _as_bytes(tensor.contiguous()), False)
         cuda = any(e.tensor.is_cuda for e in entries)
         arena = self._ensure_arena(max(offset, ALIGN), cuda)
-        events = self._stage(arena, entries, cuda)
+        events, deferred = self._stage(arena, entries, cuda)
         self._busy.set()
         self._ids += 1
         folder = snapshot_path(self.directory, committed)
@@ -314,7 +327,18 @@ class Snapshotter:
                 "timeout_s": self.config.snapshot_timeout_s,
             }
         self._start_thread()
-        self._jobs.put({"request": request, "events": events, "step": committed, "started": time.time()})
+        if deferred:
+            self._copied = threading.Event()
+        self._jobs.put(
+            {
+                "request": request,
+                "events": events,
+                "deferred": [(arena.tensor[e.offset : e.offset + e.nbytes], e.tensor) for e in deferred],
+                "copied": self._copied,
+                "step": committed,
+                "started": time.time(),
+            }
+        )
         self.taken += 1
         self.last_stall_s = time.perf_counter() - started
         return True
@@ -336,11 +360,13 @@ class Snapshotter:
             self._arena = _Arena(size, cuda)
         return self._arena
 
-    def _stage(self, arena: _Arena, entries: list[_Entry], cuda: bool) -> list[Any]:
-        """Copy every entry into the arena; returns the CUDA events the writer must wait for."""
+    def _stage(self, arena: _Arena, entries: list[_Entry], cuda: bool) -> tuple[list[Any], list[_Entry]]:
+        """Copy or start copying every entry into the arena; returns the CUDA events the writer must wait for
+        and the CPU entries left for the snapshot thread to copy."""
         events: list[Any] = []
         side_entries = [e for e in entries if e.tensor.is_cuda and e.side_stream]
-        main_entries = [e for e in entries if not (e.tensor.is_cuda and e.side_stream)]
+        deferred = [e for e in entries if not e.tensor.is_cuda and e.side_stream]
+        main_entries = [e for e in entries if not e.side_stream]
         with torch.no_grad():
             if side_entries:
                 compute = torch.cuda.current_stream()
@@ -360,7 +386,7 @@ class Snapshotter:
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream())
                 events.append(done)
-        return events
+        return events, deferred
 
     # ----- the background side ---------------------------------------------------------------
 
@@ -378,11 +404,24 @@ class Snapshotter:
             self._thread.start()
 
     def _run(self) -> None:
+        try:  # this thread only: when cores are short, the training loop's threads go first
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICE_INCREMENT)
+        except OSError:
+            pass
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             try:
+                try:
+                    with torch.no_grad():
+                        for into, tensor in job["deferred"]:
+                            into.copy_(tensor)  # releases the GIL: the next forward pass runs meanwhile
+                finally:
+                    if job["copied"] is not None:
+                        job["copied"].set()  # even on failure: the optimizer step must never hang on us
+                    job["deferred"] = None
                 self._serve(job)
             except Exception as exc:
                 self.failed += 1

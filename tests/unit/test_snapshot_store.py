@@ -56,10 +56,14 @@ class Trainer:
         self.parts = StateParts(self.model, [self.opt], {"sched": self.sched})
         self.done = -1
 
-    def step(self) -> None:
+    def step(self, snaps: Snapshotter | None = None) -> None:
+        """One training step; with ``snaps``, the optimizer step first waits for its copies (as TorchPass's
+        wrapped optimizer does)."""
         self.done += 1
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(self.done))
         self.model(x).pow(2).mean().backward()
+        if snaps is not None:
+            snaps.before_update()
         self.opt.step()
         self.opt.zero_grad()
         self.sched.step()
@@ -132,6 +136,31 @@ def flip_byte(path: Path, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_training_goes_on_while_the_snapshot_copies(tmp_path: Path, events: Events) -> None:
+    """Parameters and Adam state are copied by the snapshot thread while the next step's forward and backward
+    pass run; its optimizer step waits for that copy. Steps taken at once after each capture (no wait for
+    the writer) still leave snapshots equal to the state at their step, bitwise."""
+    snaps = make_snapshotter(tmp_path, events, snapshot_keep=3)
+    trainer = Trainer(width=2048)  # 50 MiB of parameters and Adam state: a copy that takes a while
+    states = {}
+    try:
+        for _ in range(20):
+            trainer.step(snaps)
+            state = trainer.state()  # taken first: the next step starts right after the capture
+            if snaps.capture(trainer.parts, trainer.done, 0, 1):
+                states[trainer.done] = state
+        assert snaps.wait(60)
+    finally:
+        snaps.close()
+    written = [e["step"] for e in events.of("torchpass.snapshot_written")]
+    assert written and not events.of("torchpass.snapshot_failed")
+    complete = [info for info in list_snapshots(tmp_path) if info.complete]
+    assert [info.step for info in complete] == written[-3:]
+    for info in complete:
+        step, fresh = restore_into(info.path, events, width=2048)
+        assert step == info.step and same(fresh.state(), states[info.step]), f"snapshot of step {step} differs"
 
 
 def test_restore_is_bitwise(taken: tuple[Path, Trainer, dict[int, list[torch.Tensor]]], events: Events) -> None:
@@ -231,9 +260,9 @@ def test_busy_writer_skips_instead_of_waiting(tmp_path: Path, events: Events) ->
     snaps = make_snapshotter(tmp_path, events, snapshot_timeout_s=3.0)
     trainer = Trainer()
     try:
-        trainer.step()
+        trainer.step(snaps)
         assert snaps.capture(trainer.parts, 0, 0, 2)
-        trainer.step()
+        trainer.step(snaps)
         assert not snaps.capture(trainer.parts, 1, 0, 2)
         assert events.of("torchpass.snapshot_skipped")[0]["step"] == 1
         assert snaps.wait(60)

@@ -59,6 +59,10 @@ __all__ = [
 FORMAT = "clockwork-snapshot/1"
 MANIFEST = "manifest.json"
 FAILED_PREFIX = "failed-rank-"
+#: How much lower than the training loop's the CPU priority of snapshot work is (the rank's copying thread and
+#: the writer process): when cores are short, training goes first; a snapshot only has to be written before
+#: the next one is due.
+NICE_INCREMENT = 10
 _STEP_RE = re.compile(r"^step-(\d{10})$")
 _CRC_CHUNK = 64 << 20
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from clockworkd.snapshots.store import (
     FAILED_PREFIX,
+    NICE_INCREMENT,
     SnapshotCorrupt,
     apply_retention,
     crc32,
@@ -213,6 +214,10 @@ def handle(request: dict[str, Any]) -> list[dict[str, Any]]:
 def main() -> int:
     """Serve requests from stdin until it closes."""
     _die_with_parent()
+    try:
+        os.nice(NICE_INCREMENT)
+    except OSError:
+        pass  # not permitted here: the writer runs at the rank's priority
     for line in sys.stdin:
         if not line.strip():
             continue
