@@ -1,0 +1,59 @@
+"""The shard writer's two ways to the disk give the same file: direct (O_DIRECT from the arena, the tails and
+small entries through HDF5) and through the page cache only.
+
+Entries of awkward sizes (empty, one byte, a block less one, whole blocks, a block and a byte, a few MiB and
+odd bytes) and one at an arena offset O_DIRECT cannot use are written both ways from a real shared-memory
+arena; each file must read back, through h5py, as exactly the arena's bytes, with their CRC-32s.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from clockworkd.snapshots.writer import DIRECT_ALIGN, write_shard
+
+SIZES = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, 3 * DIRECT_ALIGN + 5, (3 << 20) + 7, 8 << 20]
+
+
+@pytest.fixture
+def arena() -> tuple[mmap.mmap, list[list[object]]]:
+    """A /dev/shm arena of random bytes and its entries; the last entry starts 8 bytes past a block."""
+    entries: list[list[object]] = []
+    offset = 0
+    for i, size in enumerate(SIZES):
+        entries.append([f"t/{i:06d}", offset, size, "torch.uint8", [size]])
+        offset += (size + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
+    entries.append(["rank/00000/odd", offset + 8, 2 * DIRECT_ALIGN, "torch.uint8", [2 * DIRECT_ALIGN]])
+    size = offset + 3 * DIRECT_ALIGN
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd = os.open(folder or "/tmp", os.O_TMPFILE | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    mapping[:] = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8).tobytes()
+    return mapping, entries
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+def test_shard_holds_every_byte(arena: tuple[mmap.mmap, list[list[object]]], tmp_path: Path, direct: bool) -> None:
+    mapping, entries = arena
+    path = tmp_path / "rank-00000.h5"
+    total = write_shard(mapping, path, entries, direct=direct)
+    assert total == sum(int(e[2]) for e in entries)  # type: ignore[call-overload]
+    assert not list(tmp_path.glob(".*tmp*")), "the temporary file was left behind"
+    with h5py.File(path, "r") as f:
+        for name, offset, nbytes, _dtype, _shape in entries:
+            expected = mapping[int(offset) : int(offset) + int(nbytes)]  # type: ignore[call-overload]
+            dset = f[str(name)]
+            got = dset[...].tobytes() if int(nbytes) else b""  # type: ignore[call-overload]
+            assert got == expected, f"{name}: the bytes differ"
+            assert int(dset.attrs["crc32"]) == zlib.crc32(expected) & 0xFFFFFFFF
