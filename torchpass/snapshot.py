@@ -327,8 +327,7 @@ class Snapshotter:
                 "timeout_s": self.config.snapshot_timeout_s,
             }
         self._start_thread()
-        if deferred:
-            self._copied = threading.Event()
+        self._copied = threading.Event() if deferred else None
         self._jobs.put(
             {
                 "request": request,
