@@ -57,17 +57,6 @@ def rx_socket() -> Iterator[socket.socket]:
         sock.close()
 
 
-@pytest.fixture
-def tx_socket() -> Iterator[socket.socket]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((LOCAL, 0))
-    sock.setblocking(False)
-    try:
-        yield sock
-    finally:
-        sock.close()
-
-
 def _recv_raw(sock: socket.socket, want: int) -> list[bytes]:
     got: list[bytes] = []
     end = time.monotonic() + 2.0

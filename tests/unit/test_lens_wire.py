@@ -161,17 +161,6 @@ def rx_socket() -> Iterator[socket.socket]:
         sock.close()
 
 
-@pytest.fixture
-def tx_socket() -> Iterator[socket.socket]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-    try:
-        yield sock
-    finally:
-        sock.close()
-
-
 def _recv_all(receiver: fastio.Receiver, sock: socket.socket, want: int, deadline_s: float = 2.0) -> list[tuple]:
     """Drain until ``want`` datagrams came in (loopback delivers synchronously; the deadline is a guard)."""
     got: list[tuple] = []
