@@ -208,8 +208,9 @@ def test_sender_and_receiver_over_loopback(rx_socket: socket.socket, tx_socket: 
     assert not trunc.any()
     assert (src == _ip_u32("127.0.0.1")).all()
     assert (rx != 0).all(), "SO_TIMESTAMPNS gave no kernel stamp"
+    # The stamps are CLOCK_REALTIME, which may be stepped between two datagrams (seen here: 0.94 ms back on
+    # this VM), so only their window is checked, not their order.
     assert (rx >= before - 1_000_000).all() and (rx <= after + 1_000_000).all()
-    assert (np.diff(rx) >= 0).all()
     for p in payloads:
         assert wire.verify(KEY, memoryview(p), len(p))
 
