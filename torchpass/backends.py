@@ -26,9 +26,10 @@ import datetime
 import logging
 import os
 import socket
+import sys
 import threading
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,7 @@ class CommBackend(ABC):
         self.generation = -1  # generation whose group is current; -1 = none
         self._lock = threading.Lock()
         self._local: dist.ProcessGroup | None = None
+        self._hooked = False
 
     @property
     @abstractmethod
@@ -96,6 +98,15 @@ class CommBackend(ABC):
     @abstractmethod
     def form_group(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
         """Create the default process group for ``generation`` over ``store`` (all members call this)."""
+
+    def _init_process_group(self, backend: str, **kwargs: Any) -> None:
+        """``dist.init_process_group``, keeping one ``[rankN]:`` excepthook: torch chains a new one on every call,
+        and a rank that formed 30 generations would prefix each line of its last traceback 30 times."""
+        hook = sys.excepthook
+        dist.init_process_group(backend, **kwargs)
+        if self._hooked:
+            sys.excepthook = hook
+        self._hooked = True
 
     @abstractmethod
     def abort(self) -> None:
@@ -179,7 +190,7 @@ class GlooBackend(CommBackend):
         """Create the group and remember the peer sockets it opened (gloo connects the full mesh eagerly)."""
         before = _socket_fds()
         backend = _BOUND_GLOO if self.bind_host else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+        self._init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
         after = _socket_fds()
         opened = {fd: link for fd, link in after.items() if before.get(fd) != link}
         with self._lock:
@@ -250,7 +261,7 @@ class NcclBackend(CommBackend):
         options = dist.ProcessGroupNCCL.Options()
         options.config.blocking = 0
         options._timeout = self.timeout
-        dist.init_process_group(
+        self._init_process_group(
             "nccl",
             store=store,
             rank=rank,

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = ["main"]
 PROG = "torchpass"
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+MIGRATE_RETRY_S = 0.5  # how often `torchpass migrate --wait` asks again
 COORDINATOR_HELP = (
     "the coordinator file `torchpass run --local` printed (address and job key), or tcp://HOST:PORT with the "
     "job key in TORCHPASS_JOB_KEY"
@@ -129,6 +131,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     migrate.add_argument("--coordinator", required=True, metavar="FILE|ADDR", help=COORDINATOR_HELP)
     migrate.add_argument("--slot", required=True, type=int, metavar="R", help="the rank slot to move")
+    migrate.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="keep asking this long while the job cannot migrate yet (no spare is ready, another membership "
+        "change is in progress); 0 fails at once (default: %(default)g)",
+    )
 
     snapshot = commands.add_parser(
         "snapshot",
@@ -250,7 +260,15 @@ def _request(target: str, op: str, **fields: Any) -> dict[str, Any]:
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
-    reply = _request(args.coordinator, "migrate", slot=args.slot, requester="torchpass migrate")
+    deadline = time.monotonic() + max(0.0, args.wait)
+    while True:
+        try:
+            reply = _request(args.coordinator, "migrate", slot=args.slot, requester="torchpass migrate")
+            break
+        except CoordinatorRefused as exc:
+            if not exc.retry or time.monotonic() + MIGRATE_RETRY_S > deadline:
+                raise
+            time.sleep(MIGRATE_RETRY_S)
     print(f"slot {args.slot} moves to {reply['target']} in generation {reply['generation']}")
     return 0
 

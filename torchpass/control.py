@@ -38,11 +38,13 @@ class CoordinatorLost(RuntimeError):
 class CoordinatorRefused(RuntimeError):
     """The coordinator answered with an error (the message says why).
 
-    ``leader`` is set when the answer came from a passive replica (Slurm mode): where the leader is."""
+    ``leader`` is set when the answer came from a passive replica (Slurm mode): where the leader is; ``retry``
+    when the same request may succeed later (a migration asked for before a spare is ready)."""
 
-    def __init__(self, message: str, leader: str = "") -> None:
+    def __init__(self, message: str, leader: str = "", *, retry: bool = False) -> None:
         super().__init__(message)
         self.leader = leader
+        self.retry = retry
 
 
 class JobStopped(RuntimeError):
@@ -109,7 +111,11 @@ class CoordinatorRpc:
                 if reply.get("id") != req_id:
                     continue  # a late answer to an abandoned request
                 if not reply.get("ok", False):
-                    raise CoordinatorRefused(str(reply.get("error", "refused")), str(reply.get("leader") or ""))
+                    raise CoordinatorRefused(
+                        str(reply.get("error", "refused")),
+                        str(reply.get("leader") or ""),
+                        retry=bool(reply.get("retry")),
+                    )
                 if reply.get("stop"):
                     raise JobStopped(str(reply.get("reason", "")), bool(reply.get("done")))
                 return reply

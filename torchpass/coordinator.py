@@ -482,8 +482,10 @@ class Coordinator(SocketThread):
     def _reply(self, ident: bytes, req_id: Any, **fields: Any) -> None:
         self._send(ident, encode("reply", id=req_id, ok=True, **fields))
 
-    def _reply_error(self, ident: bytes, msg: dict[str, Any], message: str) -> None:
-        self._send(ident, encode("reply", id=msg.get("id"), ok=False, error=message))
+    def _reply_error(self, ident: bytes, msg: dict[str, Any], message: str, *, retry: bool = False) -> None:
+        """Refuse a request; ``retry`` says the same request may succeed later (e.g. once a spare is ready)."""
+        fields: dict[str, Any] = {"retry": True} if retry else {}
+        self._send(ident, encode("reply", id=msg.get("id"), ok=False, error=message, **fields))
 
     def _push(self, wid: str, op: str, **fields: Any) -> None:
         rec = self.workers.get(wid)
@@ -621,17 +623,19 @@ class Coordinator(SocketThread):
 
     def _on_migrate(self, ident: bytes, msg: dict[str, Any]) -> None:
         slot = int(msg["slot"])
-        problem = ""
+        problem, retry = "", True
         if self.state != RUNNING or self.info is None or not self._progressed:
             problem = f"the job is not running a generation yet (state {self.state})"
         elif self.vacant or self._pending_handoff is not None or self._departing is not None:
             problem = "a membership change is already in progress"
         elif slot not in self.members:
-            problem = f"no slot {slot} (slots 0..{self.world_size - 1})"
+            problem, retry = f"no slot {slot} (slots 0..{self.world_size - 1})", False
         elif not self.spares:
             problem = "no spare is ready"
         if problem:
-            self._reply_error(ident, msg, f"cannot migrate slot {slot}: {problem}")
+            self._reply_error(
+                ident, msg, f"cannot migrate slot {slot}: {problem}", retry=retry and self.state not in (DONE, FAILED)
+            )
             return
         source = self.members.pop(slot)
         src = self.workers[source]

@@ -104,21 +104,28 @@ class TransparentWarning(UserWarning):
 
 
 class DataPosition:
-    """The committed data position: ``index`` batches of pass ``pass_no`` over the tracked loader are done.
+    """Where the replicas are in the script: ``index`` batches of pass ``pass_no`` over the tracked loader are
+    done, and ``collectives`` of the script's collectives between steps have completed.
 
     Registered with the context like any user state, so it travels with the model and rolls back with an
-    abandoned step. ``epoch`` is the sampler's epoch of that pass (a consistency check for newcomers)."""
+    abandoned step. ``epoch`` is the sampler's epoch of that pass (a consistency check for newcomers; -1 when
+    unknown). A pass whose end the replicas have passed is recorded as the next pass at index 0: from there on
+    they ran the script's code after that pass (its epilogue), which a newcomer must then skip, while a pass
+    ended but not yet left (``index`` = its length) means the epilogue is still to run, newcomer included.
+    ``collectives`` tells a newcomer which of the epilogue's collectives the replicas already ran."""
 
     def __init__(self) -> None:
         self.pass_no = 0
         self.index = 0
         self.epoch = -1
+        self.collectives = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"pass": self.pass_no, "index": self.index, "epoch": self.epoch}
+        return {"pass": self.pass_no, "index": self.index, "epoch": self.epoch, "collectives": self.collectives}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.pass_no, self.index, self.epoch = int(state["pass"]), int(state["index"]), int(state["epoch"])
+        self.collectives = int(state.get("collectives", 0))  # snapshots written before the field existed
 
 
 class _Pass:
@@ -193,6 +200,8 @@ class Session:
         self.failed_after_update = ""  # a collective failed after the update: recover right after the commit
         self.steps_without_optimizer = 0
         self.fast_forward = False
+        self.between_seen = 0  # the script's collectives between steps this process reached (once the job started)
+        self.moved_between = False  # the script ran on between two steps: the rollback point moves to the next
         self.first_step_checked = False
         self.n_schedulers = 0
         self.n_scalers = 0
@@ -344,15 +353,19 @@ class Session:
         return guarded
 
     def between_steps(self, collective: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A collective of the script's outside a step (e.g. between epochs): skipped while a newcomer
-        fast-forwards (the replicas ran it before it joined); when it fails, the rank recovers and runs it again
-        in the new generation, with its input tensors as they were (a failed collective may have written
-        into them). Every member meets it there: survivors by retrying, a newcomer by reaching it."""
+        """A collective of the script's outside a step (e.g. between epochs). A newcomer skips the ones the
+        replicas completed before it joined (it counts them as it replays the script); the first one they did
+        not complete is where it catches up with them, and from there on it runs the script for real. When it
+        fails, the rank recovers and runs it again in the new generation, with its input tensors as they were
+        (a failed collective may have written into them). Every member meets it there: survivors by retrying,
+        a newcomer by reaching it."""
         ctx = self.ctx
-        if self.fast_forward:
-            return None
         if ctx.generation < 0:
             return collective(*args, **kwargs)  # before the first step there is no group: it raises as usual
+        self.between_seen += 1
+        if self.between_seen <= self.position.collectives:
+            return None  # the replicas ran it before this process joined
+        self.fast_forward = False
         tensors = _tensors_in(args, kwargs)
         saved = [t.detach().clone() for t in tensors]
         while True:
@@ -360,7 +373,7 @@ class Session:
                 ctx._recover(f"generation {ctx._channel.latest_gen} announced", error=False)
                 continue
             try:
-                return collective(*args, **kwargs)
+                result = collective(*args, **kwargs)
             except Exception as exc:
                 ctx._first_error_at = time.time()
                 ctx.log.warning("collective between steps failed (%s): recovering, then running it again", exc)
@@ -368,6 +381,10 @@ class Session:
                     for live, old in zip(tensors, saved, strict=True):
                         live.copy_(old)
                 ctx._recover(f"{type(exc).__name__}: {exc}", error=True)
+                continue
+            self.position.collectives += 1
+            self.moved_between = True
+            return result
 
     def _install_ddp(self) -> None:
         session = self
@@ -630,9 +647,14 @@ class Session:
         else:
             index = 0
         self.fast_forward = False
-        if index >= len(it.batches):
+        if index >= len(it.batches):  # the pass ends here and the script goes on to its epilogue
+            pos.pass_no, pos.index, pos.epoch = it.pass_no + 1, 0, -1
+            self.moved_between = True
             raise StopIteration
         ctx = self.ctx
+        if self.moved_between:  # an abandoned step rolls back to here, keeping what the epilogue did
+            self.moved_between = False
+            ctx._snapshot_local_state()
         step = ctx.committed_step + 1
         ctx._begin(step)
         batch = it.fetch(index, step, ctx.config.seed, ctx.slot)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -26,11 +27,16 @@ import zmq
 from clockworkd.errors import ClockworkError
 from clockworkd.jobkey import JobKey
 
-__all__ = ["COORDINATOR_EVENT", "ask_leader", "coordinator_record", "request_migration"]
+__all__ = ["COORDINATOR_EVENT", "CoordinatorBusy", "ask_leader", "coordinator_record", "request_migration"]
 
 COORDINATOR_EVENT = "torchpass.coordinator"
 MAX_REDIRECTS = 3
 _ids = itertools.count(int(time.time() * 1000) % 1_000_000)
+RETRY_INTERVAL_S = 0.5
+
+
+class CoordinatorBusy(ClockworkError):
+    """The coordinator refused for now; the same request may succeed later (e.g. no spare is ready yet)."""
 
 
 def coordinator_record(events: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -68,12 +74,34 @@ def _call(endpoint: str, key: JobKey, request: dict[str, Any], timeout_s: float)
         context.term()
 
 
-def request_migration(record: dict[str, Any], rank: int, timeout_s: float, requester: str) -> dict[str, Any]:
-    """Ask the job's leading coordinator to migrate ``rank``; the reply (``target``, ``generation``)."""
+def request_migration(
+    record: dict[str, Any],
+    rank: int,
+    timeout_s: float,
+    requester: str,
+    *,
+    wait_s: float = 0.0,
+    on_wait: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Ask the job's leading coordinator to migrate ``rank``; the reply (``target``, ``generation``).
+
+    While the coordinator says "not now" (no spare is ready yet, another membership change is in progress),
+    ask again for up to ``wait_s`` seconds; ``on_wait`` hears the first such answer."""
     world = int(record.get("world_size", 0))
     if world and not 0 <= rank < world:
         raise ClockworkError(f"rank {rank} is out of range: the job trains on ranks 0..{world - 1}", exit_code=2)
-    return ask_leader(record, {"op": "migrate", "slot": rank, "requester": requester}, timeout_s, "migrated")
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            return ask_leader(record, {"op": "migrate", "slot": rank, "requester": requester}, timeout_s, "migrated")
+        except CoordinatorBusy as exc:
+            if time.monotonic() + RETRY_INTERVAL_S > deadline:
+                raise ClockworkError(f"{exc} (waited {wait_s:g} s)" if wait_s else str(exc)) from None
+            if on_wait is not None and not told:
+                on_wait(str(exc))
+                told = True
+            time.sleep(RETRY_INTERVAL_S)
 
 
 def ask_leader(record: dict[str, Any], fields: dict[str, Any], timeout_s: float, purpose: str) -> dict[str, Any]:
@@ -103,7 +131,8 @@ def ask_leader(record: dict[str, Any], fields: dict[str, Any], timeout_s: float,
         if leader.startswith("tcp://") and leader not in tried:
             queue.insert(0, leader)  # a passive replica: it knows who leads
             continue
-        raise ClockworkError(f"the coordinator refused: {reply.get('error', 'no reason given')}")
+        refused = f"the coordinator refused: {reply.get('error', 'no reason given')}"
+        raise CoordinatorBusy(refused) if reply.get("retry") else ClockworkError(refused)
     raise ClockworkError(
         f"no coordinator replica of the job answered within {timeout_s:g} s (tried {', '.join(tried)})", exit_code=3
     )

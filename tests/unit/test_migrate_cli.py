@@ -7,9 +7,11 @@ for the job. No torch, no Slurm: the job's nodes are never looked up in Slurm he
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,9 +51,10 @@ def live(scratch: Path, daemons: list[RunningDaemon]) -> Iterator[tuple[Path, Ru
     yield config, daemon
 
 
-@pytest.fixture
-def job() -> Iterator[tuple[Coordinator, Coordinator, Events]]:
-    """A running 2-rank job with a ready spare: the active replica, a passive one, and the events."""
+@contextlib.contextmanager
+def _running_job(*, spare_after_s: float = 0.0) -> Iterator[tuple[Coordinator, Coordinator, Events]]:
+    """A running 2-rank job: the active replica, a passive one, and the events. Its spare registers with it
+    before it starts, or ``spare_after_s`` seconds after."""
     events = Events()
     config = TorchPassConfig(heartbeat_timeout_s=60.0)
     active = Coordinator(2, config, event_sink=events)
@@ -63,7 +66,7 @@ def job() -> Iterator[tuple[Coordinator, Coordinator, Events]]:
     try:
         ranks = [FakeRank(context, active.endpoint, f"w{i}", r, 42000 + i) for i, r in enumerate(["slot:0", "slot:1"])]
         spare = FakeRank(context, active.endpoint, "w2", "spare", 42002)
-        for rank in [*ranks, spare]:
+        for rank in ranks if spare_after_s else [*ranks, spare]:
             rank.register()
         g0 = ranks[0].await_generation(-1)
         for rank in ranks:
@@ -72,11 +75,25 @@ def job() -> Iterator[tuple[Coordinator, Coordinator, Events]]:
             if events.of("torchpass.started"):
                 break
             time.sleep(0.02)
-        yield active, passive, events
+        late = threading.Timer(spare_after_s, spare.register)
+        if spare_after_s:
+            late.start()
+        try:
+            yield active, passive, events
+        finally:
+            if spare_after_s:
+                late.join()
     finally:
         active.stop()
         passive.stop()
         context.destroy(linger=0)
+
+
+@pytest.fixture
+def job() -> Iterator[tuple[Coordinator, Coordinator, Events]]:
+    """A running 2-rank job with a ready spare."""
+    with _running_job() as running:
+        yield running
 
 
 def _closed_endpoint() -> str:
@@ -181,8 +198,26 @@ def test_the_refusal_is_shown(
     active, _, _ = job
     _post_record(daemon, active.endpoint, [active.endpoint])
     assert _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "0")[0] == 0
-    code, _, err = _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "1")
+    code, _, err = _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "1", "--wait", "0")
     assert code == 1 and "the coordinator refused: cannot migrate slot 1" in err
+    assert "a membership change is already in progress" in err and "asking again" not in err
+    code, _, err = _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "1", "--wait", "1")
+    assert code == 1 and "a membership change is already in progress (waited 1 s)" in err
+    assert "asking again for up to 1 s" in err
+    code, _, err = _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "1", "--wait", "-1")
+    assert code == 2 and "--wait" in err
+
+
+def test_waits_for_a_spare_to_be_ready(capsys: pytest.CaptureFixture[str], live: tuple[Path, RunningDaemon]) -> None:
+    """Asked before the job's spare is ready (it is still starting), the CLI asks again until it is."""
+    config, daemon = live
+    with _running_job(spare_after_s=1.0) as (active, _, events):
+        _post_record(daemon, active.endpoint, [active.endpoint])
+        code, out, err = _run(capsys, "--config", str(config), "migrate", str(JOB), "--rank", "1", "--wait", "30")
+        assert code == 0, err
+        assert "cannot migrate slot 1: no spare is ready; asking again for up to 30 s" in err
+        assert f"job {JOB}: rank 1 moves to spare w2 in generation 1" in out
+        assert len(events.of("torchpass.migration_requested")) == 1
 
 
 def test_a_record_with_the_wrong_key_gets_no_answer(

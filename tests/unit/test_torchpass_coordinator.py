@@ -294,8 +294,17 @@ def test_cli_status_and_migrate(zctx: zmq.Context[zmq.Socket[bytes]], capsys: py
         assert cli_main(["status", "--coordinator", coord.endpoint]) == 0
         out = capsys.readouterr().out
         assert "generation 0" in out and "slot 0: w0" in out
-        assert cli_main(["migrate", "--coordinator", coord.endpoint, "--slot", "0"]) == 1
+        assert cli_main(["migrate", "--coordinator", coord.endpoint, "--slot", "0", "--wait", "0"]) == 1
         assert "no spare is ready" in capsys.readouterr().err
+        # Asked while the spare is still starting: it asks again until the spare is ready.
+        spare = FakeRank(zctx, coord.endpoint, "w1", "spare", 40001)
+        late = threading.Timer(1.0, spare.register)
+        late.start()
+        try:
+            assert cli_main(["migrate", "--coordinator", coord.endpoint, "--slot", "0", "--wait", "30"]) == 0
+        finally:
+            late.join()
+        assert "slot 0 moves to w1 in generation 1" in capsys.readouterr().out
     finally:
         coord.stop()
 

@@ -255,8 +255,11 @@ def test_fault_free_run_trains_every_batch_once(reference: Run) -> None:
         ("2:13:backward", 2),  # epoch 1: the newcomer fast-forwards one pass (and one scheduler step)
         ("1:24:optimizer", 1),  # epoch 2
         ("0:17:forward", 0),  # rank 0, whose store hosted generation 0's rendezvous
+        # The first step of a pass, after the survivors ran the pass's epilogue (the script's all_reduce and
+        # scheduler step): the newcomer skips it, the survivors' rollback keeps it.
+        ("2:10:backward", 2),
     ],
-    ids=["forward", "backward-allreduce", "optimizer-step", "rank0"],
+    ids=["forward", "backward-allreduce", "optimizer-step", "rank0", "first-step-of-a-pass"],
 )
 def test_sigkill_recovers_bitwise(base: Path, reference: Run, kill: str, slot: int) -> None:
     run = _run(base, "kill-" + kill.replace(":", "-"), CW_TEST_KILL=kill)

@@ -19,6 +19,8 @@ from typing import Any
 from clockworkd.audit.measure import _HEADER, _MAGIC
 
 log = logging.getLogger("clockwork.audit")
+HOLDDOWN_WAIT_MAX_S = 30.0  # LinkPass's default hold-down cap (linkpass.settings: holddown_max_s)
+ROUTE_GRACE_S = 1.0
 
 
 def route_device(dst: str, src: str) -> str | None:
@@ -66,6 +68,32 @@ def _first_reply(src: str, dst: str, port: int, run: int, timeout_s: float, ever
         sock.close()
 
 
+def _failback(
+    dst: str, node_ip: str, nic: str, timeout_s: float, path_state: Callable[[], str | None]
+) -> tuple[float | None, str | None]:
+    """Seconds until traffic to ``dst`` is routed through ``nic`` again (None: it was not), and LinkPass's
+    state of that path when the wait ended.
+
+    Past ``timeout_s`` the wait goes on while LinkPass holds the path down (flap damping: the drills
+    themselves flap each path, and its hold-down doubles each time, up to ``HOLDDOWN_WAIT_MAX_S``), and for
+    ``ROUTE_GRACE_S`` once the hold-down has ended (the route moves at LinkPass's next evaluation)."""
+    start = time.monotonic()
+    eligible_at: float | None = None
+    while True:
+        now = time.monotonic()
+        if route_device(dst, node_ip) == nic:
+            return now - start, None
+        if now - start >= timeout_s:
+            state = path_state()
+            if state == "alive" and eligible_at is None:
+                eligible_at = now
+            holding = state == "holddown" and now - start < timeout_s + HOLDDOWN_WAIT_MAX_S
+            moving = state == "alive" and eligible_at is not None and now - eligible_at < ROUTE_GRACE_S
+            if not (holding or moving):
+                return None, state
+        time.sleep(0.02)
+
+
 def run_drill(
     nic: str,
     node_ip: str,
@@ -107,17 +135,11 @@ def run_drill(
         result["moved_to"] = route_device(dst, node_ip)
     finally:
         _set_link(nic, "up")
-    start = time.monotonic()
-    back = None
     if home == nic:
-        while time.monotonic() - start < timeout_s:
-            if route_device(dst, node_ip) == nic:
-                back = time.monotonic() - start
-                break
-            time.sleep(0.02)
+        back, state = _failback(dst, node_ip, nic, timeout_s, lambda: linkpass_paths().get(name, {}).get(nic))
         result["failback_ms"] = None if back is None else back * 1000
         if back is None:
-            result["linkpass_path"] = linkpass_paths().get(name, {}).get(nic)
+            result["linkpass_path"] = state
     # Whatever the routes did, the peer must be reachable once the NIC is up again.
     result["reachable_after"] = _first_reply(node_ip, dst, port, run, 2.0) is not None
     return result

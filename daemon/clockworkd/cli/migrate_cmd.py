@@ -84,15 +84,31 @@ def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[s
     show_default=True,
     help="Seconds to wait for each coordinator replica.",
 )
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds to keep asking while the job cannot migrate yet (no spare is ready, another membership change "
+    "is in progress); 0 fails at once.",
+)
 @pass_ctx
-def migrate(state: CliContext, job_id: int, rank: int, node_name: str | None, timeout_s: float) -> None:
+def migrate(state: CliContext, job_id: int, rank: int, node_name: str | None, timeout_s: float, wait_s: float) -> None:
     """Move rank RANK of TorchPass job JOB_ID to a spare at its next step boundary.
 
     The rank sends its live training state straight to the spare, which takes its place; the rank then exits
     cleanly and training continues at the next step, with no checkpoint and no step done twice.
     """
     record = find_coordinator(state, job_id, node_name)
-    reply = request_migration(record, rank, timeout_s, requester=f"clockwork migrate (uid {os.getuid()})")
+    reply = request_migration(
+        record,
+        rank,
+        timeout_s,
+        requester=f"clockwork migrate (uid {os.getuid()})",
+        wait_s=wait_s,
+        on_wait=lambda why: click.echo(f"clockwork: {why}; asking again for up to {wait_s:g} s", err=True),
+    )
     click.echo(
         f"job {job_id}: rank {rank} moves to spare {reply.get('target')} in generation {reply.get('generation')} "
         "(at its next step boundary)"

@@ -1,0 +1,67 @@
+"""The drill's wait for fail-back: it waits out LinkPass's hold-down (flap damping) instead of failing the node.
+
+The route is scripted here (``route_device`` replaced): what is tested is when the wait ends and what it
+reports; the sandbox audit test drills real NICs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from clockworkd.audit import drill
+
+
+def _scripted(monkeypatch: pytest.MonkeyPatch, back_after_s: float | None) -> Callable[[], float]:
+    """Traffic is routed through nic0 again ``back_after_s`` after the wait starts (never when None)."""
+    start = time.monotonic()
+    monkeypatch.setattr(
+        drill,
+        "route_device",
+        lambda dst, src: "nic0" if back_after_s is not None and time.monotonic() - start >= back_after_s else "nic1",
+    )
+    monkeypatch.setattr(drill, "ROUTE_GRACE_S", 0.3)
+    monkeypatch.setattr(drill, "HOLDDOWN_WAIT_MAX_S", 1.5)
+    return lambda: time.monotonic() - start
+
+
+def test_traffic_back_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, 0.1)
+    back, state = drill._failback("10.0.0.2", "10.0.0.1", "nic0", 1.0, lambda: "alive")
+    assert back is not None and 0.1 <= back < 1.0 and state is None
+
+
+def test_a_hold_down_longer_than_the_timeout_is_waited_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    elapsed = _scripted(monkeypatch, 0.8)
+    back, state = drill._failback(
+        "10.0.0.2", "10.0.0.1", "nic0", 0.3, lambda: "holddown" if elapsed() < 0.7 else "alive"
+    )
+    assert back is not None and back >= 0.8 and state is None
+
+
+def test_a_hold_down_without_end_gives_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, None)
+    back, state = drill._failback("10.0.0.2", "10.0.0.1", "nic0", 0.3, lambda: "holddown")
+    assert back is None and state == "holddown"
+
+
+def test_an_alive_path_whose_route_never_comes_back_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, None)
+    asked: list[float] = []
+    back, state = drill._failback(
+        "10.0.0.2", "10.0.0.1", "nic0", 0.3, lambda: asked.append(time.monotonic()) or "alive"
+    )
+    assert back is None and state == "alive"
+    assert asked[-1] - asked[0] >= 0.3  # the grace for LinkPass's next evaluation was given
+
+
+def test_a_dead_path_fails_at_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    _scripted(monkeypatch, None)
+    asked: list[float] = []
+    back, state = drill._failback(
+        "10.0.0.2", "10.0.0.1", "nic0", 0.3, lambda: asked.append(time.monotonic()) or "dead: nic0 down"
+    )
+    assert back is None and state == "dead: nic0 down"
+    assert len(asked) == 1  # no waiting past the timeout
