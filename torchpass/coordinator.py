@@ -805,7 +805,10 @@ class Coordinator(SocketThread):
             failures=self.failures,
         )
         if self.failures > self.config.max_failures:
-            self._fail(f"{self.failures} member failures exceed max_failures={self.config.max_failures}")
+            self._fail(
+                f"{self.failures} member failures exceed max_failures={self.config.max_failures} "
+                f"(the last: slot {slot} ({wid}) {why}, at step {rec.step})"
+            )
             return
         if not self.members:
             self._fail("every member is gone: no replica holds the training state")

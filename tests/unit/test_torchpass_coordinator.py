@@ -183,6 +183,32 @@ def test_collective_error_without_death_rebuilds_then_gives_up(zctx: zmq.Context
         coord.stop()
 
 
+def test_too_many_failures_fail_the_job_naming_the_last(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Past max_failures the job fails, and the reason names the last failure (a replacement dying the same way
+    each time is recognisable from the job's last line)."""
+    events = Events()
+    coord, _, _ = _start(2, events, max_failures=1)
+    try:
+        a, b, spare = _ranks(zctx, coord, ["slot:0", "slot:1", "spare"])
+        g0 = a.await_generation(-1)
+        b.await_generation(-1)
+        a.joined(g0)
+        b.joined(g0)
+        _wait_for(lambda: events.of("torchpass.started"))
+        coord.worker_exited("w1", "slot:1", -9)
+        g1 = spare.await_generation(-1)
+        assert g1.members == {0: "w0", 1: "w2"}
+        a.joined(g1)
+        spare.joined(g1)
+        coord.worker_exited("w2", "spare", -6)
+        with pytest.raises(JobStopped) as stop:
+            a.await_generation(g1.gen)
+        assert not stop.value.done
+        assert "2 member failures exceed max_failures=1 (the last: slot 1 (w2)" in stop.value.reason, stop.value.reason
+    finally:
+        coord.stop()
+
+
 def test_vacant_slot_waits_for_a_spare(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     events = Events()
     coord, _, _ = _start(2, events)
