@@ -22,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from clockworkd.coordinator_client import RETRY_INTERVAL_S
 from torchpass.auth import ENV_JOB_KEY, JobKeyError, read_coordinator_file
 from torchpass.config import ConfigError, TorchPassConfig, environment_settings
 from torchpass.control import CoordinatorLost, CoordinatorRefused, CoordinatorRpc
@@ -32,7 +33,6 @@ __all__ = ["main"]
 PROG = "torchpass"
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
-MIGRATE_RETRY_S = 0.5  # how often `torchpass migrate --wait` asks again
 COORDINATOR_HELP = (
     "the coordinator file `torchpass run --local` printed (address and job key), or tcp://HOST:PORT with the "
     "job key in TORCHPASS_JOB_KEY"
@@ -266,9 +266,9 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
             reply = _request(args.coordinator, "migrate", slot=args.slot, requester="torchpass migrate")
             break
         except CoordinatorRefused as exc:
-            if not exc.retry or time.monotonic() + MIGRATE_RETRY_S > deadline:
+            if not exc.retry or time.monotonic() + RETRY_INTERVAL_S > deadline:
                 raise
-            time.sleep(MIGRATE_RETRY_S)
+            time.sleep(RETRY_INTERVAL_S)
     print(f"slot {args.slot} moves to {reply['target']} in generation {reply['generation']}")
     return 0
 

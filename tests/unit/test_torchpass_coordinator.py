@@ -110,6 +110,17 @@ def _wait_for(predicate: Any, timeout: float = 3.0) -> None:
         time.sleep(0.01)
 
 
+def _start_generation0(events: Events, *members: FakeRank) -> GenerationInfo:
+    """Every member is told generation 0 and joins it; returns once the job has started."""
+    g0 = members[0].await_generation(-1)
+    for member in members[1:]:
+        member.await_generation(-1)
+    for member in members:
+        member.joined(g0)
+    _wait_for(lambda: events.of("torchpass.started"))
+    return g0
+
+
 def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     events = Events()
     coord, taken, _ = _start(2, events)
@@ -190,11 +201,7 @@ def test_too_many_failures_fail_the_job_naming_the_last(zctx: zmq.Context[zmq.So
     coord, _, _ = _start(2, events, max_failures=1)
     try:
         a, b, spare = _ranks(zctx, coord, ["slot:0", "slot:1", "spare"])
-        g0 = a.await_generation(-1)
-        b.await_generation(-1)
-        a.joined(g0)
-        b.joined(g0)
-        _wait_for(lambda: events.of("torchpass.started"))
+        _start_generation0(events, a, b)
         coord.worker_exited("w1", "slot:1", -9)
         g1 = spare.await_generation(-1)
         assert g1.members == {0: "w0", 1: "w2"}
@@ -281,11 +288,7 @@ def test_departing_rank_lost_before_handoff_triggers_a_plain_generation(
     coord, _, _ = _start(2, events)
     try:
         a, b, spare = _ranks(zctx, coord, ["slot:0", "slot:1", "spare"])
-        g0 = a.await_generation(-1)
-        b.await_generation(-1)
-        a.joined(g0)
-        b.joined(g0)
-        _wait_for(lambda: events.of("torchpass.started"))
+        _start_generation0(events, a, b)
         a.call("migrate", slot=1)
         g1 = spare.await_generation(-1)
         assert g1.handoff is not None
