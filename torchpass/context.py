@@ -325,8 +325,10 @@ class Context:
         self._snapshot_local_state()
         for callback in self._commit_hooks:
             callback(step)
+        planned = step in self._channel.snapshot_steps
         if self._snapshotter.due(step, self._channel.snapshot_steps):
-            self._snapshotter.capture(self._parts, step, self.slot, self.world_size)
+            if not self._snapshotter.capture(self._parts, step, self.slot, self.world_size) and planned:
+                self._channel.skipped_snapshots.append(step)  # the coordinator may plan it again
 
     def _snapshot_local_state(self) -> None:
         """Remember what a step may change outside the optimizer's update, as of the last commit: buffers,

@@ -13,6 +13,7 @@ This module imports no torch; ``torchpass migrate`` and ``torchpass status`` use
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -144,6 +145,7 @@ class ControlChannel:
         self.lost = False
         self.step = -1  # written by the training loop, reported in heartbeats
         self.snapshot_steps: set[int] = set()  # steps after which the coordinator asked for a snapshot
+        self.skipped_snapshots: collections.deque[int] = collections.deque()  # reported in the next heartbeat
         self.on_generation: Callable[[int], None] | None = None
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.rpc = CoordinatorRpc(self._context, endpoint, rpc_timeout_s, identity=f"{worker_id}.r".encode())
@@ -210,7 +212,8 @@ class ControlChannel:
                         log.warning("unreadable push from the coordinator: %s", exc)
                 now = time.monotonic()
                 if now - last_sent >= self.heartbeat_interval_s:
-                    sock.send(encode("hb", wid=self.worker_id, step=self.step), zmq.NOBLOCK)
+                    skipped = [self.skipped_snapshots.popleft() for _ in range(len(self.skipped_snapshots))]
+                    sock.send(encode("hb", wid=self.worker_id, step=self.step, skipped=skipped), zmq.NOBLOCK)
                     last_sent = now
                 if now - last_heard > self.coordinator_timeout_s and not self.lost:
                     log.error("coordinator silent for %.1f s", now - last_heard)

@@ -49,6 +49,9 @@ log = logging.getLogger("clockwork.torchpass.coordinator")
 
 FORMING, RUNNING, DONE, FAILED = "forming", "running", "done", "failed"
 
+#: How many times a snapshot someone asked for is planned when members skip it (still writing the last one).
+SNAPSHOT_ATTEMPTS = 3
+
 
 class LeaderSeam(Protocol):
     """Which coordinator replica leads, as seen by a rank or an agent.
@@ -200,6 +203,9 @@ class Coordinator(SocketThread):
         # Training snapshots: steps every member is asked to snapshot after (pushed, and repeated in every
         # heartbeat answer until the slowest member passed them), and when the periodic one is next due.
         self.snapshot_steps: list[int] = []
+        # Snapshot steps asked for by someone (not periodic) -> attempts so far: one that a member had to skip
+        # (its previous snapshot was still being written) is planned again, up to SNAPSHOT_ATTEMPTS times.
+        self._asked_snapshots: dict[int, int] = {}
         self._snapshot_due = time.monotonic() + config.snapshot_interval_s if config.snapshot_interval_s > 0 else None
 
     # ----- life cycle (thread-safe) ---------------------------------------------------------
@@ -507,6 +513,8 @@ class Coordinator(SocketThread):
                 rec = self.workers[wid] = _Worker(wid=wid, role="?")  # its register may still be in flight
             rec.notify_ident = ident
             self._note_step(rec, int(msg.get("step", rec.step)))
+            for step in msg.get("skipped") or ():
+                self._on_snapshot_skipped(wid, int(step))
             if not rec.alive:
                 self._send(ident, encode("stop", reason="evicted: the coordinator counts this process as dead"))
             else:
@@ -668,29 +676,68 @@ class Coordinator(SocketThread):
         self.snapshot_steps = [s for s in self.snapshot_steps if s >= slowest]
         return list(self.snapshot_steps)
 
-    def plan_snapshot(self, reason: str) -> int | None:
+    def plan_snapshot(self, reason: str, *, asked: int = 0) -> int | None:
         """Choose the step every member snapshots after: ahead of the fastest member by what it may run
         before it hears of it (two heartbeat intervals at its observed pace, plus two steps), and push it.
-        None while no member's pace is known yet (fewer than two heartbeats with a step): a step planned then
-        could already be behind the members, and a snapshot planned for a passed step never happens."""
+        A snapshot already planned that no member can have reached serves instead (two snapshots a few steps
+        apart would collide: a rank still writing the first one skips the second). None while no member's pace is
+        known yet (fewer than two heartbeats with a step): a step planned then could already be behind the
+        members, and a snapshot planned for a passed step never happens. ``asked``: how many times this
+        snapshot was asked for, 0 for a periodic one (a skipped periodic snapshot waits for the next period)."""
         members = [self.workers[w] for w in self.members.values() if w in self.workers]
         newest = max((m.step for m in members), default=-1)
         rate = max((m.rate for m in members), default=0.0)
         if rate <= 0:
             return None
+        # Where the fastest member may be by the time it hears of it (its last report is up to a heartbeat old).
+        now = time.monotonic()
+        reach = max(
+            (m.step + m.rate * (now - m.step_seen_at + self.config.heartbeat_interval_s) for m in members),
+            default=-1.0,
+        )
+        ahead = [s for s in self._pending_snapshots() if s > reach]
+        if ahead:
+            step = ahead[0]
+            if asked:
+                self._ask_for(step, asked)
+            emit(self.event_sink, log, "torchpass.snapshot_requested", step=step, reason=reason, shared=True)
+            return step
         step = max(0, newest) + int(rate * (2 * self.config.heartbeat_interval_s + 0.5)) + 2
         self.snapshot_steps.append(step)
+        if asked:
+            self._ask_for(step, asked)
         for wid in self.members.values():
             self._push(wid, "snapshot", snap=[step])
         emit(self.event_sink, log, "torchpass.snapshot_requested", step=step, reason=reason)
         return step
+
+    def _ask_for(self, step: int, attempt: int) -> None:
+        self._asked_snapshots[step] = max(attempt, self._asked_snapshots.get(step, 0))
+        self._forget_old_skips()
+
+    def _forget_old_skips(self) -> None:
+        while len(self._asked_snapshots) > 16:  # a skip is reported within a heartbeat: old entries are done
+            del self._asked_snapshots[min(self._asked_snapshots)]
+
+    def _on_snapshot_skipped(self, wid: str, step: int) -> None:
+        """A member skipped the snapshot planned after ``step`` (still writing its previous one): the snapshot
+        is incomplete. One that was asked for is planned again (once, whichever members skipped it)."""
+        attempt = self._asked_snapshots.get(step, 0)
+        if attempt < 0:
+            return  # another member's report of the same snapshot was handled
+        self._asked_snapshots[step] = -1
+        self._forget_old_skips()
+        again = 0 < attempt < SNAPSHOT_ATTEMPTS and self.state == RUNNING
+        emit(self.event_sink, log, "torchpass.snapshot_incomplete", step=step, skipped_by=wid, asked_again=again)
+        if again:
+            self.plan_snapshot(f"asked again: {wid} skipped the one after step {step}", asked=attempt + 1)
 
     def _on_snapshot(self, ident: bytes, msg: dict[str, Any]) -> None:
         if self.state != RUNNING or not self._progressed:
             self._reply_error(ident, msg, f"cannot snapshot now: the job is not training (state {self.state})")
             return
         requester = str(msg.get("requester") or msg.get("wid") or "cli")
-        step = self.plan_snapshot(f"requested by {requester}")
+        step = self.plan_snapshot(f"requested by {requester}", asked=1)
         if step is None:
             self._reply_error(
                 ident,

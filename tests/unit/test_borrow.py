@@ -22,6 +22,7 @@ import msgpack
 import pytest
 
 from clockworkd.borrow.candidates import QueueJob, choose, holder_name, parse_queue_json
+from clockworkd.borrow.comments import preempted_comment
 from clockworkd.borrow.manager import BorrowManager, BorrowRefused
 from clockworkd.borrow.settings import BorrowConfig
 from clockworkd.borrow.slurm_ops import CliBorrowSlurm
@@ -182,7 +183,7 @@ def test_a_qos_makes_work_borrowable_in_any_partition() -> None:
 
 
 class FakeSlurm:
-    """Fake Slurm clients over a queue file; ``sbatch`` swaps in the queue after preemption."""
+    """Fake Slurm clients over a queue file; releasing the (held) holder swaps in the queue after preemption."""
 
     def __init__(self, tmp_path: Path) -> None:
         self.dir = tmp_path
@@ -196,8 +197,9 @@ class FakeSlurm:
         self.steps = tmp_path / "steps.txt"
         self.steps.write_text("900.batch\n")
         self._add("squeue", f'case "$1" in --json) cat {q(str(self.queue))} ;; *) cat {q(str(self.steps))} ;; esac')
-        self._add("sbatch", f"[ -f {q(str(self.after))} ] && cp {q(str(self.after))} {q(str(self.queue))}\necho 900")
-        self._add("scontrol", "exit 0")
+        self._add("sbatch", "echo 900")
+        swap = f"[ -f {q(str(self.after))} ] && cp {q(str(self.after))} {q(str(self.queue))}"
+        self._add("scontrol", f'[ "$1" = release ] && {{ {swap}; }}\nexit 0')
         self._add("scancel", "exit 0")
         nodes = {
             "nodes": [
@@ -320,6 +322,7 @@ def test_a_borrow_submits_a_pinned_holder_and_records_both_sides(fake: FakeSlurm
     (sbatch,) = fake.calls("sbatch")
     for option in (
         f"--job-name={holder_name(TRAIN)}",
+        "--hold",
         "--nodelist=node5",
         "--exclusive",
         "--no-requeue",
@@ -328,8 +331,10 @@ def test_a_borrow_submits_a_pinned_holder_and_records_both_sides(fake: FakeSlurm
         f"--gid={pwd.getpwuid(os.getuid()).pw_gid}",
     ):
         assert option in sbatch.split(), option
-    comments = [c for c in fake.calls("scontrol") if "AdminComment" in c]
-    assert any("JobId=500" in c and f"preempted for job {TRAIN}" in c for c in comments), comments
+    calls = fake.calls("scontrol")
+    comments = [c for c in calls if "AdminComment" in c]
+    labelled = calls.index(f"scontrol update JobId=500 AdminComment={preempted_comment(TRAIN, 'node5', 900)}")
+    assert labelled < calls.index("scontrol release 900"), calls  # its PREEMPTED record carries the comment
     assert any("JobId=900" in c and "preempted job 500" in c for c in comments), comments
     assert any(f"JobId={TRAIN}" in c and "clockwork-borrowed: node5 from job 500 (holder 900)" in c for c in comments)
     ((job_id, kind, fields),) = events
@@ -404,7 +409,26 @@ def test_a_holder_slurm_does_not_start_in_time_is_cancelled(fake: FakeSlurm) -> 
     (state,) = manager.requests_of(TRAIN)["requests"]
     assert state["state"] == "failed" and "within 1 s" in state["reason"]
     assert fake.calls("scancel") == ["scancel 900"]
+    # job 500 was labelled before the release; nothing preempted it, so the label is taken back
+    assert [c for c in fake.calls("scontrol") if "JobId=500" in c][-1] == "scontrol update JobId=500 AdminComment="
     assert events[0][1] == "borrow.refused" and events[0][2]["holder"] == 900
+
+
+def test_a_holder_slurm_will_not_release_is_cancelled_and_the_label_taken_back(fake: FakeSlurm) -> None:
+    fake.set_queue(BEFORE, AFTER)
+    fake._add("scontrol", '[ "$1" = release ] && { echo "scontrol: error: Access/permission denied" >&2; exit 1; }')
+    manager, events = _manager(fake)
+    manager.request(_training(), by="uid 0 pid 1")
+    manager.drain()
+    (state,) = manager.requests_of(TRAIN)["requests"]
+    assert state["state"] == "failed" and "permission denied" in state["reason"]
+    assert fake.calls("scancel") == ["scancel 900"]
+    labels = [c for c in fake.calls("scontrol") if "JobId=500" in c]
+    assert labels == [
+        f"scontrol update JobId=500 AdminComment={preempted_comment(TRAIN, 'node5', 900)}",
+        "scontrol update JobId=500 AdminComment=",
+    ]
+    assert events[0][1] == "borrow.failed"
 
 
 def test_slurm_refusing_the_holder_fails_the_request(fake: FakeSlurm) -> None:

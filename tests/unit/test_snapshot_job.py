@@ -270,8 +270,12 @@ def test_periodic_and_on_demand_snapshots(tmp_path: Path) -> None:
     assert any(e["reason"] == "periodic" for e in requested)
     assert any(e["reason"].startswith("requested by") and e["step"] == demanded for e in requested)
     complete = [i for i in list_snapshots(snapdir) if i.complete]
-    assert demanded in {i.step for i in complete}, _log(out)
-    assert len(complete) >= 2
+    taken = demanded  # a rank still writing the previous snapshot skips it: the coordinator asks again
+    while taken not in {i.step for i in complete}:
+        again = [e["step"] for e in requested if e["reason"].endswith(f"skipped the one after step {taken}")]
+        assert again, _log(out)
+        taken = again[0]
+    assert any(e["reason"] == "periodic" and e["step"] in {i.step for i in complete} for e in requested), _log(out)
     for info in complete:
         assert verify_snapshot(info.path) == []
         assert sorted(load_manifest(info.path)["files"]) == ["rank-00000.h5", "rank-00001.h5"]

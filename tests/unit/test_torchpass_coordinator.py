@@ -367,3 +367,72 @@ def test_only_holders_of_the_job_key_are_answered(zctx: zmq.Context[zmq.Socket[b
         assert replies["this job"] is not None and replies["this job"]["ok"], replies
     finally:
         coord.stop()
+
+
+def test_snapshots_asked_for_are_merged_and_planned_again_when_skipped(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """A snapshot asked for while another is planned shares it; one a member skipped (still writing the last
+    one) is planned again, once whoever skipped it, up to SNAPSHOT_ATTEMPTS; a periodic one is not."""
+    events = Events()
+    coord, _, _ = _start(2, events, heartbeat_interval_s=0.2)
+    try:
+        a, b = _ranks(zctx, coord, ["slot:0", "slot:1"])
+        _start_generation0(events, a, b)
+
+        def beat(step: int, *skipped: int) -> None:
+            for rank in (a, b):
+                rank.control.send(encode("hb", wid=rank.wid, step=step, skipped=list(skipped)))
+
+        beat(10)
+        time.sleep(0.2)
+        beat(11)  # a pace of about 5 steps/s
+        _wait_for(lambda: coord.workers["w0"].rate > 0 and coord.workers["w1"].rate > 0)
+        first = a.call("snapshot")["step"]
+        assert first > 11 and b.call("snapshot")["step"] == first  # planned, not reached: it serves both
+        assert [(e["step"], e["reason"], e.get("shared")) for e in events.of("torchpass.snapshot_requested")] == [
+            (first, "requested by w0", None),
+            (first, "requested by w1", True),
+        ]
+
+        beat(first + 1, first)  # both skipped it: one incomplete snapshot, asked for once more
+        _wait_for(lambda: len(events.of("torchpass.snapshot_requested")) == 3)
+        (incomplete,) = events.of("torchpass.snapshot_incomplete")
+        assert incomplete["step"] == first and incomplete["asked_again"] is True
+        second = events.of("torchpass.snapshot_requested")[2]
+        assert second["step"] > first + 1 and f"skipped the one after step {first}" in second["reason"]
+
+        beat(second["step"] + 1, second["step"])
+        _wait_for(lambda: len(events.of("torchpass.snapshot_requested")) == 4)
+        third = events.of("torchpass.snapshot_requested")[3]["step"]
+        beat(third + 1, third)  # the third attempt skipped too: SNAPSHOT_ATTEMPTS reached, no fourth
+        _wait_for(lambda: len(events.of("torchpass.snapshot_incomplete")) == 3)
+        assert events.of("torchpass.snapshot_incomplete")[-1]["asked_again"] is False
+        time.sleep(0.5)  # heartbeats answered meanwhile: nothing more was planned
+        assert len(events.of("torchpass.snapshot_requested")) == 4
+    finally:
+        coord.stop()
+
+
+def test_a_skipped_periodic_snapshot_waits_for_the_next_period(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    events = Events()
+    coord, _, _ = _start(1, events, heartbeat_interval_s=0.2, snapshot_interval_s=1.0)
+    try:
+        (a,) = _ranks(zctx, coord, ["slot:0"])
+        _start_generation0(events, a)
+        step = 0
+        while not events.of("torchpass.snapshot_requested"):  # the first one is planned once the pace is known
+            step += 4
+            a.control.send(encode("hb", wid=a.wid, step=step))
+            time.sleep(0.2)
+        (periodic,) = events.of("torchpass.snapshot_requested")
+        assert periodic["reason"] == "periodic"
+        a.control.send(encode("hb", wid=a.wid, step=periodic["step"] + 1, skipped=[periodic["step"]]))
+        _wait_for(lambda: events.of("torchpass.snapshot_incomplete"))
+        assert events.of("torchpass.snapshot_incomplete")[0] == {
+            "step": periodic["step"],
+            "skipped_by": "w0",
+            "asked_again": False,
+        }
+        _wait_for(lambda: len(events.of("torchpass.snapshot_requested")) == 2, timeout=5.0)
+        assert events.of("torchpass.snapshot_requested")[1]["reason"] == "periodic"
+    finally:
+        coord.stop()

@@ -12,10 +12,12 @@ caller's kernel credentials against the job's registered uid before this module 
    the job that loses least work; a *holder allocation* (``clockwork-hold-JOBID``, the training job's user,
    pinned to the node, whole node, the high partition or QOS) is submitted, and slurmctld preempts (requeues)
    whatever the node ran. Slurm's policy and accounting stay the truth: the daemon never kills a job itself.
-   When the holder runs on the node the preempted job gets the AdminComment ``clockwork: preempted for job
-   X ...`` and the training job the event ``borrow.acquired`` with the timings of each part. No candidate,
-   Slurm refusing, or ``timeout_s`` passing: the holder (if any) is cancelled and the request fails at once
-   with the reason (``borrow.failed``), so the job can fall back without waiting.
+   The holder is submitted held; the job it will preempt gets the AdminComment ``clockwork: preempted for
+   job X ...`` before the holder is released (so that the preempted run's accounting record carries it).
+   When the holder runs on the node, the training job gets the event ``borrow.acquired`` with the timings of
+   each part. No candidate, Slurm refusing, or ``timeout_s`` passing: the holder (if any) is cancelled, the
+   label taken back, and the request fails at once with the reason (``borrow.failed``), so the job can fall
+   back without waiting.
 3. **Give-back**: :meth:`BorrowManager.release` (the training job's Epilog) cancels the job's holders, found
    by name in Slurm, so a node borrowed through another node's daemon is given back too. With ``give_back =
    node_return`` the daemon also releases a holder as soon as the job's failed node is back in service and
@@ -256,7 +258,18 @@ class BorrowManager:
             comment=f"clockwork: holds {choice.node} for job {req.job_id}",
         )
         t_submit = self.clock()
-        req.holder = self.slurm.submit_holder(spec)
+        req.holder = self.slurm.submit_holder(spec)  # held: nothing is preempted yet
+        # The victim is labelled before Slurm preempts it: slurmctld writes a job's AdminComment into the
+        # accounting record of the run it ends (the PREEMPTED one) and keeps it for the requeued run. Written
+        # afterwards, `sacctmgr modify job` reaches only the newest record, which may already be the next run.
+        preempted = preempted_comment(req.job_id, choice.node, req.holder)
+        self._comment(req.job_id, victim.job_id, preempted)
+        try:
+            self.slurm.release(req.holder)
+        except SlurmError:
+            self._cancel_quietly(req.holder)
+            self._comment(req.job_id, victim.job_id, victim.admin_comment)
+            raise
         t_submitted = self.clock()
         req.timings["submit_ms"] = _ms(t_submit, t_submitted)
         log.info(
@@ -275,12 +288,14 @@ class BorrowManager:
             if info is not None and info.state == "RUNNING" and choice.node in info.nodes:
                 break
             if info is None or info.finished:
+                self._comment(req.job_id, victim.job_id, victim.admin_comment)
                 raise BorrowRefused(
                     f"the holder allocation {req.holder} on {choice.node} ended before it ran "
                     f"({info.state if info else 'gone'})"
                 )
             if self.clock() >= deadline:
                 self._cancel_quietly(req.holder)
+                self._comment(req.job_id, victim.job_id, victim.admin_comment)
                 raise BorrowRefused(
                     f"Slurm did not start the holder allocation {req.holder} on {choice.node} within "
                     f"{cfg.timeout_s:g} s ([borrow] timeout_s; is preemption configured for partition "
@@ -292,14 +307,10 @@ class BorrowManager:
         after = self.slurm.job(victim.job_id)
         mine = self.slurm.job(req.job_id)
         for job_id, text in (
-            (victim.job_id, preempted_comment(req.job_id, choice.node, req.holder)),
             (req.holder, f"clockwork: holds {choice.node} for job {req.job_id}, preempted job {victim.job_id}"),
             (req.job_id, add_borrowed(mine.admin_comment if mine else "", choice.node, victim.job_id, req.holder)),
         ):
-            try:
-                self.slurm.set_admin_comment(job_id, text)
-            except (SlurmError, ValueError) as exc:
-                log.warning("job %d: AdminComment of job %d not written: %s", req.job_id, job_id, exc)
+            self._comment(req.job_id, job_id, text)
         req.timings["total_ms"] = _ms(t0, self.clock())
         self._emit(  # before the state changes: whoever sees 'acquired' finds the event recorded
             req.job_id,
@@ -349,6 +360,13 @@ class BorrowManager:
             return pwd.getpwuid(uid).pw_gid
         except KeyError:
             raise BorrowRefused(f"uid {uid} is not a known user on this node: cannot submit as it") from None
+
+    def _comment(self, for_job: int, job_id: int, text: str) -> None:
+        """Set a job's AdminComment; a comment not written is logged, never a reason to fail the borrow."""
+        try:
+            self.slurm.set_admin_comment(job_id, text)
+        except (SlurmError, ValueError) as exc:
+            log.warning("job %d: AdminComment of job %d not written: %s", for_job, job_id, exc)
 
     def _cancel_quietly(self, job_id: int) -> None:
         try:

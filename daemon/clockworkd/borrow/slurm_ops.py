@@ -35,9 +35,11 @@ class HolderSpec:
     comment: str
 
     def sbatch_args(self) -> list[str]:
-        """sbatch options: pinned to the node, the whole node, never requeued, owned by the job's user."""
+        """sbatch options: pinned to the node, the whole node, never requeued, owned by the job's user, and
+        held: Slurm starts it (and so preempts) only once the daemon has labelled the job it preempts."""
         args = [
             f"--job-name={holder_name(self.job_id)}",
+            "--hold",
             f"--nodelist={self.node}",
             "--nodes=1",
             "--ntasks=1",
@@ -64,6 +66,7 @@ class BorrowSlurm(Protocol):
     def nodes(self) -> list[NodeInfo]: ...
     def job(self, job_id: int) -> JobInfo | None: ...
     def submit_holder(self, spec: HolderSpec) -> int: ...
+    def release(self, job_id: int) -> None: ...
     def cancel(self, job_id: int) -> None: ...
     def set_admin_comment(self, job_id: int, text: str) -> None: ...
     def running_steps(self, job_id: int) -> int: ...
@@ -86,6 +89,9 @@ class CliBorrowSlurm:
 
     def submit_holder(self, spec: HolderSpec) -> int:
         return self.cli.submit(HOLDER_COMMAND, spec.sbatch_args())
+
+    def release(self, job_id: int) -> None:
+        self.cli.run_text(["scontrol", "release", str(job_id)])
 
     def cancel(self, job_id: int) -> None:
         self.cli.cancel(job_id)
