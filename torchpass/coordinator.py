@@ -697,18 +697,15 @@ class Coordinator(SocketThread):
         )
         ahead = [s for s in self._pending_snapshots() if s > reach]
         if ahead:
-            step = ahead[0]
-            if asked:
-                self._ask_for(step, asked)
-            emit(self.event_sink, log, "torchpass.snapshot_requested", step=step, reason=reason, shared=True)
-            return step
-        step = max(0, newest) + int(rate * (2 * self.config.heartbeat_interval_s + 0.5)) + 2
-        self.snapshot_steps.append(step)
+            step, shared = ahead[0], {"shared": True}
+        else:
+            step, shared = max(0, newest) + int(rate * (2 * self.config.heartbeat_interval_s + 0.5)) + 2, {}
+            self.snapshot_steps.append(step)
+            for wid in self.members.values():
+                self._push(wid, "snapshot", snap=[step])
         if asked:
             self._ask_for(step, asked)
-        for wid in self.members.values():
-            self._push(wid, "snapshot", snap=[step])
-        emit(self.event_sink, log, "torchpass.snapshot_requested", step=step, reason=reason)
+        emit(self.event_sink, log, "torchpass.snapshot_requested", step=step, reason=reason, **shared)
         return step
 
     def _ask_for(self, step: int, attempt: int) -> None:
