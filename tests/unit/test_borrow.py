@@ -298,6 +298,17 @@ def _manager(
     return manager, events
 
 
+def _one_request(
+    fake: FakeSlurm, cfg: BorrowConfig = POLICY
+) -> tuple[dict[str, Any], list[tuple[int, str, dict[str, Any]]]]:
+    """One borrow request, run to its end: (its state as borrow_status reports it, the job's events)."""
+    manager, events = _manager(fake, cfg)
+    manager.request(_training(), by="uid 0 pid 1")
+    manager.drain()
+    (state,) = manager.requests_of(TRAIN)["requests"]
+    return state, events
+
+
 BEFORE = [
     _qjob(TRAIN, "node[1-2,4]", partition="high", name="train", user=ME),
     _qjob(500, "node5", minutes=20),
@@ -389,10 +400,7 @@ def test_disabled_borrowing_refuses_everyone(fake: FakeSlurm) -> None:
 
 def test_no_candidate_fails_at_once_with_the_reason(fake: FakeSlurm) -> None:
     fake.set_queue([BEFORE[0], _qjob(500, "node5", requeue=False)])
-    manager, events = _manager(fake)
-    manager.request(_training(), by="uid 0 pid 1")
-    manager.drain()
-    (state,) = manager.requests_of(TRAIN)["requests"]
+    state, events = _one_request(fake)
     assert state["state"] == "failed" and "no node can be borrowed" in state["reason"]
     assert "job 500: not requeueable" in state["reason"]
     assert fake.calls("sbatch") == [] and events[0][1] == "borrow.refused"
@@ -401,12 +409,9 @@ def test_no_candidate_fails_at_once_with_the_reason(fake: FakeSlurm) -> None:
 def test_a_holder_slurm_does_not_start_in_time_is_cancelled(fake: FakeSlurm) -> None:
     pending = [*BEFORE, _qjob(900, "", partition="high", name=holder_name(TRAIN), state="PENDING", user=ME)]
     fake.set_queue(BEFORE, pending)
-    manager, events = _manager(
+    state, events = _one_request(
         fake, BorrowConfig(enabled=True, partitions="low", holder_partition="high", timeout_s=1.0)
     )
-    manager.request(_training(), by="uid 0 pid 1")
-    manager.drain()
-    (state,) = manager.requests_of(TRAIN)["requests"]
     assert state["state"] == "failed" and "within 1 s" in state["reason"]
     assert fake.calls("scancel") == ["scancel 900"]
     # job 500 was labelled before the release; nothing preempted it, so the label is taken back
@@ -417,10 +422,7 @@ def test_a_holder_slurm_does_not_start_in_time_is_cancelled(fake: FakeSlurm) -> 
 def test_a_holder_slurm_will_not_release_is_cancelled_and_the_label_taken_back(fake: FakeSlurm) -> None:
     fake.set_queue(BEFORE, AFTER)
     fake._add("scontrol", '[ "$1" = release ] && { echo "scontrol: error: Access/permission denied" >&2; exit 1; }')
-    manager, events = _manager(fake)
-    manager.request(_training(), by="uid 0 pid 1")
-    manager.drain()
-    (state,) = manager.requests_of(TRAIN)["requests"]
+    state, events = _one_request(fake)
     assert state["state"] == "failed" and "permission denied" in state["reason"]
     assert fake.calls("scancel") == ["scancel 900"]
     labels = [c for c in fake.calls("scontrol") if "JobId=500" in c]
@@ -434,10 +436,7 @@ def test_a_holder_slurm_will_not_release_is_cancelled_and_the_label_taken_back(f
 def test_slurm_refusing_the_holder_fails_the_request(fake: FakeSlurm) -> None:
     fake.set_queue(BEFORE)
     fake._add("sbatch", 'echo "sbatch: error: Batch job submission failed: Invalid qos specification" >&2; exit 1')
-    manager, events = _manager(fake)
-    manager.request(_training(), by="uid 0 pid 1")
-    manager.drain()
-    (state,) = manager.requests_of(TRAIN)["requests"]
+    state, events = _one_request(fake)
     assert state["state"] == "failed" and "Invalid qos specification" in state["reason"]
     assert events[0][1] == "borrow.failed"
 
