@@ -704,15 +704,13 @@ class Coordinator(SocketThread):
             for wid in self.members.values():
                 self._push(wid, "snapshot", snap=[step])
         if asked:
-            self._ask_for(step, asked)
+            self._note_asked(step, max(asked, self._asked_snapshots.get(step, 0)))
         emit(self.event_sink, log, "torchpass.snapshot_requested", step=step, reason=reason, **shared)
         return step
 
-    def _ask_for(self, step: int, attempt: int) -> None:
-        self._asked_snapshots[step] = max(attempt, self._asked_snapshots.get(step, 0))
-        self._forget_old_skips()
-
-    def _forget_old_skips(self) -> None:
+    def _note_asked(self, step: int, attempt: int) -> None:
+        """Record the attempt of the snapshot after ``step`` (-1: a skip of it was handled)."""
+        self._asked_snapshots[step] = attempt
         while len(self._asked_snapshots) > 16:  # a skip is reported within a heartbeat: old entries are done
             del self._asked_snapshots[min(self._asked_snapshots)]
 
@@ -722,8 +720,7 @@ class Coordinator(SocketThread):
         attempt = self._asked_snapshots.get(step, 0)
         if attempt < 0:
             return  # another member's report of the same snapshot was handled
-        self._asked_snapshots[step] = -1
-        self._forget_old_skips()
+        self._note_asked(step, -1)
         again = 0 < attempt < SNAPSHOT_ATTEMPTS and self.state == RUNNING
         emit(self.event_sink, log, "torchpass.snapshot_incomplete", step=step, skipped_by=wid, asked_again=again)
         if again:
