@@ -20,8 +20,10 @@ traversal for ``find_unused_parameters``, a step-boundary check), so it shrinks 
 Separate jobs on a shared machine make the steps/s ratio noisy by several percent from run to run, more than
 the 1 % being judged. So the benchmark also runs one job in which plain DDP and TorchPass alternate in the
 same ranks every ``--segment`` steps (``interleaved`` in ``bench/support/torchpass_workload.py``: two identical
-models, the DDP one over TorchPass's own gloo group) and states the median of the per-segment ratios: the
-two forms then share every slow phase of the machine.
+models, the DDP one over TorchPass's own gloo group). Each TorchPass segment is set against the mean of the
+DDP segments either side of it, and the mean of those ratios is stated with its 95 % interval: the two forms
+share every slow phase of the machine, and the < 1 % goal counts as shown only when the whole interval is
+below it.
 
 ``--quick`` runs in under a minute. The last line printed is one JSON object of the figures.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -50,6 +53,7 @@ from support.torchpass_jobs import (
 )
 
 MODES = ("ddp", "torchpass", "torchft")
+T95 = 1.96  # two-sided 95 % quantile of the normal distribution
 
 
 def interleaved(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -62,15 +66,35 @@ def interleaved(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if code:
         raise RuntimeError(f"the interleaved job exited with {code}; see {out}/torchpass.err")
     times = json.loads((out / "interleaved.json").read_text())
-    ratios = [tp / ddp for ddp, tp in zip(times["ddp"], times["torchpass"], strict=True)]
-    ddp_s, tp_s = statistics.median(times["ddp"]), statistics.median(times["torchpass"])
+    if len(times["ddp"]) != len(times["torchpass"]) + 1:
+        raise RuntimeError(
+            f"the interleaved job timed {len(times['ddp'])} DDP, {len(times['torchpass'])} TorchPass segments"
+        )
+    wall, cpu = overhead(times["ddp"], times["torchpass"]), overhead(times["ddp_cpu"], times["torchpass_cpu"])
     return {
-        "segments": len(ratios),
+        "segments": len(times["torchpass"]),
         "segment_steps": args.segment,
-        "ddp_ms_per_step": round(1000 * ddp_s / args.segment, 3),
-        "torchpass_ms_per_step": round(1000 * tp_s / args.segment, 3),
-        "overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
-        "ratio_quartiles": [round(q, 4) for q in statistics.quantiles(ratios, n=4)],
+        "ddp_ms_per_step": round(1000 * statistics.median(times["ddp"]) / args.segment, 3),
+        "torchpass_ms_per_step": round(1000 * statistics.median(times["torchpass"]) / args.segment, 3),
+        "overhead_pct": wall["pct"],
+        "overhead_ci95_pct": wall["ci95"],
+        "cpu_overhead_pct": cpu["pct"],
+        "cpu_overhead_ci95_pct": cpu["ci95"],
+    }
+
+
+def overhead(ddp: list[float], tp: list[float]) -> dict[str, Any]:
+    """TorchPass's extra time per step in % of DDP's, with its 95 % interval.
+
+    Each TorchPass segment is set against the mean of the DDP segments either side of it (a machine that
+    speeds up or slows down steadily then biases neither form); the mean of those ratios and a normal
+    interval over them (fair from about 30 segments on)."""
+    ratios = [t / ((before + after) / 2) for before, t, after in zip(ddp, tp, ddp[1:], strict=False)]
+    mean = statistics.fmean(ratios)
+    half = T95 * statistics.stdev(ratios) / math.sqrt(len(ratios))
+    return {
+        "pct": round(100 * (mean - 1), 2),
+        "ci95": [round(100 * (mean - half - 1), 2), round(100 * (mean + half - 1), 2)],
     }
 
 
@@ -118,9 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument("--skip-torchft", action="store_true", help="leave TorchFT out")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, step files)")
-    parser.add_argument("--segment", type=int, default=20, help="steps per segment of the interleaved job")
-    parser.add_argument("--segments", type=int, default=40, help="segment pairs of the interleaved job (default 40)")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 120 steps, 8 segment pairs (under a minute)")
+    parser.add_argument("--segment", type=int, default=10, help="steps per segment of the interleaved job (default 10)")
+    parser.add_argument(
+        "--segments", type=int, default=100, help="TorchPass segments of the interleaved job (default 100)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="2 rounds of 120 steps, 8 interleaved segments (under a minute)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.warmup, args.segments = 2, 120, 20, 8
@@ -168,15 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "torchft" not in rows:
         say(f"{'torchft':<10} {'-':>9}  {torchft_note}")
-    q1, q3 = mixed["ratio_quartiles"][0], mixed["ratio_quartiles"][2]
+    low, high = mixed["overhead_ci95_pct"]
+    cpu_low, cpu_high = mixed["cpu_overhead_ci95_pct"]
     say(
-        f"interleaved in one job ({mixed['segments']} segment pairs of {args.segment} steps): DDP "
-        f"{mixed['ddp_ms_per_step']:.2f} ms/step, TorchPass {mixed['torchpass_ms_per_step']:.2f} ms/step, "
-        f"overhead {mixed['overhead_pct']:.2f} % (median of per-pair ratios; quartiles {q1:.4f}..{q3:.4f})"
+        f"interleaved in one job ({mixed['segments']} TorchPass segments of {args.segment} steps, each against "
+        f"the DDP segments either side): DDP {mixed['ddp_ms_per_step']:.2f} ms/step, TorchPass "
+        f"{mixed['torchpass_ms_per_step']:.2f} ms/step; overhead in wall time {mixed['overhead_pct']:.2f} % "
+        f"(95 % interval {low:.2f}..{high:.2f} %), in CPU time {mixed['cpu_overhead_pct']:.2f} % "
+        f"({cpu_low:.2f}..{cpu_high:.2f} %)"
     )
     goals = {
         "torchpass_under_1pct": rows["torchpass"]["overhead_pct"] < 1.0,
-        "interleaved_under_1pct": mixed["overhead_pct"] < 1.0,
+        "interleaved_under_1pct": high < 1.0,  # shown only when the whole interval lies below 1 %
     }
     if "torchft" in rows:
         goals["torchpass_below_torchft"] = rows["torchpass"]["overhead_pct"] < rows["torchft"]["overhead_pct"]

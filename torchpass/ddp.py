@@ -80,6 +80,8 @@ _RESERVED = (
 _DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
 _DEFAULT_CAP_MB = 25.0  # DDP's default bucket_cap_mb
 _MIB = 1024 * 1024
+_SUM = dist.AllreduceOptions()  # a sum with the group's own timeout, as dist.all_reduce asks for
+_SUM.reduceOp = dist.ReduceOp.SUM
 
 log = logging.getLogger("clockwork.torchpass.ddp")
 
@@ -111,13 +113,13 @@ def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Fu
     buffer = bucket.buffer()
     if not ctx._collective_allowed():
         return _completed(buffer)
-    world = ctx.world_size
+    scale = 1.0 / ctx.world_size
     try:
-        work = dist.all_reduce(buffer, async_op=True)
+        # The current generation's group, called directly: dist.all_reduce's checks cost ~10 µs a bucket.
+        work = dist.distributed_c10d._get_default_group().allreduce([buffer], _SUM)
     except Exception as exc:
         ctx._abandon_step(exc)
         return _completed(buffer)
-    assert work is not None
 
     def finish(future: torch.futures.Future[Any]) -> torch.Tensor:
         try:
@@ -126,9 +128,10 @@ def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Fu
             ctx._abandon_step(exc)
             return buffer
         # Averaged here, on the backend's thread once the sum is in, not before the launch: DDP without a hook
-        # folds the division into its gradient copy, a hook cannot, and a division on the autograd thread
-        # would add a pass over every bucket to the backward pass's critical path.
-        return buffer.div_(world)
+        # folds the scaling into its gradient copy, a hook cannot, and a pass on the autograd thread would
+        # lengthen the backward pass's critical path. A product with the reciprocal, as DDP scales, not a
+        # division: on a CPU a division pass over a bucket takes twice as long.
+        return buffer.mul_(scale)
 
     return work.get_future().then(finish)
 

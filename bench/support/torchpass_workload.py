@@ -189,10 +189,13 @@ def train_interleaved(args: argparse.Namespace) -> None:
 
     Two identical models: one wrapped by TorchPass and trained through ``ctx.steps``, one in plain DDP over the
     same gloo group. At every segment boundary, inside TorchPass's step, the ranks meet at a barrier and train
-    the DDP model for a segment of the same steps' batches; then TorchPass's next segment is timed. A slow
-    phase of a shared machine lasts seconds and so hits both forms alike: the per-segment ratio is far less
-    noisy than two separate jobs' steps/s. Rank 0 writes ``interleaved.json``: every segment's seconds per
-    form (the first pair, the warm-up, excluded)."""
+    the DDP model for a segment of the same steps' batches; then TorchPass's next segment is timed; one more
+    DDP segment closes the job, so every TorchPass segment lies between two DDP ones. A slow phase of a shared
+    machine lasts seconds and so hits both forms alike: the per-segment ratio is far less noisy than two
+    separate jobs' steps/s. Rank 0 writes ``interleaved.json``: every segment's wall seconds per form, in order
+    (DDP first and last; the first of each form, the warm-up, excluded), and the CPU seconds its process (every
+    thread: gloo's and TorchPass's included) spent in each, which time slices lost to other processes do not
+    blur."""
     import torchpass as tp
 
     seg = args.segment
@@ -202,30 +205,47 @@ def train_interleaved(args: argparse.Namespace) -> None:
     tp_opt = ctx.wrap_optimizer(torch.optim.AdamW(tp_model.parameters(), lr=1e-3))
     ddp_opt = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
     plain: nn.parallel.DistributedDataParallel | None = None
-    times: dict[str, list[float]] = {"ddp": [], "torchpass": []}
-    started: float | None = None
-    for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), args.steps - args.steps % seg):
+    spent: dict[str, list[tuple[float, float]]] = {"ddp": [], "torchpass": []}
+    started: tuple[float, float] | None = None
+
+    def clocks() -> tuple[float, float]:
+        return time.perf_counter(), time.process_time()
+
+    def record(form: str, since: tuple[float, float]) -> None:
+        wall, cpu = clocks()
+        spent[form].append((wall - since[0], cpu - since[1]))
+
+    def ddp_segment(first: int) -> None:
+        nonlocal plain
+        plain = plain or nn.parallel.DistributedDataParallel(ddp_model)  # over TorchPass's current group
+        dist.barrier()
+        t0 = clocks()
+        for s in range(first, first + seg):
+            xa, ya = batch(s, ctx.slot, args.batch)
+            nn.functional.mse_loss(plain(xa), ya).backward()
+            ddp_opt.step()
+            ddp_opt.zero_grad()
+        record("ddp", t0)
+        dist.barrier()
+
+    last = args.steps - args.steps % seg
+    for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), last):
         if step % seg == 0:
             if started is not None:
-                times["torchpass"].append(time.perf_counter() - started)
-            plain = plain or nn.parallel.DistributedDataParallel(ddp_model)  # over TorchPass's current group
-            dist.barrier()
-            t0 = time.perf_counter()
-            for s in range(step, step + seg):
-                xa, ya = batch(s, ctx.slot, args.batch)
-                nn.functional.mse_loss(plain(xa), ya).backward()
-                ddp_opt.step()
-                ddp_opt.zero_grad()
-            times["ddp"].append(time.perf_counter() - t0)
-            dist.barrier()
-            started = time.perf_counter()
+                record("torchpass", started)
+            ddp_segment(step)
+            started = clocks()
         nn.functional.mse_loss(tp_ddp(x), y).backward()
         tp_opt.step()
         tp_opt.zero_grad()
     if started is not None:
-        times["torchpass"].append(time.perf_counter() - started)
+        record("torchpass", started)
+        ddp_segment(last)
     if ctx.slot == 0:
-        result = {"segment": seg, "ddp": times["ddp"][1:], "torchpass": times["torchpass"][1:]}
+        result = {"segment": seg}
+        for form, pairs in spent.items():
+            result[form] = [wall for wall, _ in pairs[1:]]
+            result[f"{form}_cpu"] = [cpu for _, cpu in pairs[1:]]
         (Path(args.out) / "interleaved.json").write_text(json.dumps(result))
     ctx.close()
 
