@@ -8,6 +8,13 @@ same daemon with Lens off (LinkPass is off in both, to isolate Lens). The figure
 difference: Lens's own share of one core. The probe rate each daemon achieved is printed too (it must
 be the configured cadence, or a low CPU figure would mean nothing).
 
+A second baseline, the *probe floor* (``bench/support/probe_floor.c``, compiled here), runs one small C
+program per node that sends and reads exactly the probe packets Lens sends for each setting (same count,
+size, batching and read cadence) and does nothing else: what the packets alone cost on this machine. It
+runs on the sandbox's rails and again over the kernel's loopback device, whose difference is the emulated
+NICs and switch (veth, bridge, veth, all charged to the sending process here; a NIC and a switch do that
+work in hardware on a cluster). Lens above the floor is Lens's own work.
+
 Goal (DESIGN.md): < 3 % of one core per node at 10 ms with 16 peers per NIC.
 Needs root. The last line printed is one JSON object of the figures.
 """
@@ -19,6 +26,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,11 +34,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from clockworkd.config.schema import SandboxConfig
+from clockworkd.lens.prober import DRAIN_EVERY_S
+from clockworkd.lens.wire import PROBE_BYTES
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
+from clockworkd.sandbox.shell import in_netns
 
 GOAL_PCT = 3.0
 TICK = os.sysconf("SC_CLK_TCK")
+FLOOR_SOURCE = Path(__file__).resolve().parent / "support" / "probe_floor.c"
+FLOOR_PORT = 16990  # not Lens's port: the floor runs while no daemon does, but keep them apart anyway
 
 
 def say(text: str = "") -> None:
@@ -81,9 +94,61 @@ def measure(daemons: NodeDaemons, settings: dict[str, str], seconds: float, warm
     }
 
 
+def build_floor(work: Path) -> Path:
+    """Compile the probe floor (``bench/support/probe_floor.c``): the probe packets alone, no Lens."""
+    exe = work / "probe_floor"
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", str(exe), str(FLOOR_SOURCE)], check=True)
+    return exe
+
+
+def measure_floor(exe: Path, box: Sandbox, peers: int, interval_ms: float, seconds: float, loopback: bool) -> float:
+    """Median CPU (% of a core) of one probe floor per node sending what Lens sends with ``peers`` per NIC.
+
+    On the sandbox's rails (each node's NICs, in its namespace), or with ``loopback`` over the kernel's
+    loopback device instead (127.0.R.N addresses in this namespace): the same UDP stacks without the emulated
+    NICs and switch, whose cost a real NIC and switch do not charge to the node."""
+    nodes = box.layout().nodes
+    drain_ticks = max(1, round(DRAIN_EVERY_S * 1000 / interval_ms))
+    procs = []
+    try:
+        for i, node in enumerate(nodes):
+            specs = []
+            for r, nic in enumerate(node.nics):
+                ring = [nodes[(i + j) % len(nodes)] for j in range(1, peers + 1)]
+                if loopback:
+                    specs.append(
+                        f"127.0.{r + 1}.{i + 1}:" + ",".join(f"127.0.{r + 1}.{nodes.index(p) + 1}" for p in ring)
+                    )
+                else:
+                    specs.append(f"{nic.ip}:" + ",".join(p.nics[r].ip for p in ring))
+            argv = [
+                str(exe),
+                str(FLOOR_PORT),
+                str(round(interval_ms * 1000)),
+                str(drain_ticks),
+                str(PROBE_BYTES),
+                *specs,
+            ]
+            procs.append(subprocess.Popen(argv if loopback else [*in_netns(node.name), *argv]))
+        time.sleep(1.0)
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a probe floor process exited at once (see its message above)")
+        c0 = [sum(cpu_seconds(p.pid)) for p in procs]
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        dt = time.monotonic() - t0
+        c1 = [sum(cpu_seconds(p.pid)) for p in procs]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=10)
+    return round(statistics.median(100 * (b - a) / dt for a, b in zip(c0, c1, strict=True)), 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="9 nodes, peers 2 and 8, 5 s each (< 1 min)")
+    parser.add_argument("--quick", action="store_true", help="9 nodes, peers 2 and 8, 5 s each, floors 3 s (< 1 min)")
     parser.add_argument("--nodes", type=int, default=17, help="sandbox nodes (default 17)")
     parser.add_argument("--peers", default="1,2,4,8,16", help="peers per NIC to measure (default 1,2,4,8,16)")
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement per setting (default 20)")
@@ -126,6 +191,20 @@ def main(argv: list[str] | None = None) -> int:
                     + ", ".join(f"{k} {v:.2f}" for k, v in m["lens_phases_pct"].items())
                 )
         daemons.stop_all()
+        exe = build_floor(work)
+        floor_s = min(args.seconds, 3.0) if args.quick else args.seconds
+        for m in rows:
+            k = m["peers_per_nic"]
+            m["floor_pct"] = measure_floor(exe, box, k, args.interval_ms, floor_s, loopback=False)
+            m["floor_loopback_pct"] = measure_floor(exe, box, k, args.interval_ms, floor_s, loopback=True)
+            m["above_floor_pct"] = round(m["lens_pct"] - m["floor_pct"], 2)
+            m["with_loopback_floor_pct"] = round(m["above_floor_pct"] + m["floor_loopback_pct"], 2)
+            say(
+                f"  {k:>2} peers/NIC: the probe packets alone (bench/support/probe_floor.c) {m['floor_pct']:5.2f} % "
+                f"on the rails, {m['floor_loopback_pct']:5.2f} % over loopback; Lens above them "
+                f"{m['above_floor_pct']:5.2f} %; Lens had its packets cost what loopback's do "
+                f"{m['with_loopback_floor_pct']:5.2f} % (an estimate)"
+            )
     finally:
         box.down()
     at16 = next((r for r in rows if r["peers_per_nic"] == 16), None)
