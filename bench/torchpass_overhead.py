@@ -71,7 +71,12 @@ def interleaved(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             f"the interleaved job timed {len(times['ddp'])} DDP, {len(times['torchpass'])} TorchPass segments"
         )
     wall, cpu = overhead(times["ddp"], times["torchpass"]), overhead(times["ddp_cpu"], times["torchpass_cpu"])
+    between = times["between_steps_s"]
+    boundary_us = 1e6 * (between["torchpass"] - between["ddp"])
+    ddp_step_us = 1e6 * statistics.median(times["ddp"]) / args.segment
     return {
+        "boundary_us": round(boundary_us, 1),
+        "boundary_pct": round(100 * boundary_us / ddp_step_us, 3),
         "segments": len(times["torchpass"]),
         "segment_steps": args.segment,
         "ddp_ms_per_step": round(1000 * statistics.median(times["ddp"]) / args.segment, 3),
@@ -203,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         f"the DDP segments either side): DDP {mixed['ddp_ms_per_step']:.2f} ms/step, TorchPass "
         f"{mixed['torchpass_ms_per_step']:.2f} ms/step; overhead in wall time {mixed['overhead_pct']:.2f} % "
         f"(95 % interval {low:.2f}..{high:.2f} %), in CPU time {mixed['cpu_overhead_pct']:.2f} % "
-        f"({cpu_low:.2f}..{cpu_high:.2f} %)"
+        f"({cpu_low:.2f}..{cpu_high:.2f} %); TorchPass's step boundary, timed directly: {mixed['boundary_us']:.0f} µs "
+        f"a step more than DDP's batch fetch ({mixed['boundary_pct']:.2f} % of a step)"
     )
     goals = {
         "torchpass_under_1pct": rows["torchpass"]["overhead_pct"] < 1.0,

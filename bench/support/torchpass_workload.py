@@ -215,13 +215,25 @@ def train_interleaved(args: argparse.Namespace) -> None:
         wall, cpu = clocks()
         spent[form].append((wall - since[0], cpu - since[1]))
 
+    # Between steps: DDP fetches the batch; TorchPass's step boundary (ctx.steps) commits the step, reseeds and
+    # fetches it. Their difference is TorchPass's own work per step, measured directly (after the first segment).
+    between = {"ddp": 0.0, "torchpass": 0.0}
+    counted = {"ddp": 0, "torchpass": 0}
+
+    def count(form: str, since: float) -> None:
+        between[form] += time.perf_counter() - since
+        counted[form] += 1
+
     def ddp_segment(first: int) -> None:
         nonlocal plain
         plain = plain or nn.parallel.DistributedDataParallel(ddp_model)  # over TorchPass's current group
         dist.barrier()
         t0 = clocks()
         for s in range(first, first + seg):
+            t = time.perf_counter()
             xa, ya = batch(s, ctx.slot, args.batch)
+            if first >= seg:
+                count("ddp", t)
             nn.functional.mse_loss(plain(xa), ya).backward()
             ddp_opt.step()
             ddp_opt.zero_grad()
@@ -229,7 +241,15 @@ def train_interleaved(args: argparse.Namespace) -> None:
         dist.barrier()
 
     last = args.steps - args.steps % seg
-    for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), last):
+    steps = iter(ctx.steps(lambda s: batch(s, ctx.slot, args.batch), last))
+    while True:
+        t = time.perf_counter()
+        try:
+            step, (x, y) = next(steps)
+        except StopIteration:
+            break
+        if step > seg:  # the first steps' calls include joining the job
+            count("torchpass", t)
         if step % seg == 0:
             if started is not None:
                 record("torchpass", started)
@@ -242,7 +262,7 @@ def train_interleaved(args: argparse.Namespace) -> None:
         record("torchpass", started)
         ddp_segment(last)
     if ctx.slot == 0:
-        result = {"segment": seg}
+        result: dict[str, Any] = {"segment": seg, "between_steps_s": {f: between[f] / counted[f] for f in between}}
         for form, pairs in spent.items():
             result[form] = [wall for wall, _ in pairs[1:]]
             result[f"{form}_cpu"] = [cpu for _, cpu in pairs[1:]]
