@@ -193,14 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         daemons.stop_all()
         exe = build_floor(work)
         floor_s = min(args.seconds, 3.0) if args.quick else args.seconds
+        nics = len(box.layout().nodes[0].nics)
         for m in rows:
-            k = m["peers_per_nic"]
+            # The peers Lens really probed (the plan may add some to cover every link twice): from its rate,
+            # one probe per peer and one more for the coded pair per NIC and tick.
+            k = max(1, round(m["probes_per_s_median"] * args.interval_ms / 1000 / nics) - 1)
+            m["floor_peers"] = k
             m["floor_pct"] = measure_floor(exe, box, k, args.interval_ms, floor_s, loopback=False)
             m["floor_loopback_pct"] = measure_floor(exe, box, k, args.interval_ms, floor_s, loopback=True)
             m["above_floor_pct"] = round(m["lens_pct"] - m["floor_pct"], 2)
             m["with_loopback_floor_pct"] = round(m["above_floor_pct"] + m["floor_loopback_pct"], 2)
             say(
-                f"  {k:>2} peers/NIC: the probe packets alone (bench/support/probe_floor.c) {m['floor_pct']:5.2f} % "
+                f"  {m['peers_per_nic']:>2} peers/NIC ({k} probed): the probe packets alone (probe floor) "
+                f"{m['floor_pct']:5.2f} % "
                 f"on the rails, {m['floor_loopback_pct']:5.2f} % over loopback; Lens above them "
                 f"{m['above_floor_pct']:5.2f} %; Lens had its packets cost what loopback's do "
                 f"{m['with_loopback_floor_pct']:5.2f} % (an estimate)"
