@@ -73,13 +73,13 @@ def interleaved(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     wall, cpu = overhead(times["ddp"], times["torchpass"]), overhead(times["ddp_cpu"], times["torchpass_cpu"])
     between = times["between_steps_s"]
     boundary_us = 1e6 * (between["torchpass"] - between["ddp"])
-    ddp_step_us = 1e6 * statistics.median(times["ddp"]) / args.segment
+    ddp_ms = 1000 * statistics.median(times["ddp"]) / args.segment
     return {
         "boundary_us": round(boundary_us, 1),
-        "boundary_pct": round(100 * boundary_us / ddp_step_us, 3),
+        "boundary_pct": round(100 * boundary_us / (1000 * ddp_ms), 3),
         "segments": len(times["torchpass"]),
         "segment_steps": args.segment,
-        "ddp_ms_per_step": round(1000 * statistics.median(times["ddp"]) / args.segment, 3),
+        "ddp_ms_per_step": round(ddp_ms, 3),
         "torchpass_ms_per_step": round(1000 * statistics.median(times["torchpass"]) / args.segment, 3),
         "overhead_pct": wall["pct"],
         "overhead_ci95_pct": wall["ci95"],
@@ -94,7 +94,7 @@ def overhead(ddp: list[float], tp: list[float]) -> dict[str, Any]:
     Each TorchPass segment is set against the mean of the DDP segments either side of it (a machine that
     speeds up or slows down steadily then biases neither form); the mean of those ratios and a normal
     interval over them (fair from about 30 segments on)."""
-    ratios = [t / ((before + after) / 2) for before, t, after in zip(ddp, tp, ddp[1:], strict=False)]
+    ratios = [t / ((before + after) / 2) for before, t, after in zip(ddp[:-1], tp, ddp[1:], strict=True)]
     mean = statistics.fmean(ratios)
     half = T95 * statistics.stdev(ratios) / math.sqrt(len(ratios))
     return {
