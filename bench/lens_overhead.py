@@ -110,17 +110,14 @@ def measure_floor(exe: Path, box: Sandbox, peers: int, interval_ms: float, secon
     nodes = box.layout().nodes
     drain_ticks = max(1, round(DRAIN_EVERY_S * 1000 / interval_ms))
     procs = []
+
+    def addr(q: int, r: int) -> str:  # node q's NIC r
+        return f"127.0.{r + 1}.{q + 1}" if loopback else nodes[q].nics[r].ip
+
     try:
         for i, node in enumerate(nodes):
-            specs = []
-            for r, nic in enumerate(node.nics):
-                ring = [nodes[(i + j) % len(nodes)] for j in range(1, peers + 1)]
-                if loopback:
-                    specs.append(
-                        f"127.0.{r + 1}.{i + 1}:" + ",".join(f"127.0.{r + 1}.{nodes.index(p) + 1}" for p in ring)
-                    )
-                else:
-                    specs.append(f"{nic.ip}:" + ",".join(p.nics[r].ip for p in ring))
+            ring = [(i + j) % len(nodes) for j in range(1, peers + 1)]
+            specs = [f"{addr(i, r)}:" + ",".join(addr(q, r) for q in ring) for r in range(len(node.nics))]
             argv = [
                 str(exe),
                 str(FLOOR_PORT),
@@ -205,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             m["with_loopback_floor_pct"] = round(m["above_floor_pct"] + m["floor_loopback_pct"], 2)
             say(
                 f"  {m['peers_per_nic']:>2} peers/NIC ({k} probed): the probe packets alone (probe floor) "
-                f"{m['floor_pct']:5.2f} % "
-                f"on the rails, {m['floor_loopback_pct']:5.2f} % over loopback; Lens above them "
+                f"{m['floor_pct']:5.2f} % on the rails, {m['floor_loopback_pct']:5.2f} % over loopback; "
+                f"Lens above them "
                 f"{m['above_floor_pct']:5.2f} %; Lens had its packets cost what loopback's do "
                 f"{m['with_loopback_floor_pct']:5.2f} % (an estimate)"
             )

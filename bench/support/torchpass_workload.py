@@ -2,7 +2,8 @@
 """The training job the TorchPass benchmarks run, in each of its three forms: one rank (or replica) process.
 
 ``bench/torchpass_overhead.py`` and ``bench/torchpass_vs_restart.py`` start this script as their ranks, so
-the three systems train exactly the same model on exactly the same batches:
+the three systems train exactly the same model on exactly the same batches. It is not a benchmark itself: it
+writes its timings to files, and the benchmarks that start it take ``--quick`` and print the JSON line.
 
 * ``ddp``: plain ``torch.nn.parallel.DistributedDataParallel`` over gloo (``RANK``/``WORLD_SIZE``/
   ``MASTER_ADDR``/``MASTER_PORT`` from the launcher). With ``--ckpt`` it is the checkpoint-restart baseline:
