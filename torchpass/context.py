@@ -99,6 +99,25 @@ def _configure_logging(level: str) -> None:
     logger.propagate = False
 
 
+def _whole_lines_on_shared_output() -> None:
+    """Keep each line a rank prints one ``write()``.
+
+    The ranks of one launcher (or node agent) share its stdout and stderr, and are started with
+    ``PYTHONUNBUFFERED`` so that nothing printed is lost when a rank is killed. Unbuffered, ``print`` writes
+    its text and its newline in two calls, and two ranks' lines tear into each other. Line buffering flushes
+    at every newline just as promptly, and a line then reaches the pipe in one write (atomic up to
+    ``PIPE_BUF``). A stream the script replaced with something else is left alone.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is None:
+            continue
+        try:
+            reconfigure(line_buffering=True, write_through=False)
+        except (ValueError, OSError):  # closed, or not a text stream that can be reconfigured
+            continue
+
+
 def _die_with_parent() -> None:
     """The rank dies with its launcher (local mode) or node agent (Slurm mode), whose main thread forked it.
 
@@ -848,6 +867,8 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
             os.environ[ENV_JOB_KEY] = JobKey.new().hex
         coordinator = Coordinator(1, cfg)
         env = LaunchEnv(coordinator.start(), "w0", "slot:0", 1, "127.0.0.1", "", False)
+    else:
+        _whole_lines_on_shared_output()
     if env.local or env.agent >= 0:
         _die_with_parent()
     daemon_socket = os.environ.get(ENV_DAEMON_SOCKET, "")

@@ -20,7 +20,7 @@ from clockworkd.audit.measure import _HEADER, _MAGIC
 
 log = logging.getLogger("clockwork.audit")
 HOLDDOWN_WAIT_MAX_S = 30.0  # LinkPass's default hold-down cap (linkpass.settings: holddown_max_s)
-ROUTE_GRACE_S = 1.0
+ROUTE_GRACE_S = 2.0  # LinkPass moves the route at its next evaluation, which a busy daemon can delay
 
 
 def route_device(dst: str, src: str) -> str | None:
@@ -74,22 +74,24 @@ def _failback(
     """Seconds until traffic to ``dst`` is routed through ``nic`` again (None: it was not), and LinkPass's
     state of that path when the wait ended.
 
-    Past ``timeout_s`` the wait goes on while LinkPass holds the path down (flap damping: the drills
-    themselves flap each path, and its hold-down doubles each time, up to ``HOLDDOWN_WAIT_MAX_S``), and for
-    ``ROUTE_GRACE_S`` once the hold-down has ended (the route moves at LinkPass's next evaluation)."""
+    Past ``timeout_s`` the wait goes on, up to ``HOLDDOWN_WAIT_MAX_S`` more, while LinkPass has not yet called
+    the path alive: it holds the path down (flap damping: the drills themselves flap each path, and its
+    hold-down doubles each time), or has not yet heard the peer on it again, or its state cannot be read (a
+    busy daemon). Once LinkPass calls the path alive, the route must move within ``ROUTE_GRACE_S`` (at its
+    next evaluation). A path still dead at the end is reported as such by the verdict."""
     start = time.monotonic()
-    eligible_at: float | None = None
+    alive_at: float | None = None
     while True:
         now = time.monotonic()
         if route_device(dst, node_ip) == nic:
             return now - start, None
         if now - start >= timeout_s:
             state = path_state()
-            if state == "alive" and eligible_at is None:
-                eligible_at = now
-            holding = state == "holddown" and now - start < timeout_s + HOLDDOWN_WAIT_MAX_S
-            moving = state == "alive" and eligible_at is not None and now - eligible_at < ROUTE_GRACE_S
-            if not (holding or moving):
+            if state == "alive":
+                alive_at = now if alive_at is None else alive_at
+                if now - alive_at >= ROUTE_GRACE_S:
+                    return None, state
+            elif now - start >= timeout_s + HOLDDOWN_WAIT_MAX_S:
                 return None, state
         time.sleep(0.02)
 
