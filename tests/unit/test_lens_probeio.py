@@ -301,3 +301,124 @@ def test_more_paths_than_one_send_batch(rx_socket: socket.socket, tx_socket: soc
     assert len(heads) == 201
     assert [h[2] for h in heads[:2]] == [wire.PAIR_FIRST, wire.PAIR_SECOND]
     assert sorted(h[7] for h in heads[2:]) == sorted(10 * (k + 1) + 1 for k in range(200) if k != 150)
+
+
+# ----- the pacer thread -------------------------------------------------------------------------
+
+
+class _Paced:
+    """A pacer probing ``paths`` paths from ``tx`` to ``rx`` (every path to the same socket; path k names
+    NIC k of the receiving node, so that each packet says which path it went on)."""
+
+    def __init__(self, tx: socket.socket, rx: socket.socket, paths: int, interval_ms: float, **kw: object) -> None:
+        self.paths = paths
+        self.seq = np.zeros(paths, dtype=np.int64)
+        self.ring_seq = np.full((paths, ECHO_RING), -1, dtype=np.int64)
+        self.ring_tx = np.zeros((paths, ECHO_RING), dtype=np.int64)
+        self.echo_seq = np.full(1, -1, dtype=np.int64)
+        self.echo_rx = np.zeros(1, dtype=np.int64)
+        self.pacer = probeio().Pacer(
+            KEY, PEER[0], SESSION, round(interval_ms * 1e6), kw.pop("pair_every", 1), self.echo_seq, self.echo_rx,
+            kw.pop("seam", None),
+        )  # fmt: skip
+        self.pacer.add_nic(
+            tx.fileno(), PEER[1], self.seq, np.full(paths, ME[0], dtype=np.int64), np.arange(paths, dtype=np.int64),
+            fastio.sockaddr_in(LOCAL, rx.getsockname()[1]) * paths, self.ring_seq, self.ring_tx,
+            np.array([0] + [-1] * (paths - 1), dtype=np.int64),
+        )  # fmt: skip
+
+    def run(self, ticks: int) -> dict:
+        """Start, wait until ``ticks`` ticks have run, stop; the pacer's stats."""
+        self.pacer.start()
+        while self.pacer.stats()["ticks"] < ticks:
+            time.sleep(0.005)
+        self.pacer.stop()
+        return self.pacer.stats()
+
+
+def _headers(sock: socket.socket, want: int) -> list[tuple]:
+    packets = _recv_raw(sock, want)
+    for p in packets:  # every one authentic: what wire.py signs
+        assert wire.sign(KEY, p[: wire.HEADER_BYTES]) == p
+    return [wire.HEADER.unpack(p[: wire.HEADER_BYTES]) for p in packets]
+
+
+def test_pacer_sends_a_batch_per_tick_with_the_pair_taking_turns(
+    rx_socket: socket.socket, tx_socket: socket.socket
+) -> None:
+    paced = _Paced(tx_socket, rx_socket, paths=3, interval_ms=5)
+    stats = paced.run(ticks=6)
+    ticks = stats["ticks"]
+    assert stats["sent"] == ticks * 4 and stats["errors"] == 0  # 3 paths, one of them a pair
+    heads = _headers(rx_socket, stats["sent"])
+    assert len(heads) == stats["sent"] and not _recv_raw(rx_socket, 1)  # nothing after stop()
+    stamps = sorted({h[8] for h in heads})
+    assert len(stamps) == ticks  # one transmit stamp per tick
+    for t, stamp in enumerate(stamps):
+        batch = [h for h in heads if h[8] == stamp]
+        assert [h[2] for h in batch] == [wire.PAIR_FIRST, wire.PAIR_SECOND, 0, 0]
+        assert batch[0][5] == batch[1][5] == t % 3  # the paths take turns at the pair, which goes first
+        assert batch[0][7] + 1 == batch[1][7]  # its two sequence numbers follow each other
+        assert sorted(h[5] for h in batch[2:]) == [k for k in range(3) if k != t % 3]
+        assert all(h[9] == SESSION and (h[3], h[4]) == PEER and h[6] == ME[0] for h in batch)
+    for k in range(3):  # each path's sequence numbers count its probes, and its ring holds their transmit times
+        assert [h[7] for h in heads if h[5] == k] == list(range(1, int(paced.seq[k]) + 1))
+        last = int(paced.seq[k])
+        assert paced.ring_seq[k, last % ECHO_RING] == last and paced.ring_tx[k, last % ECHO_RING] == stamps[-1]
+
+
+def test_pacer_stamps_through_the_clock_seam(rx_socket: socket.socket, tx_socket: socket.socket) -> None:
+    offset_ns = 10_000_000_000  # 10 s ahead of the real clock, no drift
+    stats = _Paced(tx_socket, rx_socket, paths=1, interval_ms=5, seam=(offset_ns, 0.0, 0)).run(ticks=3)
+    out = np.zeros((fastio.RECORDS, fastio.RECORD_FIELDS), dtype=np.int64)
+    nic_ip, path_of = _tables()
+    n, rejected, _ = probeio().drain(rx_socket.fileno(), KEY, ME[0], ME[1], nic_ip, 1, path_of, out, 64)
+    assert (n, rejected) == (stats["sent"], 0)
+    ahead = out[:n, R_TX] - out[:n, R_RX]  # seam clock at send minus the kernel's real arrival stamp
+    assert np.all((ahead > offset_ns - 1_000_000_000) & (ahead <= offset_ns)), ahead
+
+
+def test_pacer_lock_holds_the_ticks_and_echoes_written_under_it_go_out(
+    rx_socket: socket.socket, tx_socket: socket.socket
+) -> None:
+    paced = _Paced(tx_socket, rx_socket, paths=2, interval_ms=5, pair_every=0)
+    paced.pacer.start()
+    try:
+        while paced.pacer.stats()["ticks"] < 2:
+            time.sleep(0.005)
+        with paced.pacer:
+            held = paced.pacer.stats()["ticks"]
+            time.sleep(0.05)  # ten intervals
+            assert paced.pacer.stats()["ticks"] == held  # no tick while Python holds the lock
+            paced.echo_seq[0] = 77
+            paced.echo_rx[0] = time.time_ns()
+        while paced.pacer.stats()["ticks"] < held + 2:
+            time.sleep(0.005)
+    finally:
+        paced.pacer.stop()
+    stats = paced.pacer.stats()
+    assert stats["late"] >= 1  # the held-up ticks were skipped, not sent in a burst
+    heads = _headers(rx_socket, stats["sent"])
+    echoed = [h for h in heads if h[11] == 77]
+    assert echoed and all(h[12] != wire.NO_ECHO and h[12] == h[8] - paced.echo_rx[0] for h in echoed)
+    assert all(h[2] == 0 for h in heads)  # pair_every 0: no coded pairs
+
+
+def test_pacer_refuses_bad_arguments_and_late_nics(tx_socket: socket.socket, rx_socket: socket.socket) -> None:
+    echo = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="interval_ns"):
+        probeio().Pacer(KEY, 0, 0, 0, 1, echo, echo)
+    with pytest.raises(ValueError, match="tag key"):
+        probeio().Pacer(b"", 0, 0, 10_000_000, 1, echo, echo)
+    with pytest.raises(TypeError, match="seam must be"):
+        probeio().Pacer(KEY, 0, 0, 10_000_000, 1, echo, echo, (1, 2))
+    paced = _Paced(tx_socket, rx_socket, paths=1, interval_ms=5)
+    paced.pacer.start()
+    with pytest.raises(RuntimeError, match="add NICs before start"):
+        paced.pacer.add_nic(tx_socket.fileno(), 0, paced.seq, paced.seq, paced.seq, b"x" * 16, paced.ring_seq,
+                            paced.ring_tx, paced.seq)  # fmt: skip
+    paced.pacer.stop()
+    paced.pacer.stop()  # idempotent
+    running = _Paced(tx_socket, rx_socket, paths=1, interval_ms=5)
+    running.pacer.start()
+    del running  # freed while it runs: stopped and joined, its buffers released

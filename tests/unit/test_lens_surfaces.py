@@ -87,7 +87,13 @@ def _snapshot(node: str = "node1", t: float = T0) -> dict[str, Any]:
             _path("node3/nic0", "node1/nic0", p50=None, loss=0.0),
         ],
         "suspects": [_suspect("node1/nic0 <-> rail0", "node1/nic0", 0.6, ["loss", "delay"])],
-        "counters": {"probes_sent": 123, "probes_received": 120, "rejected": 2, "send_errors": 0},
+        "counters": {
+            "probes_sent": 123,
+            "probes_received": 120,
+            "rejected": 2,
+            "send_errors": 0,
+            "probe_ticks_skipped": 1,
+        },
     }
 
 

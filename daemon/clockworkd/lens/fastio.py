@@ -3,12 +3,13 @@
 Why: a node probes 16 peers from each NIC every 10 ms, thousands of packets a second. A Python
 ``sendto``/``recvmsg`` per packet costs ~10 µs of CPU each (interpreter + syscall), which alone
 would spend the whole probing budget (< 3 % of a core). Probes and trains go through
-``clockworkd.lens._probeio`` (C; :func:`probeio`): one ``sendmmsg`` per NIC per tick with every header
-built and tagged in C, and one call per drain that reads (``recvmmsg``), authenticates and parses
-everything waiting into int64 records (RECORD_FIELDS per packet) numpy files in one go. Reads can be
-lazy (every 50 ms, not per packet) because the kernel stamps each packet when it arrives
-(SO_TIMESTAMPNS), not when it is read. :class:`Sender` (ctypes ``sendmmsg``) sends the summaries (a few
-a second); :class:`Receiver` is the ctypes reader the tests use as a reference.
+``clockworkd.lens._probeio`` (C; :func:`probeio`): its ``Pacer`` thread sends one ``sendmmsg`` per NIC
+per tick with every header built and tagged in C, without the GIL, and one call per drain reads
+(``recvmmsg``), authenticates and parses everything waiting into int64 records (RECORD_FIELDS per
+packet) numpy files in one go. Reads can be lazy (every 50 ms, not per packet) because the kernel
+stamps each packet when it arrives (SO_TIMESTAMPNS), not when it is read. :class:`Sender` (ctypes
+``sendmmsg``) sends the summaries (a few a second); :class:`Receiver` is the ctypes reader the tests
+use as a reference.
 
 Linux x86-64/arm64 only (struct layouts below are the LP64 ones).
 """

@@ -42,6 +42,11 @@ _COUNTERS = (
     ("clockwork_lens_probes_received", "probes_received", "Probes this node received and accepted."),
     ("clockwork_lens_probes_rejected", "rejected", "Probes this node received and dropped (bad tag, stale, unknown)."),
     ("clockwork_lens_send_errors", "send_errors", "Probe sends the kernel refused."),
+    (
+        "clockwork_lens_probe_ticks_skipped",
+        "probe_ticks_skipped",
+        "Probe ticks skipped because the node was too busy to make them in time (the paths' loss counts exclude them).",
+    ),
 )
 
 # Every sample name the exporter can emit: dashboards and alert rules are checked against this set.

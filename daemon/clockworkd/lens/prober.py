@@ -1,9 +1,10 @@
 """The Fleet Lens component the node daemon hosts: probe, measure, sync clocks, judge, localize.
 
-One event loop, no thread per peer: the daemon calls :meth:`Lens.tick` every probe interval. Each
-tick sends one batch per NIC (``sendmmsg``: a probe to every planned peer NIC, the first of them a
-coded pair) and drains every NIC's socket (``recvmmsg``). Reading once per tick costs nothing in
-accuracy because the kernel stamps each packet on arrival (SO_TIMESTAMPNS).
+No thread per peer. One C thread, the pacer (``_probeio.Pacer``), sends every probe interval one batch
+per NIC (``sendmmsg``: a probe to every planned peer NIC, one of them a coded pair) without the GIL; the
+daemon's event loop calls :meth:`Lens.tick`, which drains every NIC's socket (``recvmmsg``) every 50 ms.
+Reading that lazily costs nothing in accuracy because the kernel stamps each packet on arrival
+(SO_TIMESTAMPNS).
 
 Every ``summary_ms`` each daemon tells the others what it measured on the paths it receives (their
 verdicts and the new minima of their delay envelopes), so every daemon holds the whole picture:
@@ -179,9 +180,10 @@ class Lens:
         self._pending: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []  # (t, path, seq, delay) blocks
         self._pending_rtt: list[tuple[float, np.ndarray, np.ndarray]] = []  # (t, path, rtt ns) blocks
         self._summary_queue: list[bytes] = []  # authentic summaries waiting for the next evaluation
-        self.tick_no = 0
+        self.pacer: Any = None  # the C thread that sends the probes (_probeio.Pacer), from start() on
+        self._pacer_errors = 0  # its send errors already counted in counters["send_errors"]
+        self.fits = 0  # clock-fit rounds so far (the rails take turns)
         now = time.monotonic()
-        self.next_probe = now
         self.next_train = now + 1.0
         self.next_drain = now
         self.next_summary = now + cfg.summary_ms / 1000
@@ -195,6 +197,7 @@ class Lens:
             "summaries_received": 0,
             "rejected": 0,
             "send_errors": 0,
+            "probe_ticks_skipped": 0,
             "evaluations": 0,
         }
         # CPU time per phase of tick() (ns, user + kernel): probes = build, tag and send them; receive =
@@ -262,6 +265,7 @@ class Lens:
         self.in_session = np.full(len(self.in_paths), -1, dtype=np.int64)
         self.in_echo_seq = np.full(len(self.in_paths), -1, dtype=np.int64)
         self.in_echo_rx = np.zeros(len(self.in_paths), dtype=np.int64)
+        self._start_pacer()
         log.info(
             "lens on %s: NICs %s, %d outgoing and %d incoming paths, probe every %g ms, reference clock %s%s",
             self.me,
@@ -273,7 +277,46 @@ class Lens:
             " (clock seam: TESTS ONLY)" if self.seam else "",
         )
 
+    def _start_pacer(self) -> None:
+        """Hand every NIC's outgoing paths to the pacer thread, which probes them from now on.
+
+        One batch per NIC per tick, a probe to every planned peer, one of them (peers take turns every
+        ``pair_every`` ticks) a coded pair, sent first: its transmit stamp is the one the clock sync needs;
+        the others' go out microseconds later, which only shifts their paths' baselines. The arrays it is
+        given stay these objects for the Lens's life (it holds their buffers): the echo arrays are updated
+        in place, and only inside ``with self.pacer``.
+        """
+        seam = (self.seam.offset_ns, self.seam.drift_ppm, self.seam.epoch_ns) if self.seam else None
+        self.pacer = fastio.probeio().Pacer(
+            self.key,
+            self.node_index[self.me],
+            self.session,
+            round(self.cfg.interval_ms * 1e6),
+            self.cfg.pair_every,
+            self.in_echo_seq,
+            self.in_echo_rx,
+            seam,
+        )
+        for local in self.local:
+            if not local.out:
+                continue
+            rows = slice(local.first_out, local.first_out + len(local.out))
+            self.pacer.add_nic(
+                local.sock.fileno(),
+                local.index,
+                local.seq,
+                local.dst_node,
+                local.dst_nic,
+                local.addrs,
+                self.ring_seq[rows],
+                self.ring_tx[rows],
+                local.rev,
+            )
+        self.pacer.start()
+
     def close(self) -> None:
+        if self.pacer is not None:
+            self.pacer.stop()  # before the sockets it sends on close
         for local in self.local:
             local.sock.close()
         self.local.clear()
@@ -287,26 +330,22 @@ class Lens:
         pass
 
     def next_deadline(self) -> float:
-        return self.next_probe
+        deadlines = [self.next_drain, self.next_summary, self.next_clock, self.next_eval]
+        if self.cfg.train_interval_ms > 0:
+            deadlines.append(self.next_train)
+        return min(deadlines)
 
     def tick(self) -> None:
         # Each phase's CPU time (this thread's, user + kernel) is added up in cpu_ns: what Lens costs and
         # where (bench/lens_overhead.py prints it). One clock read per phase that runs (~0.5 µs each).
+        # The probes are the pacer thread's (its own CPU time, taken from it at each drain).
         now = time.monotonic()
         cpu, spent = time.thread_time_ns, self.cpu_ns
         t0 = cpu()
-        if now >= self.next_probe:
-            self._send_probes()
-            self.tick_no += 1
-            self.next_probe += self.interval
-            if now - self.next_probe > self.interval:  # fell behind (a stalled loop): skip, never burst
-                self.next_probe = now + self.interval
-            t1 = cpu()
-            spent["probes"] += t1 - t0
-            t0 = t1
         if now >= self.next_drain or now >= self.next_eval:  # late reads cost no accuracy (arrival stamps)
             self.next_drain = now + DRAIN_EVERY_S
             self._drain_all(now)
+            self._take_pacer_stats()
             t1 = cpu()
             spent["receive"] += t1 - t0
             t0 = t1
@@ -345,42 +384,16 @@ class Lens:
         if err:
             self.counters["send_errors"] += 1
 
-    def _send_probes(self) -> None:
-        """One batch per NIC: a probe to every planned peer, one of them (peers take turns) a coded pair.
-
-        The C sender builds, tags and sends the whole batch in one call (a few µs), the pair first: its
-        transmit stamp is the one the clock sync needs; the others' go out microseconds later, which
-        only shifts their paths' baselines.
-        """
-        src_node, key, session, probeio = self.node_index[self.me], self.key, self.session, fastio.probeio()
-        pair_every = self.cfg.pair_every
-        for local in self.local:
-            paths = len(local.out)
-            if not paths:
-                continue
-            first = (self.tick_no // max(1, pair_every)) % paths if pair_every else -1
-            rows = slice(local.first_out, local.first_out + paths)
-            sent, err = probeio.send_probes(
-                local.sock.fileno(),
-                key,
-                src_node,
-                local.index,
-                session,
-                self._clock_ns(),
-                first,
-                local.seq,
-                local.dst_node,
-                local.dst_nic,
-                local.addrs,
-                self.ring_seq[rows],
-                self.ring_tx[rows],
-                local.rev,
-                self.in_echo_seq,
-                self.in_echo_rx,
-            )
-            self.counters["probes_sent"] += sent
-            if err:
-                self.counters["send_errors"] += 1
+    def _take_pacer_stats(self) -> None:
+        """The pacer's probes sent, send errors and CPU time into counters and cpu_ns."""
+        if self.pacer is None:
+            return
+        stats = self.pacer.stats()
+        self.counters["probes_sent"] = stats["sent"]
+        self.counters["probe_ticks_skipped"] = stats["late"]
+        self.counters["send_errors"] += stats["errors"] - self._pacer_errors
+        self._pacer_errors = stats["errors"]
+        self.cpu_ns["probes"] = stats["cpu_ns"]
 
     def _send_trains(self) -> None:
         count = max(2, self.cfg.train_bytes // wire.TRAIN_PACKET)
@@ -512,7 +525,8 @@ class Lens:
             kinds = records[:, R_KIND]
             probes = records[kinds == wire.PROBE]
             if len(probes):
-                self._file_probes(probes, now)
+                with self.pacer:  # the echoes it sends and the transmit rings it writes
+                    self._file_probes(probes, now)
             trains = records[kinds == wire.TRAIN]
             if len(trains):
                 self._file_trains(trains, now)
@@ -746,7 +760,8 @@ class Lens:
         """
         at = self._clock_ns()
         rails = self.nic_names[self.me]
-        rail = rails[self.tick_no % len(rails)]
+        rail = rails[self.fits % len(rails)]
+        self.fits += 1
         for peer in self.nodes:
             if peer <= self.me or rail not in self.fabric.nodes[peer].nics:
                 continue
