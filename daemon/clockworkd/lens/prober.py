@@ -960,9 +960,13 @@ class Lens:
             "suspects": [
                 {**st.suspect.to_dict(), "since": st.raised_wall} for st in self.suspects.values() if st.raised
             ],
-            "counters": dict(self.counters),
-            "cpu_ms": {k: round(v / 1e6, 3) for k, v in self.cpu_ns.items()},
+            **self._accounts(),
         }
+
+    def _accounts(self) -> dict[str, Any]:
+        """The counters and CPU time per phase, as of now (the pacer's taken in)."""
+        self._take_pacer_stats()
+        return {"counters": dict(self.counters), "cpu_ms": {k: round(v / 1e6, 3) for k, v in self.cpu_ns.items()}}
 
     def _remote_paths(self) -> list[dict[str, Any]]:
         """The other daemons' latest word on the paths they receive (so one daemon shows the whole fabric)."""
@@ -976,11 +980,14 @@ class Lens:
         return out
 
     def snapshot(self) -> dict[str, Any]:
-        """The latest evaluation (what ``clockwork lens`` and the metrics show)."""
+        """The latest evaluation (what ``clockwork lens`` and the metrics show), with the counters and CPU
+        times as of now: the pacer sends on while a busy event loop puts off the next evaluation."""
         if self._snapshot_stale:  # built on demand, in the event loop's thread
             self._snapshot = self._build_snapshot()
             self._snapshot_stale = False
-        return self._snapshot or {"node": self.me, "enabled": True, "paths": [], "suspects": [], "clock": {}}
+        if self._snapshot is None:
+            return {"node": self.me, "enabled": True, "paths": [], "suspects": [], "clock": {}}
+        return {**self._snapshot, **self._accounts()}
 
     def cached_snapshot(self) -> dict[str, Any] | None:
         """The last snapshot built (at most SNAPSHOT_EVERY_S old): safe to read from another thread."""
@@ -994,8 +1001,7 @@ class Lens:
             "paths": len(snap.get("paths", [])),
             "bad_paths": sum(1 for p in snap.get("paths", []) if p.get("verdict") and p["verdict"]["bad"]),
             "suspects": [s["link"] for s in snap.get("suspects", [])],
-            "counters": dict(self.counters),
-            "cpu_ms": {k: round(v / 1e6, 3) for k, v in self.cpu_ns.items()},
+            **self._accounts(),
         }
 
 
