@@ -324,7 +324,7 @@ class Lens:
     # ----- event loop hooks -----------------------------------------------------------------
 
     def fds(self) -> list[int]:
-        return []  # read lazily on every tick: the kernel's arrival stamps make that exact
+        return []  # read lazily, every DRAIN_EVERY_S: the kernel's arrival stamps make that exact
 
     def on_readable(self, fd: int) -> None:  # pragma: no cover - never registered
         pass
