@@ -1,4 +1,4 @@
-"""The one thing pyproject.toml cannot say with every setuptools >= 68: Fleet Lens's C extension.
+"""The one thing pyproject.toml cannot say with every setuptools >= 77: Fleet Lens's C extension.
 
 ``clockworkd.lens._probeio`` does Lens's per-packet work (build, tag and send probes; receive, verify and
 parse them), which in Python cost several percent of a core per node (docs: bench/lens_overhead.py).
