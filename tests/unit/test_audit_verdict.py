@@ -104,6 +104,7 @@ def test_missing_worker_fails_its_node() -> None:
         ({"failover_ms": 12.0, "homed_here": True, "failback_ms": 30.0, "reachable_after": True}, False),
         ({"failover_ms": 12.0, "homed_here": True, "failback_ms": None, "linkpass_path": "holddown"}, False),
         ({"failover_ms": 12.0, "homed_here": True, "failback_ms": None, "linkpass_path": "alive"}, True),
+        ({"failover_ms": 12.0, "homed_here": True, "failback_ms": None, "linkpass_path": "dead: nic0 down"}, True),
         ({"failover_ms": None}, True),
         ({"failover_ms": 4000.0}, True),
         ({"skipped": "this NIC is down already"}, False),
@@ -115,6 +116,13 @@ def test_drills(drill: dict[str, Any], failed: bool) -> None:
     report = judge(raw, CFG)
     assert (("node2/nic0", "drill") in _named(report)) is failed
     assert report["checks"]["drill"] == ("fail" if failed else "pass")
+
+
+def test_a_drill_whose_traffic_never_came_home_names_linkpass_state() -> None:
+    drill = {"failover_ms": 12.0, "homed_here": True, "failback_ms": None, "linkpass_path": "dead: nic0 down"}
+    report = judge(make_raw(drills=[{"node": "node2", "nic": "nic0", "peer": "node1", **drill}]), CFG)
+    summaries = [f["summary"] for f in report["findings"] if f["check"] == "drill"]
+    assert summaries == ["traffic did not move back to nic0 (LinkPass's path: dead: nic0 down)"]
 
 
 def test_gpu_checks() -> None:

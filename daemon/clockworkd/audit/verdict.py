@@ -328,7 +328,8 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
                 **d,
             )
         elif d.get("homed_here") and d.get("failback_ms") is None and d.get("linkpass_path") != "holddown":
-            f.add("drill", target, f"traffic did not move back to {d['nic']} within {cfg.drill_timeout_s:g} s", **d)
+            state = d.get("linkpass_path") or "unknown"
+            f.add("drill", target, f"traffic did not move back to {d['nic']} (LinkPass's path: {state})", **d)
         elif not d.get("reachable_after", True):
             f.add("drill", target, "the peer was unreachable after the NIC came back", **d)
 
