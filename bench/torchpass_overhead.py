@@ -13,10 +13,9 @@ per rank) runs as ``--nproc`` local ranks on 127.0.0.1 over gloo in each of thre
 The forms are alternated round by round (``--rounds``, the order rotating), so slow phases of a shared
 machine hit all three alike; each run's steps/s is timed inside rank 0 over the steps after ``--warmup``.
 The table shows the median per form and the ratio to plain DDP. Goal (DESIGN.md): TorchPass < 1 % overhead,
-and below TorchFT's. TorchPass's own work per step is a Python comm hook per gradient bucket (and the pass
-that scales the bucket's sum by 1/world, which DDP folds into its gradient copy) and the step boundary
-(commit, reseed), so it shrinks against longer steps: raise ``--hidden``/``--batch`` for steps closer to a
-GPU's.
+and below TorchFT's. TorchPass's own work per step is a Python call and a Python callback per gradient bucket
+(the callback turns a failed collective into an abandoned step) and the step boundary (commit, reseed), so it
+shrinks against longer steps: raise ``--hidden``/``--batch`` for steps closer to a GPU's.
 
 Separate jobs on a shared machine make the steps/s ratio noisy by several percent from run to run, more than
 the 1 % being judged. So the benchmark also runs jobs in which plain DDP and TorchPass alternate in the

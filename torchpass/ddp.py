@@ -4,13 +4,17 @@ The model the user gets back from ``ctx.wrap_model`` is a real :class:`Distribut
 ``no_sync()``, ``state_dict()`` keys all as usual), with three changes that let TorchPass swap the process
 group underneath it without rebuilding it:
 
-* it is constructed over a private one-rank group, so DDP itself never runs a collective (its init-time
-  broadcast and shape check would otherwise need every rank at once, including a spare that is still
-  building its model);
-* a communication hook averages each gradient bucket over the *current* generation's default group. When
-  the collective fails (a peer died) or a newer generation was announced, the hook does not raise into
-  ``loss.backward()``: it marks the step abandoned and returns the bucket unchanged; the wrapped optimizer
-  then skips its update and the step boundary recovers and re-runs the step;
+* it is constructed without DDP's init-time broadcast and shape check (``init_sync=False``), over a group
+  that is not the job's (below), so DDP itself never runs a collective that would need every rank at once,
+  including a spare that is still building its model;
+* each gradient bucket is averaged over the *current* generation's default group. When the collective
+  fails (a peer died) or a newer generation was announced, this does not raise into ``loss.backward()``: it
+  marks the step abandoned and returns the bucket as it is; the wrapped optimizer then skips its update and
+  the step boundary recovers and re-runs the step. With CPU gradients (gloo) the reducer is built over
+  :class:`_CurrentGroup`, a process group that forwards its all-reduce to the current generation: the
+  reducer then runs DDP's own path, which scales each gradient by 1/world while copying it into its bucket,
+  so the sums are bitwise plain DDP's and no extra pass over the gradients is made. Elsewhere (CUDA, NCCL)
+  a communication hook does the same and scales each bucket once its sum is in;
 * DDP never re-buckets: its reducer would otherwise rebuild the buckets in gradient-ready order after the
   first iteration, so a newcomer's first step (initial layout) would not line up with the survivors'
   (rebuilt layout) and the averages would stop being bitwise reproducible. DDP's Python side asks the
@@ -62,7 +66,7 @@ class StepGuard(Protocol):
         ...
 
     def _local_group(self) -> dist.ProcessGroup:
-        """The private one-rank group DDP is constructed over."""
+        """The private one-rank group DDP is constructed over when its gradients are not on the CPU."""
         ...
 
 
@@ -138,6 +142,51 @@ def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Fu
     return work.get_future().then(finish)
 
 
+class _CurrentGroup(dist.ProcessGroup):
+    """The process group DDP's reducer is built over for CPU gradients: its all-reduce runs on the current
+    generation's default group and never fails (a failure abandons the step and returns the tensors as they
+    are).
+
+    DDP itself then calls only :meth:`allreduce` (the buckets' sums, scaled by the reducer while it copies the
+    gradients in, and the map of used parameters when ``find_unused_parameters``): the construction-time
+    checks are skipped (``init_sync=False``) and the bucket rebuild, which would broadcast, is declined
+    (:class:`_FixedBuckets`). Its rank and size are the slot-independent ones the reducer needs: the size is
+    the job's world size, which no recovery changes (a spare takes the failed rank's slot)."""
+
+    def __init__(self, ctx: StepGuard) -> None:
+        super().__init__(0, ctx.world_size)
+        self._ctx = ctx
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        ctx = self._ctx
+        if not ctx._collective_allowed():
+            return _finished(tensors)
+        flat = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]  # as dist.all_reduce sends them
+        try:
+            work = dist.distributed_c10d._get_default_group().allreduce(flat, _SUM if opts is None else opts)
+        except Exception as exc:
+            ctx._abandon_step(exc)
+            return _finished(tensors)
+
+        def finish(future: torch.futures.Future[Any]) -> list[torch.Tensor]:
+            try:
+                future.value()
+            except Exception as exc:  # on a backend thread: record, never raise into backward()
+                ctx._abandon_step(exc)
+            return tensors
+
+        return _work_of(work.get_future().then(finish))
+
+
+def _finished(tensors: list[torch.Tensor]) -> dist.Work:
+    future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    future.set_result(tensors)
+    return _work_of(future)
+
+
+_work_of: Callable[[torch.futures.Future[Any]], dist.Work] = torch._C._distributed_c10d._create_work_from_future
+
+
 class _FixedBuckets:
     """DDP's reducer, except that it declines to rebuild its buckets (everything else goes to the reducer).
 
@@ -155,7 +204,7 @@ class _FixedBuckets:
 
 
 class TorchPassDDP(DistributedDataParallel):
-    """DDP over a private one-rank group, with TorchPass's failure-tolerant gradient averaging."""
+    """DDP whose gradient averaging follows TorchPass's generations and abandons a step instead of raising."""
 
     def __init__(self, module: nn.Module, ctx: StepGuard, *, broadcast_buffers: bool = True, **ddp_kwargs: Any) -> None:
         reserved = sorted(set(ddp_kwargs) & set(_RESERVED))
@@ -167,11 +216,14 @@ class TorchPassDDP(DistributedDataParallel):
             {"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMS else {"broadcast_buffers": False}
         )
         caps = _bucket_caps(ddp_kwargs.pop("bucket_cap_mb", None))
-        super().__init__(module, process_group=ctx._local_group(), init_sync=False, **no_sync, **caps, **ddp_kwargs)
+        on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+        group = _CurrentGroup(ctx) if on_cpu else ctx._local_group()
+        super().__init__(module, process_group=group, init_sync=False, **no_sync, **caps, **ddp_kwargs)
         self._tp_ctx = ctx
         self._tp_buffers = [b for b in module.buffers()] if broadcast_buffers else []
-        hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = _allreduce_hook
-        self.register_comm_hook(ctx, hook)
+        if not on_cpu:
+            hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = _allreduce_hook
+            self.register_comm_hook(ctx, hook)
         self.reducer = _FixedBuckets(self.reducer)  # type: ignore[assignment]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:

@@ -331,6 +331,76 @@ def test_ddp_wrapper_keeps_the_construction_time_buckets(tmp_path: Path) -> None
     assert len(result["default_caps"].split(",")) > 1, result  # DDP logs the sizes as "s1, s2, ..."
 
 
+_AVERAGES_SCRIPT = textwrap.dedent(
+    """
+    import datetime, json, os, sys, torch, torch.distributed as dist
+    from torch import nn
+    from torchpass.ddp import TorchPassDDP, _FixedBuckets
+
+    rank, world = int(sys.argv[2]), 3
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+
+    class Guard:
+        world_size = world
+        abandoned = None
+        def _collective_allowed(self): return True
+        def _abandon_step(self, error): self.abandoned = self.abandoned or str(error)
+        def _broadcast_buffers(self, buffers): pass
+        def _local_group(self): raise AssertionError("CPU gradients need no private group")
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 3))  # one bucket in both forms
+
+    plain, guard = nn.parallel.DistributedDataParallel(model()), Guard()
+    plain.reducer = _FixedBuckets(plain.reducer)  # a rebuilt bucket orders the elements, and so the sums, anew
+    wrapped = TorchPassDDP(model(), guard)
+    equal = []
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(5, 16)
+        for ddp in (plain, wrapped):
+            ddp.zero_grad()
+            ddp(x).pow(2).sum().backward()
+        equal.append(all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), wrapped.parameters())))
+    dist.barrier()
+    if rank == 2:
+        os._exit(0)  # a peer dies between two steps
+    before = [p.grad.clone() for p in wrapped.parameters()]
+    wrapped.zero_grad()
+    wrapped(torch.ones(5, 16)).sum().backward()  # must return, not raise
+    local = [p.grad.clone() for p in wrapped.parameters()]
+    print(json.dumps({"equal": equal, "abandoned": guard.abandoned,
+                      "changed": any(not torch.equal(a, b) for a, b in zip(before, local))}), flush=True)
+    os._exit(0)  # gloo's threads must not meet the interpreter's teardown
+    """
+)
+
+
+def test_ddp_wrapper_averages_as_plain_ddp_and_abandons_instead_of_raising(tmp_path: Path) -> None:
+    """On the CPU TorchPass's DDP averages through DDP's own path (each gradient scaled by 1/world as it is
+    copied into its bucket): bitwise plain DDP's gradients at the same bucket layout, over 3 ranks, where
+    scaling before and after the sum round differently. A peer that dies makes the next backward abandon
+    the step, not raise."""
+    import json
+
+    script = tmp_path / "averages.py"
+    script.write_text(_AVERAGES_SCRIPT)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path / "pg"), str(r)], env=env, stdout=subprocess.PIPE)
+        for r in range(3)
+    ]
+    outputs = [rank.communicate(timeout=120)[0].decode() for rank in ranks]
+    for r in (0, 1):
+        assert ranks[r].returncode == 0, outputs[r]
+        result = json.loads(outputs[r].strip().splitlines()[-1])
+        assert result["equal"] == [True, True, True], result
+        assert result["abandoned"], result
+        assert result["changed"], result  # the backward did run: its local gradients are in place
+
+
 def test_example_script_trains_alone() -> None:
     """examples/train_torchpass.py runs as a one-rank job without a launcher (its own coordinator)."""
     example = Path(__file__).resolve().parents[2] / "examples" / "train_torchpass.py"
