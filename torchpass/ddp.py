@@ -38,7 +38,7 @@ Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forwar
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,7 @@ _SUM = dist.AllreduceOptions()  # a sum with the group's own timeout, as dist.al
 _SUM.reduceOp = dist.ReduceOp.SUM
 
 log = logging.getLogger("clockwork.torchpass.ddp")
+_T = TypeVar("_T")
 
 
 def _bucket_caps(bucket_cap_mb: float | None) -> dict[str, Any]:
@@ -106,9 +107,9 @@ def _bucket_caps(bucket_cap_mb: float | None) -> dict[str, Any]:
     return {"bucket_cap_mb_list": [bucket_cap_mb]}
 
 
-def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(tensor)
+def _completed(value: _T) -> torch.futures.Future[_T]:
+    future: torch.futures.Future[_T] = torch.futures.Future()
+    future.set_result(value)
     return future
 
 
@@ -154,10 +155,10 @@ class _CurrentGroup(dist.ProcessGroup):
     the job's world size, which no recovery changes (a spare takes the failed rank's slot)."""
 
     def __init__(self, ctx: StepGuard) -> None:
-        super().__init__(0, ctx.world_size)
+        super().__init__(0, ctx.world_size)  # type: ignore[call-arg]  # (rank, size): a group without a store
         self._ctx = ctx
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         ctx = self._ctx
         if not ctx._collective_allowed():
             return _finished(tensors)
@@ -179,12 +180,10 @@ class _CurrentGroup(dist.ProcessGroup):
 
 
 def _finished(tensors: list[torch.Tensor]) -> dist.Work:
-    future: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-    future.set_result(tensors)
-    return _work_of(future)
+    return _work_of(_completed(tensors))
 
 
-_work_of: Callable[[torch.futures.Future[Any]], dist.Work] = torch._C._distributed_c10d._create_work_from_future
+_work_of: Callable[[torch.futures.Future[Any]], dist.Work] = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
 
 
 class _FixedBuckets:
