@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -85,6 +86,35 @@ def test_down_cleans_a_crashed_sandbox_whose_record_is_lost(sandbox_manager: San
     removed = Sandbox(box.config).down()
     assert "namespace cw-fabric" in removed
     assert_nothing_left(box.paths.root)
+
+
+def test_up_names_a_live_sandbox_in_the_way_and_reclaims_a_dead_one(
+    sandbox_manager: SandboxManager, short_tmp: Path
+) -> None:
+    sandbox_manager.ensure_down()
+    first = Sandbox(replace(SandboxConfig(), state_dir=str(short_tmp / "a"), nodes=2, accounting=False))
+    second = str(short_tmp / "b")
+    up_second = [CLOCKWORK, "sandbox", "up", "--nodes", "2", "--state", second]
+    try:
+        first.up()
+        refused = subprocess.run(up_second, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 3
+        assert f"the sandbox at {first.paths.root} owns them" in refused.stderr
+        assert f"clockwork sandbox --state {first.paths.root} down" in refused.stderr
+        assert first.running()  # the refusal left the live sandbox alone
+        # Everything of the first sandbox dies at once (its session was killed), and its folder is gone.
+        for pid in processes.marked(first.paths.root):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(first.paths.root)
+        assert sandbox_namespaces() != []
+        built = subprocess.run(up_second, capture_output=True, text=True, timeout=120)
+        assert built.returncode == 0, built.stdout + built.stderr
+        assert f"the sandbox at {first.paths.root} left its namespaces behind" in built.stderr
+        assert Sandbox(replace(SandboxConfig(), state_dir=second)).running()
+    finally:
+        first.down()
+        Sandbox(replace(SandboxConfig(), state_dir=second)).down()
+    assert_nothing_left(Path(second))
 
 
 def test_failed_bring_up_tears_down_what_it_built(sandbox_manager: SandboxManager, short_tmp: Path) -> None:

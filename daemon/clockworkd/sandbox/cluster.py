@@ -143,7 +143,9 @@ class Sandbox:
         self._check_socket_paths(layout)
         self._claim_state_dir(layout)
         t0 = time.monotonic()
-        st = SandboxState(config=replace(self.config, state_dir=str(self.paths.root)), python=sys.executable)
+        st = SandboxState(
+            config=replace(self.config, state_dir=str(self.paths.root)), python=sys.executable, builder=os.getpid()
+        )
         st.save(self.paths.state_file)
         try:
             self._build(st, layout)
@@ -175,11 +177,20 @@ class Sandbox:
         if processes.marked(root) or self._owned_namespaces():
             self._progress("found leftovers of an earlier sandbox at this state folder; cleaning them up")
             self.down()
-        clash = fabric.existing_namespaces() & set(fabric.namespaces(layout))
+        wanted = set(fabric.namespaces(layout))
+        self._reclaim_abandoned(fabric.existing_namespaces() & wanted)
+        clash = fabric.existing_namespaces() & wanted
         if clash:
+            owners = sorted({fabric.owner(ns) for ns in clash} - {None})
+            whose = (
+                f"the sandbox at {', '.join(owners)} owns them; use it, or stop it first with "
+                f"`clockwork sandbox --state {owners[0]} down`"
+                if owners
+                else "another tool owns them"
+            )
             raise SandboxError(
                 f"network namespaces {', '.join(sorted(clash))} exist but do not belong to the sandbox at "
-                f"{root}; another sandbox (other --state) or another tool owns them"
+                f"{root}; {whose}"
             )
         if root.exists() and any(root.iterdir()) and not self.paths.state_file.exists():
             raise SandboxError(f"{root} exists, is not empty and is not a sandbox state folder; choose another --state")
@@ -187,6 +198,28 @@ class Sandbox:
             shutil.rmtree(root)
         root.mkdir(parents=True, mode=0o755)
         os.chmod(root, 0o755)
+
+    def _reclaim_abandoned(self, clash: set[str]) -> None:
+        """Tear down other state folders' sandboxes that own ``clash`` and of which nothing is alive.
+
+        A sandbox whose processes were all killed (its shell, CI runner or machine session ended under
+        it) leaves marked namespaces that nothing will ever use again; refusing to build because of them
+        would only make the user hunt for a state folder that may be gone. A sandbox with any live
+        process, or one whose bring-up is still running, is left alone.
+        """
+        for owner in sorted({fabric.owner(ns) for ns in clash} - {None, str(self.paths.root)}):
+            other = Sandbox(replace(self.config, state_dir=owner))
+            if other.alive():
+                continue
+            self._progress(f"the sandbox at {owner} left its namespaces behind and nothing of it runs; removing it")
+            other.down()
+
+    def alive(self) -> bool:
+        """True while any process of this sandbox runs, or its bring-up does."""
+        st = self.state()
+        if st is not None and st.phase == "building" and processes.alive(st.builder):
+            return True
+        return bool(processes.marked(self.paths.root) or processes.netns_pids(self._owned_namespaces()))
 
     def _start(
         self,

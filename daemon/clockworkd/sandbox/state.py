@@ -28,6 +28,8 @@ class SandboxState:
     #: Active faults, key "KIND NODE NIC" -> value (e.g. "loss node2 nic0" -> 5.0).
     faults: dict[str, Any] = field(default_factory=dict)
     python: str = ""
+    #: Pid of the process running the bring-up: while it lives, a ``building`` sandbox is not abandoned.
+    builder: int = 0
 
     def save(self, path: Path) -> None:
         data = dataclasses.asdict(self)
