@@ -24,6 +24,7 @@ from clockworkd.lens.clocksync import (
     Envelope,
     PairEstimate,
     SuspectTracker,
+    _weighted_envelope_fit,
     estimate_pair,
     load_seams,
     solve_graph,
@@ -187,6 +188,33 @@ def test_noise_free_envelopes_are_exact() -> None:
 
 
 # ----- the envelope --------------------------------------------------------------------------------
+
+
+def _stacked(tf: np.ndarray, tr: np.ndarray) -> np.ndarray:
+    x = np.zeros((tf.size + tr.size, 3))
+    x[: tf.size, 0] = 1.0
+    x[tf.size :, 1] = 1.0
+    x[: tf.size, 2] = tf
+    x[tf.size :, 2] = -tr
+    return x
+
+
+@pytest.mark.parametrize("case", ["random", "one_direction_weightless", "no_spread_in_time"])
+def test_closed_form_envelope_fit_is_weighted_least_squares(case: str) -> None:
+    rng = np.random.default_rng(7)
+    tf, tr = np.sort(rng.uniform(-8, 0, 40)), np.sort(rng.uniform(-8, 0, 35))
+    yf = 3e7 + 80e3 * tf + rng.normal(0, 900, tf.size) + rng.exponential(5e3, tf.size)
+    yr = -3e7 - 80e3 * tr + rng.normal(0, 400, tr.size)
+    wf, wr = rng.uniform(0, 2, tf.size), rng.uniform(0, 2, tr.size)
+    if case == "one_direction_weightless":
+        wr[:] = 0.0
+    if case == "no_spread_in_time":
+        tf[:], tr[:] = -1.0, -2.0
+    x, y = _stacked(tf, tr), np.concatenate([yf, yr])
+    sw = np.sqrt(np.concatenate([wf, wr]))
+    expected = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)[0]
+    got = _weighted_envelope_fit(tf, yf, tr, yr, wf, wr, x, y)
+    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-6)
 
 
 def test_envelope_keeps_sub_window_minima_and_bounded_memory() -> None:

@@ -272,6 +272,39 @@ def _robust_scale(r: npt.NDArray[np.float64], floor: float) -> float:
     return max(_MAD_TO_SIGMA * mad, floor)
 
 
+def _weighted_envelope_fit(
+    tf: npt.NDArray[np.float64],
+    yf: npt.NDArray[np.float64],
+    tr: npt.NDArray[np.float64],
+    yr: npt.NDArray[np.float64],
+    wf: npt.NDArray[np.float64],
+    wr: npt.NDArray[np.float64],
+    x: npt.NDArray[np.float64],
+    y: npt.NDArray[np.float64],
+) -> npt.NDArray[np.float64]:
+    """Weighted least squares of ``yf = cf + k tf``, ``yr = cr - k tr``: ``(cf, cr, k)`` in closed form.
+
+    Why not ``lstsq``: a fit iterates this dozens of times on a few dozen points, where an SVD per
+    iteration was most of what clock sync cost the daemon. With the intercepts eliminated (each is its
+    direction's weighted mean at the shared slope), the slope is one ratio of weighted, centred sums,
+    which also keeps the sums well conditioned. ``x``/``y`` (the stacked design) serve the degenerate
+    cases only, a direction without weight or transmit times without spread, where ``lstsq``'s
+    minimum-norm answer is kept.
+    """
+    sf, sr = float(wf.sum()), float(wr.sum())
+    if sf > 0.0 and sr > 0.0:
+        mtf, myf = float(wf @ tf) / sf, float(wf @ yf) / sf
+        mtr, myr = float(wr @ tr) / sr, float(wr @ yr) / sr
+        dtf, dtr = tf - mtf, tr - mtr
+        den = float(wf @ (dtf * dtf)) + float(wr @ (dtr * dtr))
+        if den > 1e-12 * (sf + sr):  # transmit times spread by more than a microsecond (rms)
+            k = (float(wf @ (dtf * (yf - myf))) - float(wr @ (dtr * (yr - myr)))) / den
+            return np.array([myf - k * mtf, myr + k * mtr, k])
+    sw = np.sqrt(np.concatenate([wf, wr]))
+    beta, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+    return np.asarray(beta, dtype=np.float64)
+
+
 def _fit_envelopes(
     tf: npt.NDArray[np.float64],
     yf: npt.NDArray[np.float64],
@@ -299,9 +332,7 @@ def _fit_envelopes(
     fwd[:nf] = True
 
     def solve(w: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        sw = np.sqrt(w)
-        beta, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
-        return np.asarray(beta, dtype=np.float64)
+        return _weighted_envelope_fit(tf, yf, tr, yr, w[:nf], w[nf:], x, y)
 
     # 1) least absolute deviations by iteratively reweighted least squares
     w = np.ones(nf + nr)
