@@ -24,7 +24,7 @@ from clockworkd.lens.clocksync import (
     Envelope,
     PairEstimate,
     SuspectTracker,
-    _weighted_envelope_fit,
+    _EnvelopeDesign,
     estimate_pair,
     load_seams,
     solve_graph,
@@ -190,15 +190,6 @@ def test_noise_free_envelopes_are_exact() -> None:
 # ----- the envelope --------------------------------------------------------------------------------
 
 
-def _stacked(tf: np.ndarray, tr: np.ndarray) -> np.ndarray:
-    x = np.zeros((tf.size + tr.size, 3))
-    x[: tf.size, 0] = 1.0
-    x[tf.size :, 1] = 1.0
-    x[: tf.size, 2] = tf
-    x[tf.size :, 2] = -tr
-    return x
-
-
 @pytest.mark.parametrize("case", ["random", "one_direction_weightless", "no_spread_in_time"])
 def test_closed_form_envelope_fit_is_weighted_least_squares(case: str) -> None:
     rng = np.random.default_rng(7)
@@ -210,11 +201,11 @@ def test_closed_form_envelope_fit_is_weighted_least_squares(case: str) -> None:
         wr[:] = 0.0
     if case == "no_spread_in_time":
         tf[:], tr[:] = -1.0, -2.0
-    x, y = _stacked(tf, tr), np.concatenate([yf, yr])
-    sw = np.sqrt(np.concatenate([wf, wr]))
-    expected = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)[0]
-    got = _weighted_envelope_fit(tf, yf, tr, yr, wf, wr, x, y)
-    np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-6)
+    x = np.zeros((tf.size + tr.size, 3))
+    x[: tf.size, 0], x[tf.size :, 1], x[: tf.size, 2], x[tf.size :, 2] = 1.0, 1.0, tf, -tr
+    w = np.concatenate([wf, wr])
+    expected = np.linalg.lstsq(x * np.sqrt(w)[:, None], np.concatenate([yf, yr]) * np.sqrt(w), rcond=None)[0]
+    np.testing.assert_allclose(_EnvelopeDesign(tf, yf, tr, yr).solve(w), expected, rtol=1e-9, atol=1e-6)
 
 
 def test_envelope_keeps_sub_window_minima_and_bounded_memory() -> None:

@@ -272,37 +272,56 @@ def _robust_scale(r: npt.NDArray[np.float64], floor: float) -> float:
     return max(_MAD_TO_SIGMA * mad, floor)
 
 
-def _weighted_envelope_fit(
-    tf: npt.NDArray[np.float64],
-    yf: npt.NDArray[np.float64],
-    tr: npt.NDArray[np.float64],
-    yr: npt.NDArray[np.float64],
-    wf: npt.NDArray[np.float64],
-    wr: npt.NDArray[np.float64],
-    x: npt.NDArray[np.float64],
-    y: npt.NDArray[np.float64],
-) -> npt.NDArray[np.float64]:
-    """Weighted least squares of ``yf = cf + k tf``, ``yr = cr - k tr``: ``(cf, cr, k)`` in closed form.
+class _EnvelopeDesign:
+    """Both directions' points for the weighted least squares of ``yf = cf + k tf``, ``yr = cr - k tr``.
 
     Why not ``lstsq``: a fit iterates this dozens of times on a few dozen points, where an SVD per
     iteration was most of what clock sync cost the daemon. With the intercepts eliminated (each is its
-    direction's weighted mean at the shared slope), the slope is one ratio of weighted, centred sums,
-    which also keeps the sums well conditioned. ``x``/``y`` (the stacked design) serve the degenerate
-    cases only, a direction without weight or transmit times without spread, where ``lstsq``'s
-    minimum-norm answer is kept.
+    direction's weighted mean at the shared slope), the slope is a ratio of weighted moments, and all
+    five moments of a direction (weight, t, y, t*t, t*y) come from one product with a matrix built once
+    per fit. The points are shifted first (t by their mean, y by each direction's median) so that the
+    moments stay small and the differences taken from them keep their digits.
     """
-    sf, sr = float(wf.sum()), float(wr.sum())
-    if sf > 0.0 and sr > 0.0:
-        mtf, myf = float(wf @ tf) / sf, float(wf @ yf) / sf
-        mtr, myr = float(wr @ tr) / sr, float(wr @ yr) / sr
-        dtf, dtr = tf - mtf, tr - mtr
-        den = float(wf @ (dtf * dtf)) + float(wr @ (dtr * dtr))
-        if den > 1e-12 * (sf + sr):  # transmit times spread by more than a microsecond (rms)
-            k = (float(wf @ (dtf * (yf - myf))) - float(wr @ (dtr * (yr - myr)))) / den
-            return np.array([myf - k * mtf, myr + k * mtr, k])
-    sw = np.sqrt(np.concatenate([wf, wr]))
-    beta, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
-    return np.asarray(beta, dtype=np.float64)
+
+    def __init__(
+        self,
+        tf: npt.NDArray[np.float64],
+        yf: npt.NDArray[np.float64],
+        tr: npt.NDArray[np.float64],
+        yr: npt.NDArray[np.float64],
+    ) -> None:
+        self.nf = tf.size
+        self.x = np.zeros((tf.size + tr.size, 3))
+        self.x[: tf.size, 0] = 1.0
+        self.x[tf.size :, 1] = 1.0
+        self.x[: tf.size, 2] = tf
+        self.x[tf.size :, 2] = -tr
+        self.y = np.concatenate([yf, yr])
+        self.t0 = float(np.mean(np.concatenate([tf, tr])))
+        self.yf0, self.yr0 = float(np.median(yf)), float(np.median(yr))
+        self.moments_f = self._moments(tf - self.t0, yf - self.yf0)
+        self.moments_r = self._moments(tr - self.t0, yr - self.yr0)
+
+    @staticmethod
+    def _moments(t: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        return np.stack([np.ones_like(t), t, y, t * t, t * y])
+
+    def solve(self, w: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+        """``(cf, cr, k)`` for weights ``w`` (forward points first, as in ``x``)."""
+        sf, stf, syf, sttf, styf = (self.moments_f @ w[: self.nf]).tolist()
+        sr, str_, syr, sttr, styr = (self.moments_r @ w[self.nf :]).tolist()
+        if sf > 0.0 and sr > 0.0:
+            mtf, myf, mtr, myr = stf / sf, syf / sf, str_ / sr, syr / sr
+            den = (sttf - stf * mtf) + (sttr - str_ * mtr)
+            if den > 1e-12 * (sf + sr):  # transmit times spread by more than a microsecond (rms)
+                k = ((styf - stf * myf) - (styr - str_ * myr)) / den
+                cf = myf - k * mtf + self.yf0 - k * self.t0
+                cr = myr + k * mtr + self.yr0 + k * self.t0
+                return np.array([cf, cr, k])
+        # degenerate: a direction without weight, or transmit times without spread: lstsq's minimum norm
+        sw = np.sqrt(w)
+        beta, *_ = np.linalg.lstsq(self.x * sw[:, None], self.y * sw, rcond=None)
+        return np.asarray(beta, dtype=np.float64)
 
 
 def _fit_envelopes(
@@ -322,17 +341,10 @@ def _fit_envelopes(
     the two directions' inlier scales.
     """
     nf, nr = tf.size, tr.size
-    x = np.zeros((nf + nr, 3))
-    x[:nf, 0] = 1.0
-    x[nf:, 1] = 1.0
-    x[:nf, 2] = tf
-    x[nf:, 2] = -tr
-    y = np.concatenate([yf, yr])
+    design = _EnvelopeDesign(tf, yf, tr, yr)
+    x, y, solve = design.x, design.y, design.solve
     fwd = np.zeros(nf + nr, dtype=bool)
     fwd[:nf] = True
-
-    def solve(w: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
-        return _weighted_envelope_fit(tf, yf, tr, yr, w[:nf], w[nf:], x, y)
 
     # 1) least absolute deviations by iteratively reweighted least squares
     w = np.ones(nf + nr)
