@@ -21,7 +21,7 @@ import pytest
 
 from clockworkd.lens import clocksync, wire
 from clockworkd.lens.model import PathStats, PathVerdict
-from clockworkd.lens.prober import Lens
+from clockworkd.lens.prober import PHASES, Lens
 from clockworkd.lens.settings import LensConfig
 from clockworkd.lens.topology import Topology
 from linkpass.fabric import FabricMap
@@ -198,6 +198,11 @@ def test_three_nodes_measure_a_healthy_loopback_fabric() -> None:
             assert counters["send_errors"] == 0, (name, counters)
             assert counters["summaries_received"] > 0 and counters["trains_sent"] > 0, (name, counters)
             assert counters["evaluations"] > 0, (name, counters)
+            # Lens's own CPU account names every phase, and each phase that has run has cost something.
+            cpu_ms = lens.snapshot()["cpu_ms"]
+            assert set(cpu_ms) == set(PHASES) and all(v >= 0 for v in cpu_ms.values()), (name, cpu_ms)
+            ran = ("probes", "receive", "summaries", "summaries_in", "path_stats", "clock_solve", "evaluate")
+            assert all(cpu_ms[phase] > 0 for phase in ran), (name, cpu_ms)
             assert lens.snapshot()["reference"] == "n1"
             status = lens.status()
             assert status["paths"] == 2 and status["bad_paths"] == 0 and status["suspects"] == []

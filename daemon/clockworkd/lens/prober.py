@@ -46,6 +46,21 @@ SOLVE_EVERY_S = 2.0  # full clock graph solve cadence at most (drift carries the
 FIRST_CLOCK_FIT_S = 1.5  # the first fit as soon as the envelopes have a few sub-windows
 GRAY_KINDS = frozenset({"loss", "delay", "jitter", "rate"})  # what LinkPass cannot see by itself
 PAIR_FRESH_S = 15.0  # a pair's clock estimate older than this is not used
+#: Where Lens's CPU time goes (its snapshot's ``cpu_ms``; bench/lens_overhead.py prints it): the pacer's
+#: probes, the reads, trains, summaries sent, own clock fits; and, within each evaluation, summaries taken
+#: in, the samples filed and each path's figures, the clock graph solve, and the rest (judging, localizing,
+#: tracking suspects, the snapshot).
+PHASES = (
+    "probes",
+    "receive",
+    "trains",
+    "summaries",
+    "clock_fits",
+    "summaries_in",
+    "path_stats",
+    "clock_solve",
+    "evaluate",
+)
 DRAIN_EVERY_S = 0.05  # sockets are read this often (the kernel holds and stamps what arrives meanwhile)
 SNAPSHOT_EVERY_S = 2.0  # the copy metrics read is rebuilt this often (and whenever the CLI asks)
 MAX_SUMMARY_PACKETS = 16  # at most this many datagrams per summary round
@@ -202,7 +217,7 @@ class Lens:
         }
         # CPU time per phase of tick() (ns, user + kernel): probes = build, tag and send them; receive =
         # read, verify and file probes, trains and summaries; evaluate = clock solve, verdicts, localization.
-        self.cpu_ns = dict.fromkeys(("probes", "receive", "trains", "summaries", "clock_fits", "evaluate"), 0)
+        self.cpu_ns = dict.fromkeys(PHASES, 0)
         self.last_stats: list[tuple[PathStats, PathVerdict | None]] = []
         self._snapshot: dict[str, Any] | None = None
         self._snapshot_stale = True
@@ -368,9 +383,8 @@ class Lens:
             spent["clock_fits"] += t1 - t0
             t0 = t1
         if now >= self.next_eval:
-            self.evaluate(now)
+            self.evaluate(now)  # accounts for its own phases
             self.next_eval = now + self.cfg.evaluate_ms / 1000
-            spent["evaluate"] += cpu() - t0
 
     # ----- sending --------------------------------------------------------------------------
 
@@ -833,10 +847,17 @@ class Lens:
     # ----- judging and localizing -----------------------------------------------------------
 
     def evaluate(self, now: float) -> None:
+        cpu, spent = time.thread_time_ns, self.cpu_ns
+        t0 = cpu()
         self.counters["evaluations"] += 1
         self._take_summaries()
+        t1 = cpu()
+        spent["summaries_in"] += t1 - t0
         self._flush_samples()
+        t2 = cpu()
         self._solve_clocks()
+        t3 = cpu()
+        spent["clock_solve"] += t3 - t2
         heard = {pw.src.partition("/")[0] for pw in self.incoming.values() if now - pw.last_rx < self.th.window_s}
         results: list[tuple[PathStats, PathVerdict | None]] = []
         for pw in self.incoming.values():
@@ -846,6 +867,8 @@ class Lens:
             stats = pw.stats(now, self.offset_ns(src_node), self.th, self.offset_rate(src_node))
             results.append((stats, pw.judge(stats, self.th, src_node in heard)))
         self.last_stats = results
+        t4 = cpu()
+        spent["path_stats"] += (t4 - t3) + (t2 - t1)  # filing the samples, then each path's figures
         verdicts = [v for _, v in results if v is not None]
         fresh = [v for t, v in self.remote_paths.values() if now - t < REMOTE_FRESH_S]
         if any(v.bad for v in verdicts) or any(v[2] for v in fresh):  # built only when there is work
@@ -858,6 +881,7 @@ class Lens:
             snapshot = self.snapshot()
             if self.on_snapshot is not None:
                 self.on_snapshot(snapshot)
+        spent["evaluate"] += cpu() - t4
 
     def _owner(self, suspect: Suspect) -> str:
         if suspect.nic is not None:
