@@ -271,6 +271,8 @@ MALFORMED_BUT_AUTHENTIC = {
     "clock pair of the wrong arity": {"n": "n2", "c": [["n2", "n3", 1.0]]},
     "envelope path not a string": {"n": "n2", "e": [["n1/lo", 5, [1, 2]]]},
     "envelope beyond int64": {"n": "n2", "e": [["n1/lo", "n2/lo", [2**63, 1]]]},
+    "envelope of odd length": {"n": "n2", "e": [["n1/lo", "n2/lo", [1, 2, 3]]]},
+    "envelope value not an integer": {"n": "n2", "e": [["n1/lo", "n2/lo", [1.5, 2]]]},
     "clock offset not finite": {"n": "n2", "c": [["n2", "n3", math.nan, 0.0, 1000.0, 0, 10]]},
 }
 

@@ -128,8 +128,9 @@ class Envelope:
 
     def _prune(self, first_kept: int) -> None:
         for table in (self._any, self._pure):
-            for key in [k for k in table if k < first_kept]:
-                del table[key]
+            if table and min(table) < first_kept:  # mostly nothing to prune: min() is one C pass
+                for key in [k for k in table if k < first_kept]:
+                    del table[key]
 
     def add(self, tx_ns: int, rx_ns: int, pure: bool = True) -> None:
         """One probe: sender's transmit stamp and receiver's receive stamp, both integer ns."""
