@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clockworkd.lens.pathwindow import TRAIN_STALE_S, PathWindow, Thresholds
+from clockworkd.lens.pathwindow import TRAIN_STALE_S, PathWindow, Thresholds, window_stats
 
 TH = Thresholds(interval_s=0.01, window_s=1.0, loss_min_lost=2, delay_rise_us=500, jitter_rise_us=300, rate_drop=0.1)
 T0 = 1000.0
@@ -414,3 +414,65 @@ def test_train_runs_match_packet_by_packet(split: list[int]) -> None:
     keys = ("train_id", "train_got", "train_bytes", "train_first_ns", "train_last_ns", "last_rate", "prev_rate")
     assert {k: getattr(runs, k) for k in keys} == {k: getattr(one, k) for k in keys}
     assert one.last_rate is not None
+
+
+def test_window_stats_of_many_paths_match_numpy_on_each_path_alone() -> None:
+    """All paths' figures are computed together (grouped arrays); each must be what numpy gives on that
+    path's own samples: no sample counted on a neighbour, whatever the mix of paths."""
+    rng = np.random.default_rng(11)
+    n, now = 24, T0
+    windows = [PathWindow(f"n{i}/nic0", "n0/nic0") for i in range(n)]
+    kept: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (filed, seq, d) per path
+    kept_rtt: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+    offsets = [None if i % 7 == 3 else float(rng.integers(-50_000_000, 50_000_000)) for i in range(n)]
+    rates = [0.0 if i % 2 else float(rng.normal(0, 5e-5)) for i in range(n)]
+    next_seq = [1] * n
+    for _ in range(12):
+        for i, pw in enumerate(windows):
+            k = 0 if (i % 11 == 5 and now > T0 + 1) else int(rng.integers(0, 40))  # one path goes silent
+            seq = np.arange(next_seq[i], next_seq[i] + k)
+            next_seq[i] += k
+            if i % 5 == 1 and k > 3:  # reordered and duplicated probes
+                seq[[0, 1]], seq[-1] = seq[[1, 0]], seq[-2]
+            t = np.sort(now + rng.uniform(0, 0.25, k))
+            d = (30_000 + (offsets[i] or 0) + rng.exponential(3_000, k)).astype(np.int64)
+            if i % 6 == 2:  # probe by probe, as after a restart
+                for ti, q, di in zip(t.tolist(), seq.tolist(), d.tolist(), strict=True):
+                    pw.add_one(ti, SESSION, q, di)
+            else:
+                pw.session = SESSION
+                pw.add_block(t, seq, d)
+            kept[i] += zip(t.tolist(), seq.tolist(), d.tolist(), strict=True)
+            if i % 4 and k:
+                rtt = (60_000 + rng.exponential(1_000, k)).astype(np.int64)
+                pw.add_rtts(t, rtt)
+                kept_rtt[i] += zip(t.tolist(), rtt.tolist(), strict=True)
+        now += 0.25
+        got = window_stats(windows, now, offsets, rates, TH)
+        for i, stats in enumerate(got):
+            inside = [s for s in kept[i] if s[0] >= now - TH.window_s]
+            seqs = np.array([s[1] for s in inside], dtype=np.int64)
+            d = np.array([s[2] for s in inside], dtype=np.int64)
+            assert (stats.src, stats.received) == (windows[i].src, len(np.unique(seqs)))
+            if len(inside):
+                silent = max(0.0, now - windows[i].last_rx - 2 * TH.interval_s)
+                newest = int(seqs.max()) + int(silent / TH.interval_s)
+                assert stats.sent == max(len(np.unique(seqs)), newest - int(seqs.min()) + 1)
+            if len(inside) and offsets[i] is not None:
+                age = now - np.array([s[0] for s in inside])
+                owd = ((d - round(offsets[i])).astype(np.float64) + rates[i] * age * 1e9) / 1e3  # type: ignore[arg-type]
+                want = np.percentile(owd, [0, 50, 99])
+                assert [stats.owd_min_us, stats.owd_p50_us, stats.owd_p99_us] == pytest.approx(want, rel=1e-12)
+            else:
+                assert stats.owd_p50_us is None
+            if len(inside) > 1:
+                assert stats.jitter_us == pytest.approx(np.mean(np.abs(np.diff(d))) / 1e3, rel=1e-12)
+            else:
+                assert stats.jitter_us is None
+            rtts = [r for t, r in kept_rtt[i] if t >= now - TH.window_s]
+            if rtts:
+                want_rtt = [min(rtts) / 1e3, float(np.percentile(np.array(rtts) / 1e3, 50))]
+                assert [stats.rtt_min_us, stats.rtt_p50_us] == pytest.approx(want_rtt, rel=1e-12)
+            else:
+                assert stats.rtt_min_us is None
+    assert any(s.received == 0 for s in got) and any(s.owd_p50_us is None and s.received for s in got)

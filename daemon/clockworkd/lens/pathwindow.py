@@ -19,20 +19,8 @@ from clockworkd.lens.model import NicId, PathStats, PathVerdict
 
 BASELINE_ALPHA = 0.05  # EWMA weight of one healthy window in a path's baseline
 TRAIN_STALE_S = 5.0  # a train older than this no longer says anything about the path
+FLOAT_PAD = float(np.finfo(np.float64).max)  # pads sorted rows: sorts after any figure, and pad - pad is 0, not nan
 DEAD_AFTER_S = 0.25  # a path silent this long (its sender alive elsewhere) is dead, not just lossy
-
-
-def _quantiles(ordered: np.ndarray) -> tuple[float, float, float]:
-    """Min, median and 99th percentile of sorted values (linear interpolation, as numpy's default)."""
-    n = len(ordered)
-
-    def q(f: float) -> float:
-        pos = f * (n - 1)
-        lo = int(pos)
-        hi = min(lo + 1, n - 1)
-        return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
-
-    return float(ordered[0]), q(0.5), q(0.99)
 
 
 @dataclass
@@ -192,83 +180,41 @@ class PathWindow:
     def stats(self, now: float, offset_ns: float | None, th: Thresholds, offset_rate: float = 0.0) -> PathStats:
         """The window's figures; ``offset_ns`` = receiver clock minus sender clock now (None = unknown),
         changing at ``offset_rate`` ns per ns (the two clocks' relative drift): each sample is corrected
-        with the offset of its own moment."""
+        with the offset of its own moment. One path of :func:`window_stats`."""
+        return window_stats([self], now, [offset_ns], [offset_rate], th)[0]
+
+    def _window(self, horizon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The samples filed at or after ``horizon`` (arrival order): when filed, seq, delay; kept as one block."""
         self._close_lists()
-        if len(self.pending_blocks) == 1:
-            self.blocks.append(self.pending_blocks[0])
-        elif self.pending_blocks:
-            self.blocks.append(tuple(np.concatenate(parts) for parts in zip(*self.pending_blocks, strict=True)))  # type: ignore[arg-type]
+        self.blocks.extend(self.pending_blocks)
         self.pending_blocks.clear()
-        horizon = now - th.window_s
         while self.blocks and self.blocks[0][0][-1] < horizon:  # wholly out of the window
             self.blocks.popleft()
         if self.blocks and self.blocks[0][0][0] < horizon:  # partly out: keep its recent part
             t, q, d = self.blocks[0]
             keep = t >= horizon
             self.blocks[0] = (t[keep], q[keep], d[keep])
-        if len(self.blocks) == 1:
-            ts, seqs, ds = self.blocks[0]
-        elif self.blocks:
-            ts = np.concatenate([b[0] for b in self.blocks])
-            seqs = np.concatenate([b[1] for b in self.blocks])
-            ds = np.concatenate([b[2] for b in self.blocks])
-        else:
-            ts = np.zeros(0)
-            seqs = ds = np.zeros(0, dtype=np.int64)
-        if len(seqs) > 1:  # distinct sequence numbers (np.unique's count, without its bookkeeping)
-            ordered_seqs = np.sort(seqs)
-            received = 1 + int(np.count_nonzero(ordered_seqs[1:] != ordered_seqs[:-1]))
-        else:
-            received = len(seqs)
-        # Expected: from the first sequence number of the window to the newest, extended by what the
-        # sender should have sent since the newest arrived (a path that went silent loses the rest).
-        self.silent_s = now - self.last_rx if received else 0.0
-        if received:
-            silent = max(0.0, now - self.last_rx - 2 * th.interval_s)
-            newest = int(seqs.max()) + int(silent / th.interval_s)
-            sent = max(received, newest - int(seqs.min()) + 1)
-        else:
-            sent = int(th.window_s / th.interval_s)
-        loss = 1.0 - received / sent if sent else 0.0
-        jitter = None
-        p: tuple[float | None, float | None, float | None] = (None, None, None)
-        if received:
-            if offset_ns is not None:
-                corrected = (ds - round(offset_ns)).astype(np.float64)
-                if offset_rate:
-                    corrected += offset_rate * (now - ts) * 1e9  # the offset was smaller by drift x age
-                owd = np.sort(corrected / 1e3)
-                p = _quantiles(owd)
-            if len(ds) > 1:
-                jitter = float(np.mean(np.abs(np.diff(ds)))) / 1e3  # consecutive arrivals
+        if not self.blocks:
+            return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        if len(self.blocks) > 1:
+            merged = tuple(np.concatenate(parts) for parts in zip(*self.blocks, strict=True))
+            self.blocks = deque([merged])  # type: ignore[list-item]
+        return self.blocks[0]
+
+    def _rtt_window(self, horizon: float) -> np.ndarray:
+        """The round trips measured at or after ``horizon`` (ns); kept as one block."""
         while self.rtts and self.rtts[0][0][-1] < horizon:  # wholly out of the window
             self.rtts.popleft()
         if self.rtts and self.rtts[0][0][0] < horizon:
             t, r = self.rtts[0]
             keep = t >= horizon
             self.rtts[0] = (t[keep], r[keep])
-        rtt_min = rtt_p50 = None
-        if self.rtts:
-            rt = np.sort(np.concatenate([r for _, r in self.rtts]).astype(np.float64)) / 1e3
-            rtt_min, rtt_p50 = float(rt[0]), _quantiles(rt)[1]
-        rate = None
-        if self.last_rate is not None and now - self.last_rate[0] < TRAIN_STALE_S:
-            rate = self.last_rate[1]
-        return PathStats(
-            self.src,
-            self.dst,
-            th.window_s,
-            sent,
-            received,
-            round(loss, 6),
-            p[0],
-            p[1],
-            p[2],
-            jitter,
-            rate,
-            rtt_min,
-            rtt_p50,
-        )
+        if not self.rtts:
+            return np.zeros(0, dtype=np.int64)
+        if len(self.rtts) > 1:
+            merged = (np.concatenate([t for t, _ in self.rtts]), np.concatenate([r for _, r in self.rtts]))
+            self.rtts = deque([merged])
+        return self.rtts[0][1]
 
     def judge(self, stats: PathStats, th: Thresholds, sender_alive: bool) -> PathVerdict | None:
         """The path's verdict, learning the baseline from healthy windows; None = cannot tell.
@@ -328,3 +274,133 @@ class PathWindow:
             if b.rate_mbps is None or train[1] >= th.rate_drop * b.rate_mbps:
                 b.learn_rate(train[1])
         return PathVerdict(stats.src, stats.dst, bad, tuple(reasons), tuple(kinds), round(score, 3))
+
+
+def _sorted_rows(values: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each group's values sorted, one row per group, padded (after the values) with ``FLOAT_PAD``.
+
+    ``values`` holds the groups one after the other (``starts``/``counts``). One sort along the rows
+    of a padded matrix is exact and far cheaper than a sort of all values by (group, value).
+    """
+    rows = np.full((len(counts), int(counts.max())), FLOAT_PAD)
+    group = np.repeat(np.arange(len(counts)), counts)
+    rows[group, np.arange(len(values)) - starts[group]] = values
+    rows.sort(axis=1)
+    return rows
+
+
+def _spread(values: np.ndarray, at: np.ndarray, n: int) -> np.ndarray:
+    """``values`` of groups ``at`` placed into an array of ``n`` groups (zero elsewhere)."""
+    out = np.zeros(n, dtype=values.dtype)
+    out[at] = values
+    return out
+
+
+def _row_quantiles(rows: np.ndarray, counts: np.ndarray, fractions: Sequence[float]) -> list[np.ndarray]:
+    """Quantiles of each row's first ``counts`` values (linear interpolation, as numpy's default);
+    rows without values get 0 (callers mask them)."""
+    last = np.maximum(counts - 1, 0)
+    index = np.arange(len(counts))
+    out = []
+    for f in fractions:
+        pos = f * last
+        lo = np.floor(pos).astype(np.int64)
+        a, b = rows[index, lo], rows[index, np.minimum(lo + 1, last)]
+        out.append(np.where(counts > 0, a + (b - a) * (pos - lo), 0.0))
+    return out
+
+
+def window_stats(
+    windows: Sequence[PathWindow],
+    now: float,
+    offsets_ns: Sequence[float | None],
+    offset_rates: Sequence[float],
+    th: Thresholds,
+) -> list[PathStats]:
+    """Every path's figures over its window (see :meth:`PathWindow.stats`), computed together.
+
+    Why together: each figure is a handful of numpy calls, and on a window of a few hundred samples
+    a call costs more to set up than to run; one pass over all paths' samples (grouped by path) makes
+    an evaluation's cost grow with the samples rather than with paths x calls.
+    """
+    n = len(windows)
+    horizon = now - th.window_s
+    parts = [pw._window(horizon) for pw in windows]
+    rtt_parts = [pw._rtt_window(horizon) for pw in windows]
+    counts = np.fromiter((len(p[1]) for p in parts), dtype=np.int64, count=n)
+    starts = np.cumsum(counts) - counts
+    received = np.zeros(n, dtype=np.int64)
+    seq_min = seq_max = np.zeros(n, dtype=np.int64)
+    p0 = p50 = p99 = jitter = np.zeros(n)
+    if counts.any():
+        group = np.repeat(np.arange(n), counts)
+        ts = np.concatenate([p[0] for p in parts])
+        seqs = np.concatenate([p[1] for p in parts])
+        ds = np.concatenate([p[2] for p in parts])
+        # distinct sequence numbers per path (a duplicated probe counts once): a path whose numbers rise
+        # in arrival order, as nearly always, has as many as it has samples; only the others are sorted
+        filled = np.flatnonzero(counts)
+        seq_min = np.minimum.reduceat(seqs, starts[filled])
+        seq_max = np.maximum.reduceat(seqs, starts[filled])
+        received = counts[filled].copy()
+        same = group[1:] == group[:-1]
+        unordered = np.unique(group[1:][same & (seqs[1:] <= seqs[:-1])])
+        for i in np.searchsorted(filled, unordered).tolist():
+            a = int(starts[filled[i]])
+            received[i] = len(np.unique(seqs[a : a + int(counts[filled[i]])]))
+        received, seq_min, seq_max = (_spread(v, filled, n) for v in (received, seq_min, seq_max))
+        # one-way delays, each sample corrected with the clock offset of its own moment
+        offset = np.array([0 if o is None else round(o) for o in offsets_ns], dtype=np.int64)
+        rate = np.asarray(offset_rates, dtype=np.float64)
+        corrected = (ds - offset[group]).astype(np.float64)
+        corrected += rate[group] * (now - ts) * 1e9  # the offset was smaller by drift x age
+        owd_rows = _sorted_rows(corrected / 1e3, starts, counts)
+        p0, p50, p99 = _row_quantiles(owd_rows, counts, (0.0, 0.5, 0.99))
+        # jitter: mean absolute change between consecutive arrivals of the same path
+        steps = np.abs(np.diff(ds))[same].astype(np.float64)
+        jitter = np.bincount(group[1:][same], weights=steps, minlength=n) / np.maximum(counts - 1, 1) / 1e3
+    rtt_counts = np.fromiter((len(r) for r in rtt_parts), dtype=np.int64, count=n)
+    rtt_min = rtt_p50 = np.zeros(n)
+    if rtt_counts.any():
+        rtt = np.concatenate(rtt_parts).astype(np.float64) / 1e3
+        rtt_rows = _sorted_rows(rtt, np.cumsum(rtt_counts) - rtt_counts, rtt_counts)
+        rtt_min, rtt_p50 = _row_quantiles(rtt_rows, rtt_counts, (0.0, 0.5))
+    received_l, seq_min_l, seq_max_l, counts_l = received.tolist(), seq_min.tolist(), seq_max.tolist(), counts.tolist()
+    p0_l, p50_l, p99_l, jitter_l = p0.tolist(), p50.tolist(), p99.tolist(), jitter.tolist()
+    rtt_min_l, rtt_p50_l, rtt_counts_l = rtt_min.tolist(), rtt_p50.tolist(), rtt_counts.tolist()
+    out = []
+    for i, pw in enumerate(windows):
+        got = received_l[i]
+        # Expected: from the first sequence number of the window to the newest, extended by what the
+        # sender should have sent since the newest arrived (a path that went silent loses the rest).
+        pw.silent_s = now - pw.last_rx if got else 0.0
+        if got:
+            silent = max(0.0, now - pw.last_rx - 2 * th.interval_s)
+            newest = seq_max_l[i] + int(silent / th.interval_s)
+            sent = max(got, newest - seq_min_l[i] + 1)
+        else:
+            sent = int(th.window_s / th.interval_s)
+        loss = 1.0 - got / sent if sent else 0.0
+        owd = (p0_l[i], p50_l[i], p99_l[i]) if got and offsets_ns[i] is not None else (None, None, None)
+        rate_mbps = None
+        if pw.last_rate is not None and now - pw.last_rate[0] < TRAIN_STALE_S:
+            rate_mbps = pw.last_rate[1]
+        has_rtt = rtt_counts_l[i] > 0
+        out.append(
+            PathStats(
+                pw.src,
+                pw.dst,
+                th.window_s,
+                sent,
+                got,
+                round(loss, 6),
+                owd[0],
+                owd[1],
+                owd[2],
+                jitter_l[i] if counts_l[i] > 1 else None,
+                rate_mbps,
+                rtt_min_l[i] if has_rtt else None,
+                rtt_p50_l[i] if has_rtt else None,
+            )
+        )
+    return out

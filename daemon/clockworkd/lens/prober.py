@@ -33,7 +33,7 @@ import numpy as np
 
 from clockworkd.lens import clocksync, fastio, peers, tomography, wire
 from clockworkd.lens.model import NicId, PathStats, PathVerdict, Suspect, nic_id, split_nic
-from clockworkd.lens.pathwindow import PathWindow, Thresholds
+from clockworkd.lens.pathwindow import PathWindow, Thresholds, window_stats
 from clockworkd.lens.settings import LensConfig
 from clockworkd.lens.topology import Topology
 from linkpass.fabric import FabricMap
@@ -861,13 +861,18 @@ class Lens:
         t3 = cpu()
         spent["clock_solve"] += t3 - t2
         heard = {pw.src.partition("/")[0] for pw in self.incoming.values() if now - pw.last_rx < self.th.window_s}
-        results: list[tuple[PathStats, PathVerdict | None]] = []
-        for pw in self.incoming.values():
+        windows = list(self.incoming.values())
+        senders = [split_nic(pw.src)[0] for pw in windows]
+        for pw in windows:
             if pw.train_got and now - pw.last_rx > 0.2:
                 pw.finish_train(now)
-            src_node = split_nic(pw.src)[0]
-            stats = pw.stats(now, self.offset_ns(src_node), self.th, self.offset_rate(src_node))
-            results.append((stats, pw.judge(stats, self.th, src_node in heard)))
+        figures = window_stats(
+            windows, now, [self.offset_ns(n) for n in senders], [self.offset_rate(n) for n in senders], self.th
+        )
+        results: list[tuple[PathStats, PathVerdict | None]] = [
+            (stats, pw.judge(stats, self.th, src_node in heard))
+            for pw, src_node, stats in zip(windows, senders, figures, strict=True)
+        ]
         self.last_stats = results
         t4 = cpu()
         spent["path_stats"] += (t4 - t3) + (t2 - t1)  # filing the samples, then each path's figures
