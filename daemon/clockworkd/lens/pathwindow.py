@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -184,37 +185,17 @@ class PathWindow:
         return window_stats([self], now, [offset_ns], [offset_rate], th)[0]
 
     def _window(self, horizon: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The samples filed at or after ``horizon`` (arrival order): when filed, seq, delay; kept as one block."""
+        """The samples filed at or after ``horizon`` (arrival order): when filed, seq, delay."""
         self._close_lists()
         self.blocks.extend(self.pending_blocks)
         self.pending_blocks.clear()
-        while self.blocks and self.blocks[0][0][-1] < horizon:  # wholly out of the window
-            self.blocks.popleft()
-        if self.blocks and self.blocks[0][0][0] < horizon:  # partly out: keep its recent part
-            t, q, d = self.blocks[0]
-            keep = t >= horizon
-            self.blocks[0] = (t[keep], q[keep], d[keep])
-        if not self.blocks:
-            return np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        if len(self.blocks) > 1:
-            merged = tuple(np.concatenate(parts) for parts in zip(*self.blocks, strict=True))
-            self.blocks = deque([merged])  # type: ignore[list-item]
-        return self.blocks[0]
+        inside = _in_window(self.blocks, horizon)
+        return inside if inside else (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
     def _rtt_window(self, horizon: float) -> np.ndarray:
-        """The round trips measured at or after ``horizon`` (ns); kept as one block."""
-        while self.rtts and self.rtts[0][0][-1] < horizon:  # wholly out of the window
-            self.rtts.popleft()
-        if self.rtts and self.rtts[0][0][0] < horizon:
-            t, r = self.rtts[0]
-            keep = t >= horizon
-            self.rtts[0] = (t[keep], r[keep])
-        if not self.rtts:
-            return np.zeros(0, dtype=np.int64)
-        if len(self.rtts) > 1:
-            merged = (np.concatenate([t for t, _ in self.rtts]), np.concatenate([r for _, r in self.rtts]))
-            self.rtts = deque([merged])
-        return self.rtts[0][1]
+        """The round trips measured at or after ``horizon`` (ns)."""
+        inside = _in_window(self.rtts, horizon)
+        return inside[1] if inside else np.zeros(0, dtype=np.int64)
 
     def judge(self, stats: PathStats, th: Thresholds, sender_alive: bool) -> PathVerdict | None:
         """The path's verdict, learning the baseline from healthy windows; None = cannot tell.
@@ -274,6 +255,21 @@ class PathWindow:
             if b.rate_mbps is None or train[1] >= th.rate_drop * b.rate_mbps:
                 b.learn_rate(train[1])
         return PathVerdict(stats.src, stats.dst, bad, tuple(reasons), tuple(kinds), round(score, 3))
+
+
+def _in_window(blocks: deque[Any], horizon: float) -> Any:
+    """Drop the samples before ``horizon`` from blocks of arrays (time first, each block in time order)
+    and merge the rest into one block, left as the only one; None when nothing is left."""
+    while blocks and blocks[0][0][-1] < horizon:  # wholly out of the window
+        blocks.popleft()
+    if blocks and blocks[0][0][0] < horizon:  # partly out: keep its recent part
+        keep = blocks[0][0] >= horizon
+        blocks[0] = tuple(a[keep] for a in blocks[0])
+    if len(blocks) > 1:
+        merged = tuple(np.concatenate(parts) for parts in zip(*blocks, strict=True))
+        blocks.clear()
+        blocks.append(merged)
+    return blocks[0] if blocks else None
 
 
 def _sorted_rows(values: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

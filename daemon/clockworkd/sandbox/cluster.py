@@ -81,6 +81,11 @@ def controller_prefix(paths: StatePaths) -> list[str]:
     return ["unshare", "--uts", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", setup, "sh"]
 
 
+def _owners(namespaces: set[str]) -> list[str]:
+    """The state folders whose sandboxes marked these namespaces (unmarked ones left out), sorted."""
+    return sorted({owner for owner in map(fabric.owner, namespaces) if owner is not None})
+
+
 class Sandbox:
     """One sandbox cluster, identified by its state folder."""
 
@@ -181,7 +186,7 @@ class Sandbox:
         self._reclaim_abandoned(fabric.existing_namespaces() & wanted)
         clash = fabric.existing_namespaces() & wanted
         if clash:
-            owners = sorted({fabric.owner(ns) for ns in clash} - {None})
+            owners = _owners(clash)
             whose = (
                 f"the sandbox at {', '.join(owners)} owns them; use it, or stop it first with "
                 f"`clockwork sandbox --state {owners[0]} down`"
@@ -207,7 +212,7 @@ class Sandbox:
         would only make the user hunt for a state folder that may be gone. A sandbox with any live
         process, or one whose bring-up is still running, is left alone.
         """
-        for owner in sorted({fabric.owner(ns) for ns in clash} - {None, str(self.paths.root)}):
+        for owner in [o for o in _owners(clash) if o != str(self.paths.root)]:
             other = Sandbox(replace(self.config, state_dir=owner))
             if other.alive():
                 continue
