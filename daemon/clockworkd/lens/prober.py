@@ -215,9 +215,7 @@ class Lens:
             "probe_ticks_skipped": 0,
             "evaluations": 0,
         }
-        # CPU time per phase of tick() (ns, user + kernel): probes = build, tag and send them; receive =
-        # read, verify and file probes, trains and summaries; evaluate = clock solve, verdicts, localization.
-        self.cpu_ns = dict.fromkeys(PHASES, 0)
+        self.cpu_ns = dict.fromkeys(PHASES, 0)  # CPU time per phase (ns, user + kernel): see PHASES
         self.last_stats: list[tuple[PathStats, PathVerdict | None]] = []
         self._snapshot: dict[str, Any] | None = None
         self._snapshot_stale = True
