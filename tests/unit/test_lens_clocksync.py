@@ -77,11 +77,10 @@ def _random_seam(rng: np.random.Generator) -> ClockSeam:
     return ClockSeam(int(rng.uniform(-50e6, 50e6)), float(rng.uniform(-100, 100)), START)
 
 
-def _envelope(probes: tuple[np.ndarray, np.ndarray, np.ndarray], batch: int = 16) -> Envelope:
+def _envelope(probes: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Envelope:
     env = Envelope()
-    tx, rx, pure = probes
-    for i in range(0, tx.size, batch):  # the prober hands over one receive batch at a time
-        env.add_many(tx[i : i + batch], rx[i : i + batch], pure[i : i + batch])
+    for tx, rx, pure in zip(*(a.tolist() for a in probes), strict=True):  # as the prober files coded pairs
+        env.add(tx, rx, pure)
     return env
 
 
@@ -222,23 +221,6 @@ def test_envelope_keeps_sub_window_minima_and_bounded_memory() -> None:
     env.drop_before(START + 9 * S)
     assert len(env.minima()) == 4
     assert env.samples == 1000
-
-
-def test_add_many_matches_add() -> None:
-    rng = np.random.default_rng(5)
-    tx, rx, pure = _probes(rng, _random_seam(rng), _random_seam(rng), seconds=30)
-    one, many = Envelope(), Envelope()
-    for t, r, p in zip(tx.tolist(), rx.tolist(), pure.tolist(), strict=True):
-        one.add(t, r, p)
-    for i in range(0, tx.size, 37):
-        many.add_many(tx[i : i + 37], rx[i : i + 37], pure[i : i + 37])
-    assert one.minima() == many.minima() and len(one.minima()) == 80
-    assert one.minima(pure_only=False) == many.minima(pure_only=False)
-    empty = Envelope()
-    empty.add_many(np.array([], dtype=np.int64), np.array([], dtype=np.int64))
-    assert empty.minima() == []
-    with pytest.raises(ValueError):
-        empty.add_many(tx[:3], rx[:2])
 
 
 def test_envelope_late_samples_and_clock_steps() -> None:

@@ -151,58 +151,6 @@ class Envelope:
             if cur is None or d < cur[0]:
                 self._pure[b] = (d, tx_ns)
 
-    def add_many(
-        self,
-        tx_ns: npt.ArrayLike,
-        rx_ns: npt.ArrayLike,
-        pure: npt.ArrayLike | None = None,
-    ) -> None:
-        """A batch of probes as int64 arrays (``pure`` defaults to all True).
-
-        Same result as calling :meth:`add` per probe in order, except that the window moves once per
-        batch (to the batch's newest sub-window) instead of per probe; batches are milliseconds long,
-        windows seconds, so that only matters for a batch that straddles a clock step.
-        """
-        tx = np.asarray(tx_ns, dtype=np.int64).ravel()
-        rx = np.asarray(rx_ns, dtype=np.int64).ravel()
-        if tx.shape != rx.shape:
-            raise ValueError(f"tx and rx differ in length: {tx.size} != {rx.size}")
-        n = tx.size
-        if n == 0:
-            return
-        ok = np.ones(n, dtype=bool) if pure is None else np.asarray(pure, dtype=bool).ravel()
-        if ok.shape != tx.shape:
-            raise ValueError(f"pure has {ok.size} entries for {n} probes")
-        self.samples += n
-        b = tx // self._sub  # floor division on int64: exact
-        if not self._advance(int(b.max())):
-            self.stale += n
-            return
-        assert self._newest is not None
-        keep = b > self._newest - self._nsub
-        if not keep.all():
-            self.stale += int(n - np.count_nonzero(keep))
-            tx, rx, ok, b = tx[keep], rx[keep], ok[keep], b[keep]
-        d = rx - tx
-        self._merge(self._any, b, d, tx)
-        if ok.any():
-            self._merge(self._pure, b[ok], d[ok], tx[ok])
-
-    @staticmethod
-    def _merge(table: dict[int, tuple[int, int]], b: IntArray, d: IntArray, tx: IntArray) -> None:
-        """Fold each sub-window's lowest ``d`` of a batch into ``table`` (few sub-windows per batch)."""
-        if b.size == 0:
-            return
-        order = np.lexsort((d, b))  # by sub-window, then by d
-        bs = b[order]
-        first = np.ones(bs.size, dtype=bool)
-        first[1:] = bs[1:] != bs[:-1]
-        idx = order[first]
-        for key, dv, tv in zip(b[idx].tolist(), d[idx].tolist(), tx[idx].tolist(), strict=True):
-            cur = table.get(key)
-            if cur is None or dv < cur[0]:
-                table[key] = (dv, tv)
-
     def minima(self, pure_only: bool = True) -> list[tuple[int, int]]:
         """``(tx_ns, d_ns)`` of each sub-window's lowest sample, oldest first.
 
