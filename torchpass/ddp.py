@@ -113,34 +113,45 @@ def _completed(value: _T) -> torch.futures.Future[_T]:
     return future
 
 
-def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average a bucket over the current generation; never raise (a failure abandons the step)."""
-    buffer = bucket.buffer()
+def _sum_over_current(
+    ctx: StepGuard, tensors: list[torch.Tensor], opts: Any, done: Callable[[], _T], fallback: _T
+) -> torch.futures.Future[_T]:
+    """Sum ``tensors`` in place over the current generation's default group; never raise.
+
+    The future holds ``done()`` once the sum is in, or ``fallback`` when no collective may run now or the
+    collective fails (a failure abandons the step instead of raising into ``loss.backward()``).
+    """
     if not ctx._collective_allowed():
-        return _completed(buffer)
-    scale = 1.0 / ctx.world_size
+        return _completed(fallback)
+    # The current generation's group, called directly: dist.all_reduce's checks cost ~10 µs a bucket. A
+    # complex tensor goes as its real view, as dist.all_reduce would send it.
+    flat = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
     try:
-        # The current generation's group, called directly: dist.all_reduce's checks cost ~10 µs a bucket. A
-        # complex bucket goes as its real view, as dist.all_reduce would send it.
-        flat = torch.view_as_real(buffer) if buffer.is_complex() else buffer
-        work = dist.distributed_c10d._get_default_group().allreduce([flat], _SUM)
+        work = dist.distributed_c10d._get_default_group().allreduce(flat, opts)
     except Exception as exc:
         ctx._abandon_step(exc)
-        return _completed(buffer)
+        return _completed(fallback)
 
-    def finish(future: torch.futures.Future[Any]) -> torch.Tensor:
+    def finish(future: torch.futures.Future[Any]) -> _T:
         try:
             future.value()
         except Exception as exc:  # runs on a backend thread: record, never raise into backward()
             ctx._abandon_step(exc)
-            return buffer
-        # Averaged here, on the backend's thread once the sum is in, not before the launch: DDP without a hook
-        # folds the scaling into its gradient copy, a hook cannot, and a pass on the autograd thread would
-        # lengthen the backward pass's critical path. A product with the reciprocal, as DDP scales, not a
-        # division: on a CPU a division pass over a bucket takes twice as long.
-        return buffer.mul_(scale)
+            return fallback
+        return done()
 
     return work.get_future().then(finish)
+
+
+def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a bucket over the current generation; never raise (a failure abandons the step)."""
+    buffer = bucket.buffer()
+    scale = 1.0 / ctx.world_size
+    # Averaged on the backend's thread once the sum is in, not before the launch: DDP without a hook folds the
+    # scaling into its gradient copy, a hook cannot, and a pass on the autograd thread would lengthen the
+    # backward pass's critical path. A product with the reciprocal, as DDP scales, not a division: on a CPU a
+    # division pass over a bucket takes twice as long.
+    return _sum_over_current(ctx, [buffer], _SUM, lambda: buffer.mul_(scale), buffer)
 
 
 class _CurrentGroup(dist.ProcessGroup):
@@ -159,28 +170,8 @@ class _CurrentGroup(dist.ProcessGroup):
         self._ctx = ctx
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
-        ctx = self._ctx
-        if not ctx._collective_allowed():
-            return _finished(tensors)
-        flat = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]  # as dist.all_reduce sends them
-        try:
-            work = dist.distributed_c10d._get_default_group().allreduce(flat, _SUM if opts is None else opts)
-        except Exception as exc:
-            ctx._abandon_step(exc)
-            return _finished(tensors)
-
-        def finish(future: torch.futures.Future[Any]) -> list[torch.Tensor]:
-            try:
-                future.value()
-            except Exception as exc:  # on a backend thread: record, never raise into backward()
-                ctx._abandon_step(exc)
-            return tensors
-
-        return _work_of(work.get_future().then(finish))
-
-
-def _finished(tensors: list[torch.Tensor]) -> dist.Work:
-    return _work_of(_completed(tensors))
+        done = _sum_over_current(self._ctx, tensors, _SUM if opts is None else opts, lambda: tensors, tensors)
+        return _work_of(done)
 
 
 _work_of: Callable[[torch.futures.Future[Any]], dist.Work] = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
