@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterable, Mapping
 
 from clockworkd.lens import model, peers
@@ -213,13 +212,12 @@ def test_localizer_is_reusable_and_accepts_pairs_outside_the_plan() -> None:
     assert [s.links for s in suspects] == [("n00000/nic0>r0-leaf0",)]
 
 
-def test_a_large_fabric_solves_fast() -> None:
+def test_a_large_fabric_names_the_one_bad_link() -> None:
+    """4,096 nodes, one lossy spine-to-leaf link and one flipped verdict. How long it takes is measured by
+    bench/lens_scale.py, not here."""
     topo = Topology.fat_tree(4096, 32, 16)
     plan = peers.plan(topo, k=16)
     localizer = Localizer(topo, plan)
     verdicts = judge(topo, plan, {"r0-spine4>r0-leaf77": "loss"}, flip=[("n00001/nic0", plan["n00001/nic0"][0])])
-    t0 = time.perf_counter()
     suspects = localizer.localize(verdicts)
-    elapsed = time.perf_counter() - t0
     assert [s.links for s in suspects] == [("r0-spine4>r0-leaf77",)]
-    assert elapsed < 1.0

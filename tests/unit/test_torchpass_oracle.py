@@ -352,13 +352,13 @@ def test_planned_migration(base: Path, reference: Run) -> None:
 def test_silent_rank_is_evicted_and_replaced(base: Path, reference: Run) -> None:
     """A rank frozen with SIGSTOP keeps its sockets open: only its missing heartbeats reveal it. The survivors'
     blocked all-reduce is aborted when the new generation is announced, long before the collective timeout."""
-    started = time.monotonic()
-    run = _run(base, "freeze", kill="1:10:freeze", settings=("heartbeat_timeout_s=2", "heartbeat_interval_s=0.2"))
+    # The collective timeout is set past RUN_TIMEOUT_S: a run that finished at all did not wait for it.
+    assert RUN_TIMEOUT_S < 600
+    settings = ("heartbeat_timeout_s=2", "heartbeat_interval_s=0.2", "collective_timeout_s=600")
+    run = _run(base, "freeze", kill="1:10:freeze", settings=settings)
     run.check_ok()
-    assert time.monotonic() - started < 60
     _assert_same_final_state(run, reference)
     _assert_each_step_once(run)
     failed = run.of_kind("torchpass.member_failed")
     assert len(failed) == 1 and "no heartbeat" in failed[0]["why"]
-    fields = _recovered(run, 1)
-    assert fields["total_ms"] < 15000  # heartbeat timeout + recovery, not the 20 s collective timeout
+    _recovered(run, 1)

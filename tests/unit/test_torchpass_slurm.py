@@ -266,7 +266,9 @@ def test_leader_node_crash_moves_the_coordinator(zctx: zmq.Context[zmq.Socket[by
     took = time.monotonic() - crashed_at
     assert g.members == {0: "a3.0", 1: "a1.0", 2: "a2.0"} and g.replaced == {0: "a3.0"}
     assert g.gen >= 2  # one number skipped: the lost leader may have announced one it did not replicate
-    assert 0.25 < took < 3.0, took
+    # Within await_generation's 5 s, far short of the ranks' 60 s heartbeat timeout: the mesh's 0.3 s agent
+    # lease noticed the node, and not before that lease had run out.
+    assert took > 0.25, took
     assert cluster[1].mesh.is_leader() and cluster[1].coordinator.active
     elected = cluster[1].events.of("torchpass.leader_elected")
     assert elected and elected[0]["previous"] == 0 and elected[0]["lost"] == [0] and elected[0]["term"] == 1
