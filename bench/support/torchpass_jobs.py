@@ -113,6 +113,7 @@ def torchpass_job(
         "--spares",
         str(spares),
         *([] if respawn else ["--no-respawn-spares"]),
+        *(arg for setting in getattr(args, "set", None) or [] for arg in ("--set", setting)),
         "--events",
         str(out / "events.jsonl"),
         str(WORKLOAD),
