@@ -127,9 +127,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "TorchPass's failure-tolerant process group for DDP's reducer (see torchpass/native.py)";
   py::class_<GuardedGroup, c10d::ProcessGroup, c10::intrusive_ptr<GuardedGroup>>(m, "GuardedGroup")
       .def(py::init<int, py::object>(), py::arg("size"), py::arg("on_error"))
-      // Called once a step with the GIL held, and kept: releasing it would let another Python thread in
-      // and the training loop wait for it back (the lock is only ever held for a few instructions).
-      .def("arm", &GuardedGroup::arm, py::arg("target"))
-      .def("disarm", &GuardedGroup::disarm)
+      .def("arm", &GuardedGroup::arm, py::arg("target"), py::call_guard<py::gil_scoped_release>())
+      .def("disarm", &GuardedGroup::disarm, py::call_guard<py::gil_scoped_release>())
       .def("armed", &GuardedGroup::armed);
 }
