@@ -6,25 +6,19 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
 # Debian packages the sandbox cluster and the SPANK build need (chromium: the test that renders the audit's HTML report;
-# gcc and python3-dev: Fleet Lens's C extension, which `pip install -e` compiles; g++ and ninja-build: TorchPass's
-# compiled process group, torchpass/native.py).
+# gcc and python3-dev: Fleet Lens's C extension, which `pip install -e` compiles).
 APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
 	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping \
-	chromium gcc python3-dev g++ ninja-build
+	chromium gcc python3-dev
 
-.PHONY: help venv system-packages demo test lint clean sandbox-down spank torchpass-native
+.PHONY: help venv system-packages demo test lint clean sandbox-down spank
 
 help:
 	@echo "make demo   - set up (if needed), then run the demo on the embedded sandbox cluster"
 	@echo "make test   - set up (if needed), then run the whole test suite (root runs the integration tests)"
 	@echo "make venv   - the idempotent set-up both use: system packages + .venv"
 
-venv: system-packages $(STAMP) spank torchpass-native
-
-# TorchPass's compiled process group, built next to its package against the venv's torch (~40 s once; then a
-# check that it is up to date).
-torchpass-native: $(STAMP)
-	$(VENV)/bin/python -m torchpass.native
+venv: system-packages $(STAMP) spank
 
 # The SPANK plugin (spank/clockwork.so); the sandbox's plugstack.conf loads it once it exists.
 spank: system-packages
@@ -62,4 +56,4 @@ sandbox-down: venv
 
 clean:
 	$(MAKE) -C spank clean
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache daemon/clockworkd/lens/*.so torchpass/_native
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache daemon/clockworkd/lens/*.so

@@ -195,13 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     parser.add_argument("--skip-torchft", action="store_true", help="leave TorchFT out")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, step files)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a TorchPass setting for its jobs (repeatable), e.g. native_group=false for the Python process group",
-    )
     parser.add_argument("--segment", type=int, default=10, help="steps per segment of the interleaved job (default 10)")
     parser.add_argument(
         "--segments", type=int, default=100, help="TorchPass segments of the interleaved job (default 100)"
@@ -296,7 +289,6 @@ def main(argv: list[str] | None = None) -> int:
                 "forms": rows,
                 "interleaved": mixed,
                 "torchft": torchft_note or "ok",
-                "settings": args.set,
                 "goals_met": goals,
             }
         )

@@ -93,12 +93,6 @@ class TorchPassConfig:
     )
     reseed_python: bool = _setting(True, "Also reseed Python's `random` module at every step boundary.")
     reseed_numpy: bool = _setting(True, "Also reseed NumPy's global generator at every step boundary (if importable).")
-    native_group: bool = _setting(
-        True,
-        "Run DDP's CPU gradient all-reduces through TorchPass's compiled process group (torchpass/native.py; "
-        "built once with a C++ compiler and ninja), which runs no Python per bucket. False, or a build that "
-        "fails, uses the Python group: the same results, about 1 ms a step slower on a 2-core machine.",
-    )
     collective_timeout_s: float = _setting(
         30.0,
         "Timeout of every collective and point-to-point transfer (never the 30-minute default). A dead peer "

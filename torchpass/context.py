@@ -211,9 +211,7 @@ class Context:
         """
         if self._model is not None:
             raise TorchPassError("ctx.wrap_model was already called; register further modules with ctx.register")
-        native = self.config.native_group
-        ddp = TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, native_group=native, **ddp_kwargs)
-        return self._adopt_model(ddp)
+        return self._adopt_model(TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs))
 
     def _adopt_model(self, ddp: TorchPassDDP) -> TorchPassDDP:
         """Make ``ddp`` (built over this context) the job's model: its state moves, its buffers roll back.

@@ -10,12 +10,11 @@ group underneath it without rebuilding it:
 * each gradient bucket is averaged over the *current* generation's default group. When the collective
   fails (a peer died) or a newer generation was announced, this does not raise into ``loss.backward()``: it
   marks the step abandoned and returns the bucket as it is; the wrapped optimizer then skips its update and
-  the step boundary recovers and re-runs the step. With CPU gradients (gloo) the reducer is built over a
-  process group that forwards its all-reduce to the current generation: the compiled ``GuardedGroup``
-  (``torchpass/native.py``; no Python per bucket), or :class:`_CurrentGroup`, the same in Python, where it
-  cannot be built. The reducer then runs DDP's own path, which scales each gradient by 1/world while copying
-  it into its bucket, so the sums are bitwise plain DDP's and no extra pass over the gradients is made.
-  Elsewhere (CUDA, NCCL) a communication hook does the same and scales each bucket once its sum is in;
+  the step boundary recovers and re-runs the step. With CPU gradients (gloo) the reducer is built over
+  :class:`_CurrentGroup`, a process group that forwards its all-reduce to the current generation: the
+  reducer then runs DDP's own path, which scales each gradient by 1/world while copying it into its bucket,
+  so the sums are bitwise plain DDP's and no extra pass over the gradients is made. Elsewhere (CUDA, NCCL)
+  a communication hook does the same and scales each bucket once its sum is in;
 * DDP never re-buckets: its reducer would otherwise rebuild the buckets in gradient-ready order after the
   first iteration, so a newcomer's first step (initial layout) would not line up with the survivors'
   (rebuilt layout) and the averages would stop being bitwise reproducible. DDP's Python side asks the
@@ -38,7 +37,6 @@ Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forwar
 
 import inspect
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -46,8 +44,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from torchpass.native import guarded_group_class
 
 __all__ = ["StepGuard", "TorchPassDDP"]
 
@@ -181,23 +177,6 @@ class _CurrentGroup(dist.ProcessGroup):
 _work_of: Callable[[torch.futures.Future[Any]], dist.Work] = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
 
 
-def _guarded_group(ctx: StepGuard) -> Any:
-    """The compiled counterpart of :class:`_CurrentGroup` (``torchpass/native.py``), or None where it cannot be
-    built. It runs no Python per bucket; the step's forward arms it with the current generation's group, and a
-    failed collective disarms it and abandons the step. It holds the context weakly (no cycle through C++)."""
-    cls = guarded_group_class()
-    if cls is None:
-        return None
-    ref = weakref.ref(ctx)
-
-    def on_error(message: str) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._abandon_step(message)
-
-    return cls(ctx.world_size, on_error)
-
-
 class _FixedBuckets:
     """DDP's reducer, except that it declines to rebuild its buckets (everything else goes to the reducer).
 
@@ -217,15 +196,7 @@ class _FixedBuckets:
 class TorchPassDDP(DistributedDataParallel):
     """DDP whose gradient averaging follows TorchPass's generations and abandons a step instead of raising."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        ctx: StepGuard,
-        *,
-        broadcast_buffers: bool = True,
-        native_group: bool = True,
-        **ddp_kwargs: Any,
-    ) -> None:
+    def __init__(self, module: nn.Module, ctx: StepGuard, *, broadcast_buffers: bool = True, **ddp_kwargs: Any) -> None:
         reserved = sorted(set(ddp_kwargs) & set(_RESERVED))
         if reserved:
             raise TypeError(f"ctx.wrap_model sets {', '.join(reserved)} itself (see torchpass.ddp)")
@@ -236,11 +207,7 @@ class TorchPassDDP(DistributedDataParallel):
         )
         caps = _bucket_caps(ddp_kwargs.pop("bucket_cap_mb", None))
         on_cpu = all(p.device.type == "cpu" for p in module.parameters())
-        self._tp_guarded = _guarded_group(ctx) if on_cpu and native_group else None
-        if self._tp_guarded is not None:
-            group: dist.ProcessGroup = self._tp_guarded
-        else:
-            group = _CurrentGroup(ctx) if on_cpu else ctx._local_group()
+        group = _CurrentGroup(ctx) if on_cpu else ctx._local_group()
         super().__init__(module, process_group=group, init_sync=False, **no_sync, **caps, **ddp_kwargs)
         self._tp_ctx = ctx
         self._tp_buffers = [b for b in module.buffers()] if broadcast_buffers else []
@@ -250,13 +217,7 @@ class TorchPassDDP(DistributedDataParallel):
         self.reducer = _FixedBuckets(self.reducer)  # type: ignore[assignment]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Broadcast buffers from slot 0 (failure-tolerant), point the compiled group at the current generation
-        (or keep it from running collectives in an abandoned step), then DDP's forward."""
+        """Broadcast buffers from slot 0 (failure-tolerant), then DDP's forward."""
         if self._tp_buffers:
             self._tp_ctx._broadcast_buffers(self._tp_buffers)
-        if self._tp_guarded is not None:
-            if self._tp_ctx._collective_allowed():
-                self._tp_guarded.arm(dist.distributed_c10d._get_default_group())
-            else:
-                self._tp_guarded.disarm()
         return super().forward(*inputs, **kwargs)

@@ -113,7 +113,6 @@ def torchpass_job(
         "--spares",
         str(spares),
         *([] if respawn else ["--no-respawn-spares"]),
-        *(arg for setting in getattr(args, "set", None) or [] for arg in ("--set", setting)),
         "--events",
         str(out / "events.jsonl"),
         str(WORKLOAD),
