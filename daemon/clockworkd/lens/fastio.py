@@ -28,6 +28,7 @@ import numpy as np
 
 SO_TIMESTAMPNS = 35  # SO_TIMESTAMPNS_OLD: Python's socket module lacks the constant
 SO_BINDTODEVICE = getattr(socket, "SO_BINDTODEVICE", 25)
+SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # Linux; root may exceed the sysctl limits with these
 MSG_DONTWAIT = 0x40
 MSG_TRUNC = 0x20
 SLOT = 8192  # largest datagram read whole; longer ones are flagged truncated and dropped
@@ -101,6 +102,16 @@ def sockaddr_in(ip: str, port: int) -> bytes:
     return struct.pack("=HH4s8x", socket.AF_INET, socket.htons(port), socket.inet_aton(ip))
 
 
+def _set_buffer(sock: socket.socket, forced: int, plain: int, size: int) -> None:
+    """A socket buffer of ``size``: past ``net.core.rmem_max``/``wmem_max`` as root (the daemon), within
+    them otherwise. Linux's default limit (~208 KiB) is about two 50 ms reads' worth at 16 peers per NIC (~80
+    datagrams of ~1 KiB of kernel memory each): little to spare for a burst of train packets or a late read."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, forced, size)
+    except PermissionError:
+        sock.setsockopt(socket.SOL_SOCKET, plain, size)
+
+
 def open_socket(ip: str, port: int, device: str, rcvbuf: int = 4 << 20) -> socket.socket:
     """A non-blocking UDP socket bound to ``ip:port`` on ``device``, stamping arrivals (SO_TIMESTAMPNS)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -108,8 +119,8 @@ def open_socket(ip: str, port: int, device: str, rcvbuf: int = 4 << 20) -> socke
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, SO_BINDTODEVICE, device.encode())
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, rcvbuf)
+        _set_buffer(sock, SO_RCVBUFFORCE, socket.SO_RCVBUF, rcvbuf)
+        _set_buffer(sock, SO_SNDBUFFORCE, socket.SO_SNDBUF, rcvbuf)
         sock.bind((ip, port))
         sock.setblocking(False)
     except OSError:
