@@ -295,3 +295,37 @@ def test_no_stamp_reads_as_zero(rx_socket: socket.socket, tx_socket: socket.sock
     assert got and got[0][0] == 1
     assert got[0][1][0] == wire.PROBE_BYTES
     assert got[0][2][0] == 0, "a stale stamp from an earlier datagram"
+
+
+def test_socket_buffers_pass_the_sysctl_limit_as_root_and_stay_within_it_otherwise() -> None:
+    """Lens's probe sockets need megabytes of buffer; root gets them past ``net.core.rmem_max`` (FORCE), and
+    an unprivileged caller gets what the limit allows instead of an error."""
+    with open("/proc/sys/net/core/rmem_max") as sysctl:
+        limit = int(sysctl.read())
+    size = 2 * limit  # past the limit: only FORCE can give it
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the unprivileged half: drop to nobody, report the buffer it got
+        code = 1
+        try:
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                fastio._set_buffer(sock, fastio.SO_RCVBUFFORCE, socket.SO_RCVBUF, size)
+                os.write(write, str(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    got_unprivileged = int(os.read(read, 64) or b"-1")
+    os.close(read)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert 0 < got_unprivileged <= 2 * limit  # the kernel doubles what it grants, up to the limit
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the forced buffer needs root (CI must run everything)")
+        pytest.skip("the forced buffer needs root (skipped on a developer machine only)")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        fastio._set_buffer(sock, fastio.SO_RCVBUFFORCE, socket.SO_RCVBUF, size)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * size
