@@ -14,7 +14,7 @@ setup(
         Extension(
             "clockworkd.lens._probeio",
             sources=[f"{CSRC}/{name}.c" for name in ("_probeio", "pacer", "probe_send", "py_args", "blake2b")],
-            depends=[f"{CSRC}/{name}.h" for name in ("pacer", "probe_send", "py_args", "blake2b")],
+            depends=[f"{CSRC}/{name}.h" for name in ("pacer", "probe_send", "py_args", "blake2b", "records")],
             define_macros=[("_GNU_SOURCE", None), ("_FORTIFY_SOURCE", "2")],
             libraries=["m"],  # llrint (the pacer applies the clock seam)
             extra_compile_args=["-std=gnu11", "-O2", "-fstack-protector-strong", "-Wall", "-Wextra", "-Werror"],

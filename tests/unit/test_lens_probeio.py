@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from clockworkd.lens import fastio, wire
+from clockworkd.lens import clocksync, fastio, wire
 from clockworkd.lens.prober import (
     ECHO_RING,
     R_AUX,
@@ -420,3 +420,42 @@ def test_pacer_refuses_bad_arguments_and_late_nics(tx_socket: socket.socket, rx_
     running = _Paced(tx_socket, rx_socket, paths=1, interval_ms=5)
     running.pacer.start()
     del running  # freed while it runs: stopped and joined, its buffers released
+
+
+def test_pacer_notes_the_newest_probe_of_each_path_for_its_echoes() -> None:
+    """note_arrivals: per path, the newest probe of the path's known session becomes the echo (its arrival on
+    this node's clock, through the seam); older probes, trains, other sessions and unknown paths change
+    nothing, and probes of another session are counted (Python files a restarted sender itself)."""
+    offset, drift, epoch = 5_000_000, 50.0, 1_000_000_000
+    echo_seq = np.array([-1, 7, -1], dtype=np.int64)
+    echo_rx = np.array([0, 70, 0], dtype=np.int64)
+    pacer = probeio().Pacer(KEY, 0, SESSION, 10_000_000, 1, echo_seq, echo_rx, (offset, drift, epoch))
+    in_session = np.array([SESSION, SESSION, 4], dtype=np.int64)
+
+    def record(path: int, seq: int, rx: int, kind: int = wire.PROBE, session: int = SESSION) -> list[int]:
+        r = [0] * fastio.RECORD_FIELDS
+        r[R_PATH], r[R_KIND], r[R_SEQ], r[R_RX], r[R_SESSION] = path, kind, seq, rx, session
+        return r
+
+    rx = 2_000_000_000
+    records = np.array(
+        [
+            record(0, 3, rx),
+            record(0, 5, rx + 10),
+            record(0, 4, rx + 20),  # reordered: older than 5
+            record(1, 6, rx + 30),  # older than the echo already held (7)
+            record(0, 9, rx + 40, kind=wire.TRAIN),
+            record(2, 1, rx + 50),  # a session the path does not know yet: a restart
+            record(9, 1, rx + 60),  # no such path
+            record(1, 8, rx + 70),  # beyond n: not read
+        ],
+        dtype=np.int64,
+    )
+    assert pacer.note_arrivals(records, 7, in_session) == 1
+    seam = clocksync.ClockSeam(offset, drift, epoch)
+    assert echo_seq.tolist() == [5, 7, -1]
+    assert echo_rx.tolist() == [seam.apply(rx + 10), 70, 0]
+    with pytest.raises(ValueError, match="records"):
+        pacer.note_arrivals(records, 9, in_session)  # more records than the array holds
+    with pytest.raises(ValueError, match="in_session"):
+        pacer.note_arrivals(records, 1, in_session[:2])

@@ -196,8 +196,10 @@ class Lens:
         self.ring_tx = np.zeros((0, ECHO_RING), dtype=np.int64)  # ... and its transmit time (our clock)
         # The C receiver's output: room for one full drain of every NIC.
         self._records = np.zeros((0, fastio.RECORD_FIELDS), dtype=np.int64)
-        self._pending: list[tuple[float, np.ndarray, np.ndarray, np.ndarray]] = []  # (t, path, seq, delay) blocks
-        self._pending_rtt: list[tuple[float, np.ndarray, np.ndarray]] = []  # (t, path, rtt ns) blocks
+        self._filled = 0  # records read and not yet filed (the first rows of _records)
+        self._read_marks: list[tuple[float, int]] = []  # (monotonic time, records) of each read since
+        self._pending: list[tuple[np.ndarray, ...]] = []  # (t, path, seq, delay) blocks
+        self._pending_rtt: list[tuple[np.ndarray, ...]] = []  # (t, path, rtt ns) blocks
         self._summary_queue: list[bytes] = []  # authentic summaries waiting for the next evaluation
         self.pacer: Any = None  # the C thread that sends the probes (_probeio.Pacer), from start() on
         self._pacer_errors = 0  # its send errors already counted in counters["send_errors"]
@@ -277,7 +279,9 @@ class Lens:
             local.addrs = b"".join(p.addr for p in local.out)
             local.rev = np.array([p.reverse for p in local.out], dtype=np.int64)
         self.ring_seq = np.full((rows, ECHO_RING), -1, dtype=np.int64)
-        self._records = np.zeros((fastio.RECORDS * max(1, len(self.local)), fastio.RECORD_FIELDS), dtype=np.int64)
+        # Room for the records of a few hundred ms of reads (they wait for the next evaluation), and always
+        # for one more read of every NIC at its largest.
+        self._records = np.zeros((2 * fastio.RECORDS * max(1, len(self.local)), fastio.RECORD_FIELDS), dtype=np.int64)
         self.ring_tx = np.zeros((rows, ECHO_RING), dtype=np.int64)
         self.in_session = np.full(len(self.in_paths), -1, dtype=np.int64)
         self.in_echo_seq = np.full(len(self.in_paths), -1, dtype=np.int64)
@@ -532,20 +536,42 @@ class Lens:
     # ----- receiving ------------------------------------------------------------------------
 
     def _drain_all(self, now: float) -> None:
-        """Read, authenticate and parse what waits on every NIC (C), then file it all at once (numpy)."""
-        n = 0
+        """Read, authenticate and parse what waits on every NIC (C), and note each path's newest probe for
+        the echoes (C); the records wait in the buffer until the evaluation files them (:meth:`_file_records`).
+
+        Why not file them here: the echoes are what cannot wait (their hold times are measured on this
+        node's clock, so a longer hold is a larger error with a drifting clock), and the pacer notes them at
+        each read; the rest is numpy over the records, whose cost is mostly per call, not per record. Run
+        once per evaluation instead of once per read, on warm caches, it costs a fraction.
+        """
+        start = self._filled
+        if len(self._records) - start < fastio.RECORDS * len(self.local):
+            self._file_records()
+            start = 0
+        n = start
         for local in self.local:
             n += self._drain(local, self._records[n:])
-        if n:
-            records = self._records[:n]
-            kinds = records[:, R_KIND]
-            probes = records[kinds == wire.PROBE]
-            if len(probes):
-                with self.pacer:  # the echoes it sends and the transmit rings it writes
-                    self._file_probes(probes, now)
-            trains = records[kinds == wire.TRAIN]
-            if len(trains):
-                self._file_trains(trains, now)
+        if n > start:
+            self.pacer.note_arrivals(self._records[start:], n - start, self.in_session)
+            self._read_marks.append((now, n - start))
+            self._filled = n
+
+    def _file_records(self) -> None:
+        """File the records read since the last evaluation, all at once (numpy), each at its read's time."""
+        n, marks = self._filled, self._read_marks
+        if not n:
+            return
+        self._filled, self._read_marks = 0, []
+        records = self._records[:n]
+        t = np.repeat(np.array([m[0] for m in marks]), [m[1] for m in marks])
+        kinds = records[:, R_KIND]
+        probes = kinds == wire.PROBE
+        if probes.any():
+            with self.pacer:  # the transmit rings it writes (and the echoes of a restarted sender's paths)
+                self._file_probes(records[probes], t[probes])
+        trains = kinds == wire.TRAIN
+        if trains.any():
+            self._file_trains(records[trains], t[trains])
 
     def _drain(self, local: LocalNic, out: np.ndarray) -> int:
         """One NIC's waiting datagrams: probe and train records into ``out`` (how many), summaries taken in."""
@@ -590,27 +616,18 @@ class Lens:
         seen.append(copy)
         self._on_summary(memoryview(packet))
 
-    def _file_probes(self, p: np.ndarray, now: float) -> None:
-        """One drain's probes (records in arrival order): numpy over the batch, Python only per coded pair.
-
-        Samples wait as blocks (one per drain) until the next evaluation files them into their paths;
-        what the sender needs before that (the newest sequence number of each path, for echoes) is
-        kept in arrays here.
-        """
+    def _file_probes(self, p: np.ndarray, t: np.ndarray) -> None:
+        """Probes (records in arrival order, read at monotonic times ``t``): numpy over the batch, Python
+        only per coded pair. What the sender needed sooner (the newest sequence number of each path, for
+        the echoes) the pacer noted at each read, except for a sender that restarted (its new session)."""
         path, seq, session, rx = p[:, R_PATH], p[:, R_SEQ], p[:, R_SESSION], p[:, R_RX]
         rx_clock = self.seam.apply_many(rx) if self.seam else rx
         delay = rx_clock - p[:, R_TX]
         self.counters["probes_received"] += len(p)
         if np.any(session != self.in_session[path]):
-            self._file_restarted(path, seq, session, delay, rx_clock, now)
+            self._file_restarted(path, seq, session, delay, rx_clock, t)
         else:
-            self._pending.append((now, path, seq, delay))
-            order = np.lexsort((seq, path))  # newest sequence number of each path in this batch
-            ordered = path[order]
-            last = order[np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))]
-            newer = last[seq[last] > self.in_echo_seq[path[last]]]
-            self.in_echo_seq[path[newer]] = seq[newer]
-            self.in_echo_rx[path[newer]] = rx_clock[newer]
+            self._pending.append((t, path, seq, delay))
         # Round trips: the echo names one of our probes; its transmit time is in the reverse path's ring.
         hold, rows = p[:, R_HOLD], self.in_rev_out[path]
         echoed = np.flatnonzero((hold != wire.NO_ECHO) & (rows >= 0))
@@ -620,7 +637,7 @@ class Lens:
             rtt = rx_clock[echoed] - self.ring_tx[rows, slots] - hold[echoed]  # both ends on our clock
             ok = (self.ring_seq[rows, slots] == echo_seq) & (rtt > 0) & (rtt < RTT_MAX_NS)
             if ok.any():
-                self._pending_rtt.append((now, path[echoed[ok]], rtt[ok]))
+                self._pending_rtt.append((t[echoed[ok]], path[echoed[ok]], rtt[ok]))
         flagged = np.flatnonzero(p[:, R_FLAGS])
         if len(flagged):
             self._file_pairs(p[flagged], rx_clock[flagged])
@@ -632,11 +649,11 @@ class Lens:
         session: np.ndarray,
         delay: np.ndarray,
         rx_clock: np.ndarray,
-        now: float,
+        t: np.ndarray,
     ) -> None:
         """A batch in which some sender's session changed (it restarted): probe by probe, in arrival order."""
-        for i, q, sess, d, rxc in zip(
-            path.tolist(), seq.tolist(), session.tolist(), delay.tolist(), rx_clock.tolist(), strict=True
+        for i, q, sess, d, rxc, now in zip(
+            path.tolist(), seq.tolist(), session.tolist(), delay.tolist(), rx_clock.tolist(), t.tolist(), strict=True
         ):
             pw = self.in_paths[i]
             if sess != self.in_session[i]:
@@ -666,15 +683,16 @@ class Lens:
                 pw.pair_first = None
                 self._envelope(pw).add(tx1, rx1_clock, 0 <= rx_ns - rx1 <= PAIR_PURE_NS)
 
-    def _file_trains(self, t: np.ndarray, now: float) -> None:
-        """Train packets, one call per run of the same train (a train usually arrives within one drain)."""
-        path, seq, aux = t[:, R_PATH], t[:, R_SEQ], t[:, R_AUX]
+    def _file_trains(self, r: np.ndarray, t: np.ndarray) -> None:
+        """Train packets (read at times ``t``), one call per run of the same train (a train usually arrives
+        within one read)."""
+        path, seq, aux = r[:, R_PATH], r[:, R_SEQ], r[:, R_AUX]
         cuts = np.flatnonzero((path[1:] != path[:-1]) | (seq[1:] != seq[:-1])) + 1
         starts = [0, *cuts.tolist()]
-        ends = [*starts[1:], len(t)]
+        ends = [*starts[1:], len(r)]
         for a, b in zip(starts, ends, strict=True):
             self.in_paths[int(path[a])].add_train_run(
-                int(seq[a]), int(aux[a]) & 0xFFFF, t[a:b, R_RX], t[a:b, R_LENGTH], now
+                int(seq[a]), int(aux[a]) & 0xFFFF, r[a:b, R_RX], r[a:b, R_LENGTH], float(t[a])
             )
 
     def _flush_samples(self) -> None:
@@ -682,7 +700,7 @@ class Lens:
         for blocks, kind in ((self._pending, "probes"), (self._pending_rtt, "rtts")):
             if not blocks:
                 continue
-            t = np.concatenate([np.full(len(b[1]), b[0]) for b in blocks])
+            t = np.concatenate([b[0] for b in blocks])
             path = np.concatenate([b[1] for b in blocks])
             values = [np.concatenate([b[k] for b in blocks]) for k in range(2, len(blocks[0]))]
             blocks.clear()
@@ -854,6 +872,10 @@ class Lens:
         cpu, spent = time.thread_time_ns, self.cpu_ns
         t0 = cpu()
         self.counters["evaluations"] += 1
+        self._file_records()
+        t1 = cpu()
+        spent["receive"] += t1 - t0  # filing what the reads took in
+        t0 = t1
         self._take_summaries()
         t1 = cpu()
         spent["summaries_in"] += t1 - t0

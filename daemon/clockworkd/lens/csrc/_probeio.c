@@ -21,15 +21,12 @@
 #include "pacer.h"
 #include "probe_send.h"
 #include "py_args.h"
+#include "records.h"
 
 #define TRAIN_SLOT 9000
 #define RECV_BATCH 64
 #define RECV_SLOT 8192
 #define CONTROL 64
-#define RECORD_FIELDS 12
-
-/* One received probe or train packet (int64 fields; the order is RECORD_DTYPE's in fastio.py). */
-enum { R_PATH, R_KIND, R_FLAGS, R_SEQ, R_TX, R_RX, R_SESSION, R_AUX, R_ECHO_SEQ, R_HOLD, R_LENGTH, R_SRC_NODE };
 
 static send_buf sends; /* the module's functions run with the GIL held: one buffer serves them all */
 static uint8_t train_data[SEND_BATCH][TRAIN_SLOT];
@@ -95,7 +92,7 @@ static PyObject *py_send_probes(PyObject *self, PyObject *args) {
                           &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8]))
         return NULL;
     if (tag_key(&s, key, keylen) != 0 || paths_from_buffers(o, b, &p) != 0) return NULL;
-    if (echoes_from_buffers(o + PATH_BUFFERS, b + PATH_BUFFERS, &e) != 0) {
+    if (echoes_from_buffers(o + PATH_BUFFERS, b + PATH_BUFFERS, &e, 0) != 0) {
         release_buffers(b, PATH_BUFFERS);
         return NULL;
     }

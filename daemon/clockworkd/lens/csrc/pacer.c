@@ -20,6 +20,7 @@
 
 #include "probe_send.h"
 #include "py_args.h"
+#include "records.h"
 
 #define PACER_NICS 16
 
@@ -46,7 +47,7 @@ typedef struct {
     int seam;
     int64_t seam_offset_ns, seam_epoch_ns;
     double seam_drift_ppm;
-    probe_echoes echoes;
+    probe_echoes echoes; /* read by the tick; written by note_arrivals (through echo_views, held writable) */
     Py_buffer echo_views[ECHO_BUFFERS];
     int echoes_held;
     pacer_nic nics[PACER_NICS];
@@ -64,14 +65,18 @@ static struct timespec timespec_of(int64_t ns) {
     return t;
 }
 
-/* This node's clock for transmit stamps: real time, through the clock seam when tests set one
- * (ClockSeam.apply: real + offset + round(drift_ppm * 1e-6 * (real - epoch)), rounding half to even). */
+/* This node's clock at real time ``real``: through the clock seam when tests set one (ClockSeam.apply:
+ * real + offset + round(drift_ppm * 1e-6 * (real - epoch)), rounding half to even). */
+static int64_t node_clock(const Pacer *pc, int64_t real) {
+    if (!pc->seam) return real;
+    return real + pc->seam_offset_ns + (int64_t)llrint(pc->seam_drift_ppm * 1e-6 * (double)(real - pc->seam_epoch_ns));
+}
+
+/* This node's clock now, for transmit stamps. */
 static int64_t transmit_clock(const Pacer *pc) {
     struct timespec t;
     clock_gettime(CLOCK_REALTIME, &t);
-    int64_t real = ns_of(&t);
-    if (!pc->seam) return real;
-    return real + pc->seam_offset_ns + (int64_t)llrint(pc->seam_drift_ppm * 1e-6 * (double)(real - pc->seam_epoch_ns));
+    return node_clock(pc, ns_of(&t));
 }
 
 static void tick(Pacer *pc) {
@@ -158,7 +163,7 @@ static int pacer_init(Pacer *pc, PyObject *args, PyObject *kwds) {
         !PyArg_ParseTuple(seam, "LdL;seam must be (offset_ns, drift_ppm, epoch_ns)", &pc->seam_offset_ns,
                           &pc->seam_drift_ppm, &pc->seam_epoch_ns))
         return -1;
-    if (tag_key(&pc->key, key, keylen) != 0 || echoes_from_buffers(echo, pc->echo_views, &pc->echoes) != 0)
+    if (tag_key(&pc->key, key, keylen) != 0 || echoes_from_buffers(echo, pc->echo_views, &pc->echoes, 1) != 0)
         return -1;
     pc->echoes_held = 1;
     pc->seam = seam != Py_None;
@@ -278,7 +283,55 @@ static PyObject *pacer_stats(Pacer *pc, PyObject *unused) {
                          late, "cpu_ns", cpu);
 }
 
+PyDoc_STRVAR(note_arrivals_doc,
+             "note_arrivals(records, n, in_session) -> int\n\n"
+             "The newest probe of each incoming path among the first ``n`` of ``records`` (drain's, in arrival\n"
+             "order) becomes the one the path's next echo names: its sequence number and arrival (this node's\n"
+             "clock, through the seam) go into the echo arrays, under the pacer's lock, where the probe is newer\n"
+             "than the echo's and of the session the path is known by (``in_session``). Returns how many probes\n"
+             "are of another session (a restarted sender: Python files those, and sets their echoes itself).");
+
+static PyObject *pacer_note_arrivals(Pacer *pc, PyObject *args) {
+    PyObject *o_records, *o_session;
+    Py_ssize_t n;
+    Py_buffer b_records, b_session;
+    if (!usable(pc, 0)) return NULL;
+    if (!PyArg_ParseTuple(args, "OnO", &o_records, &n, &o_session)) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    const int64_t(*records)[RECORD_FIELDS] = (const void *)i64_buffer(o_records, &b_records, n * RECORD_FIELDS, 0,
+                                                                       "records");
+    if (records == NULL) return NULL;
+    ptrdiff_t paths = pc->echoes.count;
+    const int64_t *session = i64_buffer(o_session, &b_session, paths, 0, "in_session");
+    if (session == NULL) {
+        PyBuffer_Release(&b_records);
+        return NULL;
+    }
+    int64_t *echo_seq = pc->echo_views[0].buf, *echo_rx = pc->echo_views[1].buf;
+    Py_ssize_t other = 0;
+    lock(pc);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t *r = records[i];
+        int64_t path = r[R_PATH];
+        if (r[R_KIND] != KIND_PROBE || path < 0 || path >= paths) continue;
+        if (r[R_SESSION] != session[path]) {
+            other++;
+        } else if (r[R_SEQ] > echo_seq[path]) {
+            echo_seq[path] = r[R_SEQ];
+            echo_rx[path] = node_clock(pc, r[R_RX]);
+        }
+    }
+    pthread_mutex_unlock(&pc->lock);
+    PyBuffer_Release(&b_records);
+    PyBuffer_Release(&b_session);
+    return PyLong_FromSsize_t(other);
+}
+
 static PyMethodDef pacer_methods[] = {
+    {"note_arrivals", (PyCFunction)pacer_note_arrivals, METH_VARARGS, note_arrivals_doc},
     {"add_nic", (PyCFunction)pacer_add_nic, METH_VARARGS, add_nic_doc},
     {"start", (PyCFunction)pacer_start, METH_NOARGS, "Start sending, one tick per interval."},
     {"stop", (PyCFunction)pacer_stop, METH_NOARGS, "Stop the thread and wait for it (idempotent)."},

@@ -52,10 +52,11 @@ fail:
     return -1;
 }
 
-int echoes_from_buffers(PyObject *const objs[ECHO_BUFFERS], Py_buffer views[ECHO_BUFFERS], probe_echoes *e) {
-    if (!(e->seq = i64_buffer(objs[0], &views[0], 0, 0, "echo_seq"))) return -1;
+int echoes_from_buffers(PyObject *const objs[ECHO_BUFFERS], Py_buffer views[ECHO_BUFFERS], probe_echoes *e,
+                        int writable) {
+    if (!(e->seq = i64_buffer(objs[0], &views[0], 0, writable, "echo_seq"))) return -1;
     e->count = views[0].len / 8;
-    if (!(e->rx = i64_buffer(objs[1], &views[1], e->count, 0, "echo_rx"))) {
+    if (!(e->rx = i64_buffer(objs[1], &views[1], e->count, writable, "echo_rx"))) {
         PyBuffer_Release(&views[0]);
         return -1;
     }

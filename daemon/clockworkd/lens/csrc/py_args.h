@@ -23,8 +23,9 @@ int64_t *i64_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t count, int writab
  * Python exception is set. */
 int paths_from_buffers(PyObject *const objs[PATH_BUFFERS], Py_buffer views[PATH_BUFFERS], probe_paths *p);
 
-/* echo_seq, echo_rx into ``e``; as paths_from_buffers. */
-int echoes_from_buffers(PyObject *const objs[ECHO_BUFFERS], Py_buffer views[ECHO_BUFFERS], probe_echoes *e);
+/* echo_seq, echo_rx into ``e`` (held ``writable`` when the caller updates them); as paths_from_buffers. */
+int echoes_from_buffers(PyObject *const objs[ECHO_BUFFERS], Py_buffer views[ECHO_BUFFERS], probe_echoes *e,
+                        int writable);
 
 void release_buffers(Py_buffer *views, int count);
 
