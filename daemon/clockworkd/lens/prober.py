@@ -194,10 +194,10 @@ class Lens:
         self.in_rev_out = np.zeros(0, dtype=np.int64)  # row in ring_seq/ring_tx of the reverse path, -1: none
         self.ring_seq = np.zeros((0, ECHO_RING), dtype=np.int64)  # per outgoing path: seq % ECHO_RING -> seq
         self.ring_tx = np.zeros((0, ECHO_RING), dtype=np.int64)  # ... and its transmit time (our clock)
-        # The C receiver's output: room for one full drain of every NIC.
+        # The C receiver's output, waiting to be filed (sized at start()).
         self._records = np.zeros((0, fastio.RECORD_FIELDS), dtype=np.int64)
         self._filled = 0  # records read and not yet filed (the first rows of _records)
-        self._read_marks: list[tuple[float, int]] = []  # (monotonic time, records) of each read since
+        self._read_marks: list[tuple[float, int]] = []  # (monotonic time, records) of each of those reads
         self._pending: list[tuple[np.ndarray, ...]] = []  # (t, path, seq, delay) blocks
         self._pending_rtt: list[tuple[np.ndarray, ...]] = []  # (t, path, rtt ns) blocks
         self._summary_queue: list[bytes] = []  # authentic summaries waiting for the next evaluation
