@@ -459,3 +459,5 @@ def test_pacer_notes_the_newest_probe_of_each_path_for_its_echoes() -> None:
         pacer.note_arrivals(records, 9, in_session)  # more records than the array holds
     with pytest.raises(ValueError, match="in_session"):
         pacer.note_arrivals(records, 1, in_session[:2])
+    with pytest.raises(ValueError, match="count of records"):
+        pacer.note_arrivals(records, -1, in_session)

@@ -297,8 +297,8 @@ static PyObject *pacer_note_arrivals(Pacer *pc, PyObject *args) {
     Py_buffer b_records, b_session;
     if (!usable(pc, 0)) return NULL;
     if (!PyArg_ParseTuple(args, "OnO", &o_records, &n, &o_session)) return NULL;
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+    if (n < 0 || n > PY_SSIZE_T_MAX / RECORD_FIELDS) {
+        PyErr_Format(PyExc_ValueError, "n must be a count of records, not %zd", n);
         return NULL;
     }
     const int64_t(*records)[RECORD_FIELDS] = (const void *)i64_buffer(o_records, &b_records, n * RECORD_FIELDS, 0,
