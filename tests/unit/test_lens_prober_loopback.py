@@ -313,6 +313,38 @@ def test_a_summary_bigger_than_one_datagram_still_delivers_its_verdicts() -> Non
         assert delivered & {(s.src, s.dst) for s, _ in fake}
 
 
+def test_a_path_that_turns_bad_or_heals_is_told_at_once() -> None:
+    """Summaries go out every ``summary_ms``, and also at the evaluation that finds a path turned bad or healed:
+    the daemon that owns a suspect link often receives none of its bad paths and waits for this word.
+
+    ``summary_ms`` is a minute here, so any summary that arrives was sent by a change of verdict. The verdict
+    is set through the path's judge (the network stays healthy): this is about the telling, not the judging.
+    """
+    with cluster(_config(summary_ms=60_000)) as c:
+        n1, n2 = c["n1"], c["n2"]
+        assert c.drive(3.0, until=lambda: any(v is not None for _, v in n1.last_stats)), n1.counters
+        c.drive(0.3)  # several evaluations with the verdicts unchanged
+        assert n1.counters["summaries_sent"] == 0, n1.counters  # nothing changed: nothing told before the round
+
+        def judged_bad(pw: Any) -> Callable[..., PathVerdict]:
+            return lambda *_: PathVerdict(pw.src, pw.dst, True, ("loss 9%",), ("loss",), 0.9)
+
+        path = next(pw for pw in n1.incoming.values() if pw.src == "n3/lo")
+        path.judge = judged_bad(path)  # type: ignore[method-assign]
+
+        def told(bad: int) -> Callable[[], bool]:
+            return lambda: n2.remote_paths.get(("n3/lo", "n1/lo"), (0.0, [None] * 8))[1][2] == bad
+
+        assert c.drive(1.0, until=told(1)), n1.counters
+        sent = n1.counters["summaries_sent"]
+        assert sent > 0
+        c.drive(0.3)  # still bad, the same way: nothing more to tell
+        assert n1.counters["summaries_sent"] == sent, n1.counters
+        del path.judge  # the class's judge again: the path is healthy
+        assert c.drive(1.0, until=told(0)), n1.counters
+        assert n1.counters["summaries_sent"] > sent
+
+
 # ----- train rate ------------------------------------------------------------------------------------
 
 

@@ -6,8 +6,9 @@ daemon's event loop calls :meth:`Lens.tick`, which drains every NIC's socket (``
 Reading that lazily costs nothing in accuracy because the kernel stamps each packet on arrival
 (SO_TIMESTAMPNS).
 
-Every ``summary_ms`` each daemon tells the others what it measured on the paths it receives (their
-verdicts and the new minima of their delay envelopes), so every daemon holds the whole picture:
+Every ``summary_ms``, and at once when one of its paths turns bad or heals, each daemon tells the others
+what it measured on the paths it receives (their verdicts and the new minima of their delay envelopes),
+so every daemon holds the whole picture:
 each path's forward and reverse envelopes for clock sync, every path's verdict for localization.
 Every ``evaluate_ms`` paths are judged against their own baselines, clocks are reconciled over the
 probe graph, and the topology's tomography names the links that explain the bad paths. A suspect is
@@ -201,6 +202,7 @@ class Lens:
         self._pending: list[tuple[np.ndarray, ...]] = []  # (t, path, seq, delay) blocks
         self._pending_rtt: list[tuple[np.ndarray, ...]] = []  # (t, path, rtt ns) blocks
         self._summary_queue: list[bytes] = []  # authentic summaries waiting for the next evaluation
+        self._bad_told: frozenset[tuple[NicId, NicId, tuple[str, ...]]] = frozenset()  # bad paths last told
         self.pacer: Any = None  # the C thread that sends the probes (_probeio.Pacer), from start() on
         self._pacer_errors = 0  # its send errors already counted in counters["send_errors"]
         self.fits = 0  # clock-fit rounds so far (the rails take turns)
@@ -898,6 +900,10 @@ class Lens:
             for pw, src_node, stats in zip(windows, senders, figures, strict=True)
         ]
         self.last_stats = results
+        bad = frozenset((v.src, v.dst, v.kinds) for _, v in results if v is not None and v.bad)
+        if bad != self._bad_told:  # a path turned bad, changed or healed: the others hear it now, not next round
+            self._bad_told = bad
+            self.next_summary = now
         t4 = cpu()
         spent["path_stats"] += (t4 - t3) + (t2 - t1)  # filing the samples, then each path's figures
         verdicts = [v for _, v in results if v is not None]

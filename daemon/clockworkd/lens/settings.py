@@ -37,7 +37,10 @@ class LensConfig:
     )
     evaluate_ms: float = setting(500.0, "How often paths are judged and the suspects recomputed, milliseconds.", min=10)
     summary_ms: float = setting(
-        500.0, "How often each daemon tells the others what it measured (verdicts, delay envelopes), ms.", min=10
+        1000.0,
+        "How often each daemon tells the others what it measured (verdicts, delay envelopes), ms; a path that "
+        "turns bad, changes or heals is told at once, at the evaluation that finds it.",
+        min=10,
     )
     loss_min_lost: int = setting(
         2, "A path is lossy when at least this many probes of the window were lost (and above its baseline).", min=1
