@@ -915,7 +915,7 @@ class Lens:
         self._snapshot_stale = True
         if now >= self.next_snapshot:  # keep the copy other threads read (metrics) fresh, but not per evaluation
             self.next_snapshot = now + SNAPSHOT_EVERY_S
-            snapshot = self.snapshot()
+            snapshot = self.snapshot(remote=False)
             if self.on_snapshot is not None:
                 self.on_snapshot(snapshot)
         spent["evaluate"] += cpu() - t4
@@ -1017,7 +1017,6 @@ class Lens:
             "loop_residual_us": round(sol.loop_rms_ns / 1e3, 3) if sol and sol.loop_rms_ns is not None else None,
             "clock_suspect_edges": [list(e) for e in sorted(self.clock_suspects)],
             "paths": paths,
-            "remote_paths": self._remote_paths(),
             "suspects": [
                 {**st.suspect.to_dict(), "since": st.raised_wall} for st in self.suspects.values() if st.raised
             ],
@@ -1040,22 +1039,28 @@ class Lens:
                 out.append({**stats, "verdict": verdict.to_dict()})
         return out
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, remote: bool = True) -> dict[str, Any]:
         """The latest evaluation (what ``clockwork lens`` and the metrics show), with the counters and CPU
-        times as of now: the pacer sends on while a busy event loop puts off the next evaluation."""
+        times as of now: the pacer sends on while a busy event loop puts off the next evaluation.
+
+        ``remote``: add ``remote_paths``, the other daemons' word on the paths they receive, so that one daemon
+        shows the whole fabric. Only ``clockwork lens`` reads it, and at 16 peers it is hundreds of paths (a
+        few ms to build): it is built when asked for, never for the periodic copy (metrics, history).
+        """
         if self._snapshot_stale:  # built on demand, in the event loop's thread
             self._snapshot = self._build_snapshot()
             self._snapshot_stale = False
         if self._snapshot is None:
             return {"node": self.me, "enabled": True, "paths": [], "suspects": [], "clock": {}}
-        return {**self._snapshot, **self._accounts()}
+        extra = {"remote_paths": self._remote_paths()} if remote else {}
+        return {**self._snapshot, **extra, **self._accounts()}
 
     def cached_snapshot(self) -> dict[str, Any] | None:
         """The last snapshot built (at most SNAPSHOT_EVERY_S old): safe to read from another thread."""
         return self._snapshot
 
     def status(self) -> dict[str, Any]:
-        snap = self.snapshot()
+        snap = self.snapshot(remote=False)
         return {
             "enabled": True,
             "node": self.me,
