@@ -80,7 +80,7 @@ class Envelope:
     over (``resets`` counts this) rather than ignoring that sender until its clock catches up.
     """
 
-    __slots__ = ("_any", "_newest", "_nsub", "_pure", "_sub", "resets", "samples", "stale", "window_ns")
+    __slots__ = ("_any", "_newest", "_nsub", "_oldest", "_pure", "_sub", "resets", "samples", "stale", "window_ns")
 
     def __init__(self, window_ns: int = DEFAULT_WINDOW_NS, sub_window_ns: int = DEFAULT_SUB_WINDOW_NS) -> None:
         if sub_window_ns <= 0 or window_ns < sub_window_ns:
@@ -91,6 +91,7 @@ class Envelope:
         self._pure: dict[int, tuple[int, int]] = {}  # sub-window -> (d, tx) of its lowest pure sample
         self._any: dict[int, tuple[int, int]] = {}  # sub-window -> (d, tx) of its lowest sample
         self._newest: int | None = None
+        self._oldest: int | None = None  # no sub-window below this one is kept (a bound: it may itself be empty)
         self.samples = 0
         self.stale = 0
         self.resets = 0
@@ -108,6 +109,7 @@ class Envelope:
         self._pure.clear()
         self._any.clear()
         self._newest = None
+        self._oldest = None
 
     def _advance(self, newest: int) -> bool:
         """Move the window to end at sub-window ``newest``; False when that is already stale.
@@ -127,10 +129,20 @@ class Envelope:
         return newest > self._newest - self._nsub
 
     def _prune(self, first_kept: int) -> None:
-        for table in (self._any, self._pure):
-            if table and min(table) < first_kept:  # mostly nothing to prune: min() is one C pass
+        """Forget the sub-windows before ``first_kept``: mostly the one the window just moved past, so the
+        keys go one by one from the oldest kept (no pass over the table, which ran at every new sub-window)."""
+        oldest = self._oldest
+        if oldest is None or first_kept <= oldest:
+            return
+        if first_kept - oldest <= 2 * self._nsub:
+            for key in range(oldest, first_kept):
+                self._any.pop(key, None)
+                self._pure.pop(key, None)
+        else:  # a jump far ahead
+            for table in (self._any, self._pure):
                 for key in [k for k in table if k < first_kept]:
                     del table[key]
+        self._oldest = first_kept
 
     def add(self, tx_ns: int, rx_ns: int, pure: bool = True) -> None:
         """One probe: sender's transmit stamp and receiver's receive stamp, both integer ns."""
@@ -144,7 +156,11 @@ class Envelope:
             return
         d = rx_ns - tx_ns
         cur = self._any.get(b)
-        if cur is None or d < cur[0]:
+        if cur is None:
+            self._any[b] = (d, tx_ns)
+            if self._oldest is None or b < self._oldest:
+                self._oldest = b
+        elif d < cur[0]:
             self._any[b] = (d, tx_ns)
         if pure:
             cur = self._pure.get(b)
