@@ -62,6 +62,34 @@ def test_rate_limited_link_is_named_against_the_rail() -> None:
     assert "0.20 Gbit/s" in report["findings"][0]["summary"]
 
 
+def _fail_transfer(raw: dict[str, Any], src: str, dst: str, error: str = "timed out") -> None:
+    (t,) = [t for t in raw["bandwidth"] if (t["src"], t["dst"]) == (src, dst)]
+    for key in ("bytes", "elapsed_s", "gbps"):
+        t.pop(key)
+    t["error"] = error
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_a_transfer_that_times_out_on_a_lossy_port_is_blamed_on_that_port_not_on_its_sender(slow: bool) -> None:
+    """TCP through a port losing 5 % stalls now and then; the sender's link is healthy on its other paths."""
+    raw = make_raw(loss={"node2/nic0": 5.0}, slow={"node2/nic0": 2.0} if slow else None)
+    _fail_transfer(raw, "node3/nic0", "node2/nic0")
+    report = judge(raw, CFG)
+    assert {target for target, _ in _named(report)} == {"node2/nic0"}
+    assert [n for n, v in report["nodes"].items() if not v["ok"]] == ["node2"]
+    evidence = [f["evidence"].get("failed_transfers") for f in report["findings"]]
+    assert ["node3/nic0 -> node2/nic0: timed out"] in evidence
+    assert report["matrices"]["gbps"]["nic0"]["node3"]["node2"] == 0.0
+
+
+def test_a_failed_transfer_no_bad_link_explains_is_a_finding_of_its_own() -> None:
+    raw = make_raw()
+    _fail_transfer(raw, "node1/nic1", "node4/nic1", "Connection refused")
+    report = judge(raw, CFG)
+    assert _named(report) == [("node1/nic1", "bandwidth")]
+    assert report["findings"][0]["summary"] == "transfer node1/nic1 -> node4/nic1 failed: Connection refused"
+
+
 def test_absolute_bandwidth_floor() -> None:
     cfg = AuditConfig(min_bandwidth_gbps=50.0)
     report = judge(make_raw(), cfg)

@@ -158,9 +158,9 @@ class Driver:
             if not self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                 break
             node, msg = self._recv()
-            rid = msg.get("id")
-            if rid in pending:
-                answers[pending.pop(rid)] = msg
+            answered = msg.get("id")
+            if answered in pending:
+                answers[pending.pop(answered)] = msg
         for node in pending.values():
             answers[node] = {"error": "the audit worker did not answer in time"}
         return answers

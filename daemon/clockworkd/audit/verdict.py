@@ -246,14 +246,16 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
                 f.add("mtu", f"{node}/{nic}", f"NIC MTU {facts['mtu']}, the rail's is {want}")
 
     # bandwidth: each link direction against the rail's typical direction
+    # A failed transfer counts as 0 Gbit/s on its path, so the median blames the link it crossed that fails
+    # the others too (a lossy port stalls TCP now and then) rather than the end that happened to send.
     gbps: dict[tuple[str, str], float] = {}
+    failed: dict[tuple[str, str], str] = {}
     for t in raw.get("bandwidth") or ():
         if t["src"] in dead or t["dst"] in dead or t.get("skipped"):
             continue
         if t.get("error") or not t.get("gbps"):
-            f.add("bandwidth", t["src"], f"transfer {t['src']} -> {t['dst']} failed: {t.get('error', 'no bytes')}")
-            continue
-        gbps[(t["src"], t["dst"])] = float(t["gbps"])
+            failed[(t["src"], t["dst"])] = t.get("error") or "no bytes"
+        gbps[(t["src"], t["dst"])] = float(t.get("gbps") or 0.0)
     bw_dirs = crossing(gbps)
     bw_scores = _medians(bw_dirs)
     rail_ref = {
@@ -271,6 +273,13 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
             + f" against the rail's typical {rail_ref.get(_nic_of(n), 0):.2f} Gbit/s"
         ),
     )
+    explained = {item["target"]: item for item in f.items if item["check"] in ("bandwidth", "loss")}
+    for (src, dst), error in sorted(failed.items()):
+        culprit = explained.get(dst) or explained.get(src)
+        if culprit is None:  # no bad link explains it: a fault of its own
+            f.add("bandwidth", src, f"transfer {src} -> {dst} failed: {error}")
+        else:
+            culprit["evidence"].setdefault("failed_transfers", []).append(f"{src} -> {dst}: {error}")
 
     # one-way delay (Fleet Lens, synchronized clocks) and clock quality
     merged = render.merge((rep.get("daemon") or {}).get("lens_snapshot") for rep in reports.values())
@@ -334,8 +343,10 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
             f.add("drill", target, "the peer was unreachable after the NIC came back", **d)
 
     # ----- verdicts ---------------------------------------------------------------------
-    nodes = {n: {"ok": True, "reasons": []} for n in raw["nodes"]}
-    links = {f"{n}/{nic}": {"ok": True, "reasons": []} for nic, ns in rails.items() for n in ns}
+    nodes: dict[str, dict[str, Any]] = {n: {"ok": True, "reasons": []} for n in raw["nodes"]}
+    links: dict[str, dict[str, Any]] = {
+        f"{n}/{nic}": {"ok": True, "reasons": []} for nic, ns in rails.items() for n in ns
+    }
     for item in f.items:
         node = nodes.setdefault(item["node"], {"ok": True, "reasons": []})
         node["ok"] = False

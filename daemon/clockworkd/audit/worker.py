@@ -98,7 +98,7 @@ def serve(driver: str, key: JobKey) -> int:
     try:
         sock.send(msgpack.packb({"op": "hello", **worker.report}, default=str))
         while True:
-            if not sock.poll(IDLE_TIMEOUT_S * 1000):
+            if not sock.poll(int(IDLE_TIMEOUT_S * 1000)):
                 log.error("node %s: the audit driver went quiet for %.0f s; leaving", node, IDLE_TIMEOUT_S)
                 return 1
             try:
