@@ -13,8 +13,15 @@ running one; a stale pid file or socket of a dead daemon is replaced.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# Before numpy loads (Lens, the audit): its OpenBLAS would start one thread per core, which spin after each
+# small matrix solve of the clock sync on the cores the training job needs (127 threads on a 128-core node;
+# on the 17-node sandbox ~0.05 % of a core per daemon went to that spinning). One thread is all the daemon's
+# few small solves need. An explicit setting in the daemon's environment is kept.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 

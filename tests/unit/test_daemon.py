@@ -509,3 +509,21 @@ def test_a_foreign_listener_on_the_socket_is_left_alone(scratch: Path, daemons: 
         assert not daemon.paths.pid_file.exists()
     finally:
         squatter.close()
+
+
+@pytest.mark.parametrize(("given", "want"), [(None, "1"), ("3", "3")])
+def test_the_daemon_runs_numpy_on_one_blas_thread_unless_told_otherwise(given: str | None, want: str) -> None:
+    """OpenBLAS starts a thread per core at numpy's import, which spin on the training job's cores after
+    each small solve; the daemon asks for one, and keeps an explicit setting."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if given is not None:
+        env["OPENBLAS_NUM_THREADS"] = given
+    code = (
+        "import os, clockworkd.agent, numpy\n"
+        "print(os.environ['OPENBLAS_NUM_THREADS'], len(os.listdir('/proc/self/task')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    setting, threads = out.split()
+    assert setting == want
+    if given is None:
+        assert threads == "1"  # numpy is loaded, and no thread besides the main one

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from clockworkd.lens.pathwindow import TRAIN_STALE_S, PathWindow, Thresholds, window_stats
+from clockworkd.lens.pathwindow import TRAIN_STALE_S, PathWindow, Samples, Thresholds, file_blocks, window_stats
 
 TH = Thresholds(interval_s=0.01, window_s=1.0, loss_min_lost=2, delay_rise_us=500, jitter_rise_us=300, rate_drop=0.1)
 T0 = 1000.0
@@ -416,12 +416,25 @@ def test_train_runs_match_packet_by_packet(split: list[int]) -> None:
     assert one.last_rate is not None
 
 
-def test_window_stats_of_many_paths_match_numpy_on_each_path_alone() -> None:
+def _windows(n: int, shared: bool) -> list[PathWindow]:
+    """``n`` paths into n0, each with its own stores, or all in one pair of stores (as the Lens receiver
+    keeps them) under slots that are not their positions."""
+    if not shared:
+        return [PathWindow(f"n{i}/nic0", "n0/nic0") for i in range(n)]
+    samples, rtts = Samples(), Samples()
+    return [PathWindow(f"n{i}/nic0", "n0/nic0", samples=samples, rtts=rtts, slot=n - 1 - i) for i in range(n)]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-stores", "shared-stores"])
+def test_window_stats_of_many_paths_match_numpy_on_each_path_alone(shared: bool) -> None:
     """All paths' figures are computed together (grouped arrays); each must be what numpy gives on that
-    path's own samples: no sample counted on a neighbour, whatever the mix of paths."""
+    path's own samples: no sample counted on a neighbour, whatever the mix of paths, and none of a path
+    that shares the stores but is not asked about."""
     rng = np.random.default_rng(11)
     n, now = 24, T0
-    windows = [PathWindow(f"n{i}/nic0", "n0/nic0") for i in range(n)]
+    windows = _windows(n, shared)
+    if shared:  # a path in the same stores, never asked about
+        stranger = PathWindow("n99/nic0", "n0/nic0", samples=windows[0].samples, rtts=windows[0].rtts, slot=n)
     kept: list[list[tuple[float, int, int]]] = [[] for _ in range(n)]  # (filed, seq, d) per path
     kept_rtt: list[list[tuple[float, int]]] = [[] for _ in range(n)]
     offsets = [None if i % 7 == 3 else float(rng.integers(-50_000_000, 50_000_000)) for i in range(n)]
@@ -447,6 +460,10 @@ def test_window_stats_of_many_paths_match_numpy_on_each_path_alone() -> None:
                 rtt = (60_000 + rng.exponential(1_000, k)).astype(np.int64)
                 pw.add_rtts(t, rtt)
                 kept_rtt[i] += zip(t.tolist(), rtt.tolist(), strict=True)
+        if shared:
+            stranger.session = SESSION
+            stranger.add_block(np.full(5, now), np.arange(5), np.zeros(5, dtype=np.int64))
+            stranger.add_rtts(np.full(5, now), np.ones(5, dtype=np.int64))
         now += 0.25
         got = window_stats(windows, now, offsets, rates, TH)
         for i, stats in enumerate(got):
@@ -476,3 +493,40 @@ def test_window_stats_of_many_paths_match_numpy_on_each_path_alone() -> None:
             else:
                 assert stats.rtt_min_us is None
     assert any(s.received == 0 for s in got) and any(s.owd_p50_us is None and s.received for s in got)
+
+
+def test_blocks_of_many_paths_filed_at_once_match_each_path_filed_alone() -> None:
+    """What the Lens receiver does at each evaluation (one interleaved batch of every path into shared
+    stores) gives each path the figures, newest probe and newest arrival of filing it alone."""
+    rng = np.random.default_rng(5)
+    n = 6
+    alone, together = _windows(n, shared=False), _windows(n, shared=True)
+    t0 = T0
+    for _ in range(5):
+        k = 60
+        position = rng.integers(0, n - 1, k)  # the last path never hears a probe
+        t = np.sort(t0 + rng.uniform(0, 0.5, k))
+        seq = np.arange(k, dtype=np.int64) + int(t0 * 100)
+        d = OFFSET_NS + rng.integers(10_000, 90_000, k)
+        for i, pw in enumerate(alone):
+            pw.session = SESSION
+            mine = position == i
+            pw.add_block(t[mine], seq[mine], d[mine])
+        slots = np.array([together[i].slot for i in position.tolist()])
+        file_blocks(sorted(together, key=lambda pw: pw.slot), t, slots, seq, d)
+        t0 += 0.5
+    now = t0 + 0.01
+    want = window_stats(alone, now, [OFFSET_NS] * n, [0.0] * n, TH)
+    assert window_stats(together, now, [OFFSET_NS] * n, [0.0] * n, TH) == want
+    assert [(pw.last_seq, pw.last_rx) for pw in together] == [(pw.last_seq, pw.last_rx) for pw in alone]
+    assert want[-1].received == 0 and all(s.received > 0 for s in want[:-1])
+
+
+def test_a_restart_drops_only_that_paths_samples_from_shared_stores() -> None:
+    a, b = _windows(2, shared=True)
+    for pw in (a, b):
+        pw.add_one(T0, SESSION, 1, OFFSET_NS)
+        pw.add_block(np.array([T0 + 0.01]), np.array([2]), np.array([OFFSET_NS]))
+    a.add_one(T0 + 0.02, SESSION + 1, 1, OFFSET_NS)  # a's sender restarted
+    sa, sb = window_stats([a, b], T0 + 0.03, [OFFSET_NS] * 2, [0.0] * 2, TH)
+    assert (sa.received, sb.received) == (1, 2) and (a.last_seq, b.last_seq) == (1, 2)

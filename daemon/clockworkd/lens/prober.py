@@ -34,7 +34,7 @@ import numpy as np
 
 from clockworkd.lens import clocksync, fastio, peers, tomography, wire
 from clockworkd.lens.model import NicId, PathStats, PathVerdict, Suspect, nic_id, split_nic
-from clockworkd.lens.pathwindow import PathWindow, Thresholds, window_stats
+from clockworkd.lens.pathwindow import PathWindow, Samples, Thresholds, file_blocks, window_stats
 from clockworkd.lens.settings import LensConfig
 from clockworkd.lens.topology import Topology
 from linkpass.fabric import FabricMap
@@ -192,6 +192,7 @@ class Lens:
         # Incoming paths by index (the C receiver names a packet's path by it) and their per-path state
         # that the per-batch filing and the C sender share: arrays, so neither touches a Python object per packet.
         self.in_paths: list[PathWindow] = []
+        self.samples, self.rtt_samples = Samples(), Samples()  # every incoming path's, slot = index in in_paths
         self.in_session = np.zeros(0, dtype=np.int64)  # PathWindow.session, as the filing checks it
         self.in_echo_seq = np.zeros(0, dtype=np.int64)  # newest probe received per path (echoed back), -1: none
         self.in_echo_rx = np.zeros(0, dtype=np.int64)  # when it arrived (our clock, ns)
@@ -264,7 +265,9 @@ class Lens:
             for src in probed_by.get(nic, ()):
                 snode, sname = split_nic(src)
                 key = (self.node_index[snode], self.nic_names[snode].index(sname), j)
-                self.incoming[key] = PathWindow(src, nic)
+                self.incoming[key] = PathWindow(
+                    src, nic, samples=self.samples, rtts=self.rtt_samples, slot=len(self.in_paths)
+                )
                 local.path_of[key[0] * ncols + key[1]] = len(self.in_paths)
                 self.in_paths.append(self.incoming[key])
             self.local.append(local)
@@ -701,27 +704,15 @@ class Lens:
             )
 
     def _flush_samples(self) -> None:
-        """File the probes and round trips waiting since the last evaluation into their paths' windows."""
-        for blocks, kind in ((self._pending, "probes"), (self._pending_rtt, "rtts")):
-            if not blocks:
-                continue
-            t = np.concatenate([b[0] for b in blocks])
-            path = np.concatenate([b[1] for b in blocks])
-            values = [np.concatenate([b[k] for b in blocks]) for k in range(2, len(blocks[0]))]
-            blocks.clear()
-            order = np.argsort(path, kind="stable")  # arrival order kept within each path
-            path = path[order]
-            t = t[order]
-            values = [v[order] for v in values]
-            cuts = np.flatnonzero(path[1:] != path[:-1]) + 1
-            starts = [0, *cuts.tolist()]
-            ends = [*starts[1:], len(path)]
-            for a, b in zip(starts, ends, strict=True):
-                pw = self.in_paths[int(path[a])]
-                if kind == "probes":
-                    pw.add_block(t[a:b], values[0][a:b], values[1][a:b])
-                else:
-                    pw.add_rtts(t[a:b], values[0][a:b])
+        """File the probes and round trips waiting since the last evaluation into the paths' windows."""
+        if self._pending:
+            t, path, seq, delay = (np.concatenate(c) for c in zip(*self._pending, strict=True))
+            self._pending.clear()
+            file_blocks(self.in_paths, t, path, seq, delay)
+        if self._pending_rtt:
+            t, path, rtt = (np.concatenate(c) for c in zip(*self._pending_rtt, strict=True))
+            self._pending_rtt.clear()
+            self.rtt_samples.add(t, path, rtt)
 
     def _envelope(self, pw: PathWindow) -> clocksync.Envelope:
         """The delay envelope of a path this node receives (coded pairs that were not queued feed the clock sync)."""
