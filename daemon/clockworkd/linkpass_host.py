@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from clockworkd.daemon_paths import DaemonPaths, expand
-from clockworkd.server import Component, Daemon
+from clockworkd.server import Daemon
 from linkpass.engine import LinkPass
 from linkpass.fabric import FabricError, FabricMap
 from linkpass.settings import LinkPassConfig
@@ -21,7 +21,7 @@ from linkpass.settings import LinkPassConfig
 log = logging.getLogger("clockwork.daemon")
 
 
-def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> Component | str:
+def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> LinkPass | str:
     """A started LinkPass engine, or the reason it is not running."""
     if not cfg.enabled:
         return "disabled by configuration ([linkpass] enabled = false)"
