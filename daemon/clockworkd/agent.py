@@ -19,7 +19,7 @@ from pathlib import Path
 
 # Before numpy loads (Lens, the audit): its OpenBLAS would start one thread per core, which spin after each
 # small matrix solve of the clock sync on the cores the training job needs (127 threads on a 128-core node;
-# on the 17-node sandbox ~0.05 % of a core per daemon went to that spinning). One thread is all the daemon's
+# a perf profile of the 17-node sandbox put ~0.05 % of a core per daemon on it). One thread is all the daemon's
 # few small solves need. An explicit setting in the daemon's environment is kept.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 

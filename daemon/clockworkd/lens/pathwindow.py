@@ -28,7 +28,7 @@ class Samples:
     Why one set for all paths: a window's figures take a few numpy calls per block of samples, and a call
     on a few hundred samples costs more to set up than to run. Kept per path, every evaluation paid those
     calls for every path (trimming, merging, then gathering them all again); kept together, it pays them
-    once. Filing times must not decrease from one :meth:`add` to the next within a path.
+    once.
     """
 
     def __init__(self) -> None:
@@ -134,10 +134,10 @@ class PathWindow:
     pending_t: list[float] = field(default_factory=list)
     pending_seq: list[int] = field(default_factory=list)
     pending_d: list[int] = field(default_factory=list)
-    samples: Samples = field(default_factory=lambda: Samples())  # (filed, path, seq, delay ns)
+    samples: Samples = field(default_factory=Samples)  # (filed, slot, seq, delay ns)
     slot: int = 0  # this path's number in the stores it may share with other paths
     pair_first: tuple[int, int, int, int] | None = None  # (seq, tx, rx on our clock, rx real) awaiting its second
-    rtts: Samples = field(default_factory=lambda: Samples())  # round trips from echoes: (when, path, ns)
+    rtts: Samples = field(default_factory=Samples)  # round trips from echoes: (when, slot, ns)
     train_id: int = -1
     train_first_ns: int = 0
     train_last_ns: int = 0
