@@ -530,3 +530,18 @@ def test_a_restart_drops_only_that_paths_samples_from_shared_stores() -> None:
     a.add_one(T0 + 0.02, SESSION + 1, 1, OFFSET_NS)  # a's sender restarted
     sa, sb = window_stats([a, b], T0 + 0.03, [OFFSET_NS] * 2, [0.0] * 2, TH)
     assert (sa.received, sb.received) == (1, 2) and (a.last_seq, b.last_seq) == (1, 2)
+
+
+def test_probes_filed_one_by_one_stay_ahead_of_a_later_batch_in_shared_stores() -> None:
+    """After a restart the receiver files a batch probe by probe; the next batch goes in at once. Jitter
+    must see the path's probes in arrival order, as when every probe is filed one by one."""
+    t, seq, d = _mixed_samples(20)
+    (mixed,) = _windows(1, shared=True)
+    ref = PathWindow(mixed.src, mixed.dst)
+    for ti, q, di in zip(t.tolist(), seq.tolist(), d.tolist(), strict=True):
+        ref.add_one(ti, SESSION, q, di)
+    for ti, q, di in zip(t[:7].tolist(), seq[:7].tolist(), d[:7].tolist(), strict=True):
+        mixed.add_one(ti, SESSION, q, di)
+    file_blocks([mixed], t[7:], np.zeros(len(t) - 7, dtype=np.int64), seq[7:], d[7:])
+    now = float(t[-1])
+    assert mixed.stats(now, OFFSET_NS, TH) == ref.stats(now, OFFSET_NS, TH)

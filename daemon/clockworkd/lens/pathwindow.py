@@ -70,6 +70,8 @@ def file_blocks(
     and arrival are noted as :meth:`PathWindow.add_block` would."""
     if not len(t):
         return
+    for pw in windows:  # probes filed one by one (after a restart) go in first: arrival order
+        pw._close_lists()
     windows[0].samples.add(t, slot, seq, d_ns)
     n = len(windows)
     newest_seq = np.full(n, -1, dtype=np.int64)
