@@ -71,6 +71,9 @@ def _rank_main() -> int:
             time.sleep(sleep_s)
         if step == int(pause_at) and ctx.slot == 0:
             wait(pause_for)  # the other slot waits in the next step's all-reduce
+            # The manifest exists a moment before rank 0's snapshot thread has read the writer's answer and
+            # is free for the next snapshot; on a loaded machine the next step could come first and skip it.
+            assert ctx._snapshotter.wait(60), "the snapshot thread stayed busy"
         if step == kill_at and ctx.slot == 0:
             wait(wait_for)
             os.killpg(os.getpgid(0), signal.SIGKILL)  # the whole job: launcher, ranks, writers
@@ -167,8 +170,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run snapshotting every 8 steps (after steps 7 and 15), killed whole at step 19 once step 15's
-    snapshot exists; returns its snapshot directory. Step 14 waits for step 7's snapshot: on a loaded machine
-    the writers could still be busy at step 15, which skips that snapshot (by design: training never waits)."""
+    snapshot exists; returns its snapshot directory. Step 14 waits for step 7's snapshot to be written and
+    rank 0's snapshot thread to be free: on a loaded machine the writers could still be busy at step 15,
+    which skips that snapshot (by design: training never waits)."""
     out = tmp_path_factory.mktemp("killed")
     snapdir = out / "snapshots"
     env = {
