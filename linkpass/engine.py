@@ -398,10 +398,11 @@ class LinkPass:
         self.flush_pending.clear()
         for (kind, old, new, reason), done in moves.items():
             self.counters["failovers" if kind == "link.failover" else "failbacks"] += 1
+            peers = sorted(peer for peer, _ in done)
             fields = {
                 "nic": ",".join(old),
                 "via": ",".join(new),
-                "peers": sorted(peer for peer, _ in done),
+                "peers": peers,
                 "reason": reason,
                 "route_ms": round(max(ms for _, ms in done), 3),
                 "avoid_nics": self.avoid_nics(),
@@ -412,7 +413,7 @@ class LinkPass:
                 kind,
                 fields["nic"],
                 fields["via"],
-                ",".join(fields["peers"]),
+                ",".join(peers),
                 reason,
             )
             self.emit(kind, fields)

@@ -85,7 +85,7 @@ _DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
 _DEFAULT_CAP_MB = 25.0  # DDP's default bucket_cap_mb
 _MIB = 1024 * 1024
 _SUM = dist.AllreduceOptions()  # a sum with the group's own timeout, as dist.all_reduce asks for
-_SUM.reduceOp = dist.ReduceOp.SUM
+_SUM.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
 
 log = logging.getLogger("clockwork.torchpass.ddp")
 _T = TypeVar("_T")
@@ -202,7 +202,7 @@ class TorchPassDDP(DistributedDataParallel):
             raise TypeError(f"ctx.wrap_model sets {', '.join(reserved)} itself (see torchpass.ddp)")
         # DDP's own buffer sync would run over the one-rank group (a no-op that costs time); TorchPass broadcasts
         # buffers itself. torch >= 2.13 spells it forward_sync_buffers, earlier releases broadcast_buffers.
-        no_sync = (
+        no_sync: dict[str, Any] = (
             {"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_PARAMS else {"broadcast_buffers": False}
         )
         caps = _bucket_caps(ddp_kwargs.pop("bucket_cap_mb", None))

@@ -95,6 +95,7 @@ def build_story(
     incidents: list[Incident] = []
     open_failures: dict[int, Incident] = {}  # slot -> its rank-replaced incident, until recovered
     open_suspects: dict[str, Incident] = {}
+    incident: Incident | None
     for event in ordered:
         kind, f = str(event.get("kind", "")), event.get("fields") or {}
         at, node = float(event.get("time", 0)), str(event.get("node", ""))

@@ -17,8 +17,8 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 def configure_logging(cfg: LogConfig | None, component: str) -> None:
     """Send ``clockwork.*`` logs to the configured file (or stderr) at the configured level."""
     root = logging.getLogger("clockwork")
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
+    for old in list(root.handlers):
+        root.removeHandler(old)
     handler: logging.Handler
     if cfg is not None and cfg.file:
         try:

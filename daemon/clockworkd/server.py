@@ -82,6 +82,11 @@ ENDED_JOBS_IN_STATUS = 20
 # A job_events reply stops adding events past this many bytes (``more`` tells the client to page on).
 EVENTS_REPLY_BYTES = 8 * 1024 * 1024
 RECENT_EVENTS_IN_STATUS = 20
+# What a refused peer handshake means, by monitor event (zmq.Event is an IntFlag: int keys match).
+_REFUSALS: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key not in the admin-installed set",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "not a CURVE client of this protocol",
+}
 
 
 def hard_message_limit(max_message_bytes: int) -> int:
@@ -315,10 +320,7 @@ class Daemon:
             except zmq.Again:
                 return
             self.counters["denied"] += 1
-            kind = {
-                zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key not in the admin-installed set",
-                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "not a CURVE client of this protocol",
-            }.get(event["event"], "handshake failed")
+            kind = _REFUSALS.get(event["event"], "handshake failed")
             endpoint = event.get("endpoint", b"")
             where = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else str(endpoint)
             log.warning("node %s: refused a peer on %s: %s (code %s)", self.node, where, kind, event["value"])
@@ -334,7 +336,7 @@ class Daemon:
         wake_r.setblocking(False)
         wake_w.setblocking(False)
         in_main = threading.current_thread() is threading.main_thread()  # signals: main thread only
-        old_handlers: dict[int, Any] = {}
+        old_handlers: dict[signal.Signals, Any] = {}
         old_wakeup = -1
         if in_main:
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -81,7 +81,8 @@ def ranks_in(
         if event.get("node") != node:
             continue
         kind = event.get("kind")
-        fields = event.get("fields") if isinstance(event.get("fields"), dict) else {}
+        raw_fields = event.get("fields")
+        fields: dict[str, Any] = raw_fields if isinstance(raw_fields, dict) else {}
         pid = pid_of(event)
         if pid is None:
             continue

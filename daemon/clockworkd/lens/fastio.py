@@ -151,10 +151,12 @@ class Receiver:
             h.msg_iovlen = 1
             h.msg_control = base_c + i * CONTROL
         # numpy views over the same memory: reset lengths and read results without a Python loop.
-        self._hdr_words = np.frombuffer(self._hdrs, dtype=np.uint64).reshape(batch, 8)
-        self._hdr_u32 = np.frombuffer(self._hdrs, dtype=np.uint32).reshape(batch, 16)
-        self._ctl = np.frombuffer(self._control, dtype=np.int64).reshape(batch, CONTROL // 8)
-        self._names_u32 = np.frombuffer(self._names, dtype=np.uint32).reshape(batch, 4)
+        # (Through byte memoryviews: numpy's stubs do not take ctypes arrays as buffers; same memory.)
+        hdr_bytes = memoryview(self._hdrs).cast("B")
+        self._hdr_words = np.frombuffer(hdr_bytes, dtype=np.uint64).reshape(batch, 8)
+        self._hdr_u32 = np.frombuffer(hdr_bytes, dtype=np.uint32).reshape(batch, 16)
+        self._ctl = np.frombuffer(memoryview(self._control).cast("B"), dtype=np.int64).reshape(batch, CONTROL // 8)
+        self._names_u32 = np.frombuffer(memoryview(self._names).cast("B"), dtype=np.uint32).reshape(batch, 4)
         self.payload = memoryview(self._payload).cast("B")
 
     def recv(self, fd: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -209,7 +211,7 @@ class Sender:
             h.msg_namelen = 16
         self._data_mv = memoryview(self._data).cast("B")
         self._names_mv = memoryview(self._names).cast("B")
-        self._iov_len = np.frombuffer(self._iov, dtype=np.uint64).reshape(batch, 2)[:, 1]
+        self._iov_len = np.frombuffer(memoryview(self._iov).cast("B"), dtype=np.uint64).reshape(batch, 2)[:, 1]
 
     def send(self, fd: int, messages: list[tuple[bytes, bytes]]) -> tuple[int, int]:
         """Send every message; returns (sent, errno of the first failure or 0). Never blocks."""

@@ -509,7 +509,7 @@ class Lens:
 
     @staticmethod
     def _sized(items: list[tuple[str, list[Any]]]) -> list[tuple[str, list[Any], int]]:
-        return [(key, entry, len(wire.summary_body(entry)) + 1) for key, entry in items]
+        return [(key, entry, wire.packed_size(entry) + 1) for key, entry in items]
 
     def _send_summaries(self) -> None:
         """Every peer gets the verdicts and clock fits plus its own paths' envelope minima, over each NIC

@@ -116,6 +116,11 @@ def summary_body(doc: dict[str, Any]) -> bytes:
     return msgpack.packb(doc, use_bin_type=True)
 
 
+def packed_size(value: Any) -> int:
+    """The bytes ``value`` takes inside a summary body (packed as :func:`summary_body` packs it)."""
+    return len(msgpack.packb(value, use_bin_type=True))
+
+
 def parse_summary(packet: memoryview) -> dict[str, Any]:
     """The body of a verified summary packet."""
     size = int.from_bytes(packet[28:32], "little")

@@ -98,8 +98,8 @@ def build(layout: Layout, owner_mark: str) -> None:
     The caller tears it down with :func:`teardown` if this raises.
     """
     _batch([f"netns add {ns}" for ns in namespaces(layout)])
-    fabric = FABRIC_SYSCTLS | (BRIDGE_NF_SYSCTLS if os.path.isdir("/proc/sys/net/bridge") else {})
-    _sysctls([(FABRIC_NS, fabric)] + [(n.name, NODE_SYSCTLS) for n in layout.nodes])
+    fabric_sysctls = FABRIC_SYSCTLS | (BRIDGE_NF_SYSCTLS if os.path.isdir("/proc/sys/net/bridge") else {})
+    _sysctls([(FABRIC_NS, fabric_sysctls)] + [(n.name, NODE_SYSCTLS) for n in layout.nodes])
 
     links = [f"link add {ROOT_DEV} type veth peer name {ROOT_PEER} netns {FABRIC_NS}"]
     for node in layout.nodes:

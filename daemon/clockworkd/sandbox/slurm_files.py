@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 from pathlib import Path
+from typing import Any
 
 from clockworkd.sandbox import gpu_faults
 from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, Layout
@@ -146,7 +147,7 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
     The nodes share one filesystem, so each node's daemon gets its own folders through ``{node}``;
     one CURVE key pair, made at ``up``, is the admin-installed key set of all daemons.
     """
-    settings = {
+    settings: dict[str, dict[str, Any]] = {
         "log": {"file": str(paths.logs / "clockwork.log")},
         "slurm": {"backend": "cli", "conf": str(paths.slurm_conf)},
         "hooks": {"spool_dir": str(paths.spool), "health_nics": ",".join(nics)},

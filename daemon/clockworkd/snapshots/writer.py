@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -81,11 +82,13 @@ class _Writeback:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.pending = 0
+        self._call: Callable[[int, int, int, int], int] | None = None
         try:
-            self._call = ctypes.CDLL(None, use_errno=True).sync_file_range
-            self._call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            call = ctypes.CDLL(None, use_errno=True).sync_file_range
+            call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
         except (OSError, AttributeError):
-            self._call = None
+            return
+        self._call = call
 
     def wrote(self, nbytes: int) -> None:
         self.pending += nbytes
