@@ -1,6 +1,6 @@
 """Test-suite rules shared by unit and integration tests.
 
-Integration tests (marker ``integration``) need root and a real Slurm. In CI (``CI`` set; CI runs as
+Integration tests (marker ``integration``) need root and a real Slurm. In CI (:func:`in_ci`; CI runs as
 root) a missing prerequisite is a failure, never a skip; only on a developer laptop without root are
 they skipped, with the reason shown.
 """
@@ -13,6 +13,11 @@ import shutil
 import pytest
 
 
+def in_ci() -> bool:
+    """Whether the tests run in CI: ``CI`` is set to anything but "", "0" or "false" (any case)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
 def require_root_and_slurm() -> None:
     problems = []
     if os.geteuid() != 0:
@@ -22,7 +27,7 @@ def require_root_and_slurm() -> None:
     if not problems:
         return
     message = "integration test needs " + " and ".join(problems)
-    if os.environ.get("CI"):
+    if in_ci():
         pytest.fail(message + " (CI must run everything)")
     pytest.skip(message + " (skipped on a developer machine only)")
 

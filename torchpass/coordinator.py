@@ -779,6 +779,13 @@ class Coordinator(SocketThread):
             },
         }
 
+    def unanswered(self) -> list[tuple[str, str]]:
+        """(worker, op) of the requests received and not answered yet: long polls parked until their answer
+        exists (a new generation, every member finished) and, on a passive replica, every rank request held
+        until it leads. Safe to call from another thread (a moment's view: tests wait on it)."""
+        held = [(str(msg.get("wid", "")), str(msg.get("op", ""))) for _, msg in list(self._held)]
+        return held + [(wid, parked.op) for wid, parked in list(self._parked.items())]
+
     # ----- decisions ------------------------------------------------------------------------
 
     def _maybe_start(self) -> None:

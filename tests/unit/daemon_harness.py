@@ -74,7 +74,6 @@ class RunningDaemon:
     paths: DaemonPaths
     log: Path
     proc: subprocess.Popen[bytes] | None = None
-    start_s: float = 0.0
     _log_files: list[object] = field(default_factory=list)
 
     def start(self) -> RunningDaemon:
@@ -96,7 +95,6 @@ class RunningDaemon:
             try:
                 with self.client(timeout_s=0.5) as client:
                     client.ping()
-                self.start_s = time.monotonic() - began
                 return self
             except DaemonError:
                 time.sleep(0.02)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from PIL import Image
 from clockworkd.audit import html_report
 from clockworkd.audit.settings import AuditConfig
 from clockworkd.audit.verdict import judge
+from tests.conftest import in_ci
 from tests.unit.audit_raw import make_raw
 
 RED, GREEN = html_report.RED, html_report.GREEN
@@ -24,7 +24,7 @@ def _chromium() -> str:
         if path := shutil.which(name):
             return path
     message = "the HTML report test needs a headless Chromium (make venv installs the chromium package)"
-    if os.environ.get("CI"):
+    if in_ci():
         pytest.fail(message + " (CI must run everything)")
     pytest.skip(message + " (skipped on a developer machine only)")
 

@@ -7,12 +7,13 @@ import os
 import pytest
 
 from clockworkd.audit import measure
+from tests.conftest import in_ci
 
 
 @pytest.fixture
 def as_root() -> None:
     if os.geteuid() != 0:  # SO_BINDTODEVICE needs CAP_NET_RAW
-        if os.environ.get("CI"):
+        if in_ci():
             pytest.fail("the audit's socket tests need root (CI must run everything)")
         pytest.skip("needs root (skipped on a developer machine only)")
 

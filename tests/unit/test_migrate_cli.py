@@ -71,9 +71,9 @@ def _running_job(*, spare_after_s: float = 0.0) -> Iterator[tuple[Coordinator, C
         g0 = ranks[0].await_generation(-1)
         for rank in ranks:
             rank.joined(g0)
-        for _ in range(100):
-            if events.of("torchpass.started"):
-                break
+        deadline = time.monotonic() + 30
+        while not events.of("torchpass.started"):
+            assert time.monotonic() < deadline, "the job never started"
             time.sleep(0.02)
         late = threading.Timer(spare_after_s, spare.register)
         if spare_after_s:

@@ -25,6 +25,7 @@ from torch import nn
 
 from clockworkd.cli.main import run as clockwork
 from clockworkd.snapshots.store import list_snapshots, shard_name, snapshot_path, verify_snapshot
+from tests.conftest import in_ci
 from torchpass.config import TorchPassConfig
 from torchpass.snapshot import RestoreError, Snapshotter, restore
 from torchpass.state import StateParts
@@ -323,7 +324,7 @@ def test_clockwork_snapshot_commands(
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real 3 MiB tmpfs: room for one snapshot of the wide model, not two."""
     if os.geteuid() != 0:
-        if os.environ.get("CI") == "true":
+        if in_ci():
             pytest.fail("the disk-full test needs root (mount -t tmpfs) and CI must run it")
         pytest.skip("needs root to mount a small tmpfs")
     mount = tmp_path / "small"

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import in_ci
+
 ROOT = Path(__file__).resolve().parents[2]
 SPANK = ROOT / "spank"
 PLUGIN = SPANK / "clockwork.so"
@@ -39,7 +41,7 @@ SPARES_MAYBE = "clockwork: --clockwork-spares: invalid value 'maybe' (expected n
 def _require(problem: str | None) -> None:
     if problem is None:
         return
-    if os.environ.get("CI"):
+    if in_ci():
         pytest.fail(problem + " (CI must run everything)")
     pytest.skip(problem + " (skipped on a developer machine only)")
 

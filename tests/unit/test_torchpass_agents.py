@@ -42,6 +42,7 @@ from tests.unit.test_torchpass_oracle import (
     _assert_same_final_state,
 )
 from tests.unit.test_torchpass_slurm import _free_port_pair
+from torchpass.config import TorchPassConfig
 
 __all__ = ["daemons", "scratch"]  # fixtures used by name below
 
@@ -198,9 +199,10 @@ def test_leader_node_crash(base: Path, reference: AgentsRun) -> None:
     _assert_each_step_once(run)
     elected = run.of_kind("torchpass.leader_elected")
     assert len(elected) == 1 and elected[0]["agent"] == 1 and elected[0]["previous"] == 0, elected
-    assert elected[0]["silent_ms"] < 3500
+    # elected once the leader had been silent for the agent lease, not before (the silence measured then)
+    assert elected[0]["silent_ms"] >= 1000 * TorchPassConfig().agent_timeout_s, elected
     fields = _recovery(run, 0)
-    assert fields["total_ms"] < 10_000 and fields["transfer_bytes"] > 0
+    assert "coordinator leader agent 0" in fields["reason"] and fields["transfer_bytes"] > 0, fields
     generation = next(g for g in run.of_kind("torchpass.generation") if g["replaced"])
     assert generation["replaced"] == {"0": "a3.0"}  # the standby node took slot 0
     assert [r["leader_agent"] for r in run.of_kind("torchpass.coordinator")][-3:] == [1, 1, 1]
@@ -216,7 +218,10 @@ def test_silent_node(base: Path, reference: AgentsRun) -> None:
     lost = run.of_kind("torchpass.agent_lost")
     assert [e["agent"] for e in lost] == [2] and lost[0]["by"] == 0
     fields = _recovery(run, 2)
-    assert fields["total_ms"] < 10_000  # far from the 20 s collective timeout
+    # The mesh's word ended the stuck all-reduce, not the 20 s collective timeout: no survivor reported a
+    # collective error, and the recovery names the silent agent as its cause.
+    assert fields["reason"].startswith("slot 2 (a2.0) agent 2 ") and "silent for" in fields["reason"], fields
+    assert not run.of_kind("torchpass.collective_error"), run.of_kind("torchpass.collective_error")
 
 
 def test_rank_crash_keeps_its_node_as_a_spare(base: Path, reference: AgentsRun) -> None:

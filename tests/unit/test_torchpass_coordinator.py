@@ -53,6 +53,8 @@ class FakeRank:
         connect_as_client(self.control)
         self.control.connect(endpoint)
         self.control.send(encode("hello", wid=wid, step=-1))
+        self.heartbeats = 1  # the hello and every "hb" sent on the control socket: each is answered by an hb_ack
+        self.acked = 0  # hb_acks read off the control socket so far
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         return self.rpc.call(op, wid=self.wid, **fields)
@@ -61,7 +63,7 @@ class FakeRank:
         pid = 1000 + int("".join(c for c in self.wid if c.isdigit()))  # w3 -> 1003, a3.0 -> 1030
         self.call("register", pid=pid, host="127.0.0.1", store_port=self.port, role=self.role)
 
-    def await_generation(self, after: int, timeout: float = 3.0) -> GenerationInfo:
+    def await_generation(self, after: int, timeout: float = 30.0) -> GenerationInfo:
         reply = self.rpc.wait("await_generation", time.monotonic() + timeout, wid=self.wid, after=after)
         return GenerationInfo.from_wire(reply["generation"])
 
@@ -69,11 +71,37 @@ class FakeRank:
         slot = info.slot_of(self.wid)
         self.call("joined", gen=info.gen, slot=slot, resume_step=0, arrived_at=time.time(), **extra)
 
+    def beat(self, step: int, skipped: list[int] | None = None) -> None:
+        """One heartbeat on the control socket, as the rank's control thread sends it."""
+        self.control.send(encode("hb", wid=self.wid, step=step, skipped=skipped or []))
+        self.heartbeats += 1
+
     def pushes(self, timeout: float = 0.5) -> list[dict[str, Any]]:
+        """What the control socket receives within ``timeout`` (hb_acks counted in ``acked``)."""
         out, deadline = [], time.monotonic() + timeout
         while self.control.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-            out.append(decode(self.control.recv()))
+            msg = decode(self.control.recv())
+            if msg.get("op") == "hb_ack":
+                self.acked += 1
+            out.append(msg)
         return out
+
+    def wait_push(self, wanted: Any, timeout: float = 30.0) -> dict[str, Any]:
+        """Read the control socket until a message ``wanted(msg)`` accepts arrives; that message."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for msg in self.pushes(0.05):
+                if wanted(msg):
+                    return msg
+            assert time.monotonic() < deadline, "the push never came"
+
+    def all_heartbeats_answered(self, timeout: float = 30.0) -> None:
+        """Wait until the coordinator has answered every heartbeat sent so far: it has handled them all (the
+        answer to each one is sent after the coordinator acted on it, in the order they were sent)."""
+        deadline = time.monotonic() + timeout
+        while self.acked < self.heartbeats:
+            self.pushes(0.05)
+            assert time.monotonic() < deadline, f"{self.acked} of {self.heartbeats} heartbeats answered"
 
     def close(self) -> None:
         self.rpc.close()
@@ -103,7 +131,7 @@ def _ranks(zctx: zmq.Context[zmq.Socket[bytes]], coord: Coordinator, roles: list
     return ranks
 
 
-def _wait_for(predicate: Any, timeout: float = 3.0) -> None:
+def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
@@ -139,7 +167,7 @@ def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[by
         assert g1.gen == 1 and g1.members == {0: "w0", 1: "w2"} and g1.replaced == {1: "w2"}
         assert g1.expect_state and g1.store_port == a.port  # a survivor, never the newcomer, hosts it
         assert spare.await_generation(-1) == g1
-        assert any(p["op"] == "generation" and p["gen"] == 1 for p in a.pushes())
+        a.wait_push(lambda p: p["op"] == "generation" and p["gen"] == 1)
         assert taken == ["w2"]
         failed = events.of("torchpass.member_failed")
         assert failed == [failed[0]] and failed[0]["slot"] == 1 and failed[0]["generation"] == 0
@@ -156,16 +184,16 @@ def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[by
 
         def finish(rank: FakeRank) -> None:
             try:
-                rank.rpc.wait("finished", time.monotonic() + 3, wid=rank.wid, gen=1, committed=41)
+                rank.rpc.wait("finished", time.monotonic() + 30, wid=rank.wid, gen=1, committed=41)
             except JobStopped as exc:
                 outcomes.append(exc)
 
         waiter = threading.Thread(target=finish, args=(a,))
         waiter.start()
-        time.sleep(0.1)
-        assert coord.state != DONE  # parked until every member finished
+        _wait_for(lambda: ("w0", "finished") in coord.unanswered())  # w0's finished arrived: it is held
+        assert coord.state != DONE and waiter.is_alive()  # parked until every member finished
         finish(spare)
-        waiter.join(5)
+        waiter.join(30)
         assert len(outcomes) == 2 and all(isinstance(o, JobStopped) and o.done for o in outcomes)
         assert coord.state == DONE and events.of("torchpass.finished")[0]["committed"] == [41]
     finally:
@@ -361,7 +389,8 @@ def test_only_holders_of_the_job_key_are_answered(zctx: zmq.Context[zmq.Socket[b
                 key.connect_as_client(sock)
             sock.connect(coord.endpoint)
             sock.send(encode("status", id=1))
-            replies[name] = decode(sock.recv()) if sock.poll(1500) else None
+            wait_ms = 30_000 if name == "this job" else 1500  # the answer expected is waited for, not timed
+            replies[name] = decode(sock.recv()) if sock.poll(wait_ms) else None
             sock.close()
         assert replies["plain"] is None and replies["other job"] is None, replies
         assert replies["this job"] is not None and replies["this job"]["ok"], replies
@@ -380,7 +409,7 @@ def test_snapshots_asked_for_are_merged_and_planned_again_when_skipped(zctx: zmq
 
         def beat(step: int, *skipped: int) -> None:
             for rank in (a, b):
-                rank.control.send(encode("hb", wid=rank.wid, step=step, skipped=list(skipped)))
+                rank.beat(step, list(skipped))
 
         beat(10)
         time.sleep(0.2)
@@ -406,8 +435,9 @@ def test_snapshots_asked_for_are_merged_and_planned_again_when_skipped(zctx: zmq
         beat(third + 1, third)  # the third attempt skipped too: SNAPSHOT_ATTEMPTS reached, no fourth
         _wait_for(lambda: len(events.of("torchpass.snapshot_incomplete")) == 3)
         assert events.of("torchpass.snapshot_incomplete")[-1]["asked_again"] is False
-        time.sleep(0.5)  # heartbeats answered meanwhile: nothing more was planned
-        assert len(events.of("torchpass.snapshot_requested")) == 4
+        for rank in (a, b):  # both skip reports of the third attempt handled, and every heartbeat before them
+            rank.all_heartbeats_answered()
+        assert len(events.of("torchpass.snapshot_requested")) == 4  # nothing more was planned
     finally:
         coord.stop()
 
@@ -432,7 +462,7 @@ def test_a_skipped_periodic_snapshot_waits_for_the_next_period(zctx: zmq.Context
             "skipped_by": "w0",
             "asked_again": False,
         }
-        _wait_for(lambda: len(events.of("torchpass.snapshot_requested")) == 2, timeout=5.0)
+        _wait_for(lambda: len(events.of("torchpass.snapshot_requested")) == 2)
         assert events.of("torchpass.snapshot_requested")[1]["reason"] == "periodic"
     finally:
         coord.stop()

@@ -220,7 +220,7 @@ def cluster() -> Iterator[list[Node]]:
             node.crash()
 
 
-def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
+def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
@@ -259,25 +259,24 @@ def test_followers_hold_the_leaders_state(zctx: zmq.Context[zmq.Socket[bytes]], 
 def test_leader_node_crash_moves_the_coordinator(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
     ranks = _start_ranks(zctx, cluster)
     _wait_for(lambda: cluster[1].mesh.job_state() == RUNNING)
-    crashed_at = time.monotonic()
     cluster[0].crash()  # the leader's node, with slot 0's rank
     # a survivor long-polls for the next generation through its proxy; the new leader must answer it
-    g = ranks[1].await_generation(0, timeout=5.0)
-    took = time.monotonic() - crashed_at
+    g = ranks[1].await_generation(0, timeout=30.0)
     assert g.members == {0: "a3.0", 1: "a1.0", 2: "a2.0"} and g.replaced == {0: "a3.0"}
     assert g.gen >= 2  # one number skipped: the lost leader may have announced one it did not replicate
-    # Within await_generation's 5 s, far short of the ranks' 60 s heartbeat timeout: the mesh's 0.3 s agent
-    # lease noticed the node, and not before that lease had run out.
-    assert took > 0.25, took
     assert cluster[1].mesh.is_leader() and cluster[1].coordinator.active
     elected = cluster[1].events.of("torchpass.leader_elected")
     assert elected and elected[0]["previous"] == 0 and elected[0]["lost"] == [0] and elected[0]["term"] == 1
-    assert cluster[1].events.of("torchpass.member_failed")[0]["slot"] == 0
+    # The mesh's 0.3 s agent lease noticed the node, and not before that lease had run out (the silence it
+    # measured when it decided); not the ranks' 60 s heartbeat timeout, which has not run out.
+    assert elected[0]["silent_ms"] >= 300, elected
+    failed = cluster[1].events.of("torchpass.member_failed")
+    assert failed[0]["slot"] == 0 and "coordinator leader agent 0" in failed[0]["why"], failed
     for node in cluster[2:]:
         _wait_for(lambda node=node: node.mesh.leader == 1)  # type: ignore[misc]
         assert not node.coordinator.active
-    assert ranks[3].await_generation(-1, timeout=3.0) == g  # the spare, through its own proxy
-    assert ranks[2].await_generation(0, timeout=3.0) == g
+    assert ranks[3].await_generation(-1, timeout=30.0) == g  # the spare, through its own proxy
+    assert ranks[2].await_generation(0, timeout=30.0) == g
     for rank in (ranks[1], ranks[2], ranks[3]):
         rank.joined(g)
     _wait_for(lambda: cluster[1].events.of("torchpass.recovered"))
@@ -287,7 +286,7 @@ def test_leader_node_crash_moves_the_coordinator(zctx: zmq.Context[zmq.Socket[by
 def test_silent_follower_is_declared_lost(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
     ranks = _start_ranks(zctx, cluster)
     cluster[2].crash()
-    g = ranks[0].await_generation(0, timeout=5.0)
+    g = ranks[0].await_generation(0, timeout=30.0)
     assert g.members == {0: "a0.0", 1: "a1.0", 2: "a3.0"}
     lost = cluster[0].events.of("torchpass.agent_lost")
     assert [e["agent"] for e in lost] == [2] and lost[0]["silent_ms"] >= 300
@@ -301,7 +300,7 @@ def test_a_rank_exit_reaches_the_leader_through_the_mesh(
     ranks = _start_ranks(zctx, cluster)
     cluster[2].proxy.forget("a2.0")
     cluster[2].mesh.child_update("a2.0", "slot:2", -9)  # what the agent does when its pidfd fires
-    g = ranks[0].await_generation(0, timeout=2.0)
+    g = ranks[0].await_generation(0, timeout=30.0)
     assert g.replaced == {2: "a3.0"}
     failed = cluster[0].events.of("torchpass.member_failed")
     assert failed[0]["why"] == "exited with code -9" and failed[0]["slot"] == 2
@@ -326,7 +325,7 @@ def test_takeover_without_a_snapshot_rebuilds_from_the_ranks(zctx: zmq.Context[z
         b = FakeRank(zctx, coord.endpoint, "a1.0", "slot:1", 41101)
         early = threading.Thread(target=a.register)  # answered only once the replica leads
         early.start()
-        time.sleep(0.2)
+        _wait_for(lambda: ("a0.0", "register") in coord.unanswered())  # it arrived, and is held
         assert not events.items and early.is_alive()  # passive: nothing decided, the request is held
         coord.take_over(None, {2}, {"a2.0": "spare"}, "test", time.time())
         early.join(2.0)
@@ -366,9 +365,7 @@ def _steps(tmp_path: Path, behaviour: dict[str, str], grace: float = 1.0) -> Nod
 
 def test_batch_launcher_returns_the_verdict_and_cancels_a_step_whose_node_is_gone(tmp_path: Path) -> None:
     steps = _steps(tmp_path, {"n1": "sleep 0.2; exit 0", "n2": "sleep 0.3; exit 0", "n3": "sleep 600 & wait"})
-    started = time.monotonic()
     assert steps.run() == 0  # n3's step hangs like one on a crashed node: cancelled after the grace
-    assert time.monotonic() - started < 30
 
 
 def test_batch_launcher_reports_a_failed_job_and_ignores_a_left_agent(tmp_path: Path) -> None:
