@@ -11,7 +11,7 @@ APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-
 	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping \
 	chromium gcc python3-dev
 
-.PHONY: help venv system-packages demo test lint clean sandbox-down spank
+.PHONY: help venv system-packages demo test lint typecheck clean sandbox-down spank
 
 help:
 	@echo "make demo   - set up (if needed), then run the demo on the embedded sandbox cluster"
@@ -48,8 +48,16 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: lint
-	$(VENV)/bin/python -m pytest tests
+# The suite runs on TEST_WORKERS pytest-xdist workers. Integration tests stay together by module (one sandbox a
+# worker, each with its own namespaces, subnet and ports: tests/integration/conftest.py); unit tests spread out.
+# Most of either waits (Slurm, daemons, heartbeats) rather than computes, so more workers than cores pays.
+TEST_WORKERS ?= 4
+
+test: lint typecheck
+	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+typecheck: venv
+	$(VENV)/bin/mypy
 
 sandbox-down: venv
 	$(VENV)/bin/clockwork sandbox down

@@ -126,7 +126,7 @@ def measure_floor(exe: Path, box: Sandbox, peers: int, interval_ms: float, secon
                 str(PROBE_BYTES),
                 *specs,
             ]
-            procs.append(subprocess.Popen(argv if loopback else [*in_netns(node.name), *argv]))
+            procs.append(subprocess.Popen(argv if loopback else [*in_netns(node.netns), *argv]))
         time.sleep(1.0)
         if any(p.poll() is not None for p in procs):
             raise RuntimeError("a probe floor process exited at once (see its message above)")

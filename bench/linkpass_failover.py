@@ -442,7 +442,7 @@ def routes_on_rail0(box: Sandbox) -> bool:
     for node in layout.nodes:
         try:
             out = subprocess.run(
-                ["ip", "-n", node.name, "-j", "route", "show"], capture_output=True, text=True, timeout=5
+                ["ip", "-n", node.netns, "-j", "route", "show"], capture_output=True, text=True, timeout=5
             ).stdout
             routes = json.loads(out or "[]")
         except (subprocess.TimeoutExpired, ValueError):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -9,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +25,39 @@ from clockworkd.sandbox.cluster import Sandbox
 CLOCKWORK = str(Path(sys.executable).parent / "clockwork")
 
 
+def _worker_settings() -> dict[str, str]:
+    """This pytest process's own sandbox settings, as ``[sandbox]`` keys.
+
+    Under pytest-xdist each worker (``gwN``) runs its sandboxes side by side with the other workers': its own
+    namespaces and root-namespace veth (tag ``wN``), management subnet and Slurm ports. Without xdist there
+    are none: the defaults, as a user gets them.
+    """
+    worker = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", ""))
+    if worker is None:
+        return {}
+    n = int(worker.group(1)) + 1
+    return {"tag": f"w{n}", "mgmt_net": f"198.19.{n}.0/24", "port_base": str(SandboxConfig().port_base + 10 * n)}
+
+
+WORKER_SETTINGS = _worker_settings()
+
+
+def worker_sandbox_config(state_dir: Path | str, **changes: Any) -> SandboxConfig:
+    """A sandbox configuration at ``state_dir`` with this worker's settings (and ``changes``)."""
+    mine: dict[str, Any] = {k: int(v) if k == "port_base" else v for k, v in WORKER_SETTINGS.items()}
+    return replace(SandboxConfig(), state_dir=str(state_dir), **mine, **changes)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_sandbox_environment() -> Iterator[None]:
+    """Every ``clockwork`` command a test runs (``sandbox up``, ``demo`` ...) gets this worker's settings too."""
+    saved = dict(os.environ)
+    os.environ.update({f"CLOCKWORK_SANDBOX_{k.upper()}": v for k, v in WORKER_SETTINGS.items()})
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @dataclass
 class SandboxManager:
     """Keeps at most one sandbox up; tests ask for the shape they need."""
@@ -30,7 +66,7 @@ class SandboxManager:
     current: Sandbox | None = None
 
     def ensure_up(self, nodes: int = 4, accounting: bool = True) -> Sandbox:
-        cfg = replace(SandboxConfig(), state_dir=str(self.state_dir), nodes=nodes, accounting=accounting)
+        cfg = worker_sandbox_config(self.state_dir, nodes=nodes, accounting=accounting)
         if self.current is not None and self.current.running() and self.current.config == cfg:
             return self.current
         self.ensure_down()

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
-from clockworkd.config.schema import SandboxConfig
 from clockworkd.sandbox.cluster import Sandbox
-from tests.integration.conftest import CLOCKWORK, SandboxManager
+from tests.integration.conftest import CLOCKWORK, SandboxManager, worker_sandbox_config
 from tests.integration.test_lifecycle import assert_nothing_left
 
 
@@ -25,7 +23,7 @@ def test_demo_survives_a_node_crash_and_cleans_up(sandbox_manager: SandboxManage
             timeout=240,
         )
     finally:  # even if the demo hung or was killed, leave no cluster behind
-        Sandbox(replace(SandboxConfig(), state_dir=str(state))).down()
+        Sandbox(worker_sandbox_config(state)).down()
     assert result.returncode == 0, result.stdout + result.stderr
     scene1, _, scene2 = result.stdout.partition("Step 4.")
     assert "ended COMPLETED" in scene1
@@ -42,4 +40,4 @@ def test_demo_survives_a_node_crash_and_cleans_up(sandbox_manager: SandboxManage
     hashes = re.findall(r"slot (\d): final weights sha256 ([0-9a-f]{64})", scene2)
     assert sorted(slot for slot, _ in hashes) == ["0", "1", "2"] and len({h for _, h in hashes}) == 1, scene2
     assert "batch script exit 0:0" in scene2
-    assert_nothing_left(state)
+    assert_nothing_left(Sandbox(worker_sandbox_config(state)))

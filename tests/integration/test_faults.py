@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.layout import FABRIC_NS
 from tests.integration.conftest import CLOCKWORK, on_node
 
 
@@ -25,6 +24,15 @@ def reachable_again(box: Sandbox, src: str, dst_ip: str, tries: int = 5) -> bool
 
 def rail_ip(box: Sandbox, node: str, nic: str) -> str:
     return box.layout().node(node).nic(nic).ip
+
+
+def netns(box: Sandbox, node: str) -> str:
+    """The network namespace of sandbox node ``node`` (``TAG-node`` under a test worker)."""
+    return box.layout().node(node).netns
+
+
+def node_pids(box: Sandbox, node: str) -> list[str]:
+    return subprocess.run(["ip", "netns", "pids", netns(box, node)], capture_output=True, text=True).stdout.split()
 
 
 def link_flags(ns: str, dev: str) -> str:
@@ -59,7 +67,15 @@ def test_rail_bridges_forward_without_the_hosts_ip_firewall_hooks(sandbox: Sandb
     """A switch does not run the host's iptables on the frames it forwards; with br_netfilter loaded the bridges
     would (costing the sending node ~1 µs a packet)."""
     keys = ["iptables", "ip6tables", "arptables"]
-    argv = ["ip", "netns", "exec", FABRIC_NS, "sysctl", "-n", *(f"net.bridge.bridge-nf-call-{k}" for k in keys)]
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        sandbox.layout().fabric_ns,
+        "sysctl",
+        "-n",
+        *(f"net.bridge.bridge-nf-call-{k}" for k in keys),
+    ]
     got = subprocess.run(argv, capture_output=True, text=True)
     if got.returncode != 0:  # no such keys in the fabric: br_netfilter is not loaded at all
         assert not Path("/proc/sys/net/bridge").exists(), got.stderr
@@ -69,7 +85,7 @@ def test_rail_bridges_forward_without_the_hosts_ip_firewall_hooks(sandbox: Sandb
 
 def test_link_down_cuts_one_rail_only_and_up_restores_it(sandbox: Sandbox) -> None:
     assert cli(sandbox, "fault", "link", "node2", "nic0", "down").returncode == 0
-    assert "state DOWN" in link_flags("node2", "nic0")
+    assert "state DOWN" in link_flags(netns(sandbox, "node2"), "nic0")
     assert not reachable(sandbox, "node1", rail_ip(sandbox, "node2", "nic0"))
     assert reachable(sandbox, "node1", rail_ip(sandbox, "node2", "nic1"))
     assert sandbox.status()["faults"] == {"link node2 nic0": "down"}
@@ -82,7 +98,7 @@ def test_clear_restores_routes_the_kernel_dropped_on_admin_down(sandbox: Sandbox
     node3 = sandbox.layout().node("node3")
     sandbox.fault("link", "node1", "nic0", "down")
     routes = subprocess.run(
-        ["ip", "-n", "node1", "route", "show", f"{node3.node_addr}/32"], capture_output=True, text=True
+        ["ip", "-n", netns(sandbox, "node1"), "route", "show", f"{node3.node_addr}/32"], capture_output=True, text=True
     ).stdout
     assert routes.strip() == ""  # admin-down removed the node-address routes through nic0
     sandbox.clear_faults()
@@ -91,19 +107,19 @@ def test_clear_restores_routes_the_kernel_dropped_on_admin_down(sandbox: Sandbox
 
 def test_port_down_is_carrier_loss_seen_by_the_node(sandbox: Sandbox) -> None:
     sandbox.fault("port", "node3", "nic1", "down")
-    assert "NO-CARRIER" in link_flags("node3", "nic1")
+    assert "NO-CARRIER" in link_flags(netns(sandbox, "node3"), "nic1")
     assert not reachable(sandbox, "node1", rail_ip(sandbox, "node3", "nic1"))
     assert reachable(sandbox, "node1", rail_ip(sandbox, "node3", "nic0"))
     sandbox.fault("port", "node3", "nic1", "up")
     deadline = time.monotonic() + 5
-    while "NO-CARRIER" in link_flags("node3", "nic1") and time.monotonic() < deadline:
+    while "NO-CARRIER" in link_flags(netns(sandbox, "node3"), "nic1") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert reachable_again(sandbox, "node1", rail_ip(sandbox, "node3", "nic1"))
 
 
 def test_blackhole_drops_everything_while_carrier_stays_up(sandbox: Sandbox) -> None:
     sandbox.fault("blackhole", "node2", "nic0", "on")
-    flags = link_flags("node2", "nic0")
+    flags = link_flags(netns(sandbox, "node2"), "nic0")
     assert "LOWER_UP" in flags and "NO-CARRIER" not in flags
     assert not reachable(sandbox, "node1", rail_ip(sandbox, "node2", "nic0"))
     assert not reachable(sandbox, "node2", rail_ip(sandbox, "node4", "nic0"))  # both directions
@@ -160,7 +176,7 @@ def _throughput_bytes_per_s(box: Sandbox, src: str, dst: str, nbytes: int) -> fl
 
 def test_rate_limits_throughput_both_ways_and_off_lifts_it(sandbox: Sandbox) -> None:
     sandbox.fault("rate", "node2", "nic0", "8mbit")
-    for ns, dev in ((FABRIC_NS, "n2-nic0"), ("node2", "nic0")):
+    for ns, dev in ((sandbox.layout().fabric_ns, "n2-nic0"), (netns(sandbox, "node2"), "nic0")):
         qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
         assert "tbf" in qdisc and "rate 8Mbit" in qdisc, qdisc
     limited = _throughput_bytes_per_s(sandbox, "node1", "node2", 2_000_000)
@@ -169,7 +185,7 @@ def test_rate_limits_throughput_both_ways_and_off_lifts_it(sandbox: Sandbox) -> 
     assert (
         "tbf"
         not in subprocess.run(
-            ["tc", "-n", "node2", "qdisc", "show", "dev", "nic0"], capture_output=True, text=True
+            ["tc", "-n", netns(sandbox, "node2"), "qdisc", "show", "dev", "nic0"], capture_output=True, text=True
         ).stdout
     )
     unlimited = _throughput_bytes_per_s(sandbox, "node1", "node2", 20_000_000)
@@ -192,21 +208,21 @@ def test_clear_undoes_every_kind_at_once(sandbox: Sandbox) -> None:
 
 def test_node_crash_kills_everything_in_it_and_restore_brings_it_back_empty(sandbox: Sandbox) -> None:
     on_node(sandbox, "node4", "sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 &")
-    before = subprocess.run(["ip", "netns", "pids", "node4"], capture_output=True, text=True).stdout.split()
+    before = node_pids(sandbox, "node4")
     assert len(before) >= 2  # slurmd and the sleeper at least
     result = cli(sandbox, "fault", "node", "node4", "crash")
     assert result.returncode == 0, result.stderr
     assert "node node4 crashed" in result.stdout
-    assert subprocess.run(["ip", "netns", "pids", "node4"], capture_output=True, text=True).stdout.split() == []
+    assert node_pids(sandbox, "node4") == []
     for nic in ("nic0", "nic1"):
         assert not reachable(sandbox, "node1", rail_ip(sandbox, "node4", nic))
-        assert "state DOWN" in link_flags(FABRIC_NS, sandbox.layout().node("node4").nic(nic).port)
+        assert "state DOWN" in link_flags(sandbox.layout().fabric_ns, sandbox.layout().node("node4").nic(nic).port)
     assert sandbox.status()["faults"] == {"node node4 -": "crash"}
 
     result = cli(sandbox, "fault", "node", "node4", "restore")
     assert result.returncode == 0, result.stderr
     assert all(reachable_again(sandbox, "node1", rail_ip(sandbox, "node4", nic)) for nic in ("nic0", "nic1"))
-    pids = subprocess.run(["ip", "netns", "pids", "node4"], capture_output=True, text=True).stdout.split()
+    pids = node_pids(sandbox, "node4")
     cmdlines = [open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")[0] for p in pids]
     assert any(c.endswith(b"slurmd") for c in cmdlines) and not any(c.endswith(b"sleep") for c in cmdlines)
     deadline = time.monotonic() + 60

@@ -8,40 +8,56 @@ import shutil
 import signal
 import socket
 import subprocess
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from clockworkd.config.schema import SandboxConfig
 from clockworkd.errors import SandboxError
-from clockworkd.sandbox import processes
+from clockworkd.sandbox import fabric, processes
 from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.layout import ROOT_DEV
-from tests.integration.conftest import CLOCKWORK, SandboxManager
+from clockworkd.sandbox.layout import Layout
+from tests.integration.conftest import CLOCKWORK, SandboxManager, worker_sandbox_config
 
 
-def sandbox_namespaces() -> list[str]:
+def sandbox_namespaces(layout: Layout) -> list[str]:
+    """The network namespaces of ``layout`` that exist (other workers' sandboxes are not ours to count)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return [n for n in names if n == "cw-fabric" or n.startswith("node")]
+    names = {line.split()[0] for line in out.splitlines() if line.strip()}
+    return [n for n in layout.namespaces if n in names]
 
 
-def slurm_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "stat=,comm="], capture_output=True, text=True).stdout
-    return [
-        line
-        for line in out.splitlines()
-        if line.split()[1] in ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "slurmstepd")
-        and not line.startswith("Z")
-    ]
+def _net_inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
-def assert_nothing_left(state_dir: Path) -> None:
-    assert sandbox_namespaces() == []
-    assert processes.marked(state_dir) == set()
-    assert slurm_processes() == []
-    assert subprocess.run(["ip", "link", "show", ROOT_DEV], capture_output=True).returncode != 0
+def slurm_processes(box: Sandbox) -> list[str]:
+    """Live Slurm/munge/MariaDB processes of ``box``: marked with its state folder, in one of its namespaces,
+    or in a namespace that no longer has a name (a torn-down node's). Another sandbox's are left out."""
+    root_net = _net_inode("/proc/self/ns/net")
+    named = {_net_inode(f"/run/netns/{n}"): n for n in fabric.existing_namespaces()}
+    ours = set(box.layout().namespaces)
+    marked = processes.marked(box.paths.root)
+    out = subprocess.run(["ps", "-eo", "pid=,stat=,comm="], capture_output=True, text=True).stdout
+    found = []
+    for line in out.splitlines():
+        pid, stat, comm = line.split(None, 2)
+        if comm not in ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd", "slurmstepd") or stat.startswith("Z"):
+            continue
+        net = _net_inode(f"/proc/{pid}/ns/net")
+        in_ours = net is not None and net != root_net and (net not in named or named[net] in ours)
+        if int(pid) in marked or in_ours:
+            found.append(line)
+    return found
+
+
+def assert_nothing_left(box: Sandbox) -> None:
+    assert sandbox_namespaces(box.layout()) == []
+    assert processes.marked(box.paths.root) == set()
+    assert slurm_processes(box) == []
+    assert subprocess.run(["ip", "link", "show", box.layout().root_dev], capture_output=True).returncode != 0
 
 
 def test_up_twice_says_so_and_down_removes_everything(sandbox_manager: SandboxManager) -> None:
@@ -61,8 +77,8 @@ def test_up_twice_says_so_and_down_removes_everything(sandbox_manager: SandboxMa
     )
     sandbox_manager.current = None
     assert result.returncode == 0, result.stderr
-    assert "namespace node1" in result.stdout
-    assert_nothing_left(box.paths.root)
+    assert f"namespace {box.layout().node('node1').netns}" in result.stdout
+    assert_nothing_left(box)
     status = json.loads(
         subprocess.run(
             [CLOCKWORK, "sandbox", "--state", state, "status", "--json"], capture_output=True, text=True
@@ -73,7 +89,7 @@ def test_up_twice_says_so_and_down_removes_everything(sandbox_manager: SandboxMa
 
 def test_down_cleans_a_crashed_sandbox_whose_record_is_lost(sandbox_manager: SandboxManager, short_tmp: Path) -> None:
     sandbox_manager.ensure_down()
-    box = Sandbox(replace(SandboxConfig(), state_dir=str(short_tmp / "state"), nodes=2, accounting=True))
+    box = Sandbox(worker_sandbox_config(short_tmp / "state", nodes=2, accounting=True))
     box.up()
     job_id = box.slurm().submit("srun sleep 300", ["-N2", "-o", "/dev/null"])
     st = box.state()
@@ -82,17 +98,17 @@ def test_down_cleans_a_crashed_sandbox_whose_record_is_lost(sandbox_manager: San
     for name in ("slurmctld", "munged"):
         os.kill(st.pids[name], signal.SIGKILL)
     box.paths.state_file.unlink()
-    assert job_id > 0 and sandbox_namespaces() != []
+    assert job_id > 0 and sandbox_namespaces(box.layout()) != []
     removed = Sandbox(box.config).down()
-    assert "namespace cw-fabric" in removed
-    assert_nothing_left(box.paths.root)
+    assert f"namespace {box.layout().fabric_ns}" in removed
+    assert_nothing_left(box)
 
 
 def test_up_names_a_live_sandbox_in_the_way_and_reclaims_a_dead_one(
     sandbox_manager: SandboxManager, short_tmp: Path
 ) -> None:
     sandbox_manager.ensure_down()
-    first = Sandbox(replace(SandboxConfig(), state_dir=str(short_tmp / "a"), nodes=2, accounting=False))
+    first = Sandbox(worker_sandbox_config(short_tmp / "a", nodes=2, accounting=False))
     second = str(short_tmp / "b")
     up_second = [CLOCKWORK, "sandbox", "up", "--nodes", "2", "--state", second]
     try:
@@ -106,20 +122,20 @@ def test_up_names_a_live_sandbox_in_the_way_and_reclaims_a_dead_one(
         for pid in processes.marked(first.paths.root):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(first.paths.root)
-        assert sandbox_namespaces() != []
+        assert sandbox_namespaces(first.layout()) != []
         built = subprocess.run(up_second, capture_output=True, text=True, timeout=120)
         assert built.returncode == 0, built.stdout + built.stderr
         assert f"the sandbox at {first.paths.root} left its namespaces behind" in built.stderr
-        assert Sandbox(replace(SandboxConfig(), state_dir=second)).running()
+        assert Sandbox(worker_sandbox_config(second)).running()
     finally:
         first.down()
-        Sandbox(replace(SandboxConfig(), state_dir=second)).down()
-    assert_nothing_left(Path(second))
+        Sandbox(worker_sandbox_config(second)).down()
+    assert_nothing_left(Sandbox(worker_sandbox_config(second)))
 
 
 def test_failed_bring_up_tears_down_what_it_built(sandbox_manager: SandboxManager, short_tmp: Path) -> None:
     sandbox_manager.ensure_down()
-    cfg = replace(SandboxConfig(), state_dir=str(short_tmp / "state"), nodes=2)
+    cfg = worker_sandbox_config(short_tmp / "state", nodes=2)
     # Occupy slurmctld's port so that the controller cannot start.
     blocker = socket.create_server(("0.0.0.0", cfg.port_base))
     try:
@@ -127,7 +143,7 @@ def test_failed_bring_up_tears_down_what_it_built(sandbox_manager: SandboxManage
             Sandbox(cfg).up()
     finally:
         blocker.close()
-    assert_nothing_left(Path(cfg.state_dir))
+    assert_nothing_left(Sandbox(cfg))
     assert (Path(cfg.state_dir) / "log" / "slurmctld.log").exists()  # the logs stay for the post-mortem
 
 
@@ -146,4 +162,4 @@ def test_state_folder_too_long_for_slurm_sockets_is_refused(tmp_path: Path) -> N
     result = subprocess.run([CLOCKWORK, "sandbox", "up", "--state", str(deep)], capture_output=True, text=True)
     assert result.returncode == 3
     assert "unix socket limit; choose a shorter --state" in result.stderr
-    assert sandbox_namespaces() == []
+    assert sandbox_namespaces(Sandbox(worker_sandbox_config(deep)).layout()) == []

@@ -151,3 +151,20 @@ def test_invalid_network_names_the_key(key: str, value: str) -> None:
 def test_too_many_rails_for_the_rail_pattern() -> None:
     with pytest.raises(ConfigError, match=r"^\[sandbox\] rail_net: invalid value '198\.18\.256\.0/24'"):
         build_layout(SandboxConfig(nodes=1, nics=256))
+
+
+def test_a_tag_keeps_namespaces_and_the_root_veth_apart_but_not_host_names() -> None:
+    plain = build_layout(SandboxConfig(nodes=2))
+    tagged = build_layout(SandboxConfig(nodes=2, tag="w3"))
+    assert plain.namespaces == ["cw-fabric", "node1", "node2"]
+    assert (plain.root_dev, plain.cgroup_name) == ("cwsb0", "clockwork-sandbox")
+    assert tagged.namespaces == ["w3-cw-fabric", "w3-node1", "w3-node2"]
+    assert (tagged.root_dev, tagged.cgroup_name) == ("cwsb-w3", "clockwork-sandbox-w3")
+    assert [n.name for n in tagged.nodes] == ["node1", "node2"]  # host and Slurm node names stay plain
+    assert [n.node_addr for n in tagged.nodes] == [n.node_addr for n in plain.nodes]
+
+
+@pytest.mark.parametrize("tag", ["W1", "a-b", "toolongtag", "x y"])
+def test_a_bad_tag_is_refused(tag: str) -> None:
+    with pytest.raises(ConfigError, match=r"\[sandbox\] tag: invalid value"):
+        build_layout(SandboxConfig(tag=tag))

@@ -134,6 +134,12 @@ class SandboxConfig:
         "/run/clockwork-sandbox",
         "Folder holding everything the sandbox makes: configs, sockets, logs, databases, spool.",
     )
+    tag: str = setting(
+        "",
+        "Up to 8 lowercase letters or digits that prefix this sandbox's network namespaces and its root namespace "
+        "veth, so another sandbox can run beside it (give that one its own mgmt_net and port_base too); empty "
+        "means the plain names. Host names and Slurm node names stay node1..nodeN.",
+    )
     nodes: int = setting(3, "Number of nodes (node1..nodeN), each a network + UTS namespace.", min=1)
     nics: int = setting(2, "NICs per node, one per rail (nic0 on rail 0, nic1 on rail 1, ...).", min=1)
     cpus_per_node: int = setting(2, "CPUs each sandbox node offers to Slurm.", min=1)

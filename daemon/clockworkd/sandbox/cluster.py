@@ -25,7 +25,7 @@ from clockworkd.config.schema import SandboxConfig
 from clockworkd.errors import NeedRootError, SandboxError, SlurmError
 from clockworkd.sandbox import fabric, faults, gpu_faults, processes, slurm_files
 from clockworkd.sandbox.fabric import baseline_routes as fabric_baseline_routes
-from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, FABRIC_NS, Layout, build_layout
+from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, Layout, NodeSpec, build_layout
 from clockworkd.sandbox.paths import StatePaths
 from clockworkd.sandbox.shell import missing_programs, netns_path, run
 from clockworkd.sandbox.state import SandboxState
@@ -46,7 +46,7 @@ def require_root(what: str) -> None:
         )
 
 
-def node_prefix(paths: StatePaths, node: str) -> list[str]:
+def node_prefix(paths: StatePaths, node: NodeSpec, cgroup_name: str) -> list[str]:
     """Argv prefix that runs a command "on" a sandbox node.
 
     Enters the node's network namespace, then new UTS and mount namespaces: hostname = node name,
@@ -56,12 +56,12 @@ def node_prefix(paths: StatePaths, node: str) -> list[str]:
     setup = (
         "mount -t sysfs sysfs /sys && "
         "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/systemd && "
-        "mount -t cgroup -o none,name=clockwork-sandbox cgroup /sys/fs/cgroup/systemd && "
-        f'mount --bind {paths.hosts} /etc/hosts && hostname {node} && exec "$@"'
+        f"mount -t cgroup -o none,name={cgroup_name} cgroup /sys/fs/cgroup/systemd && "
+        f'mount --bind {paths.hosts} /etc/hosts && hostname {node.name} && exec "$@"'
     )
     return [
         "nsenter",
-        f"--net={netns_path(node)}",
+        f"--net={netns_path(node.netns)}",
         "unshare",
         "--uts",
         "--mount",
@@ -182,7 +182,7 @@ class Sandbox:
         if processes.marked(root) or self._owned_namespaces():
             self._progress("found leftovers of an earlier sandbox at this state folder; cleaning them up")
             self.down()
-        wanted = set(fabric.namespaces(layout))
+        wanted = set(layout.namespaces)
         self._reclaim_abandoned(fabric.existing_namespaces() & wanted)
         clash = fabric.existing_namespaces() & wanted
         if clash:
@@ -303,7 +303,7 @@ class Sandbox:
                 st,
                 f"slurmd-{node.name}",
                 [
-                    *node_prefix(p, node.name),
+                    *self._node_prefix(node),
                     "slurmd",
                     "-D",
                     "-N",
@@ -394,10 +394,10 @@ class Sandbox:
         """
         st = self.state()
         building = st is not None and st.phase in ("building", "up")
-        expected = set(fabric.namespaces(build_layout(st.config))) if st else set()
+        expected = set(build_layout(st.config).namespaces) if st else set()
         owned = []
         for ns in sorted(fabric.existing_namespaces()):
-            if ns != FABRIC_NS and not re.fullmatch(r"node\d+", ns):
+            if not fabric.is_fabric(ns) and not re.fullmatch(r"([a-z0-9]+-)?node\d+", ns):
                 continue
             mark = fabric.owner(ns)
             if mark == str(self.paths.root) or (mark is None and building and ns in expected):
@@ -412,7 +412,7 @@ class Sandbox:
         pids = processes.marked(self.paths.root) | processes.netns_pids(namespaces)
         stopped = processes.stop(pids, grace_s=0.5)  # nothing is kept: no need to wait for a clean exit
         removed = [f"{len(stopped)} processes"] if stopped else []
-        removed += fabric.teardown(namespaces)
+        removed += fabric.teardown(namespaces, self.layout().root_dev)
         if st is not None:
             st.phase = "down"
             st.pids = {}
@@ -444,7 +444,7 @@ class Sandbox:
                             "device": nic.name,
                             "rail": nic.rail,
                             "addr": nic.cidr,
-                            "switch": f"{FABRIC_NS}/{nic.bridge}",
+                            "switch": f"{layout.fabric_ns}/{nic.bridge}",
                             "switch_port": nic.port,
                         }
                         for nic in node.nics
@@ -513,15 +513,16 @@ class Sandbox:
         """
         require_root("clockwork sandbox fault node")
         st = self.require_up()
-        spec = build_layout(st.config).node(node)
-        pids = processes.netns_pids([node])
+        layout = build_layout(st.config)
+        spec = layout.node(node)
+        pids = processes.netns_pids([spec.netns])
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         ports = [nic.port for nic in spec.nics] + [spec.mgmt_port]
-        run(["ip", "-n", FABRIC_NS, "-batch", "-"], input="".join(f"link set {p} down\n" for p in ports))
+        run(["ip", "-n", layout.fabric_ns, "-batch", "-"], input="".join(f"link set {p} down\n" for p in ports))
         st.faults[f"node {node} -"] = "crash"
         st.save(self.paths.state_file)
         return len(pids)
@@ -533,9 +534,9 @@ class Sandbox:
         layout = build_layout(st.config)
         spec = layout.node(node)
         ports = [nic.port for nic in spec.nics] + [spec.mgmt_port]
-        run(["ip", "-n", FABRIC_NS, "-batch", "-"], input="".join(f"link set {p} up\n" for p in ports))
+        run(["ip", "-n", layout.fabric_ns, "-batch", "-"], input="".join(f"link set {p} up\n" for p in ports))
         node_cmds = [f"link set {nic.name} up" for nic in spec.nics] + fabric_baseline_routes(layout, spec)
-        run(["ip", "-n", node, "-batch", "-"], input="\n".join(node_cmds) + "\n")
+        run(["ip", "-n", spec.netns, "-batch", "-"], input="\n".join(node_cmds) + "\n")
         st.faults.pop(f"node {node} -", None)
         st.save(self.paths.state_file)
         self._restart_slurmd(st, node)
@@ -544,11 +545,14 @@ class Sandbox:
         name = f"slurmd-{node}"
         if name in st.pids and processes.alive(st.pids[name]):
             return
-        argv = [*node_prefix(self.paths, node), "slurmd", "-D", "-N", node, "-f", str(self.paths.slurm_conf)]
+        conf = str(self.paths.slurm_conf)
+        argv = [*self._node_prefix(self.layout().node(node)), "slurmd", "-D", "-N", node, "-f", conf]
         self._start(st, name, argv, env={"SLURM_CONF": str(self.paths.slurm_conf)})
 
     def exec_argv(self, node: str, argv: Sequence[str]) -> list[str]:
         """The full argv that runs ``argv`` on ``node`` (namespaces as the node's slurmd sees them)."""
         self.require_up()
-        self.layout().node(node)
-        return [*node_prefix(self.paths, node), *argv]
+        return [*self._node_prefix(self.layout().node(node)), *argv]
+
+    def _node_prefix(self, node: NodeSpec) -> list[str]:
+        return node_prefix(self.paths, node, self.layout().cgroup_name)

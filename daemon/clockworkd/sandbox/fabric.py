@@ -11,7 +11,7 @@ import os
 import subprocess
 
 from clockworkd.errors import SandboxError
-from clockworkd.sandbox.layout import FABRIC_NS, MGMT_BRIDGE, MGMT_DEV, ROOT_DEV, ROOT_PEER, Layout, NodeSpec
+from clockworkd.sandbox.layout import FABRIC_NS, MGMT_BRIDGE, MGMT_DEV, ROOT_PEER, Layout, NodeSpec
 from clockworkd.sandbox.shell import in_netns, run
 
 # Sysctls every node needs for routed, multi-rail addressing (see docs/sandbox.md):
@@ -39,8 +39,9 @@ BRIDGE_NF_SYSCTLS = {
 }
 
 
-def namespaces(layout: Layout) -> list[str]:
-    return [FABRIC_NS, *(n.name for n in layout.nodes)]
+def is_fabric(ns: str) -> bool:
+    """Whether ``ns`` is a sandbox's switch namespace (``cw-fabric`` or ``TAG-cw-fabric``)."""
+    return ns == FABRIC_NS or ns.endswith("-" + FABRIC_NS)
 
 
 def owner(ns: str) -> str | None:
@@ -48,7 +49,7 @@ def owner(ns: str) -> str | None:
 
     ``None`` when the namespace carries no mark yet (a bring-up that died early) or cannot be read.
     """
-    dev = MGMT_BRIDGE if ns == FABRIC_NS else MGMT_DEV
+    dev = MGMT_BRIDGE if is_fabric(ns) else MGMT_DEV
     out = run(["ip", "-n", ns, "-j", "link", "show", "dev", dev], check=False).stdout
     try:
         return json.loads(out)[0].get("ifalias") or None
@@ -97,15 +98,16 @@ def build(layout: Layout, owner_mark: str) -> None:
 
     The caller tears it down with :func:`teardown` if this raises.
     """
-    _batch([f"netns add {ns}" for ns in namespaces(layout)])
+    fabric_ns = layout.fabric_ns
+    _batch([f"netns add {ns}" for ns in layout.namespaces])
     fabric_sysctls = FABRIC_SYSCTLS | (BRIDGE_NF_SYSCTLS if os.path.isdir("/proc/sys/net/bridge") else {})
-    _sysctls([(FABRIC_NS, fabric_sysctls)] + [(n.name, NODE_SYSCTLS) for n in layout.nodes])
+    _sysctls([(fabric_ns, fabric_sysctls)] + [(n.netns, NODE_SYSCTLS) for n in layout.nodes])
 
-    links = [f"link add {ROOT_DEV} type veth peer name {ROOT_PEER} netns {FABRIC_NS}"]
+    links = [f"link add {layout.root_dev} type veth peer name {ROOT_PEER} netns {fabric_ns}"]
     for node in layout.nodes:
-        links.append(f"link add {node.mgmt_port} netns {FABRIC_NS} type veth peer name {MGMT_DEV} netns {node.name}")
+        links.append(f"link add {node.mgmt_port} netns {fabric_ns} type veth peer name {MGMT_DEV} netns {node.netns}")
         for nic in node.nics:
-            links.append(f"link add {nic.port} netns {FABRIC_NS} type veth peer name {nic.name} netns {node.name}")
+            links.append(f"link add {nic.port} netns {fabric_ns} type veth peer name {nic.name} netns {node.netns}")
     _batch(links)
 
     bridges = [MGMT_BRIDGE, *(f"rail{r}" for r in range(layout.rails))]
@@ -117,7 +119,7 @@ def build(layout: Layout, owner_mark: str) -> None:
     for node in layout.nodes:
         fabric.append(f"link set {node.mgmt_port} master {MGMT_BRIDGE} up")
         fabric += [f"link set {nic.port} master {nic.bridge} up" for nic in node.nics]
-    _batch(fabric, FABRIC_NS)
+    _batch(fabric, fabric_ns)
 
     for node in layout.nodes:
         cmds = [
@@ -129,13 +131,14 @@ def build(layout: Layout, owner_mark: str) -> None:
         ]
         for nic in node.nics:
             cmds += [f"addr add {nic.cidr} dev {nic.name}", f"link set {nic.name} up"]
-        _batch(cmds + baseline_routes(layout, node), node.name)
+        _batch(cmds + baseline_routes(layout, node), node.netns)
 
-    run(["sysctl", "-q", "-w", f"net.ipv6.conf.{ROOT_DEV}.disable_ipv6=1"], check=False)
-    _batch([f"addr add {layout.ctl_ip}/{layout.mgmt_prefixlen} dev {ROOT_DEV}", f"link set {ROOT_DEV} up"])
+    root_dev = layout.root_dev
+    run(["sysctl", "-q", "-w", f"net.ipv6.conf.{root_dev}.disable_ipv6=1"], check=False)
+    _batch([f"addr add {layout.ctl_ip}/{layout.mgmt_prefixlen} dev {root_dev}", f"link set {root_dev} up"])
 
 
-def teardown(namespaces: list[str]) -> list[str]:
+def teardown(namespaces: list[str], root_dev: str) -> list[str]:
     """Remove every namespace, veth and bridge the sandbox made; tolerant of a half-built fabric.
 
     Deleting the veths explicitly (not just the namespaces) matters: a namespace is freed
@@ -152,8 +155,8 @@ def teardown(namespaces: list[str]) -> list[str]:
                 run(["ip", "-n", ns, "-force", "-batch", "-"], input="\n".join(dels) + "\n", check=False)
             run(["ip", "netns", "del", ns], check=False)
             removed.append(f"namespace {ns}")
-    # The controller's veth pairs with a port in FABRIC_NS: ours exactly when that namespace is.
-    if FABRIC_NS in namespaces and run(["ip", "link", "show", ROOT_DEV], check=False).returncode == 0:
-        run(["ip", "link", "del", ROOT_DEV], check=False)
-        removed.append(f"veth {ROOT_DEV}")
+    # The controller's veth pairs with a port in the fabric namespace: ours exactly when that namespace is.
+    if any(map(is_fabric, namespaces)) and run(["ip", "link", "show", root_dev], check=False).returncode == 0:
+        run(["ip", "link", "del", root_dev], check=False)
+        removed.append(f"veth {root_dev}")
     return removed

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from clockworkd.errors import ConfigError
 from clockworkd.sandbox.fabric import baseline_routes
-from clockworkd.sandbox.layout import FABRIC_NS, Layout, NicSpec, NodeSpec
+from clockworkd.sandbox.layout import Layout, NicSpec, NodeSpec
 from clockworkd.sandbox.shell import in_netns, run
 
 NFT_TABLE = "clockwork_faults"
@@ -126,15 +126,15 @@ def _nft_ruleset(losses: dict[str, float]) -> str:
     )
 
 
-def _set_losses(losses: dict[str, float]) -> None:
-    nft = [*in_netns(FABRIC_NS), "nft"]
+def _set_losses(layout: Layout, losses: dict[str, float]) -> None:
+    nft = [*in_netns(layout.fabric_ns), "nft"]
     run([*nft, "delete", "table", "bridge", NFT_TABLE], check=False)
     if losses:
         run([*nft, "-f", "-"], input=_nft_ruleset(losses))
 
 
-def _set_rate(node: NodeSpec, nic: NicSpec, bytes_per_s: float | None) -> None:
-    ends = [(FABRIC_NS, nic.port), (node.name, nic.name)]  # both directions
+def _set_rate(layout: Layout, node: NodeSpec, nic: NicSpec, bytes_per_s: float | None) -> None:
+    ends = [(layout.fabric_ns, nic.port), (node.netns, nic.name)]  # both directions
     for ns, dev in ends:
         if bytes_per_s is None:
             run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
@@ -176,34 +176,34 @@ def apply(layout: Layout, fault: Fault, active: dict[str, str]) -> None:
     node = layout.node(fault.node)
     nic = node.nic(fault.nic)
     if fault.kind == "link":
-        run(["ip", "-n", node.name, "link", "set", nic.name, fault.value])
+        run(["ip", "-n", node.netns, "link", "set", nic.name, fault.value])
     elif fault.kind == "port":
-        run(["ip", "-n", FABRIC_NS, "link", "set", nic.port, fault.value])
+        run(["ip", "-n", layout.fabric_ns, "link", "set", nic.port, fault.value])
     elif fault.kind == "blackhole":
         state = "0" if fault.value == "on" else "3"  # 0 = disabled, 3 = forwarding
-        run(["bridge", "-n", FABRIC_NS, "link", "set", "dev", nic.port, "state", state])
+        run(["bridge", "-n", layout.fabric_ns, "link", "set", "dev", nic.port, "state", state])
     elif fault.kind == "rate":
-        _set_rate(node, nic, parse_rate(fault.value))
+        _set_rate(layout, node, nic, parse_rate(fault.value))
     elif fault.kind == "mtu":
-        run(["ip", "-n", FABRIC_NS, "link", "set", nic.port, "mtu", fault.value])
+        run(["ip", "-n", layout.fabric_ns, "link", "set", nic.port, "mtu", fault.value])
     if fault.clears:
         active.pop(fault.key, None)
     else:
         active[fault.key] = fault.value
     if fault.kind == "loss":
-        _set_losses(losses_of(active, layout))
+        _set_losses(layout, losses_of(active, layout))
 
 
 def clear(layout: Layout, active: dict[str, str]) -> None:
     """Undo every fault and restore the baseline routes (an admin-down NIC loses its routes)."""
-    _set_losses({})
+    _set_losses(layout, {})
     for node in layout.nodes:
         fabric_cmds, node_cmds = [], []
         for nic in node.nics:
             fabric_cmds.append(f"link set {nic.port} up mtu {FABRIC_MTU}")
             node_cmds.append(f"link set {nic.name} up")
-            run(["bridge", "-n", FABRIC_NS, "link", "set", "dev", nic.port, "state", "3"], check=False)
-            _set_rate(node, nic, None)
-        run(["ip", "-n", FABRIC_NS, "-batch", "-"], input="\n".join(fabric_cmds) + "\n")
-        run(["ip", "-n", node.name, "-batch", "-"], input="\n".join(node_cmds + baseline_routes(layout, node)) + "\n")
+            run(["bridge", "-n", layout.fabric_ns, "link", "set", "dev", nic.port, "state", "3"], check=False)
+            _set_rate(layout, node, nic, None)
+        run(["ip", "-n", layout.fabric_ns, "-batch", "-"], input="\n".join(fabric_cmds) + "\n")
+        run(["ip", "-n", node.netns, "-batch", "-"], input="\n".join(node_cmds + baseline_routes(layout, node)) + "\n")
     active.clear()

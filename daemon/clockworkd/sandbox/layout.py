@@ -3,19 +3,21 @@
 Keeping this pure (no I/O) means the fabric builder, the Slurm config writer, the fault injector and
 ``status --json`` all agree on one picture of the cluster, and it can be unit-tested without root.
 
-Topology: node ``nodeI`` is a network namespace named ``nodeI`` with
+Topology: node ``nodeI`` is a network namespace named ``nodeI`` (``TAG-nodeI`` for a tagged sandbox) with
 - ``nicR`` (R = 0..nics-1): a veth whose other end ``nI-nicR`` is a port of bridge ``railR``,
   addressed in rail R's subnet (host I); these are the "GPU fabric" NICs that LinkPass protects;
 - ``mgmt0``: a veth to bridge ``mgmt`` carrying Slurm's own traffic, as a real cluster's
   management Ethernet does (so rail faults never cut the node off from slurmctld);
 - its stable node address (/32 on ``lo``), which peers reach through a rail with ``src`` = node address.
 All bridges live in namespace ``cw-fabric`` (the "switches"). The root namespace (slurmctld,
-slurmdbd, sbatch) joins the management bridge through the veth ``cwsb0``.
+slurmdbd, sbatch) joins the management bridge through the veth ``cwsb0``. A tagged sandbox (``tag``) prefixes
+both namespaces and names its veth ``cwsb-TAG``, so several sandboxes (one per test worker) can run side by side.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 
 from clockworkd.config.schema import SandboxConfig
@@ -50,7 +52,8 @@ class NicSpec:
 class NodeSpec:
     """One sandbox node."""
 
-    name: str  # hostname, Slurm NodeName and network namespace name
+    name: str  # hostname and Slurm NodeName
+    netns: str  # network namespace: the name, or TAG-name in a tagged sandbox
     index: int
     node_addr: str  # stable /32 address that peers and TCP connections use
     mgmt_ip: str
@@ -73,6 +76,27 @@ class Layout:
     ctl_ip: str
     mgmt_prefixlen: int
     port_base: int
+    tag: str = ""  # keeps side-by-side sandboxes apart (SandboxConfig.tag)
+
+    @property
+    def fabric_ns(self) -> str:
+        """The switches' namespace."""
+        return _prefixed(self.tag, FABRIC_NS)
+
+    @property
+    def root_dev(self) -> str:
+        """The controller's veth in the root namespace."""
+        return f"cwsb-{self.tag}" if self.tag else ROOT_DEV
+
+    @property
+    def cgroup_name(self) -> str:
+        """The named cgroup-v1 hierarchy the nodes' slurmds mount (one per sandbox, so theirs never meet)."""
+        return f"clockwork-sandbox-{self.tag}" if self.tag else "clockwork-sandbox"
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every network namespace of this sandbox: the fabric's, then the nodes' in order."""
+        return [self.fabric_ns, *(n.netns for n in self.nodes)]
 
     @property
     def slurmctld_port(self) -> int:
@@ -114,8 +138,17 @@ def _host(net: ipaddress.IPv4Network, index: int, key: str) -> str:
     return str(net.network_address + index)
 
 
+TAG = re.compile(r"[a-z0-9]{0,8}")
+
+
+def _prefixed(tag: str, name: str) -> str:
+    return f"{tag}-{name}" if tag else name
+
+
 def build_layout(cfg: SandboxConfig) -> Layout:
     """Compute the layout for ``cfg``; raises ConfigError when the networks cannot hold it."""
+    if not TAG.fullmatch(cfg.tag):
+        raise ConfigError(f"[sandbox] tag: invalid value {cfg.tag!r} (expected up to 8 lowercase letters or digits)")
     node_net = _network(cfg.node_net, "node_net")
     mgmt_net = _network(cfg.mgmt_net, "mgmt_net")
     if "{rail}" not in cfg.rail_net:
@@ -140,6 +173,7 @@ def build_layout(cfg: SandboxConfig) -> Layout:
         nodes.append(
             NodeSpec(
                 name=f"node{i}",
+                netns=_prefixed(cfg.tag, f"node{i}"),
                 index=i,
                 node_addr=_host(node_net, i, "node_net"),
                 mgmt_ip=_host(mgmt_net, i, "mgmt_net"),
@@ -148,4 +182,10 @@ def build_layout(cfg: SandboxConfig) -> Layout:
                 nics=nics,
             )
         )
-    return Layout(tuple(nodes), ctl_ip, mgmt_net.prefixlen, cfg.port_base)
+    return Layout(
+        tuple(nodes),
+        ctl_ip,
+        mgmt_net.prefixlen,
+        cfg.port_base,
+        tag=cfg.tag,
+    )
