@@ -51,7 +51,7 @@ lint: venv
 # The suite runs on TEST_WORKERS pytest-xdist workers. Integration tests stay together by module (one sandbox a
 # worker, each with its own namespaces, subnet and ports: tests/integration/conftest.py); unit tests spread out.
 # Most of either waits (Slurm, daemons, heartbeats) rather than computes, so more workers than cores pays.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 
 test: lint typecheck
 	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25

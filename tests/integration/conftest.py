@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from clockworkd.config.schema import SandboxConfig
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
 from clockworkd.sandbox.cluster import Sandbox
+from clockworkd.sandbox.daemons import NodeDaemons
 
 CLOCKWORK = str(Path(sys.executable).parent / "clockwork")
 
@@ -92,6 +93,19 @@ def sandbox_manager() -> Iterator[SandboxManager]:
         manager.ensure_down()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_daemons_past_the_module(sandbox_manager: SandboxManager) -> Iterator[None]:
+    """Each module starts the node daemons it needs (its jobs' Prologs, or its fixtures); none outlives it.
+
+    An idle clockworkd still heartbeats every peer on every rail and probes them (LinkPass and Fleet Lens, about
+    a sixth of a core each here); left running into the next modules they would only slow everything else.
+    """
+    yield
+    box = sandbox_manager.current
+    if box is not None and box.running():
+        NodeDaemons(box).stop_all()
+
+
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
     """A temporary folder with a short path: Slurm's unix sockets under a state folder must fit 107 bytes."""
@@ -116,6 +130,30 @@ def slurm_env(box: Sandbox) -> dict[str, str]:
 def on_node(box: Sandbox, node: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run a command on a sandbox node, the way `clockwork sandbox exec` does."""
     return subprocess.run(box.exec_argv(node, list(argv)), capture_output=True, text=True, timeout=timeout)
+
+
+def until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
+    """Poll ``check`` until it returns something true and return that; fail naming ``what`` after ``timeout_s``
+    (a bound that only a broken run reaches: tests wait for conditions, never for fixed times)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def lens_baselines_learned(daemons: NodeDaemons) -> bool:
+    """Every node's Fleet Lens receives from every peer on every rail, judges each path against the baseline
+    it learned, and has clock estimates: what the Lens and audit tests need before they inject a fault."""
+    for node in daemons.nodes:
+        snap = daemons.request(node, "lens") or {}
+        paths = snap.get("paths") or []
+        if len(paths) < len(daemons.nodes) - 1 or not all(p.get("verdict") for p in paths) or not snap.get("clock"):
+            return False
+    return True
 
 
 def wait_job(box: Sandbox, job_id: int, timeout_s: float = 120) -> str:

@@ -22,22 +22,9 @@ import pytest
 from clockworkd.lens.clocksync import ClockSeam
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
-from tests.integration.conftest import CLOCKWORK, on_node, slurm_env
+from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, on_node, slurm_env, until
 
 pytestmark = pytest.mark.integration
-
-BASELINE_S = 5.0  # paths learn their baselines (a few 2 s windows) before a fault is injected
-
-
-def until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def cli_suspects(box: Sandbox) -> list[dict[str, Any]]:
@@ -53,24 +40,38 @@ def lens_snapshot(daemons: NodeDaemons, node: str) -> dict[str, Any]:
     return daemons.request(node, "lens") or {}
 
 
+def evaluations_after(daemons: NodeDaemons, count: int) -> Callable[[], bool]:
+    """A check that holds once every daemon has published ``count`` more evaluations than it had now."""
+    seen = {n: {lens_snapshot(daemons, n).get("time")} for n in daemons.nodes}
+
+    def check() -> bool:
+        for node, times in seen.items():
+            times.add(lens_snapshot(daemons, node).get("time"))
+        return all(len(times - {None}) > count for times in seen.values())
+
+    return check
+
+
 @pytest.fixture
 def daemons(sandbox: Sandbox) -> Iterator[NodeDaemons]:
     """A daemon with Lens (and LinkPass) at their defaults on every node, past its baseline, no suspects."""
     nd = NodeDaemons(sandbox)
     if not all(lens_snapshot(nd, n).get("enabled") and lens_snapshot(nd, n).get("paths") for n in nd.nodes):
         nd.start_all()
-        time.sleep(BASELINE_S)
+    until("every path's baseline", lambda: lens_baselines_learned(nd), 60)
     until("a fabric without suspects", lambda: not cli_suspects(sandbox), 20)
     yield nd
 
 
-def assert_named_then_cleared(box: Sandbox, kind: str, node: str, nic: str, on: str, off: str) -> dict[str, Any]:
+def assert_named_then_cleared(
+    box: Sandbox, daemons: NodeDaemons, kind: str, node: str, nic: str, on: str, off: str
+) -> dict[str, Any]:
     target = f"{node}/{nic}"
     box.fault(kind, node, nic, on)
     try:
         found = until(f"a suspect on {target} ({kind} {on})", lambda: cli_suspects(box), 15)
-        time.sleep(1.0)  # more evidence must not move the blame elsewhere
-        later = cli_suspects(box)
+        until("two more evaluations on every node", evaluations_after(daemons, 2), 30)
+        later = cli_suspects(box)  # more evidence must not move the blame elsewhere
         named = {s["link"] for s in found + later}
         assert all(s["nic"] == target for s in found + later), f"{kind} {on} on {target}: suspects {named}"
         suspect = later[0] if later else found[0]
@@ -84,7 +85,7 @@ def assert_named_then_cleared(box: Sandbox, kind: str, node: str, nic: str, on: 
 
 
 def test_a_lossy_link_is_named_in_both_directions_and_clears(sandbox: Sandbox, daemons: NodeDaemons) -> None:
-    suspect = assert_named_then_cleared(sandbox, "loss", "node3", "nic1", "3", "0")
+    suspect = assert_named_then_cleared(sandbox, daemons, "loss", "node3", "nic1", "3", "0")
     assert "loss" in suspect["kinds"]
     assert suspect["direction"] == "both"  # the fault drops frames both ways
     assert suspect["confidence"] > 0.5
@@ -103,7 +104,7 @@ def test_a_lossy_link_is_named_in_both_directions_and_clears(sandbox: Sandbox, d
 def test_degraded_silent_and_dead_links_are_named(
     sandbox: Sandbox, daemons: NodeDaemons, kind: str, node: str, nic: str, on: str, off: str, expect: str
 ) -> None:
-    suspect = assert_named_then_cleared(sandbox, kind, node, nic, on, off)
+    suspect = assert_named_then_cleared(sandbox, daemons, kind, node, nic, on, off)
     assert expect in suspect["kinds"], suspect
 
 
@@ -148,8 +149,17 @@ def test_clock_offsets_are_recovered_against_the_seam_truth(
             snap = lens_snapshot(daemons, "node2")
             return snap if len(snap.get("clock") or {}) == 4 and snap.get("clock_at_real_ns") else None
 
+        # The drift fit needs an envelope of some seconds of probes: wait for a solution made from 10 s of them.
+        started_ns = time.time_ns()
+
+        def solved_from_ten_seconds() -> bool:
+            snaps = [lens_snapshot(daemons, node) for node in daemons.nodes]
+            return all(
+                len(s.get("clock") or {}) == 4 and (s.get("clock_at_real_ns") or 0) >= started_ns + 10e9 for s in snaps
+            )
+
         until("a clock solution for all four nodes", solved, 30)
-        time.sleep(10)  # enough envelope for the drift fit
+        until("every node's clock solution from 10 s of probes", solved_from_ten_seconds, 60)
         errors = []
         for node in daemons.nodes:
             snap = lens_snapshot(daemons, node)

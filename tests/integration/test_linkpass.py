@@ -35,7 +35,7 @@ from clockworkd.errors import ClockworkError
 from clockworkd.instance_lock import running_pid
 from clockworkd.sandbox.cluster import REPO_ROOT, Sandbox
 from clockworkd.sandbox.processes import alive
-from tests.integration.conftest import CLOCKWORK, daemon_paths, daemon_pid, slurm_env, wait_job
+from tests.integration.conftest import CLOCKWORK, daemon_paths, daemon_pid, slurm_env, until, wait_job
 
 TRAIN = REPO_ROOT / "examples" / "train_ddp.py"
 CLOCKWORKD = str(Path(sys.executable).parent / "clockworkd")
@@ -85,13 +85,6 @@ def linkpass_status(box: Sandbox, node: str) -> dict[str, Any]:
     """The ``linkpass`` section of the daemon's status ({} when it has none or does not answer)."""
     lp = (daemon_status(box, node) or {}).get("linkpass")
     return lp if isinstance(lp, dict) else {}
-
-
-def until(what: str, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
-        time.sleep(interval_s)
 
 
 def stop_daemon(box: Sandbox, node: str) -> None:

@@ -13,22 +13,13 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from clockworkd.sandbox.cluster import REPO_ROOT, Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
-from tests.integration.conftest import CLOCKWORK, slurm_env, wait_job
+from tests.integration.conftest import CLOCKWORK, slurm_env, until, wait_job
 
 SCRIPT = REPO_ROOT / "examples" / "train_torchpass.py"
-
-
-def _until(what: str, predicate: object, timeout_s: float) -> None:
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_report_joins_a_failover_and_a_migration_with_sacct(sandbox: Sandbox, short_tmp: Path) -> None:
@@ -52,7 +43,7 @@ def test_report_joins_a_failover_and_a_migration_with_sacct(sandbox: Sandbox, sh
             text = out.read_text() if out.exists() else ""
             return any(int(s) >= at_least for s in re.findall(r"^step (\d+) loss", text, re.MULTILINE))
 
-        _until("the job to train", lambda: stepped(50), 120)
+        until("the job to train", lambda: stepped(50), 120)
         migrate = subprocess.run(
             sandbox.exec_argv("node2", [CLOCKWORK, "migrate", str(job_id), "--rank", "1"]),
             env=env,
@@ -61,11 +52,9 @@ def test_report_joins_a_failover_and_a_migration_with_sacct(sandbox: Sandbox, sh
             timeout=60,
         )
         assert migrate.returncode == 0, migrate.stdout + migrate.stderr
-        _until("the migration", lambda: "event torchpass.migrated" in out.read_text(), 60)
+        until("the migration", lambda: "event torchpass.migrated" in out.read_text(), 60)
         sandbox.fault("link", "node2", "nic0", "down")
-        _until(
-            "LinkPass to fail node2's nic0 over", lambda: daemons.component("node2", "linkpass").get("failovers"), 20
-        )
+        until("LinkPass to fail node2's nic0 over", lambda: daemons.component("node2", "linkpass").get("failovers"), 20)
         sandbox.fault("link", "node2", "nic0", "up")
         state = wait_job(sandbox, job_id, timeout_s=240)
         job_text = "\n".join(line for line in out.read_text().splitlines() if "event torchpass." in line)

@@ -19,9 +19,15 @@ def make_raw(
     small_mtu: dict[str, int] | None = None,
     slow: dict[str, float] | None = None,
     dead: tuple[str, ...] = (),
+    delay_us: dict[str, float] | None = None,
+    busy: tuple[str, ...] = (),
     drills: list[dict[str, Any]] | None = None,
     count: int = 300,
 ) -> dict[str, Any]:
+    """``delay_us``: a link slow to cross adds that much to every frame through it (floor and median alike);
+    ``busy``: nodes whose CPUs are loaded, so that the probes they receive wait in their scheduler now and
+    then (median and tail up, floor unchanged). Both show in the nodes' Fleet Lens snapshots."""
+    delay_us = delay_us or {}
     loss = loss or {}
     small_mtu = small_mtu or {}
     slow = slow or {}
@@ -52,6 +58,7 @@ def make_raw(
         }
         for i, n in enumerate(names, 1)
     }
+    lens_paths: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     probes, received, mtu, bandwidth = [], [], [], []
     for nic in nics:
         for a in names:
@@ -79,6 +86,17 @@ def make_raw(
                 )
                 if arrive:
                     received.append({"node": b, "local": ip[dst], "sender": ip[src], "received": arrive})
+                    extra = delay_us.get(src, 0.0) + delay_us.get(dst, 0.0)
+                    wait = 900.0 if b in busy else 0.0
+                    lens_paths[b].append(
+                        {
+                            "src": src,
+                            "dst": dst,
+                            "owd_min_us": 12.0 + extra,
+                            "owd_p50_us": 20.0 + extra + wait,
+                            "owd_p99_us": 60.0 + extra + 3 * wait,
+                        }
+                    )
                 limit = min(small_mtu.get(src, 1500), small_mtu.get(dst, 1500))
                 alive = src not in dead and dst not in dead
                 mtu.append(
@@ -101,6 +119,8 @@ def make_raw(
                     bandwidth.append(
                         {"src": src, "dst": dst, "seconds": 0.5, "bytes": 1, "elapsed_s": 0.5, "gbps": gbps}
                     )
+    for n in names:
+        reports[n]["daemon"]["lens_snapshot"] = {"node": n, "enabled": True, "time": 1.0, "paths": lens_paths[n]}
     return {
         "started_at": 1_700_000_000.0,
         "ended_at": 1_700_000_030.0,

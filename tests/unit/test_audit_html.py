@@ -54,8 +54,8 @@ def test_report_renders_heatmaps_with_the_faulty_link_in_red(tmp_path: Path) -> 
 
     dom = _browser(tmp_path, "--dump-dom", page.as_uri()).stdout
     assert "Clockwork Fleet Audit" in dom and ">FAIL<" in dom
-    # loss, round trip and bandwidth for each of the two rails (no Lens delays in these figures)
-    assert len(re.findall(r'<svg class="heatmap"', dom)) == 6
+    # loss, Lens's one-way delay, round trip and bandwidth for each of the two rails
+    assert len(re.findall(r'<svg class="heatmap"', dom)) == 8
     assert len(re.findall(r'class="cell cell-bad"', dom)) == 6  # node2's row and column on rail nic0, loss map
 
     shot = tmp_path / "audit.png"

@@ -36,6 +36,20 @@ def test_lossy_port_is_named_in_both_directions_and_its_neighbours_are_cleared()
     assert report["links"]["node2/nic0"]["ok"] is False and report["links"]["node2/nic1"]["ok"] is True
 
 
+def test_a_link_slow_to_cross_is_named_for_delay_and_nothing_else() -> None:
+    report = judge(make_raw(delay_us={"node2/nic1": 1000.0}), CFG)
+    assert _named(report) == [("node2/nic1", "delay")]
+    assert "at least 1012 µs one-way" in report["findings"][0]["summary"]
+    assert report["matrices"]["owd_us"]["nic1"]["node1"]["node2"] == 1020.0  # the matrix shows medians
+
+
+def test_a_busy_receiver_does_not_make_its_healthy_links_slow() -> None:
+    """Load delays some probes in the receiver's scheduler (median and tail up), never the fastest one."""
+    report = judge(make_raw(busy=("node4",)), CFG)
+    assert report["findings"] == [] and report["ok"] is True
+    assert report["matrices"]["owd_us"]["nic1"]["node1"]["node4"] == 920.0  # it was seen, and judged healthy
+
+
 def test_small_mtu_port_is_named_with_the_size_that_still_passes() -> None:
     report = judge(make_raw(small_mtu={"node3/nic1": 1000}), CFG)
     assert _named(report) == [("node3/nic1", "mtu")]

@@ -282,13 +282,18 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
             culprit["evidence"].setdefault("failed_transfers", []).append(f"{src} -> {dst}: {error}")
 
     # one-way delay (Fleet Lens, synchronized clocks) and clock quality
+    # A link that is slow to cross delays every frame, so it raises the floor of each window (its fastest
+    # probe); a busy receiver delays some probes in its own scheduler, which moves the median but seldom the
+    # floor. Delay is judged on the floor (the median where a daemon reports no floor); the matrix shows medians.
     merged = render.merge((rep.get("daemon") or {}).get("lens_snapshot") for rep in reports.values())
     owd: dict[tuple[str, str], float] = {}
+    owd_floor: dict[tuple[str, str], float] = {}
     for (src, dst), path in merged.paths.items():
-        value = path.get("owd_p50_us")
-        if isinstance(value, int | float) and _nic_of(src) == _nic_of(dst):
-            owd[(src, dst)] = float(value)
-    owd_dirs = crossing(owd)
+        p50, floor = path.get("owd_p50_us"), path.get("owd_min_us")
+        if isinstance(p50, int | float) and _nic_of(src) == _nic_of(dst):
+            owd[(src, dst)] = float(p50)
+            owd_floor[(src, dst)] = float(floor) if isinstance(floor, int | float) else float(p50)
+    owd_dirs = crossing(owd_floor)
     owd_scores = _medians(owd_dirs)
     owd_ref = {
         rail: median(s for (n, _), s in owd_scores.items() if _nic_of(n) == rail)
@@ -301,7 +306,7 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
         lambda n, s: owd_ref.get(_nic_of(n), 0) > 0 and s > 10 * owd_ref[_nic_of(n)] and s > 100,
         lambda n, d: (
             f"{_node_of(n)} {_nic_of(n)} link is slow to cross: "
-            + ", ".join(f"{v:.0f} µs one-way {k}" for k, v in sorted(d.items()))
+            + ", ".join(f"at least {v:.0f} µs one-way {k}" for k, v in sorted(d.items()))
             + f" against the rail's typical {owd_ref.get(_nic_of(n), 0):.0f} µs"
         ),
     )
