@@ -48,13 +48,14 @@ demo: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-# The suite runs on TEST_WORKERS pytest-xdist workers. Integration tests stay together by module (one sandbox a
-# worker, each with its own namespaces, subnet and ports: tests/integration/conftest.py); unit tests spread out.
-# Most of either waits (Slurm, daemons, heartbeats) rather than computes, so more workers than cores pays.
+# The suite runs on TEST_WORKERS pytest-xdist workers, a module at a time each (--dist loadfile): a module's
+# tests share its worker's sandbox in the shape they ask for, and every worker has a sandbox of its own (its own
+# namespaces, subnet and ports: tests/integration/conftest.py). Much of the suite waits (Slurm, daemons,
+# heartbeats) rather than computes, so more workers than cores pays.
 TEST_WORKERS ?= 3
 
 test: lint typecheck
-	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 typecheck: venv
 	$(VENV)/bin/mypy

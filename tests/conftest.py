@@ -32,17 +32,11 @@ def require_root_and_slurm() -> None:
     pytest.skip(message + " (skipped on a developer machine only)")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under tests/integration is an integration test.
-
-    Under ``--dist loadgroup`` an integration module's tests also stay on one worker, in order: they share that
-    worker's sandbox in the shape the module asks for, so spreading them would only rebuild it more often.
-    """
+    """Everything under tests/integration is an integration test."""
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 @pytest.fixture(autouse=True)
