@@ -28,7 +28,7 @@ def test_version_ping_and_nodes(sandbox: Sandbox) -> None:
     assert sorted(nodes) == ["node1", "node2", "node3", "node4"]
     for i, name in enumerate(sorted(nodes), start=1):
         assert nodes[name].base_state == "IDLE"
-        assert nodes[name].addr == f"198.19.0.{i}"
+        assert nodes[name].addr == sandbox.layout().node(name).mgmt_ip  # Slurm's NodeAddr: the management NIC
         assert set(nodes[name].partitions) == {"low", "high"}
     assert slurm.expand_hostlist("node[1-3],node4") == ["node1", "node2", "node3", "node4"]
 
