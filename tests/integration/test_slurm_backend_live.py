@@ -26,7 +26,7 @@ def test_version_ping_and_nodes(sandbox: Sandbox) -> None:
     assert slurm.ping() is True
     nodes = {n.name: n for n in slurm.nodes()}
     assert sorted(nodes) == ["node1", "node2", "node3", "node4"]
-    for i, name in enumerate(sorted(nodes), start=1):
+    for name in sorted(nodes):
         assert nodes[name].base_state == "IDLE"
         assert nodes[name].addr == sandbox.layout().node(name).mgmt_ip  # Slurm's NodeAddr: the management NIC
         assert set(nodes[name].partitions) == {"low", "high"}
