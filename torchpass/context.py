@@ -37,6 +37,7 @@ import atexit
 import copy
 import ctypes
 import datetime
+import gc
 import importlib
 import logging
 import os
@@ -890,6 +891,8 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
     # DDP's constructor imports torch._dynamo lazily (about 1 s here). Pay it before registering, so that a
     # spare is fully warm when the coordinator can first hand it a slot.
     importlib.import_module("torch._dynamo")
+    if cfg.gc_freeze:
+        gc.freeze()
     try:
         channel.call(
             "register", pid=os.getpid(), host=env.host, store_port=store_server.port, role=env.role, agent=env.agent

@@ -273,7 +273,10 @@ class Coordinator(SocketThread):
         poller.register(self._wake_r, zmq.POLLIN)
         next_check = time.monotonic()
         while not self._stopping.is_set():
-            timeout = max(0.0, min(next_check, self._next_timer()) - time.monotonic())
+            # A standby replica has no heartbeats to check: only its timers (and messages) wake it. Waiting
+            # for a past ``next_check`` there would spin the loop at the poll's 1 ms granularity.
+            due = min(next_check, self._next_timer()) if self.active else self._next_timer()
+            timeout = max(0.0, due - time.monotonic())
             ready = dict(poller.poll(int(timeout * 1000) + 1))
             if self._stopping.is_set():
                 break

@@ -134,15 +134,20 @@ def on_node(box: Sandbox, node: str, *argv: str, timeout: float = 60) -> subproc
 
 def until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
     """Poll ``check`` until it returns something true and return that; fail naming ``what`` after ``timeout_s``
-    (a bound that only a broken run reaches: tests wait for conditions, never for fixed times)."""
+    (a bound that only a broken run reaches: tests wait for conditions, never for fixed times).
+
+    A check that is itself slow (a ``clockwork`` or Slurm command: a process start, ~0.3 s of CPU) is asked
+    again only after as long as it took, so polling never takes more than half a core from the job it waits on.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
+        started = time.monotonic()
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
+        time.sleep(max(interval_s, time.monotonic() - started))
 
 
 def lens_baselines_learned(daemons: NodeDaemons) -> bool:

@@ -87,15 +87,18 @@ def _run_with_hot_gpu(box: Sandbox, base: Path, name: str, fault_step: int) -> t
     heated = ""
     deadline = time.monotonic() + JOB_TIMEOUT_S
     info = slurm.job(job_id)
+    next_query = time.monotonic()
     try:
         while time.monotonic() < deadline:
             if not heated and _committed(out, 0) >= fault_step:
                 proc = _clockwork(box, "fault", "gpu", HOT_NODE, "0", "temp", "95")
                 heated = f"rc {proc.returncode}: {proc.stdout}{proc.stderr}"
                 assert proc.returncode == 0, heated
-            info = slurm.job(job_id)
-            if info is not None and info.finished:
-                break
+            if time.monotonic() >= next_query:  # a squeue round trip: twice a second (jobs.SLURM_POLL_S)
+                next_query = time.monotonic() + jobs.SLURM_POLL_S
+                info = slurm.job(job_id)
+                if info is not None and info.finished:
+                    break
             time.sleep(0.05)
     finally:
         try:  # what node2's daemon thinks of its GPU after the job, before the GPU is healed

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from clockworkd import __version__
 from clockworkd.agent import agent
 from clockworkd.agent import main as agent_main
-from clockworkd.cli.main import run
+from clockworkd.cli.main import SUBCOMMANDS, run
 from clockworkd.config import sections
 from clockworkd.config.example import render
 from clockworkd.sandbox import cluster
@@ -189,6 +189,12 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     for name in ("sandbox", "config", "demo"):
         assert name in commands
     assert "--set SECTION.KEY=VALUE" in out
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_lazy_subcommand_loads_and_explains_itself(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run([name, "--help"]) == 0
+    assert f"Usage: clockwork {name}" in capsys.readouterr().out
 
 
 # ----- clockworkd -----------------------------------------------------------------------------

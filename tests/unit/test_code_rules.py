@@ -158,7 +158,7 @@ def test_relative_and_submodule_imports_resolve() -> None:
 def test_graph_sees_the_real_imports() -> None:
     graph = _import_graph()
     assert {"clockworkd.cli.main", "slurm_hooks.runner", "linkpass", "torchpass"} <= set(graph)
-    assert "clockworkd.cli.config_cmd" in graph["clockworkd.cli.main"]
+    assert "clockworkd.cli.context" in graph["clockworkd.cli.main"]
     assert "clockworkd.sandbox.fabric" in graph["clockworkd.sandbox.cluster"]  # from clockworkd.sandbox import fabric
     assert "clockworkd.config" in graph["slurm_hooks.runner"]  # from clockworkd.config import load_config
 

@@ -6,6 +6,7 @@ code; subcommands never print errors or exit themselves (the click pattern).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -14,22 +15,42 @@ from pathlib import Path
 import click
 
 from clockworkd import __version__
-from clockworkd.cli.audit_cmd import audit
-from clockworkd.cli.config_cmd import config
 from clockworkd.cli.context import CliContext, parse_sets
-from clockworkd.cli.demo_cmd import demo
-from clockworkd.cli.keys_cmd import keys
-from clockworkd.cli.lens_cmd import lens
-from clockworkd.cli.migrate_cmd import migrate
-from clockworkd.cli.node_cmd import node
-from clockworkd.cli.report_cmd import report
-from clockworkd.cli.sandbox_cmd import sandbox
-from clockworkd.cli.simulate_cmd import simulate_cmd
-from clockworkd.cli.snapshot_cmd import snapshot
 from clockworkd.errors import ClockworkError
 
+# Subcommand -> (module, attribute). Imported when the subcommand runs: the audit, report and snapshot
+# commands pull in numpy, h5py and rich (~0.4 s), which `clockwork migrate` or `node status` should not pay.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "config": ("clockworkd.cli.config_cmd", "config"),
+    "sandbox": ("clockworkd.cli.sandbox_cmd", "sandbox"),
+    "demo": ("clockworkd.cli.demo_cmd", "demo"),
+    "node": ("clockworkd.cli.node_cmd", "node"),
+    "keys": ("clockworkd.cli.keys_cmd", "keys"),
+    "lens": ("clockworkd.cli.lens_cmd", "lens"),
+    "migrate": ("clockworkd.cli.migrate_cmd", "migrate"),
+    "simulate": ("clockworkd.cli.simulate_cmd", "simulate_cmd"),
+    "report": ("clockworkd.cli.report_cmd", "report"),
+    "audit": ("clockworkd.cli.audit_cmd", "audit"),
+    "snapshot": ("clockworkd.cli.snapshot_cmd", "snapshot"),
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use (click's documented lazy-loading pattern)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in SUBCOMMANDS:
+            return None
+        module, attribute = SUBCOMMANDS[cmd_name]
+        command = getattr(importlib.import_module(module), attribute)
+        assert isinstance(command, click.Command), f"{module}.{attribute} is not a click command"
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option(
     "--config",
     "config_path",
@@ -60,19 +81,6 @@ def cli(ctx: click.Context, config_path: Path | None, sets: tuple[str, ...], ver
     for name, value in parse_sets(sets).items():
         state.set(name, value)
     ctx.obj = state
-
-
-cli.add_command(config)
-cli.add_command(sandbox)
-cli.add_command(demo)
-cli.add_command(node)
-cli.add_command(keys)
-cli.add_command(lens)
-cli.add_command(migrate)
-cli.add_command(simulate_cmd, name="simulate")
-cli.add_command(report)
-cli.add_command(audit)
-cli.add_command(snapshot)
 
 
 def run(argv: Sequence[str]) -> int:
