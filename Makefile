@@ -50,10 +50,10 @@ lint: venv
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, a module at a time each (--dist loadfile): a module's
 # tests share its worker's sandbox in the shape they ask for, and every worker has a sandbox of its own (its own
-# namespaces, subnet and ports: tests/integration/conftest.py). One by default: on a 2-core machine three
-# workers took 35 min against about 45 for one, and the CPU-bound TorchPass tests then starve each other
-# past their timeouts (see docs/sandbox.md); TEST_WORKERS=3 make test runs them side by side.
-TEST_WORKERS ?= 1
+# namespaces, subnet and ports: tests/integration/conftest.py). Two by default, for a 2-core machine: the
+# suite's CPU goes mostly to TorchPass processes (torch imports, training), and a third worker only makes
+# them starve each other; TEST_WORKERS=N make test sets another count.
+TEST_WORKERS ?= 2
 
 test: lint typecheck
 	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25

@@ -33,10 +33,16 @@ def require_root_and_slurm() -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under tests/integration is an integration test."""
+    """Everything under tests/integration is an integration test, and runs first.
+
+    First, because its modules are the long ones (a minute or more each, sandbox jobs): pytest-xdist hands out
+    modules in this order, so the many short unit modules fill the gaps at the end instead of one worker
+    finishing a long module alone while the others idle.
+    """
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None)  # stable: order kept within
 
 
 @pytest.fixture(autouse=True)

@@ -93,6 +93,11 @@ class TorchPassConfig:
     )
     reseed_python: bool = _setting(True, "Also reseed Python's `random` module at every step boundary.")
     reseed_numpy: bool = _setting(True, "Also reseed NumPy's global generator at every step boundary (if importable).")
+    zygote: bool = _setting(
+        True,
+        "Local mode: fork every rank, spare and replacement from one process that imported torch once (about "
+        "5 s of CPU each on a small node, and a spare is warm in milliseconds); off = a fresh interpreter each.",
+    )
     gc_freeze: bool = _setting(
         True,
         "When a rank joins, hand every object alive then (torch's and the script's modules: ~300k objects) to "

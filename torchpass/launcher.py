@@ -5,13 +5,16 @@ The launcher is the local stand-in for what Slurm and the node daemon do in prod
 * it starts the coordinator (a thread here; one replica per node agent under Slurm) on a free port;
 * it starts N rank processes (``TORCHPASS_ROLE=slot:K``) and S spares (``TORCHPASS_ROLE=spare``) running
   the same script, each told the coordinator's address, its worker id and the configuration;
-* it watches every child through a pidfd, so a process that exits or is killed is reported to the
-  coordinator within milliseconds (under Slurm the node daemon sees the process exit and reports it);
+* it forks every child from a zygote that imported torch once (:mod:`torchpass.zygote`; a fresh interpreter
+  per child with ``zygote = false``, or when the zygote cannot start);
+* it watches every child (through the zygote's reports, or a pidfd), so a process that exits or is killed is
+  reported to the coordinator within milliseconds (under Slurm the node daemon sees the process exit);
 * when the coordinator hands a spare to a slot it starts a new spare, keeping the pool at S (a standby
   pool of nodes under Slurm is fixed instead), and it kills processes the coordinator evicted as silent;
 * it returns 0 when the job finished and every final member exited with 0.
 
-Children are forked from the launcher's main thread only: they set ``PR_SET_PDEATHSIG`` and so die with it.
+Children are started from the launcher's main thread only: they set ``PR_SET_PDEATHSIG`` and so die with it
+(or with the zygote, which dies with the launcher).
 This module imports no torch.
 """
 
@@ -36,6 +39,7 @@ from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import DONE, Coordinator
 from torchpass.events import EventSink
 from torchpass.protocol import LaunchEnv, rank_argv
+from torchpass.zygote import ForkedProcess, Zygote, ZygoteError
 
 __all__ = ["LocalLauncher", "loopback_interface"]
 
@@ -55,7 +59,7 @@ def loopback_interface() -> str | None:
 class _Child:
     wid: str
     role: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     pidfd: int | None
     code: int | None = None
 
@@ -107,6 +111,7 @@ class LocalLauncher:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._signal: int | None = None
+        self.zygote: Zygote | None = None
         self.coordinator = Coordinator(
             nproc,
             config,
@@ -140,14 +145,21 @@ class LocalLauncher:
         wid = f"w{self._next_id}"
         self._next_id += 1
         self.coordinator.expect_worker(wid, role)
-        proc = subprocess.Popen(
-            rank_argv(self.python, self.script, self.script_args, transparent=self.transparent),
-            env=self._environment(wid, role, self.coordinator.endpoint),
-        )
-        try:
-            pidfd: int | None = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):
-            pidfd = None
+        argv = rank_argv(self.python, self.script, self.script_args, transparent=self.transparent)
+        env = self._environment(wid, role, self.coordinator.endpoint)
+        proc: subprocess.Popen[bytes] | ForkedProcess | None = None
+        pidfd: int | None = None  # a forked child's exit comes from the zygote instead
+        if self.zygote is not None and self.zygote.alive:
+            try:
+                proc = self.zygote.spawn(argv[1:], env)
+            except ZygoteError as exc:
+                log.warning("%s: starting processes without it from now on", exc)
+        if proc is None:
+            proc = subprocess.Popen(argv, env=env)
+            try:
+                pidfd = os.pidfd_open(proc.pid)
+            except (AttributeError, OSError):
+                pidfd = None
         child = _Child(wid, role, proc, pidfd)
         self.children[wid] = child
         if role == "spare":
@@ -173,6 +185,8 @@ class LocalLauncher:
         )
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if self.config.zygote:
+                self._start_zygote()
             for slot in range(self.nproc):
                 self._spawn(f"slot:{slot}")
             for _ in range(self.spares):
@@ -182,7 +196,17 @@ class LocalLauncher:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self._terminate_all(grace_s=5.0)
+            if self.zygote is not None:
+                self.zygote.close()
             self.coordinator.stop()
+
+    def _start_zygote(self) -> None:
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the children's streams are the zygote's
+        try:
+            self.zygote = Zygote(self.python, env)
+        except ZygoteError as exc:
+            log.warning("%s: every process starts its own interpreter", exc)
 
     def _live(self) -> list[_Child]:
         return [c for c in self.children.values() if c.code is None]
@@ -192,7 +216,10 @@ class LocalLauncher:
         while True:
             live = self._live()
             fds = [c.pidfd for c in live if c.pidfd is not None] + [self._wake_r]
-            select.select(fds, [], [], 0.1 if any(c.pidfd is None for c in live) else 1.0)
+            if self.zygote is not None and self.zygote.alive:
+                fds.append(self.zygote.fileno())  # it reports its children's exits
+            unwatched = any(c.pidfd is None and not isinstance(c.proc, ForkedProcess) for c in live)
+            select.select(fds, [], [], 0.1 if unwatched else 1.0)
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:

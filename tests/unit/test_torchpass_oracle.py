@@ -278,6 +278,16 @@ def test_fault_free_run_is_consistent(reference: Run) -> None:
     assert expected["tally"]["samples"] == STEPS * 8
 
 
+def test_fresh_interpreters_train_bitwise_like_the_zygotes_forks(base: Path, reference: Run) -> None:
+    """``zygote = false``: every process starts its own interpreter, and a SIGKILL still recovers; the result is
+    the reference's (made by processes forked from the zygote), bit for bit."""
+    run = _run(base, "no-zygote", kill="2:10:backward", settings=("zygote=false",))
+    run.check_ok()
+    _assert_same_final_state(run, reference)
+    _assert_each_step_once(run)
+    _recovered(run, 2)
+
+
 @pytest.mark.parametrize(
     ("kill", "slot"),
     [
