@@ -52,11 +52,12 @@ lint: venv
 # tests share its worker's sandbox in the shape they ask for, and every worker has a sandbox of its own (its own
 # namespaces, subnet and ports: tests/integration/conftest.py). Two by default, for a 2-core machine: the
 # suite's CPU goes mostly to TorchPass processes (torch imports, training), and a third worker only makes
-# them starve each other; TEST_WORKERS=N make test sets another count.
+# them starve each other; TEST_WORKERS=N make test sets another count. --no-loadscope-reorder: modules go out
+# in collection order (integration, the long ones, first: tests/conftest.py), not by their number of tests.
 TEST_WORKERS ?= 2
 
 test: lint typecheck
-	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 typecheck: venv
 	$(VENV)/bin/mypy

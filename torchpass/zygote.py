@@ -27,6 +27,7 @@ import logging
 import os
 import runpy
 import select
+import shlex
 import signal
 import socket
 import subprocess
@@ -36,6 +37,8 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import setproctitle
 
 __all__ = ["PRELOAD", "ForkedProcess", "Zygote", "ZygoteError"]
 
@@ -82,6 +85,8 @@ def _run_child(sock: socket.socket, request: dict[str, Any], zygote_pid: int) ->
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         sys.path[1:1] = extra
         argv: list[str] = list(request["argv"])
+        # `ps` shows the command the child stands for, not the zygote's (its pages are the zygote's).
+        setproctitle.setproctitle(shlex.join([sys.executable, *argv]))
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = os.getcwd()
@@ -125,6 +130,8 @@ def _reap(sock: socket.socket) -> None:
 def serve(fd: int, preload: Sequence[str]) -> None:
     """The zygote's loop (``python -m torchpass.zygote FD MODULE...``)."""
     _die_with_parent()
+    # Before any child clears its environment: setproctitle finds its room (argv and environ) the first time.
+    setproctitle.setproctitle(f"torchpass zygote (preloaded: {' '.join(preload) or 'nothing'})")
     sock = socket.socket(fileno=fd)
     for name in preload:
         importlib.import_module(name)

@@ -102,6 +102,12 @@ def test_kill_and_terminate_and_wait_timeout(zygote: Zygote, tmp_path: Path) -> 
     child = zygote.spawn([str(script)], dict(os.environ))
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(timeout=0.2)
+    # What `ps` shows is the command the child stands for (setproctitle), not the zygote's.
+    title = f"{sys.executable} {script}"
+    deadline = time.monotonic() + 60
+    while title not in Path(f"/proc/{child.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+        assert time.monotonic() < deadline, Path(f"/proc/{child.pid}/cmdline").read_bytes()
+        time.sleep(0.05)
     child.terminate()
     assert child.wait(timeout=60) == -signal.SIGTERM
     other = zygote.spawn([str(script)], dict(os.environ))
