@@ -35,13 +35,11 @@ from __future__ import annotations
 
 import atexit
 import copy
-import ctypes
 import datetime
 import gc
 import importlib
 import logging
 import os
-import signal
 import sys
 import time
 import types
@@ -60,7 +58,7 @@ from torchpass.coordinator import Coordinator
 from torchpass.data import batch_source
 from torchpass.ddp import TorchPassDDP
 from torchpass.events import DaemonEventSink, EventSink, emit, tee
-from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, GenerationInfo, LaunchEnv
+from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, GenerationInfo, LaunchEnv, die_with_parent
 from torchpass.rng import reseed
 from torchpass.snapshot import RestoreError, Snapshotter, restore, restore_target
 from torchpass.state import StateError, StateParts, recv_state, send_state
@@ -117,20 +115,6 @@ def _whole_lines_on_shared_output() -> None:
             reconfigure(line_buffering=True, write_through=False)
         except (ValueError, OSError):  # closed, or not a text stream that can be reconfigured
             continue
-
-
-def _die_with_parent() -> None:
-    """The rank dies with its launcher (local mode) or node agent (Slurm mode), whose main thread forked it.
-
-    Under Slurm this is what makes an agent's death a node's death: no orphan rank keeps training, or holding
-    a slot, after the agent that reports for it is gone."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() == 1:
-        os._exit(1)
 
 
 class Context:
@@ -871,7 +855,7 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
     else:
         _whole_lines_on_shared_output()
     if env.local or env.agent >= 0:
-        _die_with_parent()
+        die_with_parent()
     daemon_socket = os.environ.get(ENV_DAEMON_SOCKET, "")
     if daemon_socket and env.job_id.isdigit():
         event_sink = tee(event_sink, DaemonEventSink(int(env.job_id), daemon_socket))

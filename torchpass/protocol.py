@@ -13,8 +13,10 @@ its reply repeats, so a late reply to an abandoned long poll is never taken for 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -65,6 +67,23 @@ def rank_argv(python: str, script: str, script_args: list[str], *, transparent: 
     if transparent:
         return [python, "-m", TRANSPARENT_MODULE, script, *script_args]
     return [python, script, *script_args]
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """This process gets SIGKILL when its parent dies (``PR_SET_PDEATHSIG``); if the parent is already gone (the
+    parent is no longer ``parent``, or is init when ``parent`` is None), it exits at once: nothing would ever
+    stop it otherwise.
+
+    Ranks die with their launcher (local mode), zygote or node agent (Slurm mode): under Slurm this is what
+    makes an agent's death a node's death, with no orphan rank still training or holding a slot.
+    """
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    orphaned = os.getppid() == 1 if parent is None else os.getppid() != parent
+    if orphaned:
+        os._exit(1)
 
 
 MAX_MESSAGE_BYTES = 1 << 20

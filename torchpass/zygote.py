@@ -20,7 +20,6 @@ and exits when the launcher closes the socket; the children die with it (they se
 from __future__ import annotations
 
 import atexit
-import ctypes
 import importlib
 import json
 import logging
@@ -40,6 +39,8 @@ from typing import Any
 
 import setproctitle
 
+from torchpass.protocol import die_with_parent
+
 __all__ = ["PRELOAD", "ForkedProcess", "Zygote", "ZygoteError"]
 
 log = logging.getLogger("clockwork.torchpass.zygote")
@@ -53,13 +54,6 @@ class ZygoteError(RuntimeError):
     """The zygote is not running (it failed to start, or died): the launcher starts processes itself."""
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 # ----- the zygote process -------------------------------------------------------------------------
 
 
@@ -70,9 +64,7 @@ def _send(sock: socket.socket, doc: dict[str, Any]) -> None:
 def _run_child(sock: socket.socket, request: dict[str, Any], zygote_pid: int) -> None:
     """In the forked child: become ``python ARGV`` in the request's environment; never returns."""
     sock.close()
-    _die_with_parent()  # fork cleared it: the child dies with the zygote, which dies with the launcher
-    if os.getppid() != zygote_pid:
-        os._exit(1)  # the zygote died between the fork and the line above: nobody would ever stop this child
+    die_with_parent(zygote_pid)  # fork cleared it: the child dies with the zygote, which dies with the launcher
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the handlers a fresh interpreter has
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -129,7 +121,7 @@ def _reap(sock: socket.socket) -> None:
 
 def serve(fd: int, preload: Sequence[str]) -> None:
     """The zygote's loop (``python -m torchpass.zygote FD MODULE...``)."""
-    _die_with_parent()
+    die_with_parent()
     # Before any child clears its environment: setproctitle finds its room (argv and environ) the first time.
     setproctitle.setproctitle(f"torchpass zygote (preloaded: {' '.join(preload) or 'nothing'})")
     sock = socket.socket(fileno=fd)
