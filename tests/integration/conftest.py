@@ -103,7 +103,23 @@ def _no_daemons_past_the_module(sandbox_manager: SandboxManager) -> Iterator[Non
     yield
     box = sandbox_manager.current
     if box is not None and box.running():
+        _cancel_leftover_jobs(box)
         NodeDaemons(box).stop_all()
+
+
+def _cancel_leftover_jobs(box: Sandbox) -> None:
+    """A test that failed or timed out may leave its job behind: cancel it, so the next module finds idle nodes
+    (and fails on its own account, if at all)."""
+    env = slurm_env(box)
+
+    def queued() -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=60)
+        return out.stdout.split()
+
+    left = queued()
+    if left:
+        subprocess.run(["scancel", *left], env=env, capture_output=True, timeout=60)
+        until(f"the jobs left by this module ({', '.join(left)}) to end", lambda: not queued(), 120)
 
 
 @pytest.fixture
