@@ -8,10 +8,11 @@ as ``python SCRIPT ARGS`` (or ``python -m torchpass.transparent SCRIPT ARGS``) w
 pages it shares until they are written. PyTorch's own DataLoader forks workers after ``import torch`` the
 same way; nothing here initialises CUDA or starts a thread pool before the fork.
 
-The zygote (``python -m torchpass.zygote FD``) reads requests from a socket (one JSON line each: argv,
-environment, working directory), answers each with the child's pid, and reports each child's exit status as
-``subprocess.Popen`` would (negative: killed by that signal). It dies with its launcher (``PR_SET_PDEATHSIG``)
-and exits when the launcher closes the socket; the children die with it (they set the same on their parent).
+The zygote (``python -m torchpass.zygote FD MODULE...``, the modules it preloads) reads requests from a socket
+(one JSON line each: argv, environment, working directory), answers each with the child's pid, and reports
+each child's exit status as ``subprocess.Popen`` would (negative: killed by that signal). It dies with its
+launcher (``PR_SET_PDEATHSIG``) and exits when the launcher closes the socket; the children die with it (they
+set the same on their parent).
 
 :class:`Zygote` is the launcher's side; :class:`ForkedProcess` the handle it gives out, with the part of
 ``Popen``'s interface the launcher uses. This module imports torch only in the zygote process itself.
