@@ -86,6 +86,7 @@ class CommBackend(ABC):
         self._lock = threading.Lock()
         self._local: dist.ProcessGroup | None = None
         self._hooked = False
+        self.user_group: dist.ProcessGroup | None = None  # the script's collectives (see _init_process_group)
 
     @property
     @abstractmethod
@@ -101,12 +102,18 @@ class CommBackend(ABC):
 
     def _init_process_group(self, backend: str, **kwargs: Any) -> None:
         """``dist.init_process_group``, keeping one ``[rankN]:`` excepthook: torch chains a new one on every call,
-        and a rank that formed 30 generations would prefix each line of its last traceback 30 times."""
+        and a rank that formed 30 generations would prefix each line of its last traceback 30 times.
+
+        Then the generation's second group, over the same members: the script's own collectives run there
+        (``ctx.all_reduce``, transparent mode's interposed ``dist`` calls), so that ranks disagreeing on which
+        steps run one (a counter of the script's own) can never pair it with a gradient bucket or a buffer
+        broadcast of the default group. Destroyed and aborted with it."""
         hook = sys.excepthook
         dist.init_process_group(backend, **kwargs)
         if self._hooked:
             sys.excepthook = hook
         self._hooked = True
+        self.user_group = dist.new_group()
 
     @abstractmethod
     def abort(self) -> None:
@@ -122,6 +129,7 @@ class CommBackend(ABC):
                 except Exception as exc:  # a broken group may complain while being torn down
                     log.debug("destroy_process_group: %s", exc)
             self.generation = -1
+            self.user_group = None
 
     def _forget(self) -> None:  # noqa: B027 - optional hook, nothing to do by default
         """Drop what :meth:`abort` would act on (called under the lock)."""

@@ -173,9 +173,9 @@ class TorchPassConfig:
         32, "Member failures the job survives; one more fails the job (stops a crash loop).", min=0
     )
     max_resets: int = _setting(
-        5,
-        "Consecutive generations rebuilt with the same members (a collective error, nobody dead) before the job "
-        "is declared failed: an error that survives that many rebuilds is not transient.",
+        3,
+        "Rebuilds with the same members (a collective error, nobody dead) at one step before the job is declared "
+        "failed, with that diagnosis: an error that survives that many rebuilds at the same step is not transient.",
         min=0,
     )
     store_prefix: str = _setting(

@@ -44,7 +44,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from torch import nn
 
 from torchpass.auth import ENV_JOB_KEY, JobKey
 from torchpass.backends import CommBackend, make_backend
+from torchpass.buffers import StagedBuffers
 from torchpass.config import TorchPassConfig
 from torchpass.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.coordinator import Coordinator
@@ -65,6 +66,7 @@ from torchpass.state import StateError, StateParts, recv_state, send_state
 
 __all__ = ["Context", "TorchPassError", "init"]
 
+_T = TypeVar("_T")
 LOGGER_NAME = "clockwork.torchpass"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 _FOREVER_S = 10 * 365 * 24 * 3600.0
@@ -148,6 +150,7 @@ class Context:
         self._snapshots: dict[str, Any] = {}  # generic registered state at the last commit
         self._buffers: list[torch.Tensor] = []
         self._buffer_shadow: list[torch.Tensor] = []
+        self._staged: StagedBuffers | None = None  # slot 0's buffers, broadcast after a forward (buffers.py)
         self._group_shadow: list[list[dict[str, Any]]] = []  # optimizer hyper-parameters at the last commit
         self._commit_hooks: list[Callable[[int], None]] = []
         self._pending: GenerationInfo | None = None
@@ -158,6 +161,7 @@ class Context:
         self._abandon_reason = ""
         self._first_error_at: float | None = None
         self._optimizer_steps = 0  # optimizer steps taken in the step in progress
+        self._user_collectives = 0  # the script's collectives started in the step in progress
         self._failed_after_update = ""  # a collective of the user's failed once the update was applied
         self._closed = False
         self._snapshotter = Snapshotter(config, self.log, event_sink)
@@ -206,6 +210,7 @@ class Context:
         self._parts.model = ddp.module
         self._buffers = list(ddp.module.buffers()) if self.config.snapshot_buffers else []
         self._buffer_shadow = [b.detach().clone() for b in self._buffers]
+        self._staged = StagedBuffers(ddp.synced_buffers) if ddp.synced_buffers and self.world_size > 1 else None
         return ddp
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -219,6 +224,7 @@ class Context:
         ctx = self
 
         def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            ctx._settle_staged_buffers()  # the update waits for slot 0's buffers: their loss abandons the step
             if ctx._abandoned:
                 ctx.log.debug("optimizer step skipped (step abandoned: %s)", ctx._abandon_reason)
                 return None
@@ -318,12 +324,20 @@ class Context:
         self._abandon_reason = ""
         self._first_error_at = None
         self._optimizer_steps = 0
+        self._user_collectives = 0
         self._failed_after_update = ""
         self._step = step
         self._channel.step = step
         reseed(self.config.seed, self.slot, step, python=self.config.reseed_python, numpy=self.config.reseed_numpy)
 
     def _commit(self, step: int) -> None:
+        if self._staged is not None and self._staged.pending:
+            try:
+                self._staged.wait()
+                self._staged.take()  # every rank now holds slot 0's buffers (torchpass.buffers)
+            except Exception as exc:  # after the update: the step commits, the rank recovers right after
+                self._staged.drop()
+                self._failed_after_update = self._failed_after_update or f"{type(exc).__name__}: {exc}"
         self._committed = step
         self._has_state = True
         self._snapshot_local_state()
@@ -353,6 +367,8 @@ class Context:
     def _roll_back(self, step: int) -> None:
         """Undo what an abandoned step changed locally; the optimizer, scheduler and scaler skipped theirs."""
         emit(self.event_sink, self.log, "torchpass.step_abandoned", step=step, reason=self._abandon_reason)
+        if self._staged is not None:
+            self._staged.drop()
         with torch.no_grad():
             for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
                 live.copy_(shadow)
@@ -388,14 +404,36 @@ class Context:
             return False
         return True
 
-    def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
-        if not self._collective_allowed() or self.world_size == 1:
+    def _stage_buffers(self) -> None:
+        """After a synchronising forward inside a step: start broadcasting slot 0's buffers (buffers.py)."""
+        staged = self._staged
+        if staged is None or self._step < 0 or not self._collective_allowed():
             return
         try:
-            with torch.no_grad():
-                dist._broadcast_coalesced(dist.distributed_c10d._get_default_group(), buffers, 1 << 24, 0)
+            staged.launch()
         except Exception as exc:
+            staged.drop()
             self._abandon_step(exc)
+
+    def _settle_staged_buffers(self) -> None:
+        """Wait for a staged broadcast of slot 0's buffers; its failure abandons the step."""
+        staged = self._staged
+        if staged is None or not staged.pending:
+            return
+        if self._abandoned:
+            staged.drop()
+            return
+        try:
+            staged.wait()
+        except Exception as exc:
+            staged.drop()
+            self._abandon_step(exc)
+
+    def _take_staged_buffers(self) -> None:
+        """Before a further forward of the same step: slot 0's staged buffers replace this rank's own."""
+        self._settle_staged_buffers()
+        if self._staged is not None and self._staged.pending:
+            self._staged.take()
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> bool:
         """``dist.all_reduce`` that abandons the step instead of raising; returns whether it succeeded.
@@ -408,7 +446,7 @@ class Context:
         if not self._collective_allowed():
             return False
         try:
-            dist.all_reduce(tensor, op=op)
+            self._user_collective("ctx.all_reduce", lambda group: dist.all_reduce(tensor, op=op, group=group))
             return True
         except Exception as exc:
             self._abandon_step(exc)
@@ -426,13 +464,24 @@ class Context:
             self._failed_after_update = self._failed_after_update or f"generation {self._channel.latest_gen} announced"
             return False
         try:
-            dist.all_reduce(tensor, op=op)
+            self._user_collective("ctx.all_reduce", lambda group: dist.all_reduce(tensor, op=op, group=group))
             return True
         except Exception as exc:
             self._first_error_at = self._first_error_at or time.time()
             self._failed_after_update = f"{type(exc).__name__}: {exc}"
             self.log.warning("collective failed after the step's update: %s", str(exc).splitlines()[0][:300])
             return False
+
+    def _user_collective(self, name: str, run: Callable[[dist.ProcessGroup | None], _T]) -> _T:
+        """Run one of the script's collectives (``run(group)``) on the generation's group for them, never the
+        gradients' (backends.py); while it runs, the heartbeats say so, so the coordinator can tell when peers
+        went past it (a counter of the script's own that disagrees between ranks: torchpass.lockstep)."""
+        self._user_collectives += 1
+        self._channel.collective = (self._step, self._user_collectives, name) if self._step >= 0 else None
+        try:
+            return run(self._backend.user_group)
+        finally:
+            self._channel.collective = None
 
     def _local_group(self) -> dist.ProcessGroup:
         return self._backend.local_group()
@@ -582,6 +631,8 @@ class Context:
         if self._channel.latest_gen > info.gen:
             raise _Broken(f"superseded by generation {self._channel.latest_gen}")
         self.generation = info.gen
+        if self._staged is not None:
+            self._staged.drop()  # staged in a generation that is gone
         source, received, nbytes = self._agree_and_transfer(info)
         done_at = time.time()
         self._zero_grads()

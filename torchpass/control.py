@@ -144,6 +144,9 @@ class ControlChannel:
         self.stopped: JobStopped | None = None
         self.lost = False
         self.step = -1  # written by the training loop, reported in heartbeats
+        # (step, ordinal, name) of the script's collective the training loop is waiting in, or None; reported in
+        # heartbeats so the coordinator can tell a rank its peers went past (torchpass.lockstep)
+        self.collective: tuple[int, int, str] | None = None
         self.snapshot_steps: set[int] = set()  # steps after which the coordinator asked for a snapshot
         self.skipped_snapshots: collections.deque[int] = collections.deque()  # reported in the next heartbeat
         self.on_generation: Callable[[int], None] | None = None
@@ -213,7 +216,8 @@ class ControlChannel:
                 now = time.monotonic()
                 if now - last_sent >= self.heartbeat_interval_s:
                     skipped = [self.skipped_snapshots.popleft() for _ in range(len(self.skipped_snapshots))]
-                    sock.send(encode("hb", wid=self.worker_id, step=self.step, skipped=skipped), zmq.NOBLOCK)
+                    hb = encode("hb", wid=self.worker_id, step=self.step, skipped=skipped, uc=self.collective)
+                    sock.send(hb, zmq.NOBLOCK)
                     last_sent = now
                 if now - last_heard > self.coordinator_timeout_s and not self.lost:
                     log.error("coordinator silent for %.1f s", now - last_heard)

@@ -40,6 +40,7 @@ import zmq
 from torchpass.auth import serve
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
+from torchpass.lockstep import CollectiveWait, MemberProgress, find_mismatch, parse_wait
 from torchpass.protocol import GenerationInfo, Handoff, encode, router_messages
 from torchpass.socket_thread import SocketThread
 
@@ -102,6 +103,7 @@ class _Worker:
     step: int = -1
     rate: float = 0.0  # steps per second between its last two heartbeats (plans snapshot steps)
     step_seen_at: float = 0.0
+    waiting: CollectiveWait | None = None  # the script's collective its latest heartbeat said it waits in
     notify_ident: bytes | None = None
     agent: int = -1  # Slurm mode: the node agent that runs it (its node's loss is this process's death)
 
@@ -177,12 +179,15 @@ class Coordinator(SocketThread):
         self._parked: dict[str, _Parked] = {}
         self._joined: dict[str, dict[str, Any]] = {}
         self._finished: dict[str, int] = {}
+        self._finished_at: dict[str, float] = {}  # monotonic
         self._progressed = False
         self._recovery: _Recovery | None = None
         self._grace: tuple[int, float] | None = None
         self._vacant_since: float | None = None
         self._pending_handoff: Handoff | None = None
-        self._resets = 0  # consecutive same-member rebuilds since a generation last completed
+        self._resets = 0  # consecutive rebuilds with no member lost at the same step (_reset_step)
+        self._reset_step = -1
+        self._last_error = ""  # the latest broken-collective report's error
         self._departing: str | None = None
         self._departed = False  # the departing rank reported its handoff (successful or not)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -516,6 +521,9 @@ class Coordinator(SocketThread):
                 rec = self.workers[wid] = _Worker(wid=wid, role="?")  # its register may still be in flight
             rec.notify_ident = ident
             self._note_step(rec, int(msg.get("step", rec.step)))
+            rec.waiting = parse_wait(msg.get("uc"), time.monotonic())
+            if rec.waiting is not None:
+                self._check_lockstep()
             for step in msg.get("skipped") or ():
                 self._on_snapshot_skipped(wid, int(step))
             if not rec.alive:
@@ -596,6 +604,7 @@ class Coordinator(SocketThread):
         if gen != self.gen or self.state != RUNNING or self.vacant:
             return
         now = time.time()
+        self._last_error = str(msg.get("error", ""))[:300]
         if self._recovery is None:
             self._recovery = _Recovery(evidence_at=float(msg.get("at", now)))
         if self._grace is None:
@@ -628,6 +637,7 @@ class Coordinator(SocketThread):
             self._reply(ident, msg["id"], generation=self.info.to_wire())
             return
         self._finished[wid] = int(msg["committed"])
+        self._finished_at[wid] = time.monotonic()
         self._parked[wid] = _Parked(ident, msg["id"], "finished")
         if self.info is not None and not self.vacant and set(self._finished) >= set(self.info.members.values()):
             self._finish()
@@ -921,6 +931,7 @@ class Coordinator(SocketThread):
         self._pending_handoff = None
         self._joined = {}
         self._finished = {}
+        self._finished_at = {}
         emit(
             self.event_sink,
             log,
@@ -951,7 +962,6 @@ class Coordinator(SocketThread):
         assert self.info is not None
         info, rec = self.info, self._recovery
         self._recovery = None
-        self._resets = 0
         reports = list(self._joined.values())
         now = time.time()
 
@@ -1036,7 +1046,21 @@ class Coordinator(SocketThread):
                 if self.on_evict is not None:
                     self.on_evict(rec.wid)
 
+    def _check_lockstep(self) -> None:
+        """Fail the job at once when a member waits in a collective its peers went past (torchpass.lockstep)."""
+        if self.state != RUNNING or self.vacant or self.info is None:
+            return
+        members = [
+            MemberProgress(slot, rec.step, rec.step_seen_at, rec.waiting, self._finished_at.get(wid))
+            for slot, wid in sorted(self.members.items())
+            if (rec := self.workers.get(wid)) is not None
+        ]
+        verdict = find_mismatch(members, max(1.0, 1.5 * self.config.heartbeat_interval_s))
+        if verdict is not None:
+            self._fail(verdict)
+
     def _check_timers(self, now: float) -> None:
+        self._check_lockstep()
         if self._snapshot_due is not None and now >= self._snapshot_due:
             self._snapshot_due = now + self.config.snapshot_interval_s
             if self.state == RUNNING and self._progressed and not self.vacant:
@@ -1046,9 +1070,18 @@ class Coordinator(SocketThread):
             gen, _ = self._grace
             self._grace = None
             if gen == self.gen and self.state == RUNNING and not self.vacant:
+                step = max((self.workers[w].step for w in self.members.values() if w in self.workers), default=-1)
+                if step != self._reset_step:
+                    self._resets, self._reset_step = 0, step
                 self._resets += 1
                 if self._resets > self.config.max_resets:
-                    self._fail(f"generation {gen} failed to form {self._resets} times with no member lost")
+                    self._fail(
+                        f"after {self._resets - 1} rebuild(s) at step {step} with no member lost, a collective "
+                        f"failed again (the last error: {self._last_error or 'none reported'}): the "
+                        "same collective keeps failing there. Either it outlasts collective_timeout_s="
+                        f"{self.config.collective_timeout_s:g}, or the ranks' collectives do not line up (e.g. the "
+                        "script's own, gated on a counter of its own, which TorchPass does not restore)"
+                    )
                     return
                 if self._recovery is None:
                     self._recovery = _Recovery(evidence_at=time.time())

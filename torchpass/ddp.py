@@ -28,8 +28,9 @@ group underneath it without rebuilding it:
   and backward compute (the likely cause of 14.6 % fewer steps/s than plain DDP measured on 16 cores).
   Needs DDP's ``bucket_cap_mb_list`` (torch 2.13); earlier releases keep the single bucket, with a warning.
 
-Buffers (e.g. BatchNorm statistics) are broadcast from slot 0 before each forward, as DDP's
-``broadcast_buffers`` does, through the same failure-tolerant path.
+Buffers (e.g. BatchNorm statistics) follow slot 0 as under DDP's ``broadcast_buffers``, but the broadcast
+runs right after a forward pass instead of before the next one, so that every committed step holds slot 0's
+buffers on every rank and recovery can copy them from any replica (:mod:`torchpass.buffers`).
 
 (No ``from __future__ import annotations`` here: DDP checks the hook's annotations against the real
 ``dist.GradBucket`` and ``Future[Tensor]`` objects.)
@@ -61,8 +62,12 @@ class StepGuard(Protocol):
         """Mark the current step abandoned (callable from any thread)."""
         ...
 
-    def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
-        """Broadcast buffers from slot 0, abandoning the step instead of raising."""
+    def _stage_buffers(self) -> None:
+        """After a synchronising forward: start broadcasting slot 0's buffers (a failure abandons the step)."""
+        ...
+
+    def _take_staged_buffers(self) -> None:
+        """Before a further forward of the same step: take the staged buffers, as DDP's broadcast would."""
         ...
 
     def _local_group(self) -> dist.ProcessGroup:
@@ -210,14 +215,20 @@ class TorchPassDDP(DistributedDataParallel):
         group = _CurrentGroup(ctx) if on_cpu else ctx._local_group()
         super().__init__(module, process_group=group, init_sync=False, **no_sync, **caps, **ddp_kwargs)
         self._tp_ctx = ctx
-        self._tp_buffers = [b for b in module.buffers()] if broadcast_buffers else []
+        self.synced_buffers = list(module.buffers()) if broadcast_buffers else []
         if not on_cpu:
             hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = _allreduce_hook
             self.register_comm_hook(ctx, hook)
         self.reducer = _FixedBuckets(self.reducer)  # type: ignore[assignment]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Broadcast buffers from slot 0 (failure-tolerant), then DDP's forward."""
-        if self._tp_buffers:
-            self._tp_ctx._broadcast_buffers(self._tp_buffers)
-        return super().forward(*inputs, **kwargs)
+        """DDP's forward, between taking the buffers an earlier forward staged and staging slot 0's new ones.
+
+        Staged only when DDP would broadcast before the next forward: grad enabled and outside ``no_sync()``."""
+        if not self.synced_buffers:
+            return super().forward(*inputs, **kwargs)
+        self._tp_ctx._take_staged_buffers()
+        output = super().forward(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self._tp_ctx._stage_buffers()
+        return output

@@ -51,6 +51,7 @@ it protects (``transparent_strict`` makes every warning an error).
 
 from __future__ import annotations
 
+import builtins
 import functools
 import inspect
 import os
@@ -177,6 +178,22 @@ class _Pass:
         batch = next(self.inner)
         self.inner_next = index + 1
         return batch
+
+
+class _Enumerated:
+    """``enumerate`` over the tracked loader: the index is the batch's place in its pass (see
+    :meth:`Session.enumerate`)."""
+
+    def __init__(self, it: _Pass, start: int) -> None:
+        self.it = it
+        self.start = start
+
+    def __iter__(self) -> _Enumerated:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        batch = next(self.it)
+        return self.start + self.it.session.step_index, batch
 
 
 class Session:
@@ -323,21 +340,43 @@ class Session:
 
         Once the step's update is done (every optimizer stepped), the step can no longer be abandoned: its
         result is in the parameters. A collective failing after that (e.g. the script averaging its loss for a
-        log line) is skipped and remembered; the step commits and the rank recovers right after."""
+        log line) is skipped and remembered; the step commits and the rank recovers right after.
+
+        A call on the default group runs on the generation's group for the script's collectives instead
+        (:meth:`Context._user_collective`), which no gradient bucket ever uses."""
         session = self
+        name = f"dist.{collective.__name__}"
+        params = list(inspect.signature(collective).parameters)
+        group_at = params.index("group") if "group" in params else -1
+
+        def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            group = session.ctx._backend.user_group
+            if group is None or group_at < 0:
+                return collective(*args, **kwargs)
+            if len(args) > group_at:
+                if args[group_at] is None or args[group_at] is dist.GroupMember.WORLD:
+                    args = (*args[:group_at], group, *args[group_at + 1 :])
+            elif kwargs.get("group") is None or kwargs.get("group") is dist.GroupMember.WORLD:
+                kwargs = {**kwargs, "group": group}
+            return collective(*args, **kwargs)
+
+        def in_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return session.ctx._user_collective(name, lambda _group: call(args, kwargs))
 
         @functools.wraps(collective)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("async_op") or _internal():
+            if _internal():
                 return collective(*args, **kwargs)
+            if kwargs.get("async_op"):
+                return call(args, kwargs)
             if not session.step_open:
-                return session.between_steps(collective, args, kwargs)
+                return session.between_steps(lambda *a, **k: call(a, k), args, kwargs)
             if session.updated:
                 if session.failed_after_update or session.ctx._channel.latest_gen > session.ctx.generation:
                     session.failed_after_update = session.failed_after_update or "new generation announced"
                     return None
                 try:
-                    return collective(*args, **kwargs)
+                    return in_step(args, kwargs)
                 except Exception as exc:
                     session.failed_after_update = f"{type(exc).__name__}: {exc}"
                     session.ctx.log.warning("collective failed after the step's update: %s", exc)
@@ -345,7 +384,7 @@ class Session:
             if not session.ctx._collective_allowed():
                 return None
             try:
-                return collective(*args, **kwargs)
+                return in_step(args, kwargs)
             except Exception as exc:
                 session.ctx._abandon_step(exc)
                 return None
@@ -585,6 +624,18 @@ class Session:
             return
         self.loader = loader
 
+    def enumerate(self, iterable: Any, start: int = 0) -> Any:
+        """The script's ``enumerate`` (its module's global): over the tracked loader, each batch comes with its
+        place in the pass, which is the right count on a redone step (the batch is served again with the same
+        index) and on a replacement that resumes inside a pass. The builtin's count would have counted the
+        redone step twice and started a replacement at 0, and a collective gated on it would not line up
+        across ranks. Anything else is the builtin's ``enumerate``."""
+        if self.loader is not None and iterable is self.loader:
+            iterable = iter(iterable)
+        if isinstance(iterable, _Pass):
+            return _Enumerated(iterable, start)
+        return builtins.enumerate(iterable, start)
+
     # ----- the step boundary ---------------------------------------------------------------
 
     def _close_step(self) -> None:
@@ -611,9 +662,10 @@ class Session:
             self.step_epoch,
         )
         ctx._commit(step)
-        if self.failed_after_update:
+        failed = self.failed_after_update or ctx._failed_after_update  # the script's collective, or the buffers'
+        if failed:
             ctx._first_error_at = ctx._first_error_at or time.time()
-            ctx._recover(self.failed_after_update, error=True)
+            ctx._recover(failed, error=True)
 
     def _boundary(self) -> None:
         """Between two steps: join the first generation, or follow a newer one (as ``ctx.steps`` does)."""
@@ -715,7 +767,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         print("usage: python -m torchpass.transparent SCRIPT [ARGS...]", file=sys.stderr)
         return 2
-    script, script_args = args[0], args[1:]
+    try:
+        _run(args[0], args[1:])
+    except TorchPassError as exc:  # its message says it all; a traceback per rank would bury it
+        print(f"torchpass: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _run(script: str, script_args: list[str]) -> None:
     ctx = init()  # a spare waits here for a slot (and exits 0 if the job ends first)
     session = Session(ctx)
     session.install()
@@ -723,12 +783,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(script, init_globals={"enumerate": session.enumerate}, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise
     session.finish()
-    return 0
 
 
 if __name__ == "__main__":

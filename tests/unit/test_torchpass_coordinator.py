@@ -71,9 +71,9 @@ class FakeRank:
         slot = info.slot_of(self.wid)
         self.call("joined", gen=info.gen, slot=slot, resume_step=0, arrived_at=time.time(), **extra)
 
-    def beat(self, step: int, skipped: list[int] | None = None) -> None:
+    def beat(self, step: int, skipped: list[int] | None = None, uc: list[Any] | None = None) -> None:
         """One heartbeat on the control socket, as the rank's control thread sends it."""
-        self.control.send(encode("hb", wid=self.wid, step=step, skipped=skipped or []))
+        self.control.send(encode("hb", wid=self.wid, step=step, skipped=skipped or [], uc=uc))
         self.heartbeats += 1
 
     def pushes(self, timeout: float = 0.5) -> list[dict[str, Any]]:
@@ -201,6 +201,8 @@ def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[by
 
 
 def test_collective_error_without_death_rebuilds_then_gives_up(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Rebuilt with the same members, until max_resets rebuilds at the same step have not helped: then the job
+    fails with that diagnosis. A rebuild at a later step starts the count again (the job made progress)."""
     events = Events()
     coord, _, _ = _start(2, events, max_resets=1)
     try:
@@ -209,15 +211,52 @@ def test_collective_error_without_death_rebuilds_then_gives_up(zctx: zmq.Context
         b.await_generation(-1)
         a.joined(g0)
         b.joined(g0)
-        a.call("broken", gen=0, slot=0, step=5, committed=4, error="Connection reset", at=time.time())
-        g1 = a.await_generation(0)
-        assert g1.gen == 1 and g1.members == g0.members and g1.replaced == {}
-        assert "no member lost" in g1.reason and events.of("torchpass.collective_error")
-        a.call("broken", gen=1, slot=0, step=5, committed=4, error="again", at=time.time())
+        infos = [g0]
+        for step in (5, 9):  # one rebuild at step 5, one at step 9: each within the limit
+            for rank in (a, b):
+                rank.beat(step)
+                rank.all_heartbeats_answered()
+            gen = infos[-1].gen
+            a.call("broken", gen=gen, slot=0, step=step, committed=step - 1, error="Connection reset", at=time.time())
+            info = a.await_generation(gen)
+            assert b.await_generation(gen).gen == info.gen == gen + 1
+            assert info.members == g0.members and info.replaced == {} and "no member lost" in info.reason
+            a.joined(info)
+            b.joined(info)
+            infos.append(info)
+        assert events.of("torchpass.collective_error")
+        a.call("broken", gen=infos[-1].gen, slot=0, step=9, committed=8, error="Timed out", at=time.time())
         with pytest.raises(JobStopped) as stop:
-            b.await_generation(1)
-        assert not stop.value.done and "failed to form" in stop.value.reason
+            b.await_generation(infos[-1].gen)
+        assert not stop.value.done and "after 1 rebuild(s) at step 9 with no member lost" in stop.value.reason
+        assert "Timed out" in stop.value.reason and "counter of its own" in stop.value.reason
         assert coord.state == FAILED
+    finally:
+        coord.stop()
+
+
+def test_a_rank_waiting_in_a_collective_its_peer_went_past_fails_the_job(
+    zctx: zmq.Context[zmq.Socket[bytes]],
+) -> None:
+    """Slot 1's heartbeats say it waits in the script's all_reduce of step 12; slot 0 reports step 13. The job
+    fails with the diagnosis as soon as slot 1's report is newer than slot 0's progress by the margin."""
+    events = Events()
+    coord, _, _ = _start(2, events, heartbeat_interval_s=0.1)
+    try:
+        a, b = _ranks(zctx, coord, ["slot:0", "slot:1"])
+        _start_generation0(events, a, b)
+        a.beat(13)
+        a.all_heartbeats_answered()
+        deadline = time.monotonic() + 30
+        while coord.state != FAILED:
+            assert time.monotonic() < deadline, "no verdict"
+            b.beat(12, uc=[12, 1, "dist.all_reduce"])
+            b.all_heartbeats_answered()
+            a.beat(13)
+            a.all_heartbeats_answered()
+        reason = events.of("torchpass.failed")[0]["reason"]
+        assert "slot 1 waits in dist.all_reduce (the script's collective #1 of step 12)" in reason, reason
+        assert "slot 0 has gone on to step 13" in reason and "enumerate(loader)" in reason
     finally:
         coord.stop()
 

@@ -293,7 +293,8 @@ _BUCKETS_SCRIPT = textwrap.dedent(
         world_size = 1
         def _collective_allowed(self): return True
         def _abandon_step(self, error): raise AssertionError(error)
-        def _broadcast_buffers(self, buffers): pass
+        def _stage_buffers(self): pass
+        def _take_staged_buffers(self): pass
         def _local_group(self): return dist.group.WORLD
 
     out = {}
@@ -353,7 +354,8 @@ _AVERAGES_SCRIPT = textwrap.dedent(
         abandoned = None
         def _collective_allowed(self): return True
         def _abandon_step(self, error): self.abandoned = self.abandoned or str(error)
-        def _broadcast_buffers(self, buffers): pass
+        def _stage_buffers(self): pass
+        def _take_staged_buffers(self): pass
         def _local_group(self): raise AssertionError("CPU gradients need no private group")
 
     def model():
