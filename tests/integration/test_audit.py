@@ -46,6 +46,20 @@ def audit(box: Sandbox, *args: str) -> tuple[int, dict[str, Any], str]:
     return proc.returncode, report, proc.stderr
 
 
+def test_without_linkpass_the_audit_says_so_and_skips_the_drills(sandbox: Sandbox) -> None:
+    """No clockworkd on the nodes: the audit finds that at once, names it on every node with how to start it,
+    skips the drills (nothing would move the traffic) and still runs every other round."""
+    NodeDaemons(sandbox).stop_all()
+    rc, report, err = audit(sandbox, "--drill")
+    assert rc != 0, err[-2000:]
+    assert report["checks"]["drill"] == "fail", report["checks"]
+    findings = [f for f in report["findings"] if f["check"] == "drill"]
+    assert sorted(f["node"] for f in findings) == ["node1", "node2", "node3", "node4"], findings
+    assert all("LinkPass is not running" in f["summary"] and "clockworkd" in f["summary"] for f in findings)
+    assert report["drills"] and all(d.get("skipped") for d in report["drills"]), report["drills"]
+    assert report["checks"]["mtu"] == "pass" and report["checks"]["loss"] == "pass", report["checks"]
+
+
 def test_a_healthy_fabric_passes_with_drills(sandbox: Sandbox, daemons: NodeDaemons, tmp_path: Path) -> None:
     html = tmp_path / "audit.html"
     rc, report, err = audit(sandbox, "--drill", "--html", str(html))

@@ -179,3 +179,15 @@ def test_gpu_checks() -> None:
     }
     report = judge(raw, CFG)
     assert _named(report) == [("node1/gpu1", "gpu"), ("node1/gpu2", "gpu")]
+
+
+def test_linkpass_not_running_is_a_drill_finding_per_node_saying_how_to_start_it() -> None:
+    raw = make_raw()
+    raw["drill_requested"] = True
+    raw["linkpass_down"] = {"node2": "clockworkd does not answer on node2 (no socket)"}
+    raw["drills"] = [{"node": "node2", "nic": "nic0", "skipped": "LinkPass is not running on node2"}]
+    report = judge(raw, CFG)
+    assert _named(report) == [("node2", "drill")]
+    assert report["checks"]["drill"] == "fail" and report["ok"] is False
+    summary = report["findings"][0]["summary"]
+    assert "LinkPass is not running" in summary and "no socket" in summary and "setsid clockworkd" in summary

@@ -101,6 +101,7 @@ class Driver:
         self._ids = itertools.count(1)
         self._runs = itertools.count(int(time.time()) & 0xFFFF_0000)
         self.timings: dict[str, float] = {}
+        self.linkpass_down: dict[str, str] = {}  # node -> why LinkPass is not running there (drills skipped)
 
     # ----- plumbing ---------------------------------------------------------------------
 
@@ -294,7 +295,17 @@ class Driver:
         log.warning("the fabric did not settle within %.0f s before a drill", SETTLE_S)
         return False
 
+    def _linkpass_not_running(self) -> dict[str, str]:
+        """node -> why LinkPass is not running there, for every node where it is not."""
+        answers = self.ask({node: {"op": "linkpass_running"} for node in self.hello})
+        return {node: str(a["not_running"]) for node, a in answers.items() if a.get("not_running")}
+
     def _round_drills(self, paths: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        not_running = self._linkpass_not_running()
+        if not_running:  # nothing would move the traffic: a drill would only cut a link, and wait for nothing
+            why = "LinkPass is not running on " + ", ".join(sorted(not_running))
+            self.linkpass_down = not_running
+            return [{"node": node, "nic": nic, "skipped": why} for node in self.hello for nic in self._nics(node)]
         replies = {(p["src"], p["dst"]): p.get("replies", 0) for p in paths}
 
         def clean(a: str, b: str) -> bool:  # every rail between the two carries probes both ways
@@ -370,6 +381,7 @@ class Driver:
             "bandwidth": bandwidth,
             "drills": drills,
             "drill_requested": self.drill,
+            "linkpass_down": self.linkpass_down,
             "timings": self.timings,
             "srun_output": self._srun_output() if len(self.hello) < len(self.launch.nodes) else "",
         }

@@ -321,6 +321,14 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
             )
 
     # LinkPass drills
+    for node, why in sorted((raw.get("linkpass_down") or {}).items()):
+        f.add(
+            "drill",
+            node,
+            f"LinkPass is not running, so no drill ran and a dead NIC would cut the node off: {why}. Start "
+            "clockworkd on the node (the Prolog starts it for --clockwork-ft jobs; `setsid clockworkd` for a "
+            "permanent one; `clockwork sandbox daemons up` on the sandbox)",
+        )
     for d in raw.get("drills") or ():
         target = f"{d['node']}/{d['nic']}"
         if d.get("skipped"):

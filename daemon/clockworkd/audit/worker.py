@@ -62,10 +62,24 @@ class Worker:
             return measure.transfer(measure.Target.from_dict(req["target"]), req["seconds"])
         if op == "linkpass":  # LinkPass's state of every path of this node (the driver waits for a settled fabric)
             return {"paths": self.all_paths()}
+        if op == "linkpass_running":  # asked once before the drills: a drill without LinkPass only cuts a link
+            return {"not_running": self.linkpass_not_running()}
         if op == "drill":
             peers = [(name, ip, int(port)) for name, ip, port in req["peers"]]
             return drill.run_drill(req["nic"], req["node_ip"], peers, req["run"], req["timeout_s"], self.all_paths)
         return {"error": f"unknown request {op!r}"}
+
+    def linkpass_not_running(self) -> str:
+        """Why LinkPass is not running on this node ("" when it is)."""
+        try:
+            with DaemonClient.from_config(self.daemon_cfg, self.node) as client:
+                linkpass = client.status().get("linkpass")
+        except ClockworkError as exc:
+            return f"clockworkd does not answer on {self.node} ({exc})"
+        if not isinstance(linkpass, dict) or linkpass.get("enabled") is False:
+            state = linkpass.get("state") if isinstance(linkpass, dict) else None
+            return f"clockworkd on {self.node} runs no LinkPass ({state or 'not configured'})"
+        return ""
 
     def all_paths(self) -> dict[str, dict[str, str]]:
         """peer -> rail -> LinkPass's state of that path (alive, holddown, dead: ...); empty if unknown."""
