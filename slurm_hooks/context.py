@@ -7,9 +7,14 @@ record so the handlers never touch ``os.environ`` themselves.
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from clockworkd.job_options import JobOptions, JobOptionsError
+
+log = logging.getLogger("clockwork.hooks")
 
 #: Hook contexts, as Slurm names them in SLURM_SCRIPT_CONTEXT.
 CONTEXTS = ("prolog_slurmd", "epilog_slurmd", "prolog_slurmctld", "epilog_slurmctld")
@@ -30,7 +35,8 @@ class HookContext:
     partition: str
     restart_count: int
     exit_code: int | None  # Epilogs only
-    options: dict[str, str]  # the job's --clockwork-* options, from SPANK_CLOCKWORK_*
+    options: dict[str, str]  # the job's --clockwork-* options, from SPANK_CLOCKWORK_* (as they were exported)
+    job: JobOptions = field(default_factory=JobOptions)  # --clockwork-ft and --clockwork-spares, parsed
 
     @property
     def on_controller(self) -> bool:
@@ -59,6 +65,12 @@ def from_env(context: str, env: Mapping[str, str]) -> HookContext:
         raise ValueError("SLURM_JOB_ID is not set: slurm_hooks must be run by Slurm as a Prolog/Epilog")
     on_ctld = context.endswith("_slurmctld")
     prefix = "SPANK_CLOCKWORK_"
+    spank = {k: v for k, v in env.items() if k.startswith(prefix)}
+    try:
+        job = JobOptions.from_environ(spank)
+    except JobOptionsError as exc:  # the plugin validates them: only a tampered job gets here; never drain for it
+        log.warning("job %s: %s; treating the job as a plain one (no fault tolerance)", job_id, exc)
+        job = JobOptions()
     return HookContext(
         context=context,
         job_id=job_id,
@@ -69,5 +81,6 @@ def from_env(context: str, env: Mapping[str, str]) -> HookContext:
         partition=env.get("SLURM_JOB_PARTITION", ""),
         restart_count=_int(env.get("SLURM_JOB_RESTART_COUNT")) or 0,
         exit_code=_int(env.get("SLURM_JOB_EXIT_CODE2", "").split(":")[0]) if "epilog" in context else None,
-        options={k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)},
+        options={k[len(prefix) :].lower(): v for k, v in spank.items()},
+        job=job,
     )

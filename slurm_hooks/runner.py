@@ -19,6 +19,7 @@ from clockworkd.client import DaemonClient
 from clockworkd.config import LoadedConfig, load_config
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
+from clockworkd.job_options import SpareMode
 from clockworkd.logging_setup import configure_logging
 from clockworkd.slurm import expand_hostlist, from_config
 from slurm_hooks import events, report
@@ -38,7 +39,7 @@ DEFAULT_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def wants_clockwork(ctx: HookContext) -> bool:
-    return ctx.options.get("ft", "off") != "off"
+    return ctx.job.enabled
 
 
 def reports_dir(loaded: LoadedConfig) -> Path:
@@ -91,7 +92,7 @@ def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     if check.ok:
         with DaemonClient.from_config(cfg.daemon) as client:
             try:
-                if ctx.options.get("spares") == "borrow":
+                if ctx.job.spares is SpareMode.BORROW:
                     give_back(client, ctx)
                 job_events = client.job_events(ctx.job_id)
                 client.unregister_job(ctx.job_id)
@@ -104,7 +105,7 @@ def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
     nodes = expand_hostlist(ctx.nodelist)
     if nodes and nodes[0] == ctx.node:  # one AdminComment per job: the first node of the allocation writes it
         backend = from_config(cfg.slurm)
-        if ctx.options.get("spares") == "borrow":  # keep what the borrow wrote (which nodes, from which jobs)
+        if ctx.job.spares is SpareMode.BORROW:  # keep what the borrow wrote (which nodes, from which jobs)
             try:
                 live = backend.job(ctx.job_id)
                 line = with_borrowed(line, live.admin_comment if live is not None else "")

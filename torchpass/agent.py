@@ -42,6 +42,7 @@ import sys
 import time
 from types import FrameType
 
+from clockworkd.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
 from torchpass.auth import job_key
 from torchpass.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
 from torchpass.config import ENV_CONFIG, TorchPassConfig
@@ -55,8 +56,6 @@ from torchpass.slurm_layout import (
     ENV_AGENT_INDEX,
     SlurmLayout,
     SlurmLayoutError,
-    clockwork_ft_mode,
-    clockwork_spares_mode,
 )
 
 __all__ = ["SlurmAgent", "daemon_control_socket"]
@@ -105,8 +104,12 @@ class SlurmAgent:
         self.python = python
         self.exit_grace_s = exit_grace_s
         self.environ = dict(os.environ if environ is None else environ)
+        try:
+            self.options = JobOptions.from_environ(self.environ)
+        except JobOptionsError as exc:
+            raise SlurmLayoutError(str(exc)) from None
         # Model-transparent mode: `torchpass run --transparent`, or the job's --clockwork-ft=transparent.
-        self.transparent = transparent or clockwork_ft_mode(self.environ) == "transparent"
+        self.transparent = transparent or self.options.ft is FtMode.TRANSPARENT
         # A survivor's broken collective must not trigger a same-members rebuild before a crashed node's
         # silence has been noticed: wait at least as long as the agents take to count a node lost.
         grace = config.agent_timeout_s + 2 * config.agent_heartbeat_interval_s
@@ -115,7 +118,7 @@ class SlurmAgent:
         self.config = config
         self.daemon_socket = ""
         daemon_sink: EventSink | None = None
-        if self.environ.get(CONFIG_ENV) or clockwork_ft_mode(self.environ):  # else not a Clockwork job
+        if self.environ.get(CONFIG_ENV) or self.options.enabled:  # else not a Clockwork job
             self.daemon_socket = daemon_control_socket(self.environ.get(CONFIG_ENV, ""))
             if self.daemon_socket:
                 daemon_sink = DaemonEventSink(layout.job_id, self.daemon_socket)
@@ -138,7 +141,7 @@ class SlurmAgent:
         self.mesh.listeners.append(lambda _leader, _term: self.proxy.leader_changed())
         self.mesh.listeners.append(lambda _leader, _term: self._announce())
         self.borrower: Borrower | None = None
-        if clockwork_spares_mode(self.environ) == "borrow":  # a spare, when needed, is borrowed from other work
+        if self.options.spares is SpareMode.BORROW:  # a spare, when needed, is borrowed from other work
             self.borrower = Borrower(
                 layout.job_id,
                 connect=self._daemon_client,
@@ -269,11 +272,10 @@ class SlurmAgent:
                 f"{self.layout.port + 1} ({exc}): another job or program holds them; choose others with --port"
             ) from None
         self.proxy.start()
-        ft = clockwork_ft_mode(self.environ)
         print(
             f"torchpass: agent {self.layout.index}/{self.layout.agents} on {self.layout.node} ({self.layout.address}), "
             f"job {self.layout.job_id}: {self.layout.world_size} rank(s), {self.layout.spares} spare(s); "
-            f"coordinator replicas on port {self.layout.port + 1}; clockwork-ft {ft or 'not set'}",
+            f"coordinator replicas on port {self.layout.port + 1}; clockwork-ft {self.options.ft.value}",
             file=sys.stderr,
         )
         self._announce()

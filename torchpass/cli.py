@@ -168,9 +168,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"{PROG} run: --nproc must be >= 1 and --spares >= 0", file=sys.stderr)
         return EXIT_USAGE
     script_args = args.args[1:] if args.args[:1] == ["--"] else args.args
-    from torchpass.slurm_layout import clockwork_ft_mode
+    from clockworkd.job_options import FtMode, JobOptions, JobOptionsError
 
-    args.transparent = args.transparent or clockwork_ft_mode() == "transparent"
+    try:
+        args.transparent = args.transparent or JobOptions.from_environ().ft is FtMode.TRANSPARENT
+    except JobOptionsError as exc:
+        print(f"{PROG} run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if not args.local:
         return _cmd_run_slurm(args, script_args)
     from torchpass.launcher import LocalLauncher

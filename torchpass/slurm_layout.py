@@ -25,18 +25,20 @@ How many of the tasks are spares: ``--spares S`` or ``--nproc N`` on the command
 
 The agents' two ports (the agent mesh, and the coordinator replica one above it) are the same on every node,
 derived from the job id unless ``--port`` says otherwise, so each agent knows every peer's endpoints from the
-node list alone. The hostlist syntax is expanded here (``node[01-04,07],gpu3``) because TorchPass must not
-depend on Slurm's libraries or commands. This module imports no torch.
+node list alone. The hostlist syntax (``node[01-04,07],gpu3``) is expanded in-process (:mod:`clockworkd.hostlist`)
+because TorchPass must not depend on Slurm's libraries or commands. This module imports no torch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from clockworkd.hostlist import expand_hostlist as _expand_hostlist
+from clockworkd.job_options import JobOptions, JobOptionsError, SpareMode
 
 __all__ = [
     "ENV_AGENT_INDEX",
@@ -45,8 +47,6 @@ __all__ = [
     "PORT_SPAN",
     "SlurmLayout",
     "SlurmLayoutError",
-    "clockwork_ft_mode",
-    "clockwork_spares_mode",
     "default_port",
     "expand_hostlist",
     "in_slurm_step",
@@ -59,8 +59,6 @@ log = logging.getLogger("clockwork.torchpass.slurm")
 # The range stays below Linux's ephemeral ports (32768+), so no outgoing connection can be holding it.
 PORT_BASE = 21000
 PORT_SPAN = 5000
-SPARE_MODE_VARIABLES = ("CLOCKWORK_SPARES", "SLURM_SPANK_CLOCKWORK_SPARES", "SPANK_CLOCKWORK_SPARES")
-FT_MODE_VARIABLES = ("CLOCKWORK_FT", "SLURM_SPANK_CLOCKWORK_FT", "SPANK_CLOCKWORK_FT")
 STANDBY_SPARES_DEFAULT = 1
 # Set by the batch-script launcher (:mod:`torchpass.node_steps`) for its one-task-per-node steps:
 ENV_NODES = "TORCHPASS_NODES"  # the job's nodes, comma separated: agent K runs on the K-th
@@ -78,56 +76,12 @@ def in_slurm_step(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def expand_hostlist(expr: str) -> list[str]:
-    """Expand Slurm's hostlist syntax: ``a[1-3,07],b`` -> ``a1 a2 a3 a07 b`` (zero padding kept)."""
-    names: list[str] = []
-    for item in _split_top_level(expr.strip()):
-        names += _expand_item(item)
-    return names
-
-
-def _split_top_level(expr: str) -> list[str]:
-    """Split at commas that are not inside brackets."""
-    items: list[str] = []
-    current: list[str] = []
-    depth = 0
-    for char in expr:
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise SlurmLayoutError(f"hostlist {expr!r}: unbalanced ']'")
-        if char == "," and depth == 0:
-            items.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    if depth != 0:
-        raise SlurmLayoutError(f"hostlist {expr!r}: unbalanced '['")
-    items.append("".join(current))
-    return [item.strip() for item in items if item.strip()]
-
-
-def _expand_item(item: str) -> list[str]:
-    match = re.search(r"\[([^\[\]]*)\]", item)
-    if match is None:
-        return [item]
-    head, tail = item[: match.start()], item[match.end() :]
-    out: list[str] = []
-    for part in match.group(1).split(","):
-        low, sep, high = part.strip().partition("-")
-        if not low.isdigit() or (sep and not high.isdigit()):
-            raise SlurmLayoutError(f"hostlist item {item!r}: bad range {part!r}")
-        if not sep:
-            values = [low]
-        else:
-            if int(high) < int(low):
-                raise SlurmLayoutError(f"hostlist item {item!r}: range {part!r} runs backwards")
-            width = len(low) if low.startswith("0") else 0
-            values = [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
-        for value in values:
-            out += _expand_item(head + value + tail)  # a later bracket in the same name
-    return out
+    """Expand Slurm's hostlist syntax: ``a[1-3,07],b`` -> ``a1 a2 a3 a07 b`` (zero padding kept), by the one
+    implementation the daemon uses too (:mod:`clockworkd.hostlist`, python-hostlist with Slurm's rules)."""
+    try:
+        return _expand_hostlist(expr)
+    except ValueError as exc:
+        raise SlurmLayoutError(str(exc)) from None
 
 
 def resolve_address(name: str) -> str:
@@ -142,18 +96,6 @@ def resolve_address(name: str) -> str:
 def default_port(job_id: int) -> int:
     """The agents' mesh port for ``job_id`` (the coordinator replica listens one above it)."""
     return PORT_BASE + 2 * (job_id % PORT_SPAN)
-
-
-def clockwork_spares_mode(environ: Mapping[str, str] | None = None) -> str:
-    """The job's ``--clockwork-spares`` mode as the SPANK plugin exported it ('' when not a Clockwork job)."""
-    env = os.environ if environ is None else environ
-    return next((env[v].strip() for v in SPARE_MODE_VARIABLES if env.get(v, "").strip()), "")
-
-
-def clockwork_ft_mode(environ: Mapping[str, str] | None = None) -> str:
-    """The job's ``--clockwork-ft`` mode ('' when the job was not submitted with it)."""
-    env = os.environ if environ is None else environ
-    return next((env[v].strip() for v in FT_MODE_VARIABLES if env.get(v, "").strip()), "")
 
 
 @dataclass(frozen=True)
@@ -224,7 +166,10 @@ class SlurmLayout:
                 raise SlurmLayoutError(f"{ENV_AGENT_INDEX}={index} is not an index of {ENV_NODES}={nodes}")
         else:
             index, ntasks, nodes = _step_tasks(env)
-        mode = clockwork_spares_mode(env)
+        try:
+            mode = JobOptions.from_environ(env).spares
+        except JobOptionsError as exc:
+            raise SlurmLayoutError(str(exc)) from None
         count = _spare_count(ntasks, spares, nproc, mode)
         own = env.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
         if own != nodes[index] and own.split(".", 1)[0] != nodes[index]:
@@ -271,14 +216,14 @@ def _int(env: Mapping[str, str], name: str, fallback: str = "") -> int:
         raise SlurmLayoutError(f"{name}={raw!r} is not an integer") from None
 
 
-def _spare_count(ntasks: int, spares: int | None, nproc: int | None, mode: str) -> int:
+def _spare_count(ntasks: int, spares: int | None, nproc: int | None, mode: SpareMode | None) -> int:
     """How many of ``ntasks`` agents are spares (see the module docstring for the rules)."""
     if spares is not None and nproc is not None and spares + nproc != ntasks:
         raise SlurmLayoutError(f"--nproc {nproc} + --spares {spares} != {ntasks} tasks in the step")
     if spares is None and nproc is not None:
         spares = ntasks - nproc
     if spares is None:
-        if mode == "standby":
+        if mode is SpareMode.STANDBY:
             spares = STANDBY_SPARES_DEFAULT
         else:
             spares = 0  # none, borrow (a spare is borrowed when needed), or not a Clockwork job
@@ -286,6 +231,6 @@ def _spare_count(ntasks: int, spares: int | None, nproc: int | None, mode: str) 
         raise SlurmLayoutError(
             f"{spares} spare(s) out of {ntasks} task(s): at least one task must train (give --spares or --nproc)"
         )
-    if mode == "none" and spares:
+    if mode is SpareMode.NONE and spares:
         log.warning("the job was submitted with --clockwork-spares=none but %d task(s) wait as spares", spares)
     return spares

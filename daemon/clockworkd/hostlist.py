@@ -1,10 +1,10 @@
-"""Slurm hostlist expressions (``node[1-3,5],gpu01``) expanded in pure Python.
+"""Slurm hostlist expressions (``node[1-3,5],gpu01``), expanded in-process by python-hostlist.
 
 Job and node records carry their nodes as hostlist expressions. Expanding them through
 ``scontrol show hostnames`` costs a process per call (and needs ``SLURM_CONF``), which the daemon's
-hot paths cannot afford, so this module does it in-process.
-
-Semantics follow Slurm 22.05's ``scontrol show hostnames`` (checked against it):
+hot paths cannot afford. The one implementation is python-hostlist (a maintained library, also used by
+NSC's and others' Slurm tooling); this module only fixes the rules to Slurm 22.05's ``scontrol show
+hostnames`` (tests/unit/test_hostlist.py holds its output) and is what TorchPass uses too:
 
 - items are separated by commas or whitespace at the top level; empty items are skipped;
 - ``[...]`` holds comma-separated numbers or ``lo-hi`` ranges; the width of ``lo`` is the zero padding
@@ -21,85 +21,23 @@ from __future__ import annotations
 
 import re
 
+import hostlist
+
 __all__ = ["MAX_HOSTS", "expand_hostlist"]
 
-MAX_HOSTS = 1_000_000
+MAX_HOSTS: int = hostlist.MAX_SIZE
 """Refuse to expand beyond this many names: a typo like ``n[0-999999999]`` must not eat the memory."""
-
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
-_BRACKET = re.compile(r"(\[[^\[\]]*\])")
 
 
 def expand_hostlist(expr: str) -> list[str]:
     """Expand a Slurm hostlist expression into host names, in Slurm's order."""
-    hosts: list[str] = []
-    for item in _split_items(expr):
-        hosts.extend(_expand_item(item, len(hosts)))
+    # Whitespace separates items as commas do (inside brackets it then makes an empty element: an error).
+    try:
+        hosts: list[str] = hostlist.expand_hostlist(re.sub(r"\s+", ",", expr), allow_duplicates=True)
+    except hostlist.BadHostlist as exc:
+        if "too large" in str(exc):
+            raise ValueError(f"hostlist {expr!r} expands to more than {MAX_HOSTS} names") from None
+        raise ValueError(f"bad hostlist {expr!r}: {exc}") from None
+    if len(hosts) > MAX_HOSTS:
+        raise ValueError(f"hostlist {expr!r} expands to more than {MAX_HOSTS} names")
     return hosts
-
-
-def _split_items(expr: str) -> list[str]:
-    """Split at top-level commas/whitespace; commas inside brackets belong to the range list."""
-    items: list[str] = []
-    current: list[str] = []
-    inside = False
-    for ch in expr:
-        if ch == "[":
-            if inside:
-                raise ValueError(f"nested '[' in hostlist {expr!r}")
-            inside = True
-        elif ch == "]":
-            if not inside:
-                raise ValueError(f"unbalanced ']' in hostlist {expr!r}")
-            inside = False
-        elif ch.isspace():
-            if inside:
-                raise ValueError(f"whitespace inside brackets in hostlist {expr!r}")
-            if current:
-                items.append("".join(current))
-                current = []
-            continue
-        elif ch == "," and not inside:
-            if current:
-                items.append("".join(current))
-                current = []
-            continue
-        current.append(ch)
-    if inside:
-        raise ValueError(f"unclosed '[' in hostlist {expr!r}")
-    if current:
-        items.append("".join(current))
-    return items
-
-
-def _expand_item(item: str, already: int) -> list[str]:
-    names = [""]
-    for part in _BRACKET.split(item):
-        if part.startswith("["):
-            values = _expand_ranges(part[1:-1], item)
-            if (already + len(names) * len(values)) > MAX_HOSTS:
-                raise ValueError(f"hostlist {item!r} expands to more than {MAX_HOSTS} names")
-            names = [name + value for name in names for value in values]
-        elif part:
-            names = [name + part for name in names]
-    return names
-
-
-def _expand_ranges(body: str, item: str) -> list[str]:
-    values: list[str] = []
-    for spec in body.split(","):
-        match = _RANGE.fullmatch(spec)
-        if match is None:
-            raise ValueError(f"bad range {spec!r} in hostlist {item!r}")
-        lo, hi = match.group(1), match.group(2)
-        if hi is None:
-            values.append(lo)
-            continue
-        first, last = int(lo), int(hi)
-        if last < first:
-            raise ValueError(f"descending range {spec!r} in hostlist {item!r}")
-        if last - first + 1 > MAX_HOSTS:
-            raise ValueError(f"range {spec!r} in hostlist {item!r} has more than {MAX_HOSTS} names")
-        width = len(lo)
-        values.extend(f"{n:0{width}d}" for n in range(first, last + 1))
-    return values

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clockworkd.slurm.hostlist import MAX_HOSTS, expand_hostlist
+from clockworkd.hostlist import MAX_HOSTS, expand_hostlist
 
 # Expected values were produced with Slurm 22.05.8: `scontrol show hostnames EXPR`.
 SCONTROL_GOLDEN = [

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from clockworkd.borrow.settings import BorrowConfig, names
+from clockworkd.hostlist import expand_hostlist
 from clockworkd.slurm.backend import NodeInfo
-from clockworkd.slurm.hostlist import expand_hostlist
 
 __all__ = [
     "HOLDER_PREFIX",

@@ -22,8 +22,8 @@ from clockworkd.audit.driver import AuditError, Driver, WorkerLaunch, default_li
 from clockworkd.audit.verdict import judge
 from clockworkd.cli.context import CliContext, pass_ctx
 from clockworkd.errors import ClockworkError, NeedRootError
+from clockworkd.hostlist import expand_hostlist
 from clockworkd.slurm import from_config
-from clockworkd.slurm.hostlist import expand_hostlist
 
 
 def _summary(report: dict[str, Any]) -> None:

@@ -23,8 +23,8 @@ from clockworkd.cli.job_events import events_from, job_nodes
 from clockworkd.client import DaemonClient
 from clockworkd.daemon_paths import DaemonPaths, local_node_name
 from clockworkd.errors import ClockworkError
+from clockworkd.hostlist import expand_hostlist
 from clockworkd.job_story import FleetSummary, JobStory, build_story, fleet_summary
-from clockworkd.slurm.hostlist import expand_hostlist
 
 
 def _gather(loaded: Any, job_id: int, nodes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:

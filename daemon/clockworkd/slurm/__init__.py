@@ -16,6 +16,7 @@ from types import ModuleType
 
 from clockworkd.config.schema import SlurmConfig
 from clockworkd.errors import ConfigError, SlurmError
+from clockworkd.hostlist import expand_hostlist
 from clockworkd.slurm.backend import (
     FINISHED_JOB_STATES,
     AcctRecord,
@@ -26,7 +27,6 @@ from clockworkd.slurm.backend import (
     node_state,
 )
 from clockworkd.slurm.cli_backend import CliBackend, SlurmTimeoutError
-from clockworkd.slurm.hostlist import expand_hostlist
 from clockworkd.slurm.pyslurm_backend import PyslurmBackend, pyslurm_release
 
 __all__ = [

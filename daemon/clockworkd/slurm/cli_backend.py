@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from clockworkd.errors import SlurmError
+from clockworkd.hostlist import expand_hostlist
 from clockworkd.slurm.backend import AcctRecord, JobInfo, NodeInfo, SlurmVersion, node_state
-from clockworkd.slurm.hostlist import expand_hostlist
 
 __all__ = [
     "CliBackend",

@@ -21,9 +21,9 @@ from types import ModuleType
 from typing import Any
 
 from clockworkd.errors import SlurmError
+from clockworkd.hostlist import expand_hostlist
 from clockworkd.slurm.backend import AcctRecord, JobInfo, NodeInfo, SlurmVersion, node_state
 from clockworkd.slurm.cli_backend import CliBackend
-from clockworkd.slurm.hostlist import expand_hostlist
 
 __all__ = ["PyslurmBackend", "pyslurm_release"]
 
