@@ -13,10 +13,10 @@ setup(
     ext_modules=[
         Extension(
             "clockworkd.lens._probeio",
-            sources=[f"{CSRC}/{name}.c" for name in ("_probeio", "pacer", "probe_send", "py_args", "blake2b")],
-            depends=[f"{CSRC}/{name}.h" for name in ("pacer", "probe_send", "py_args", "blake2b", "records")],
+            sources=[f"{CSRC}/{name}.c" for name in ("_probeio", "pacer", "probe_send", "py_args", "tag")],
+            depends=[f"{CSRC}/{name}.h" for name in ("pacer", "probe_send", "py_args", "tag", "records")],
             define_macros=[("_GNU_SOURCE", None), ("_FORTIFY_SOURCE", "2")],
-            libraries=["m"],  # llrint (the pacer applies the clock seam)
+            libraries=["m", "sodium"],  # llrint (the pacer applies the clock seam); BLAKE2b tags (libsodium)
             extra_compile_args=["-std=gnu11", "-O2", "-fstack-protector-strong", "-Wall", "-Wextra", "-Werror"],
             extra_link_args=["-Wl,-z,relro,-z,now", "-Wl,-z,noexecstack"],
         )

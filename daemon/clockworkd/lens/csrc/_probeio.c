@@ -17,7 +17,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#include "blake2b.h"
+#include "tag.h"
 #include "pacer.h"
 #include "probe_send.h"
 #include "py_args.h"
@@ -53,7 +53,7 @@ static PyObject *py_tag(PyObject *self, PyObject *args) {
     const char *key;
     Py_ssize_t keylen;
     Py_buffer data;
-    blake2b_state s;
+    tag_state s;
     uint8_t out[TAG];
     (void)self;
     if (!PyArg_ParseTuple(args, "y#y*", &key, &keylen, &data)) return NULL;
@@ -62,7 +62,7 @@ static PyObject *py_tag(PyObject *self, PyObject *args) {
         PyBuffer_Release(&data);
         return NULL;
     }
-    blake2b_final_from(&s, data.buf, (size_t)data.len, out);
+    tag_of(&s, data.buf, (size_t)data.len, out);
     PyBuffer_Release(&data);
     return PyBytes_FromStringAndSize((const char *)out, TAG);
 }
@@ -86,7 +86,7 @@ static PyObject *py_send_probes(PyObject *self, PyObject *args) {
     Py_buffer b[PATH_BUFFERS + ECHO_BUFFERS];
     probe_paths p;
     probe_echoes e;
-    blake2b_state s;
+    tag_state s;
     (void)self;
     if (!PyArg_ParseTuple(args, "iy#llKLiOOOOOOOOO", &fd, &key, &keylen, &src_node, &src_nic, &session, &tx, &pair,
                           &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8]))
@@ -114,7 +114,7 @@ static PyObject *py_send_train(PyObject *self, PyObject *args) {
     long src_node, src_nic, dst_node, dst_nic;
     unsigned long long seq, session;
     long long tx;
-    blake2b_state s;
+    tag_state s;
     (void)self;
     if (!PyArg_ParseTuple(args, "iy#lllly#KLKiiii", &fd, &key, &keylen, &src_node, &src_nic, &dst_node, &dst_nic,
                           &addr, &addrlen, &seq, &tx, &session, &first, &count, &total, &size))
@@ -131,7 +131,7 @@ static PyObject *py_send_train(PyObject *self, PyObject *args) {
         memset(p + PROBE_BYTES, 0, (size_t)size - PROBE_BYTES);
         probe_header(p, KIND_TRAIN, 0, src_node, src_nic, dst_node, dst_nic, (uint32_t)seq, tx, (uint32_t)session,
                ((uint32_t)(first + i) << 16) | (uint32_t)total, 0, (uint32_t)NO_ECHO);
-        blake2b_final_from(&s, p, HEADER, p + HEADER);
+        tag_of(&s, p, HEADER, p + HEADER);
         send_slot(&sends, (unsigned)i, p, (size_t)size, (const uint8_t *)addr);
     }
     return send_prepared(fd, (unsigned)count);
@@ -152,7 +152,7 @@ static PyObject *py_drain(PyObject *self, PyObject *args) {
     long me_node, me_nic, ncols;
     PyObject *o_ip, *o_path, *o_out;
     Py_buffer b_ip, b_path, b_out;
-    blake2b_state s;
+    tag_state s;
     PyObject *summaries = NULL, *result = NULL;
     (void)self;
     if (!PyArg_ParseTuple(args, "iy#llOlOOi", &fd, &key, &keylen, &me_node, &me_nic, &o_ip, &ncols, &o_path, &o_out,
@@ -232,7 +232,7 @@ static PyObject *py_drain(PyObject *self, PyObject *args) {
                 }
             }
             uint8_t digest[TAG];
-            blake2b_final_from(&s, p, signed_len, digest);
+            tag_of(&s, p, signed_len, digest);
             long sn = get16(p + 6), snic = p[8], dnic = p[9], dn = get16(p + 10);
             if (memcmp(digest, p + signed_len, TAG) != 0 || dn != me_node || dnic != me_nic || sn >= nodes ||
                 snic >= ncols || nic_ip[sn * ncols + snic] != recv_names[i].sin_addr.s_addr) {
@@ -296,6 +296,10 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__probeio(void) {
+    if (sodium_init() < 0) { /* picks BLAKE2b's fastest implementation for this CPU; tags need it */
+        PyErr_SetString(PyExc_ImportError, "libsodium could not be initialised");
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "RECORD_FIELDS", RECORD_FIELDS) != 0 ||

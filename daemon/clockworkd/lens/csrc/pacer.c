@@ -39,7 +39,7 @@ typedef struct {
     int ready;    /* lock and condition initialised */
     int started;  /* the thread runs (until stop) */
     int stopping; /* asked to stop (under lock) */
-    blake2b_state key;
+    tag_state key;
     long src_node;
     uint32_t session;
     int64_t interval_ns;

@@ -50,7 +50,7 @@ unsigned send_slots(send_buf *buf, int fd, unsigned count, int *err) {
     return done;
 }
 
-unsigned send_probe_batch(send_buf *buf, int fd, const blake2b_state *key, long src_node, long src_nic,
+unsigned send_probe_batch(send_buf *buf, int fd, const tag_state *key, long src_node, long src_nic,
                           uint32_t session, int64_t tx, ptrdiff_t pair, const probe_paths *p,
                           const probe_echoes *e, int *err) {
     unsigned count = 0, sent = 0;
@@ -79,7 +79,7 @@ unsigned send_probe_batch(send_buf *buf, int fd, const blake2b_state *key, long 
             uint8_t *d = buf->data[count];
             probe_header(d, KIND_PROBE, flags, src_node, src_nic, p->dst_node[k], p->dst_nic[k], (uint32_t)q, tx,
                          session, 0, e_seq, hold);
-            blake2b_final_from(key, d, HEADER, d + HEADER);
+            tag_of(key, d, HEADER, d + HEADER);
             send_slot(buf, count, d, PROBE_BYTES, p->addrs + 16 * k);
             if (++count == SEND_BATCH) { /* more paths than one batch: send this one, go on */
                 sent += send_slots(buf, fd, count, err);

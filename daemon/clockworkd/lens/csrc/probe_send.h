@@ -9,7 +9,7 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "blake2b.h"
+#include "tag.h"
 
 #define HEADER 40
 #define TAG 8
@@ -64,7 +64,7 @@ unsigned send_slots(send_buf *buf, int fd, unsigned count, int *err);
 /* One probe to each path, path ``pair`` (-1: none) a coded pair instead, sent first (its transmit stamp
  * is the one clock sync relies on). Every probe carries the reverse path's newest echo. Returns how many
  * were sent; ``*err`` as send_slots. */
-unsigned send_probe_batch(send_buf *buf, int fd, const blake2b_state *key, long src_node, long src_nic,
+unsigned send_probe_batch(send_buf *buf, int fd, const tag_state *key, long src_node, long src_nic,
                           uint32_t session, int64_t tx, ptrdiff_t pair, const probe_paths *p,
                           const probe_echoes *e, int *err);
 

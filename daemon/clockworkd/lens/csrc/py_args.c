@@ -1,8 +1,8 @@
 /* Arguments from Python that the probe sender needs checked (see py_args.h). */
 #include "py_args.h"
 
-int tag_key(blake2b_state *s, const char *key, Py_ssize_t keylen) {
-    if (blake2b_keyed_init(s, (const uint8_t *)key, (size_t)keylen, TAG) != 0) {
+int tag_key(tag_state *s, const char *key, Py_ssize_t keylen) {
+    if (tag_init(s, (const uint8_t *)key, (size_t)keylen, TAG) != 0) {
         PyErr_Format(PyExc_ValueError, "tag key must be 1 to 64 bytes, not %zd", keylen);
         return -1;
     }
