@@ -6,10 +6,11 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
 # Debian packages the sandbox cluster and the SPANK build need (chromium: the test that renders the audit's HTML report;
-# gcc and python3-dev: Fleet Lens's C extension, which `pip install -e` compiles).
+# gcc, python3-dev and libsodium-dev: Fleet Lens's C extension, which `pip install -e` compiles; systemd: the check of
+# etc/systemd/clockworkd.service with systemd-analyze).
 APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
 	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping \
-	chromium gcc python3-dev
+	chromium gcc python3-dev libsodium-dev systemd
 
 .PHONY: help venv system-packages demo test lint typecheck clean sandbox-down spank
 
