@@ -3,7 +3,7 @@
 
 One GPU allows one NCCL rank at a time (NCCL refuses two ranks on one device), so the job has one slot and one
 spare on the same GPU: ``torchpass run --local --nproc 1 --spares 1 --set backend=nccl``. Half-way through,
-``torchpass migrate`` moves slot 0 to the spare: the old rank hands its live state over and leaves, the spare
+``clockwork migrate`` moves slot 0 to the spare: the old rank hands its live state over and leaves, the spare
 forms a new NCCL communicator (a new generation, non-blocking, as TorchPass makes them) and training goes on.
 The baseline, run first in the same process, is the same job with no migration. Printed: both runs' final
 weight hashes (they must be equal), the migration's pause (step time across the handover vs the median step),
@@ -49,7 +49,8 @@ def run_job(out: Path, backend: str, steps: int, migrate_at: int | None) -> dict
                 progress = (out / "progress").read_text().split() if (out / "progress").exists() else []
                 if progress and int(progress[0]) >= migrate_at and coord.exists():
                     ask = subprocess.run(
-                        [sys.executable, "-m", "torchpass", "migrate", "--coordinator", str(coord), "--slot", "0"],
+                        [sys.executable, "-m", "clockworkd.cli.main", "migrate", "--coordinator", str(coord),
+                         "--rank", "0"],
                         env=env, capture_output=True, text=True, timeout=60,
                     )  # fmt: skip
                     migrated_at = int(progress[0])

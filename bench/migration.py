@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Benchmark: a planned migration (``torchpass migrate``) in model-aware vs model-transparent mode.
+"""Benchmark: a planned migration (``clockwork migrate``) in model-aware vs model-transparent mode.
 
 Each run starts a local job (``torchpass run --local``: 2 ranks, 1 spare, gloo on 127.0.0.1) of
 ``bench/support/migration_workload.py``: the same MLP and AdamW, written with the TorchPass API (``aware``) or
 as an unmodified DDP script run with ``--transparent``. Once slot 0 has started step ``--mark-step``, the
-benchmark asks ``torchpass migrate --slot 1`` and waits for the job to end. From the job's events it reads
-the coordinator's ``torchpass.migrated`` record (``total_ms``: request to every member resumed, and its
+benchmark asks ``clockwork migrate --coordinator FILE --rank 1`` and waits for the job to end. From the job's
+events it reads the coordinator's ``torchpass.migrated`` record (``total_ms``: request to every member resumed, and its
 split) and the departing rank's ``torchpass.departed`` (``handoff_ms``: its direct send of the live state to
 the spare) with the bytes it moved (``handoff_bytes``). Both modes run in the same invocation, alternately, and
 the medians over ``--runs`` runs are printed side by side with the ratio transparent / aware (the baseline
@@ -72,7 +72,14 @@ def one_run(mode: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
                 if job.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{mode}: the job never reached the marker step; see {out / 'job.log'}")
                 time.sleep(0.02)
-            migrate = [sys.executable, "-m", "torchpass", "migrate", "--coordinator", str(out / "coordinator")]
+            migrate = [
+                sys.executable,
+                "-m",
+                "clockworkd.cli.main",
+                "migrate",
+                "--coordinator",
+                str(out / "coordinator"),
+            ]
             subprocess.run([*migrate, "--slot", "1"], env=env, check=True, capture_output=True, text=True)
             code = job.wait(timeout=RUN_TIMEOUT_S)
         finally:

@@ -5,7 +5,7 @@ It is what model-transparent mode protects without a code change::
 
     torchpass run --local --transparent --nproc 3 --spares 1 examples/train_ddp_torchrun.py --epochs 4
     # in another terminal: kill -9 <pid of a rank>, or
-    #   torchpass migrate --coordinator /tmp/torchpass-PID.coordinator --slot 1
+    #   clockwork migrate --coordinator /tmp/torchpass-PID.coordinator --rank 1
 
 and, in a Slurm job submitted with ``--clockwork-ft=transparent``, ``torchpass run examples/train_ddp_torchrun.py``
 in the batch script. It also runs under ``torchrun --nproc-per-node 2 examples/train_ddp_torchrun.py``

@@ -5,7 +5,7 @@ Run it locally with three ranks and one spare, then kill a rank and watch the jo
 
     torchpass run --local --nproc 3 --spares 1 examples/train_torchpass.py --steps 300
     # in another terminal, while it runs:  kill -9 <pid of a rank>   (pids are in the launcher's log)
-    # or move a rank to the spare on purpose:  torchpass migrate --coordinator /tmp/torchpass-PID.coordinator --slot 1
+    # or move a rank to the spare on purpose:  clockwork migrate --coordinator /tmp/torchpass-PID.coordinator --rank 1
 
 Run alone (``python examples/train_torchpass.py``) it trains as a one-rank job.
 

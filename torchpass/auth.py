@@ -9,11 +9,9 @@ there is no unauthenticated mode.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import zmq
 
+from clockworkd.coordinator_client import read_coordinator_file, write_coordinator_file
 from clockworkd.jobkey import ENV_JOB_KEY, JobKey, JobKeyError
 
 __all__ = [
@@ -48,19 +46,3 @@ def serve(sock: zmq.Socket[bytes]) -> None:
 def connect_as_client(sock: zmq.Socket[bytes]) -> None:
     """Make a connecting socket a CURVE client of this job (call before connect)."""
     job_key().connect_as_client(sock)
-
-
-def write_coordinator_file(path: Path, endpoint: str, key: JobKey) -> None:
-    """Write the coordinator's address and the job key for ``torchpass status/migrate`` (mode 0600)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{endpoint}\n{key.hex}\n")
-
-
-def read_coordinator_file(path: Path) -> tuple[str, JobKey]:
-    """(endpoint, key) from a file :func:`write_coordinator_file` wrote."""
-    lines = path.read_text().split()
-    if len(lines) != 2 or not lines[0].startswith("tcp://"):
-        raise JobKeyError(f"{path}: not a TorchPass coordinator file (an address and a job key)")
-    return lines[0], JobKey.from_hex(lines[1], where=str(path))

@@ -747,7 +747,7 @@ class Context:
     # ----- planned migration ----------------------------------------------------------------
 
     def request_migration(self, slot: int) -> dict[str, Any]:
-        """Ask the coordinator to move ``slot`` to a spare at its next step boundary (as ``torchpass migrate``)."""
+        """Ask the coordinator to move ``slot`` to a spare at its next step boundary (as ``clockwork migrate``)."""
         try:
             return self._channel.call("migrate", slot=slot)
         except CoordinatorRefused as exc:

@@ -8,7 +8,8 @@ is ever sent. The control thread also sends heartbeats (carrying the current ste
 status``), notices a vanished coordinator, and calls back into the rank when a newer generation appears so a
 collective blocked on a silently dead peer can be aborted at once instead of waiting for its timeout.
 
-This module imports no torch; ``torchpass migrate`` and ``torchpass status`` use :class:`CoordinatorRpc`.
+This module imports no torch; ``torchpass status`` and ``clockwork migrate`` speak its protocol through
+:mod:`clockworkd.coordinator_client`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ generation whenever that map must change:
   turns into a local flag and, for a silently hung peer, into an abort of the broken collective);
 * a rank reports a broken collective and no death explains it within ``broken_grace_s``: the same members
   rebuild their process group in a new generation;
-* a planned migration (``torchpass migrate``): the spare takes the slot and the departing rank hands it its
+* a planned migration (``clockwork migrate``): the spare takes the slot and the departing rank hands it its
   live state before leaving.
 
 The rendezvous of each generation lives in the store server of one of its live members, preferably a

@@ -180,7 +180,8 @@ class LocalLauncher:
         write_coordinator_file(self.coordinator_file, endpoint, self.key)
         print(
             f"torchpass: coordinator {endpoint} ({self.nproc} ranks, {self.spares} spares); its address and the "
-            f"job key are in {self.coordinator_file}: torchpass status --coordinator {self.coordinator_file}",
+            f"job key are in {self.coordinator_file} (torchpass status --coordinator FILE; clockwork migrate "
+            "--coordinator FILE --rank R)",
             file=sys.stderr,
         )
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

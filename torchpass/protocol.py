@@ -1,7 +1,7 @@
 """The wire between ranks, the coordinator and the CLI: environment contract, messages, generation records.
 
 Everything here is plain data (msgpack over ZeroMQ), with no torch, so the launcher, the coordinator and
-``torchpass migrate`` stay light and a later Slurm wiring (agents on every node, the node daemon) can speak
+``clockwork migrate`` stay light and a later Slurm wiring (agents on every node, the node daemon) can speak
 the same protocol from any process.
 
 Sockets: the coordinator binds one ROUTER. Each rank connects two DEALERs, one per thread (ZeroMQ sockets

@@ -17,26 +17,78 @@ next step boundary.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
 
 from clockworkd.errors import ClockworkError
-from clockworkd.jobkey import JobKey
+from clockworkd.jobkey import ENV_JOB_KEY, JobKey, JobKeyError
 
-__all__ = ["COORDINATOR_EVENT", "CoordinatorBusy", "ask_leader", "coordinator_record", "request_migration"]
+__all__ = [
+    "COORDINATOR_EVENT",
+    "COORDINATOR_HELP",
+    "CoordinatorBusy",
+    "ask_leader",
+    "coordinator_record",
+    "local_record",
+    "read_coordinator_file",
+    "request_migration",
+    "write_coordinator_file",
+]
 
 COORDINATOR_EVENT = "torchpass.coordinator"
 MAX_REDIRECTS = 3
 _ids = itertools.count(int(time.time() * 1000) % 1_000_000)
 RETRY_INTERVAL_S = 0.5
+COORDINATOR_HELP = (
+    "The coordinator file `torchpass run --local` printed (address and job key), or tcp://HOST:PORT with the "
+    f"job key in {ENV_JOB_KEY}."
+)
 
 
 class CoordinatorBusy(ClockworkError):
     """The coordinator refused for now; the same request may succeed later (e.g. no spare is ready yet)."""
+
+
+def write_coordinator_file(path: Path, endpoint: str, key: JobKey) -> None:
+    """Write a local job's coordinator address and job key, for ``--coordinator FILE`` (mode 0600)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{endpoint}\n{key.hex}\n")
+
+
+def read_coordinator_file(path: Path) -> tuple[str, JobKey]:
+    """(endpoint, key) from a file :func:`write_coordinator_file` wrote."""
+    lines = path.read_text().split()
+    if len(lines) != 2 or not lines[0].startswith("tcp://"):
+        raise JobKeyError(f"{path}: not a TorchPass coordinator file (an address and a job key)")
+    return lines[0], JobKey.from_hex(lines[1], where=str(path))
+
+
+def local_record(target: str) -> dict[str, Any]:
+    """The coordinator record of a job found by ``--coordinator FILE|tcp://HOST:PORT`` (see COORDINATOR_HELP)
+    instead of through the node daemons: what ``torchpass run --local`` jobs need."""
+    try:
+        if target.startswith("tcp://"):
+            found = JobKey.from_environ()
+            if found is None:
+                raise ClockworkError(f"--coordinator {target}: the job key is missing ({ENV_JOB_KEY})", exit_code=2)
+            endpoint, key = target, found
+        else:
+            endpoint, key = read_coordinator_file(Path(target))
+    except OSError as exc:
+        raise ClockworkError(
+            f"--coordinator {target}: neither tcp://HOST:PORT nor a readable file ({exc.strerror})", exit_code=2
+        ) from None
+    except JobKeyError as exc:
+        raise ClockworkError(str(exc), exit_code=2) from None
+    return {"leader": endpoint, "endpoints": [endpoint], "key": key.hex}
 
 
 def coordinator_record(events: list[dict[str, Any]]) -> dict[str, Any] | None:

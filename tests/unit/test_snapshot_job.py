@@ -9,7 +9,7 @@ script: executed directly, it trains and writes a hash of its final model and op
 * restarted as Slurm would requeue it (``SLURM_RESTART_COUNT=1``, no flag) with the newest snapshot
   damaged: the damaged one is rejected, the previous one is loaded, and the result is still bitwise equal;
 * a periodic snapshot (``snapshot_interval_s``, planned by the coordinator) and an on-demand one
-  (``torchpass snapshot``) are written at one step by every rank and verify.
+  (``clockwork snapshot take``) are written at one step by every rank and verify.
 """
 
 from __future__ import annotations
@@ -254,7 +254,15 @@ def test_periodic_and_on_demand_snapshots(tmp_path: Path) -> None:
             time.sleep(0.1)
         while True:  # refused until the ranks have formed their first generation and their pace is known
             asked = subprocess.run(
-                [sys.executable, "-m", "torchpass", "snapshot", "--coordinator", str(out / "coordinator")],
+                [
+                    sys.executable,
+                    "-m",
+                    "clockworkd.cli.main",
+                    "snapshot",
+                    "take",
+                    "--coordinator",
+                    str(out / "coordinator"),
+                ],
                 capture_output=True,
                 text=True,
                 timeout=30,

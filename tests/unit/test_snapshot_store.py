@@ -365,7 +365,7 @@ def test_disk_full_fails_the_snapshot_and_keeps_the_old_one(small_disk: Path, ev
 
 
 def test_period_precedence_command_line_environment_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchpass.cli import _config, _parser
+    from torchpass.cli import _config, run_cmd
     from torchpass.config import ConfigError
 
     for name in ("CLOCKWORK_SNAPSHOT", "SLURM_SPANK_CLOCKWORK_SNAPSHOT", "SPANK_CLOCKWORK_SNAPSHOT"):
@@ -375,7 +375,7 @@ def test_period_precedence_command_line_environment_file(tmp_path: Path, monkeyp
     settings.write_text("snapshot_interval_s = 5.0\nsnapshot_dir = '/from/file'\n")
 
     def config(*extra: str) -> TorchPassConfig:
-        return _config(_parser().parse_args(["run", "--local", "--config", str(settings), *extra, "train.py"]))
+        return _config(run_cmd.make_context("run", ["--local", "--config", str(settings), *extra, "train.py"]).params)
 
     assert config().snapshot_interval_s == 5.0 and config().restore == "auto"
     monkeypatch.setenv("SLURM_SPANK_CLOCKWORK_SNAPSHOT", "20m")  # what SPANK exports under --export=NONE

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import zmq
 
+from clockworkd.cli.main import run as clockwork
 from torchpass.auth import connect_as_client
 from torchpass.cli import main as cli_main
 from torchpass.config import TorchPassConfig
@@ -390,17 +391,17 @@ def test_cli_status_and_migrate(zctx: zmq.Context[zmq.Socket[bytes]], capsys: py
         assert cli_main(["status", "--coordinator", coord.endpoint]) == 0
         out = capsys.readouterr().out
         assert "generation 0" in out and "slot 0: w0" in out
-        assert cli_main(["migrate", "--coordinator", coord.endpoint, "--slot", "0", "--wait", "0"]) == 1
+        assert clockwork(["migrate", "--coordinator", coord.endpoint, "--rank", "0", "--wait", "0"]) == 1
         assert "no spare is ready" in capsys.readouterr().err
         # Asked while the spare is still starting: it asks again until the spare is ready.
         spare = FakeRank(zctx, coord.endpoint, "w1", "spare", 40001)
         late = threading.Timer(1.0, spare.register)
         late.start()
         try:
-            assert cli_main(["migrate", "--coordinator", coord.endpoint, "--slot", "0", "--wait", "30"]) == 0
+            assert clockwork(["migrate", "--coordinator", coord.endpoint, "--rank", "0", "--wait", "30"]) == 0
         finally:
             late.join()
-        assert "slot 0 moves to w1 in generation 1" in capsys.readouterr().out
+        assert "rank 0 moves to spare w1 in generation 1" in capsys.readouterr().out
     finally:
         coord.stop()
 
@@ -408,6 +409,22 @@ def test_cli_status_and_migrate(zctx: zmq.Context[zmq.Socket[bytes]], capsys: py
 def test_cli_run_requires_local(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["run", "train.py"]) == 2
     assert "--local" in capsys.readouterr().err
+
+
+def test_one_command_per_action(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    """Migration and snapshots are clockwork's commands, for Slurm and local jobs alike; torchpass points there."""
+    assert cli_main(["migrate", "--coordinator", "f", "--slot", "1"]) == 2
+    assert "clockwork migrate --coordinator FILE --rank R" in capsys.readouterr().err
+    assert cli_main(["snapshot", "--coordinator", "f"]) == 2
+    assert "clockwork snapshot take --coordinator FILE" in capsys.readouterr().err
+    assert clockwork(["migrate", "5", "--coordinator", "f", "--rank", "0"]) == 2  # a job id or a file, not both
+    assert "not both" in capsys.readouterr().err
+    assert clockwork(["snapshot", "take", "--coordinator", str(tmp_path / "missing")]) == 2
+    assert "neither tcp://HOST:PORT nor a readable file" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.write_text("not a coordinator file\n")
+    assert clockwork(["migrate", "--coordinator", str(bad), "--rank", "0"]) == 2
+    assert "not a TorchPass coordinator file" in capsys.readouterr().err
     assert cli_main(["run", "--local", "--set", "nope=1", "train.py"]) == 2
     assert "unknown key" in capsys.readouterr().err
 

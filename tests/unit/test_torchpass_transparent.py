@@ -15,7 +15,7 @@ whole process group (rank and Slurm-mode agent: a node crash). ``crashnode`` (fo
 and ``crashnode-optimizer`` (sandbox tests) write ``crash-request-<slot>-<step>`` naming the Slurm node and wait
 there for the test to crash that node. A marker file makes each kill happen once.
 ``CW_TEST_STEP_FILE`` (``slot:step``) makes that slot write ``at-step`` when it reaches the step, so a test can
-act (``torchpass migrate``) while the job runs slowed down by ``CW_TEST_STEP_SLEEP``.
+act (``clockwork migrate``) while the job runs slowed down by ``CW_TEST_STEP_SLEEP``.
 ``CW_TEST_VARIANT`` makes the script leave what transparent mode can protect (for the start-up checks).
 
 The oracle: every tensor of the final model, optimizer state and scheduler state of every slot is
@@ -310,8 +310,9 @@ def test_two_failures_in_different_epochs(base: Path, reference: Run) -> None:
 
 
 def test_planned_migration_with_torchpass_migrate(base: Path, reference: Run) -> None:
-    """``torchpass migrate`` while the unmodified script trains: slot 2 moves to the spare at a step boundary."""
-    from torchpass.cli import main as torchpass
+    """``clockwork migrate --coordinator`` while the unmodified script trains: slot 2 moves to the spare at a step
+    boundary."""
+    from clockworkd.cli.main import run as clockwork
 
     out = base / "migrate"
     out.mkdir()
@@ -328,7 +329,7 @@ def test_planned_migration_with_torchpass_migrate(base: Path, reference: Run) ->
             assert proc.poll() is None, proc.communicate()[0][-6000:]
             assert time.monotonic() < deadline, "slot 2 never reached step 12"
             time.sleep(0.05)
-        assert torchpass(["migrate", "--coordinator", str(out / "coordinator"), "--slot", "2"]) == 0
+        assert clockwork(["migrate", "--coordinator", str(out / "coordinator"), "--rank", "2"]) == 0
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:

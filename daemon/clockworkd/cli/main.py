@@ -16,7 +16,7 @@ import click
 
 from clockworkd import __version__
 from clockworkd.cli.context import CliContext, parse_sets
-from clockworkd.errors import ClockworkError
+from clockworkd.cli.invoke import invoke
 
 # Subcommand -> (module, attribute). Imported when the subcommand runs: the audit, report and snapshot
 # commands pull in numpy, h5py and rich (~0.4 s), which `clockwork migrate` or `node status` should not pay.
@@ -85,22 +85,13 @@ def cli(ctx: click.Context, config_path: Path | None, sets: tuple[str, ...], ver
 
 def run(argv: Sequence[str]) -> int:
     """Run the CLI in-process and return its exit code (what tests call)."""
-    try:
-        cli.main(args=list(argv), prog_name="clockwork", standalone_mode=False)
-    except ClockworkError as exc:
-        click.echo(f"clockwork: {exc}", err=True)
-        return exc.exit_code
-    except click.exceptions.Abort:
-        click.echo("clockwork: aborted", err=True)
-        return 130
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except click.exceptions.Exit as exc:
-        return exc.exit_code
-    return 0
+    return invoke(cli, argv, "clockwork")
 
 
 def main() -> None:
     """Console-script entry point."""
     sys.exit(run(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

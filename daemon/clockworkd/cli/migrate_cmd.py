@@ -28,11 +28,39 @@ import click
 from clockworkd.cli.context import CliContext, pass_ctx
 from clockworkd.cli.job_events import events_from as _events_from
 from clockworkd.cli.job_events import job_nodes as _job_nodes
-from clockworkd.coordinator_client import COORDINATOR_EVENT, coordinator_record, request_migration
+from clockworkd.coordinator_client import (
+    COORDINATOR_EVENT,
+    COORDINATOR_HELP,
+    coordinator_record,
+    local_record,
+    request_migration,
+)
 from clockworkd.daemon_paths import local_node_name
 from clockworkd.errors import ClockworkError
 
-__all__ = ["COORDINATOR_EVENT", "coordinator_record", "find_coordinator", "migrate", "request_migration"]
+__all__ = [
+    "COORDINATOR_EVENT",
+    "coordinator_option",
+    "coordinator_record",
+    "find_coordinator",
+    "job_coordinator",
+    "migrate",
+    "request_migration",
+]
+
+coordinator_option = click.option(
+    "--coordinator", "coordinator", metavar="FILE|ADDR", help=f"Instead of JOB_ID, a local job: {COORDINATOR_HELP}"
+)
+
+
+def job_coordinator(state: CliContext, job_id: int | None, coordinator: str | None, node: str | None) -> dict[str, Any]:
+    """The coordinator record of JOB_ID (from the node daemons) or of ``--coordinator`` (exactly one of them)."""
+    if (job_id is None) == (coordinator is None):
+        raise click.UsageError("give a JOB_ID (a Slurm job) or --coordinator FILE|ADDR (a local job), not both")
+    if coordinator is not None:
+        return local_record(coordinator)
+    assert job_id is not None
+    return find_coordinator(state, job_id, node)
 
 
 class NotTorchPassJobError(ClockworkError):
@@ -73,8 +101,9 @@ def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[s
 
 
 @click.command()
-@click.argument("job_id", type=click.IntRange(min=1))
-@click.option("--rank", "rank", type=click.IntRange(min=0), required=True, help="The rank (slot) to move.")
+@click.argument("job_id", type=click.IntRange(min=1), required=False)
+@coordinator_option
+@click.option("--rank", "--slot", "rank", type=click.IntRange(min=0), required=True, help="The rank (slot) to move.")
 @click.option("--node", "node_name", metavar="NODE", help="Whose daemon to ask (default: this host's).")
 @click.option(
     "--timeout",
@@ -94,13 +123,22 @@ def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[s
     "is in progress); 0 fails at once.",
 )
 @pass_ctx
-def migrate(state: CliContext, job_id: int, rank: int, node_name: str | None, timeout_s: float, wait_s: float) -> None:
-    """Move rank RANK of TorchPass job JOB_ID to a spare at its next step boundary.
+def migrate(
+    state: CliContext,
+    job_id: int | None,
+    coordinator: str | None,
+    rank: int,
+    node_name: str | None,
+    timeout_s: float,
+    wait_s: float,
+) -> None:
+    """Move rank RANK of TorchPass job JOB_ID (or of the local job --coordinator names) to a spare at its
+    next step boundary.
 
     The rank sends its live training state straight to the spare, which takes its place; the rank then exits
     cleanly and training continues at the next step, with no checkpoint and no step done twice.
     """
-    record = find_coordinator(state, job_id, node_name)
+    record = job_coordinator(state, job_id, coordinator, node_name)
     reply = request_migration(
         record,
         rank,
@@ -110,6 +148,6 @@ def migrate(state: CliContext, job_id: int, rank: int, node_name: str | None, ti
         on_wait=lambda why: click.echo(f"clockwork: {why}; asking again for up to {wait_s:g} s", err=True),
     )
     click.echo(
-        f"job {job_id}: rank {rank} moves to spare {reply.get('target')} in generation {reply.get('generation')} "
-        "(at its next step boundary)"
+        f"{f'job {job_id}' if job_id else coordinator}: rank {rank} moves to spare {reply.get('target')} in "
+        f"generation {reply.get('generation')} (at its next step boundary)"
     )

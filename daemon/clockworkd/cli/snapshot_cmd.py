@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from clockworkd.cli.context import CliContext, pass_ctx
-from clockworkd.cli.migrate_cmd import find_coordinator
+from clockworkd.cli.migrate_cmd import coordinator_option, job_coordinator
 from clockworkd.coordinator_client import ask_leader
 from clockworkd.errors import ClockworkError
 from clockworkd.snapshots.store import MANIFEST, list_snapshots, load_manifest, remove_snapshot, verify_snapshot
@@ -146,7 +146,8 @@ def rm_cmd(paths: tuple[Path, ...]) -> None:
 
 
 @snapshot.command("take")
-@click.argument("job_id", type=click.IntRange(min=1))
+@click.argument("job_id", type=click.IntRange(min=1), required=False)
+@coordinator_option
 @click.option("--node", "node_name", metavar="NODE", help="Whose daemon to ask (default: this host's).")
 @click.option(
     "--timeout",
@@ -157,12 +158,14 @@ def rm_cmd(paths: tuple[Path, ...]) -> None:
     help="Seconds to wait for each coordinator replica.",
 )
 @pass_ctx
-def take_cmd(state: CliContext, job_id: int, node_name: str | None, timeout_s: float) -> None:
-    """Ask running TorchPass job JOB_ID to take a snapshot now.
+def take_cmd(
+    state: CliContext, job_id: int | None, coordinator: str | None, node_name: str | None, timeout_s: float
+) -> None:
+    """Ask running TorchPass job JOB_ID (or the local job --coordinator names) to take a snapshot now.
 
     The coordinator picks a step a little ahead of the fastest rank; every rank snapshots after that step,
     and rank 0 writes the manifest when every shard is on disk (see the job's torchpass.snapshot_* events)."""
-    record = find_coordinator(state, job_id, node_name)
+    record = job_coordinator(state, job_id, coordinator, node_name)
     fields = {"op": "snapshot", "requester": f"clockwork snapshot take (uid {os.getuid()})"}
     reply = ask_leader(record, fields, timeout_s, "snapshotted on demand")
-    click.echo(f"job {job_id}: every rank snapshots after step {reply.get('step')}")
+    click.echo(f"{f'job {job_id}' if job_id else coordinator}: every rank snapshots after step {reply.get('step')}")
