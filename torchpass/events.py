@@ -4,8 +4,8 @@ A sink is any callable ``sink(kind, fields)``. The coordinator calls its sink fo
 (``torchpass.generation``, ``torchpass.member_failed``, ``torchpass.recovered``, ``torchpass.migrated``,
 ...); each rank calls its own for what it sees locally (``torchpass.step_abandoned``, ``torchpass.joined``,
 ...). Sinks are called synchronously but never allowed to break training: a raising sink is logged and
-ignored. The daemon sink talks to ``clockworkd`` through its client only, imported lazily, so TorchPass has
-no import-time dependency on the daemon (dependency direction: torchpass -> clockworkd client).
+ignored. The daemon sink talks to ``clockworkd`` through its client only, imported lazily. TorchPass uses only
+clockworkd's torch-free client-side modules, never the daemon itself (tests/unit/test_code_rules.py lists them).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 - torch is imported only by torchpass/ (and examples/, an ordinary user script; bench/, whose scripts run real
   training; tests/ may test either);
 - dependency direction: linkpass depends on no other Clockwork package, clockworkd not on slurm_hooks
-  or torchpass (every import counts, including ones inside functions);
+  or torchpass (every import counts, including ones inside functions), and torchpass only on clockworkd's
+  torch-free client-side modules (TORCHPASS_MAY_IMPORT);
 - no import cycles among clockworkd.*, slurm_hooks.*, linkpass.*, torchpass.*;
 - no module named utils.py;
 - every module has a docstring, package markers included.
@@ -191,6 +192,36 @@ def test_dependency_direction(package: str, forbidden: tuple[str, ...]) -> None:
         module, is_package = _module_name(path)
         for name in _imported_names(_parse(path), module, is_package, set()):
             if name.split(".")[0] in forbidden:
+                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not offenders, "\n".join(offenders)
+
+
+# What TorchPass may use of clockworkd: its torch-free, client-side modules (the job key, the coordinator's
+# command client, option and hostlist parsing, the snapshot format, the settings helper, the daemon's client for
+# the event sink and borrowing, the command-line error handler). Never the daemon itself (server, agent, Lens,
+# LinkPass hosts): a rank must not load it, and the daemon may change without touching TorchPass.
+TORCHPASS_MAY_IMPORT = {
+    "clockworkd.cli.invoke",
+    "clockworkd.client",
+    "clockworkd.config_fields",
+    "clockworkd.coordinator_client",
+    "clockworkd.errors",
+    "clockworkd.hostlist",
+    "clockworkd.job_options",
+    "clockworkd.jobkey",
+    "clockworkd.snapshots.store",
+    "clockworkd.snapshots.writer",
+}
+
+
+def test_torchpass_uses_only_clockworkds_client_side_modules() -> None:
+    offenders = []
+    for path in _source_files(PACKAGES["torchpass"]):
+        module, is_package = _module_name(path)
+        for name in _imported_names(_parse(path), module, is_package, set()):
+            if name.split(".")[0] == "clockworkd" and not any(
+                name == allowed or name.startswith(allowed + ".") for allowed in TORCHPASS_MAY_IMPORT
+            ):
                 offenders.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not offenders, "\n".join(offenders)
 
