@@ -4,8 +4,9 @@ The launcher builds it (defaults, then ``--config FILE``, then ``--set KEY=VALUE
 rank as JSON in ``TORCHPASS_CONFIG``, so the coordinator and all ranks always agree on timeouts and seeds.
 A rank may override fields in :func:`torchpass.init`. Unknown keys are errors everywhere: a misspelt
 timeout silently falling back to a default is exactly the kind of surprise a fault-tolerance layer must not
-have. Fields follow the project's convention (``doc``, ``choices``, ``min`` in the field metadata), so a
-later wiring can show them in ``clockwork config show`` without a second source of truth.
+have. Fields are the project's one mechanism (:mod:`clockworkd.config_fields`): ``setting()`` documents each
+(``doc``, ``choices``, ``min``) and ``coerce()`` checks every value, for a file, ``--set`` or the code alike,
+with the daemon's own messages.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
+
+from clockworkd.config_fields import FieldValueError, coerce, setting
 
 __all__ = ["ENV_CONFIG", "ConfigError", "TorchPassConfig", "environment_settings", "parse_duration"]
 
@@ -59,192 +62,169 @@ def environment_settings(environ: Mapping[str, str] | None = None) -> dict[str, 
     return out
 
 
-_FIELD_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
-
-
 class ConfigError(ValueError):
     """A configuration value or key is wrong; the message names the key and what is allowed."""
-
-
-def _setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, min: float | None = None) -> Any:
-    """A documented dataclass field (same metadata keys as ``clockworkd.config_fields.setting``)."""
-    meta: dict[str, Any] = {"doc": doc}
-    if choices is not None:
-        meta["choices"] = choices
-    if min is not None:
-        meta["min"] = min
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class TorchPassConfig:
     """Settings shared by the launcher, the per-job coordinator and every rank (see each field's doc)."""
 
-    backend: str = _setting(
+    backend: str = setting(
         "gloo",
         "Collective backend: 'gloo' (CPU, tested here), 'nccl' (GPU; non-blocking communicators, aborted on "
         "failure), or 'auto' (nccl when CUDA is available, else gloo).",
         choices=("gloo", "nccl", "auto"),
     )
-    seed: int = _setting(
+    seed: int = setting(
         0,
         "Base seed. Before every step each rank reseeds its RNGs from (seed, rank slot, step), so a replacement "
         "rank draws the same dropout masks as the rank it replaces without any RNG state being moved.",
     )
-    reseed_python: bool = _setting(True, "Also reseed Python's `random` module at every step boundary.")
-    reseed_numpy: bool = _setting(True, "Also reseed NumPy's global generator at every step boundary (if importable).")
-    zygote: bool = _setting(
+    reseed_python: bool = setting(True, "Also reseed Python's `random` module at every step boundary.")
+    reseed_numpy: bool = setting(True, "Also reseed NumPy's global generator at every step boundary (if importable).")
+    zygote: bool = setting(
         True,
         "Local mode: fork every rank, spare and replacement from one process that imported torch once (about "
         "5 s of CPU each on a small node, and a spare is warm in milliseconds); off = a fresh interpreter each.",
     )
-    gc_freeze: bool = _setting(
+    gc_freeze: bool = setting(
         True,
         "When a rank joins, hand every object alive then (torch's and the script's modules: ~300k objects) to "
         "gc.freeze: the collector's full passes stop walking them, so its pauses inside steps shrink and the "
         "process exits about a second sooner (the final collection skips them). Objects alive at that point "
         "are never reclaimed as cyclic garbage.",
     )
-    collective_timeout_s: float = _setting(
+    collective_timeout_s: float = setting(
         30.0,
         "Timeout of every collective and point-to-point transfer (never the 30-minute default). A dead peer "
         "whose sockets close is seen at once; this bounds a silently hung peer.",
         min=0.1,
     )
-    join_timeout_s: float = _setting(
+    join_timeout_s: float = setting(
         300.0,
         "How long the members of a new generation wait for each other at the rendezvous (covers a spare "
         "building its model). Past it the generation counts as broken and the coordinator tries again.",
         min=0.1,
     )
-    heartbeat_interval_s: float = _setting(
+    heartbeat_interval_s: float = setting(
         1.0, "How often each rank's control thread tells the coordinator it is alive.", min=0.01
     )
-    heartbeat_timeout_s: float = _setting(
+    heartbeat_timeout_s: float = setting(
         15.0,
         "The coordinator declares a rank dead when it has not been heard for this long (a hung or "
         "silently lost process; an exiting process is seen at once by the launcher).",
         min=0.1,
     )
-    coordinator_timeout_s: float = _setting(
+    coordinator_timeout_s: float = setting(
         30.0,
         "A rank that has not heard the coordinator for this long gives up (exits with an error): in local mode "
         "the coordinator lives in the launcher, so this means the launcher is gone.",
         min=0.1,
     )
-    rpc_timeout_s: float = _setting(10.0, "Deadline of one short request to the coordinator.", min=0.1)
-    agent_heartbeat_interval_s: float = _setting(
+    rpc_timeout_s: float = setting(10.0, "Deadline of one short request to the coordinator.", min=0.1)
+    agent_heartbeat_interval_s: float = setting(
         0.25, "Slurm mode: how often each node agent tells every other agent it is alive.", min=0.01
     )
-    agent_timeout_s: float = _setting(
+    agent_timeout_s: float = setting(
         2.0,
         "Slurm mode: a node agent not heard for this long is lost, with every process it ran (a crashed node "
         "is silent, it sends no reset). If it was the leader, the lowest agent still heard takes over.",
         min=0.05,
     )
-    agent_startup_timeout_s: float = _setting(
+    agent_startup_timeout_s: float = setting(
         60.0,
         "Slurm mode: how long the agents wait for a peer never heard from (srun starts them at slightly "
         "different times) before counting it lost.",
         min=0.1,
     )
-    broken_grace_s: float = _setting(
+    broken_grace_s: float = setting(
         2.0,
         "After a rank reports a broken collective, how long the coordinator waits for a death notice before it "
         "rebuilds the generation with the same members (a collective error with nobody dead).",
         min=0.0,
     )
-    spare_timeout_s: float = _setting(
+    spare_timeout_s: float = setting(
         600.0, "How long a vacant slot may wait for a spare before the job is declared failed.", min=0.1
     )
-    borrow_fallback: str = _setting(
+    borrow_fallback: str = setting(
         "fail",
         "--clockwork-spares=borrow, when no node can be borrowed: 'fail' fails the job at once with the reason; "
         "'wait' waits for a standby spare (--spares) until spare_timeout_s.",
         choices=("fail", "wait"),
     )
-    borrow_timeout_s: float = _setting(
+    borrow_timeout_s: float = setting(
         120.0,
         "--clockwork-spares=borrow: how long one borrow (node daemon + Slurm preemption) may take before it "
         "counts as failed; keep it above the cluster's GraceTime and [borrow] timeout_s.",
         min=1.0,
     )
-    max_failures: int = _setting(
+    max_failures: int = setting(
         32, "Member failures the job survives; one more fails the job (stops a crash loop).", min=0
     )
-    max_resets: int = _setting(
+    max_resets: int = setting(
         3,
         "Rebuilds with the same members (a collective error, nobody dead) at one step before the job is declared "
         "failed, with that diagnosis: an error that survives that many rebuilds at the same step is not transient.",
         min=0,
     )
-    store_prefix: str = _setting(
+    store_prefix: str = setting(
         "torchpass", "Key prefix in the rendezvous stores; each generation uses PREFIX/gN/ so none collide."
     )
-    transfer_chunk_mb: float = _setting(
+    transfer_chunk_mb: float = setting(
         64.0, "State is sent in chunks of at most this many MiB (bounds the extra memory of a transfer).", min=0.001
     )
-    snapshot_buffers: bool = _setting(
+    snapshot_buffers: bool = setting(
         True,
         "Keep a copy of the model's buffers (e.g. BatchNorm statistics) at each committed step, so a step "
         "abandoned after its forward pass can be undone. Costs one buffer copy per step; free without buffers.",
     )
-    snapshot_dir: str = _setting(
+    snapshot_dir: str = setting(
         "clockwork-snapshots/{job}",
         "Where snapshots go ({job}: the Slurm job id, or 'local'); relative to the launcher's working directory. "
         "Must be shared by every node for a multi-node job. Environment: CLOCKWORK_SNAPSHOT_DIR.",
     )
-    snapshot_interval_s: float = _setting(
+    snapshot_interval_s: float = setting(
         0.0,
         "Take a snapshot every this many seconds (0: off). The coordinator picks a step a little ahead of the "
         "fastest rank so that every rank snapshots the same step. Environment: CLOCKWORK_SNAPSHOT (20m, 1h, off; "
         "set by sbatch --clockwork-snapshot).",
         min=0.0,
     )
-    snapshot_every_steps: int = _setting(
+    snapshot_every_steps: int = setting(
         0, "Also take a snapshot after every N-th step (step + 1 divisible by N; 0: off). Needs no coordination.", min=0
     )
-    snapshot_keep: int = _setting(3, "Complete snapshots kept; older ones are removed once a new one exists.", min=1)
-    snapshot_timeout_s: float = _setting(
+    snapshot_keep: int = setting(3, "Complete snapshots kept; older ones are removed once a new one exists.", min=1)
+    snapshot_timeout_s: float = setting(
         600.0,
         "How long rank 0's writer waits for every rank's shard before it declares the snapshot failed (and how "
         "long a finishing rank waits for its snapshot in flight).",
         min=0.1,
     )
-    restore: str = _setting(
+    restore: str = setting(
         "auto",
         "'auto': restore the newest good snapshot when Slurm requeued the job (SLURM_RESTART_COUNT > 0); "
         "'latest': restore it now (an error if there is none); 'never'; or the path of a snapshot directory or "
         "of one snapshot (torchpass run --restore).",
     )
-    transparent_strict: bool = _setting(
+    transparent_strict: bool = setting(
         False,
         "Model-transparent mode: treat every start-up warning about the script (a loader it cannot track, "
         "several optimizers, gradient accumulation, ...) as an error that stops the job.",
     )
-    log_level: str = _setting(
+    log_level: str = setting(
         "info",
         "Level of TorchPass's own log on the ranks when the script configured no logging itself.",
         choices=("debug", "info", "warning", "error"),
     )
 
     def __post_init__(self) -> None:
+        """Every value checked by the one rule the daemon's settings follow too (type, choices, minimum)."""
         for f in fields(self):
-            value = getattr(self, f.name)
-            expected = _FIELD_TYPES[str(f.type)]
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, f.name, float(value))
-                value = float(value)
-            if expected is int and isinstance(value, bool):
-                raise ConfigError(f"torchpass config: {f.name} must be an integer, not {value!r}")
-            if not isinstance(value, expected):
-                raise ConfigError(f"torchpass config: {f.name} must be {expected.__name__}, not {value!r}")
-            choices = f.metadata.get("choices")
-            if choices is not None and value not in choices:
-                raise ConfigError(f"torchpass config: {f.name} must be one of {', '.join(choices)}; got {value!r}")
-            low = f.metadata.get("min")
-            if low is not None and value < low:
-                raise ConfigError(f"torchpass config: {f.name} must be >= {low}; got {value!r}")
+            try:
+                object.__setattr__(self, f.name, coerce(f, getattr(self, f.name), text_ok=False))
+            except FieldValueError as exc:
+                raise ConfigError(f"torchpass config: {f.name}: {exc}") from None
 
     # ----- construction ---------------------------------------------------------------------
 
@@ -299,21 +279,10 @@ class TorchPassConfig:
         defaults = {f.name: f for f in fields(self)}
         if key not in defaults:
             raise ConfigError(f"torchpass config: unknown key {key!r}; valid keys: {', '.join(self.keys())}")
-        default = defaults[key].default
-        value: Any
         try:
-            if isinstance(default, bool):
-                if raw.strip().lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
-                    raise ValueError(raw)
-                value = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif isinstance(default, int):
-                value = int(raw)
-            elif isinstance(default, float):
-                value = float(raw)
-            else:
-                value = raw
-        except ValueError:
-            raise ConfigError(f"torchpass config: {key} wants a {type(default).__name__}, got {raw!r}") from None
+            value = coerce(defaults[key], raw, text_ok=True)
+        except FieldValueError as exc:
+            raise ConfigError(f"torchpass config: {key}: {exc}") from None
         return self.with_overrides(**{key: value})
 
     # ----- transport to the ranks -----------------------------------------------------------

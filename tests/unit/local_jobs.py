@@ -28,6 +28,18 @@ class JobResult:
         return [e["fields"] for e in self.events if e["kind"] == kind]
 
 
+class FinishedJob(JobResult):
+    """A job run in folder ``out``: its launcher's exit status and output, and the events it wrote there."""
+
+    def __init__(self, out: Path, returncode: int, output: str) -> None:
+        import json
+
+        self.out, self.returncode, self.output = out, returncode, output
+        events_file = out / "events.jsonl"
+        lines = events_file.read_text().splitlines() if events_file.exists() else []
+        self.events = [json.loads(line) for line in lines]
+
+
 def local_command(
     out: Path,
     script: Path,

@@ -175,19 +175,8 @@ if __name__ == "__main__":
 # ======================================================================================================
 
 # After the rank script: its processes must not need ``tests`` importable.
-from tests.unit.local_jobs import JobResult, assert_bitwise_equal, load_final, local_command  # noqa: E402
-
-
-class Run(JobResult):
-    """One finished job: its folder, launcher exit status and output, and the coordinator's events."""
-
-    def __init__(self, out: Path, returncode: int, output: str) -> None:
-        import json
-
-        self.out, self.returncode, self.output = out, returncode, output
-        events_file = out / "events.jsonl"
-        lines = events_file.read_text().splitlines() if events_file.exists() else []
-        self.events = [json.loads(line) for line in lines]
+from tests.unit.local_jobs import FinishedJob as Run  # noqa: E402
+from tests.unit.local_jobs import assert_bitwise_equal, load_final, local_command  # noqa: E402
 
 
 def _run(base: Path, name: str, mode: str, *, kill: str = "", counter: str = "") -> Run:

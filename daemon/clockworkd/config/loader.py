@@ -8,7 +8,6 @@ value came from, the key and what would have been accepted.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -17,14 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from clockworkd.config.schema import ClockworkConfig, sections
+from clockworkd.config_fields import FieldValueError, coerce
 from clockworkd.errors import ConfigError
 
 DEFAULT_PATH = Path("/etc/clockwork/clockwork.toml")
 CONFIG_ENV = "CLOCKWORK_CONFIG"
 ENV_PREFIX = "CLOCKWORK_"
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
@@ -47,55 +44,12 @@ class LoadedConfig:
         return rows
 
 
-def _expected(f: dataclasses.Field[Any]) -> str:
-    choices = f.metadata.get("choices")
-    if choices:
-        return "one of " + ", ".join(choices)
-    kind = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false"}[str(f.type)]
-    if "min" in f.metadata:
-        kind += f" >= {f.metadata['min']:g}"
-    return kind
-
-
 def _coerce(f: dataclasses.Field[Any], raw: Any, origin: str, section: str, *, text_ok: bool = True) -> Any:
-    """Turn ``raw`` into the field's type, or raise ConfigError.
-
-    ``text_ok``: the value may be text to parse (environment, command line); a TOML file has types of
-    its own, so there ``nodes = "3"`` is an error rather than a guess.
-    """
-    kind = str(f.type)
-    value: Any = raw
-    ok = True
-    if isinstance(raw, str) and kind != "str" and text_ok:
-        text = raw.strip().lower()
-        try:
-            if kind == "bool":
-                value = True if text in _TRUE else False if text in _FALSE else None
-                ok = value is not None
-            elif kind == "int":
-                value = int(text)
-            elif kind == "float":
-                value = float(text)
-        except ValueError:
-            ok = False
-    elif kind == "bool":
-        ok = isinstance(raw, bool)
-    elif kind == "int":
-        ok = isinstance(raw, int) and not isinstance(raw, bool)
-    elif kind == "float":
-        ok = isinstance(raw, int | float) and not isinstance(raw, bool)
-        value = float(raw) if ok else raw
-    elif kind == "str":
-        ok = isinstance(raw, str)
-    if ok and "choices" in f.metadata:
-        ok = value in f.metadata["choices"]
-    if ok and kind == "float":
-        ok = math.isfinite(value)
-    if ok and "min" in f.metadata:
-        ok = value >= f.metadata["min"]
-    if not ok:
-        raise ConfigError(f"{origin}: [{section}] {f.name}: invalid value {raw!r} (expected {_expected(f)})")
-    return value
+    """:func:`clockworkd.config_fields.coerce`, its error naming where the value came from."""
+    try:
+        return coerce(f, raw, text_ok=text_ok)
+    except FieldValueError as exc:
+        raise ConfigError(f"{origin}: [{section}] {f.name}: {exc}") from None
 
 
 def _fields(section: str) -> dict[str, dataclasses.Field[Any]]:
