@@ -34,8 +34,9 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,7 @@ class Launch:
     master_addr: str
     master_port: int
     timeout_s: float
+    step_ms: float = 0.0  # --step-ms: each step lasts at least this long (standing for real compute)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -378,6 +380,7 @@ def train(launch: Launch, steps: int, seed: int) -> None:
         losses: list[float] = []
         batches = endless_batches(loader, sampler)
         for step in range(1, steps + 1):
+            started = time.monotonic()
             inputs, targets = next(batches)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(inputs), targets)
@@ -388,7 +391,14 @@ def train(launch: Launch, steps: int, seed: int) -> None:
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
             losses.append(mean_loss.item() / world_size)
-            if rank == 0:
+            if (
+                launch.step_ms
+            ):  # paced: say how long the step's work took (a stall shows there), then sleep out the rest
+                work = time.monotonic() - started
+                if rank == 0:
+                    _print(f"step {step} loss {losses[-1]:.4f} ({1000 * work:.0f} ms)")
+                time.sleep(max(0.0, launch.step_ms / 1000 - work))
+            elif rank == 0:
                 _print(f"step {step} loss {losses[-1]:.4f}")
 
         # Every replica must hold the same weights; check it so a silent divergence cannot pass as success.
@@ -416,9 +426,11 @@ def _fail(rank: int | None, error: BaseException) -> int:
     return 1
 
 
-def _local_worker(rank: int, world_size: int, port: int, steps: int, seed: int, timeout_s: float) -> None:
+def _local_worker(
+    rank: int, world_size: int, port: int, steps: int, seed: int, timeout_s: float, step_ms: float = 0.0
+) -> None:
     """Body of one process in --local mode (top level so torch.multiprocessing can pickle it)."""
-    launch = Launch(rank, world_size, rank, "127.0.0.1", port, timeout_s)
+    launch = Launch(rank, world_size, rank, "127.0.0.1", port, timeout_s, step_ms)
     try:
         train(launch, steps, seed)
     except Exception as error:
@@ -441,7 +453,9 @@ def loopback_interface() -> str | None:
     return next((name for name in names if name.startswith("lo")), None)
 
 
-def run_local(processes: int, cli_port: int | None, steps: int, seed: int, timeout_s: float) -> int:
+def run_local(
+    processes: int, cli_port: int | None, steps: int, seed: int, timeout_s: float, step_ms: float = 0.0
+) -> int:
     """Spawn ``processes`` ranks on this machine and return the exit status for the whole run."""
     port = cli_port if cli_port is not None else free_port()
     # Without this, gloo binds to whatever the hostname resolves to, which may be a LAN address.
@@ -449,7 +463,7 @@ def run_local(processes: int, cli_port: int | None, steps: int, seed: int, timeo
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     try:
-        mp.spawn(_local_worker, args=(processes, port, steps, seed, timeout_s), nprocs=processes, join=True)
+        mp.spawn(_local_worker, args=(processes, port, steps, seed, timeout_s, step_ms), nprocs=processes, join=True)
     except mp.ProcessExitedException as error:
         print(
             f"{PROG}: error: local run failed: rank {error.error_index} exited with code {error.exit_code}",
@@ -462,11 +476,11 @@ def run_local(processes: int, cli_port: int | None, steps: int, seed: int, timeo
     return 0
 
 
-def run_slurm(cli_port: int | None, steps: int, seed: int, timeout_s: float) -> int:
+def run_slurm(cli_port: int | None, steps: int, seed: int, timeout_s: float, step_ms: float = 0.0) -> int:
     """Run this process as the rank srun gave it and return its exit status."""
     rank: int | None = None
     try:
-        launch = launch_from_slurm(cli_port, timeout_s)
+        launch = replace(launch_from_slurm(cli_port, timeout_s), step_ms=step_ms)
         rank = launch.rank
         train(launch, steps, seed)
     except Exception as error:
@@ -503,6 +517,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="rendezvous and collective timeout (default: 60)",
     )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="make every step last at least MS milliseconds (a sleep standing for real compute); each step line "
+        "then says how long the step's own work took, the sleep left out (default: 0, no pacing)",
+    )
     args = parser.parse_args(argv)
     if args.local is not None and args.local < 1:
         parser.error("--local needs at least 1 process")
@@ -510,6 +532,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--steps must be at least 1")
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
+    if args.step_ms < 0:
+        parser.error("--step-ms must not be negative")
     if args.port is not None and not 0 < args.port < 65536:
         parser.error("--port must be in 1..65535")
     return args
@@ -519,8 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: pick the launch mode and return the process exit status."""
     args = parse_args(argv)
     if args.local is not None:
-        return run_local(args.local, args.port, args.steps, args.seed, args.timeout)
-    return run_slurm(args.port, args.steps, args.seed, args.timeout)
+        return run_local(args.local, args.port, args.steps, args.seed, args.timeout, args.step_ms)
+    return run_slurm(args.port, args.steps, args.seed, args.timeout, args.step_ms)
 
 
 if __name__ == "__main__":

@@ -167,14 +167,8 @@ def until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: flo
 
 
 def lens_baselines_learned(daemons: NodeDaemons) -> bool:
-    """Every node's Fleet Lens receives from every peer on every rail, judges each path against the baseline
-    it learned, and has clock estimates: what the Lens and audit tests need before they inject a fault."""
-    for node in daemons.nodes:
-        snap = daemons.request(node, "lens") or {}
-        paths = snap.get("paths") or []
-        if len(paths) < len(daemons.nodes) - 1 or not all(p.get("verdict") for p in paths) or not snap.get("clock"):
-            return False
-    return True
+    """What the Lens and audit tests need before they inject a fault (:meth:`NodeDaemons.lens_ready`)."""
+    return daemons.lens_ready()
 
 
 def wait_job(box: Sandbox, job_id: int, timeout_s: float = 120) -> str:

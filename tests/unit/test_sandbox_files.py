@@ -142,7 +142,13 @@ def test_hosts(layout: Layout) -> None:
     assert table["ctl"] == layout.ctl_ip
     for node in layout.nodes:
         assert table[node.name] == node.node_addr
-    assert len(entries) == 2 + len(layout.nodes)
+        assert table[f"{node.name}-mgmt"] == node.mgmt_ip
+        for nic in node.nics:  # a connection's source address has a name too (c10d looks it up)
+            assert table[f"{node.name}-{nic.name}"] == nic.ip
+        assert table[f"{node.name}.v4mapped"] == f"::ffff:{node.node_addr}"  # how c10d looks its peers up
+    addresses = [addr for addr, _ in entries]
+    assert len(addresses) == len(set(addresses)), "one name per address"
+    assert sum(1 for _, name in entries if name == "node1") == 1, "forward lookups stay IPv4"
 
 
 def test_hook_wrapper() -> None:

@@ -509,20 +509,24 @@ class Sandbox:
         """A whole node dies at once: every process in it is SIGKILLed and its links go dark.
 
         The switch ports of its NICs and its management port go down (the node's side of each cable is
-        gone with it), so peers see silence, not a reset. Returns how many processes were killed.
+        gone with it), so peers see silence, not a reset. They go down first, and every process is stopped
+        before any is killed: processes die one by one, and a survivor on the node (a TorchPass agent whose rank
+        just died) must not get a word out that a real crash would not let it send. Returns how many processes
+        were killed.
         """
         require_root("clockwork sandbox fault node")
         st = self.require_up()
         layout = build_layout(st.config)
         spec = layout.node(node)
-        pids = processes.netns_pids([spec.netns])
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         ports = [nic.port for nic in spec.nics] + [spec.mgmt_port]
         run(["ip", "-n", layout.fabric_ns, "-batch", "-"], input="".join(f"link set {p} down\n" for p in ports))
+        pids = processes.netns_pids([spec.netns])
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
         st.faults[f"node {node} -"] = "crash"
         st.save(self.paths.state_file)
         return len(pids)

@@ -115,6 +115,16 @@ class NodeDaemons:
         for node in self.nodes:
             self.stop(node)
 
+    def lens_ready(self) -> bool:
+        """Every node's Fleet Lens receives from every peer on every rail, judges each path against the baseline
+        it learned, and has clock estimates: what a Lens scene or test needs before it injects a fault."""
+        for node in self.nodes:
+            snap = self.request(node, "lens") or {}
+            paths = snap.get("paths") or []
+            if len(paths) < len(self.nodes) - 1 or not all(p.get("verdict") for p in paths) or not snap.get("clock"):
+                return False
+        return True
+
     def component(self, node: str, name: str) -> dict[str, Any]:
         """``status()[name]`` of ``node``'s daemon (``{}`` when it does not answer)."""
         status = self.request(node, "status") or {}

@@ -119,10 +119,19 @@ def hosts(layout: Layout) -> str:
     """/etc/hosts inside every node: hostnames resolve to the stable node addresses.
 
     So a process's own hostname is its node address, which is what gloo, TCPStore and peers bind
-    and connect to: traffic then follows the routed node address that LinkPass can move.
+    and connect to: traffic then follows the routed node address that LinkPass can move. The NIC and
+    management addresses get names too (``node2-nic0``, ``node2-mgmt``): a connection's source address may be
+    one of them. c10d's stores accept on dual-stack sockets and look up the peer's name as an IPv4-mapped IPv6
+    address (``::ffff:198.18.0.2``), so every address has such a line too, under a name of its own
+    (``node2.v4mapped``: forward lookups of ``node2`` stay IPv4). Without them c10d warns "The hostname of the
+    client socket cannot be retrieved" for every connection, after a DNS lookup that goes nowhere.
     """
-    lines = ["127.0.0.1\tlocalhost", f"{layout.ctl_ip}\t{CONTROLLER}"]
-    lines += [f"{n.node_addr}\t{n.name}" for n in layout.nodes]
+    named = [("127.0.0.1", "localhost"), (layout.ctl_ip, CONTROLLER)]
+    named += [(n.node_addr, n.name) for n in layout.nodes]
+    named += [(nic.ip, f"{n.name}-{nic.name}") for n in layout.nodes for nic in n.nics]
+    named += [(n.mgmt_ip, f"{n.name}-mgmt") for n in layout.nodes]
+    lines = [f"{addr}\t{name}" for addr, name in named]
+    lines += [f"::ffff:{addr}\t{name}.v4mapped" for addr, name in named]
     return "\n".join(lines) + "\n"
 
 
