@@ -291,17 +291,10 @@ class Context:
         yielded twice. Returns when every member has committed the last step.
         """
         fetch = batch_source(source, lambda: self.slot, self.world_size)
-        if self.generation < 0:
-            self._join_loop(after=-1, first=self._pending)
-            self._maybe_restore()
-            self._snapshotter.prepare()
+        self.start()
         while True:
-            channel = self._channel
-            if channel.latest_gen > self.generation or channel.lost or channel.stopped is not None:
-                if channel.stopped is not None and channel.stopped.done:
-                    return
-                self._recover(f"generation {channel.latest_gen} announced", error=False)
-                continue
+            if not self.follow_generation(stop_when_done=True):
+                return
             step = self._committed + 1
             if step >= total_steps:
                 if self._finish():
@@ -318,6 +311,32 @@ class Context:
                 self._commit(step)
                 if self._failed_after_update:
                     self._recover(self._failed_after_update, error=True)
+
+    def start(self) -> None:
+        """Join the job's first generation (a spare: the one that gave it its slot), restore a snapshot if one
+        is due (every rank agrees), and start the snapshot writer; nothing once joined. ``steps`` calls it, and
+        transparent mode at its first batch."""
+        if self.generation >= 0:
+            return
+        self._join_loop(after=-1, first=self._pending)
+        self._maybe_restore()
+        self._snapshotter.prepare()
+
+    def must_rejoin(self) -> bool:
+        """Whether this rank must leave its generation at the next boundary: a newer one was announced, the
+        coordinator is lost, or the job was stopped. The one test every step boundary makes."""
+        channel = self._channel
+        return channel.latest_gen > self.generation or channel.lost or channel.stopped is not None
+
+    def follow_generation(self, *, stop_when_done: bool = False) -> bool:
+        """At a step boundary: rejoin until this rank trains in the newest generation. False (only with
+        ``stop_when_done``) when the job finished instead; otherwise a finished job ends the process."""
+        while self.must_rejoin():
+            stopped = self._channel.stopped
+            if stop_when_done and stopped is not None and stopped.done:
+                return False
+            self._recover(f"generation {self._channel.latest_gen} announced", error=False)
+        return True
 
     def _begin(self, step: int) -> None:
         self._abandoned = False

@@ -408,9 +408,7 @@ class Session:
         tensors = _tensors_in(args, kwargs)
         saved = [t.detach().clone() for t in tensors]
         while True:
-            if ctx._channel.latest_gen > ctx.generation or ctx._channel.lost or ctx._channel.stopped is not None:
-                ctx._recover(f"generation {ctx._channel.latest_gen} announced", error=False)
-                continue
+            ctx.follow_generation()
             try:
                 result = collective(*args, **kwargs)
             except Exception as exc:
@@ -669,17 +667,8 @@ class Session:
 
     def _boundary(self) -> None:
         """Between two steps: join the first generation, or follow a newer one (as ``ctx.steps`` does)."""
-        ctx = self.ctx
-        if ctx.generation < 0:  # as ctx.steps starts: join, restore a snapshot if one is due, start snapshots
-            ctx._join_loop(after=-1, first=ctx._pending)
-            ctx._maybe_restore()
-            ctx._snapshotter.prepare()
-        while True:
-            channel = ctx._channel
-            if channel.latest_gen > ctx.generation or channel.lost or channel.stopped is not None:
-                ctx._recover(f"generation {channel.latest_gen} announced", error=False)
-                continue
-            return
+        self.ctx.start()
+        self.ctx.follow_generation()
 
     def next_batch(self, it: _Pass) -> Any:
         """``next()`` on the tracked loader: the step boundary (see the module docstring)."""
