@@ -668,8 +668,9 @@ class Coordinator(SocketThread):
         self._recovery = _Recovery(evidence_at=time.time(), death_seen_at=time.time())
         self._recovery.reasons.append(f"migration of slot {slot} ({source}) requested by {requester}")
         emit(self.event_sink, log, "torchpass.migration_requested", slot=slot, source=source, by=requester)
-        self._reply(ident, msg["id"], generation=self.gen + 1, target=self.spares[0])
-        self._try_declare()
+        target, generation = self.spares[0], max(self.gen + 1, self._gen_floor)
+        self._try_declare()  # before the answer: whoever reads the job after it sees the migration decided
+        self._reply(ident, msg["id"], generation=generation, target=target)
 
     # ----- snapshots ------------------------------------------------------------------------
 
