@@ -171,9 +171,10 @@ def test_clock_offsets_are_recovered_against_the_seam_truth(
                 assert clock[other]["uncertainty_us"] > 0
         assert max(errors) < 20.0, f"clock offset errors (µs) against the seam truth: {errors}"
         # One-way delays are measured across the synthetic clocks: corrected, they stay microseconds,
-        # while the raw clocks differ by up to 80 ms.
+        # while the raw clocks differ by up to 80 ms. The offsets are known to within 20 µs (above), and a
+        # veth hop takes about as long, so a corrected delay may come out a few µs below zero.
         p50s = [p["owd_p50_us"] for p in lens_snapshot(daemons, "node3")["paths"]]
-        assert p50s and all(v is not None and 0 < v < 2000 for v in p50s), p50s
+        assert p50s and all(v is not None and -20.0 < v < 2000 for v in p50s), p50s
     finally:
         daemons.start_all()
 
