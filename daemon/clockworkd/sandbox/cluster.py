@@ -328,11 +328,13 @@ class Sandbox:
     def _start_accounting(self, st: SandboxState, layout: Layout, slurm_env: dict[str, str]) -> None:
         p = self.paths
         self._progress("starting MariaDB and slurmdbd (accounting, for sacct)")
+        p.db_tmp.mkdir(parents=True, exist_ok=True)
         run(
             [
                 "mariadb-install-db",
                 "--no-defaults",
                 f"--datadir={p.db}",
+                f"--tmpdir={p.db_tmp}",
                 "--user=root",
                 "--auth-root-authentication-method=normal",
                 "--skip-test-db",
@@ -351,6 +353,7 @@ class Sandbox:
                 "mariadbd",
                 "--no-defaults",
                 f"--datadir={p.db}",
+                f"--tmpdir={p.db_tmp}",
                 f"--socket={p.db_socket}",
                 f"--port={layout.mariadb_port}",
                 "--bind-address=127.0.0.1",

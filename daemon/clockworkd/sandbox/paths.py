@@ -91,6 +91,12 @@ class StatePaths:
         return self.root / "mariadb"
 
     @property
+    def db_tmp(self) -> Path:
+        """MariaDB's temporary tables: a directory of this sandbox's, never the shared /tmp (two sandboxes
+        installing at once have removed each other's there)."""
+        return self.root / "mariadb-tmp"
+
+    @property
     def db_socket(self) -> Path:
         return self.root / "mariadb.sock"
 
