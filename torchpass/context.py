@@ -17,7 +17,7 @@ What a step is, and when it counts:
 * When the body returns, a step that was not abandoned is *committed* (``ctx.committed_step`` = S); an
   abandoned one is rolled back (buffers, registered state, gradients) and the rank recovers.
 
-Recovery (:meth:`Context._recover`): tear down the broken group (which unblocks peers still inside a
+Recovery (:meth:`Context.recover`): tear down the broken group (which unblocks peers still inside a
 collective with us), tell the coordinator if the collective broke, wait for the new generation, meet its
 members at a rendezvous in a live member's store (fresh prefix per generation), form the new default
 process group, and agree on the state. Every member reports (has state, last committed step); the most
@@ -34,7 +34,6 @@ cleanly (``SystemExit(0)`` out of ``ctx.steps``).
 from __future__ import annotations
 
 import atexit
-import copy
 import datetime
 import gc
 import importlib
@@ -60,9 +59,9 @@ from torchpass.data import batch_source
 from torchpass.ddp import TorchPassDDP
 from torchpass.events import DaemonEventSink, EventSink, emit, tee
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, GenerationInfo, LaunchEnv, die_with_parent
-from torchpass.rng import reseed
 from torchpass.snapshot import RestoreError, Snapshotter, restore, restore_target
 from torchpass.state import StateError, StateParts, recv_state, send_state
+from torchpass.step import StepLifecycle
 
 __all__ = ["Context", "TorchPassError", "init"]
 
@@ -85,7 +84,7 @@ class _RankLog(logging.LoggerAdapter):  # type: ignore[type-arg]
 
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
         ctx = cast(Context, self.extra["ctx"])  # type: ignore[index]
-        return f"[slot {ctx.slot} g{ctx.generation} step {ctx._step} {ctx.worker_id}] {msg}", kwargs
+        return f"[slot {ctx.slot} g{ctx.generation} step {ctx.step} {ctx.worker_id}] {msg}", kwargs
 
 
 def _configure_logging(level: str) -> None:
@@ -147,22 +146,12 @@ class Context:
         self._coordinator = coordinator  # standalone mode only: an in-process coordinator for one rank
         self._parts = StateParts()
         self._model: TorchPassDDP | None = None
-        self._snapshots: dict[str, Any] = {}  # generic registered state at the last commit
-        self._buffers: list[torch.Tensor] = []
-        self._buffer_shadow: list[torch.Tensor] = []
-        self._staged: StagedBuffers | None = None  # slot 0's buffers, broadcast after a forward (buffers.py)
-        self._group_shadow: list[list[dict[str, Any]]] = []  # optimizer hyper-parameters at the last commit
         self._commit_hooks: list[Callable[[int], None]] = []
         self._pending: GenerationInfo | None = None
-        self._step = -1
         self._committed = -1
         self._has_state = False
-        self._abandoned = False
-        self._abandon_reason = ""
-        self._first_error_at: float | None = None
-        self._optimizer_steps = 0  # optimizer steps taken in the step in progress
-        self._user_collectives = 0  # the script's collectives started in the step in progress
-        self._failed_after_update = ""  # a collective of the user's failed once the update was applied
+        # The step in progress and what an abandoned one is undone from (torchpass.step).
+        self.lifecycle = StepLifecycle(channel, self._parts, lambda: self.generation, self.log, event_sink)
         self._closed = False
         self._snapshotter = Snapshotter(config, self.log, event_sink)
         self._restore_from = restore_target(config) if env.initial_slot is not None else (None, False)
@@ -178,7 +167,7 @@ class Context:
     @property
     def step(self) -> int:
         """The step being executed (-1 outside ``ctx.steps``)."""
-        return self._step
+        return self.lifecycle.step
 
     @property
     def committed_step(self) -> int:
@@ -200,17 +189,18 @@ class Context:
         """
         if self._model is not None:
             raise TorchPassError("ctx.wrap_model was already called; register further modules with ctx.register")
-        return self._adopt_model(TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs))
+        return self.adopt_model(TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs))
 
-    def _adopt_model(self, ddp: TorchPassDDP) -> TorchPassDDP:
+    def adopt_model(self, ddp: TorchPassDDP) -> TorchPassDDP:
         """Make ``ddp`` (built over this context) the job's model: its state moves, its buffers roll back.
 
         Split from :meth:`wrap_model` for transparent mode, whose DDP stand-in constructs itself."""
         self._model = ddp
         self._parts.model = ddp.module
-        self._buffers = list(ddp.module.buffers()) if self.config.snapshot_buffers else []
-        self._buffer_shadow = [b.detach().clone() for b in self._buffers]
-        self._staged = StagedBuffers(ddp.synced_buffers) if ddp.synced_buffers and self.world_size > 1 else None
+        self.lifecycle.track_model(
+            list(ddp.module.buffers()) if self.config.snapshot_buffers else [],
+            StagedBuffers(ddp.synced_buffers) if ddp.synced_buffers and self.world_size > 1 else None,
+        )
         return ddp
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -221,16 +211,16 @@ class Context:
         if any(optimizer is o for o in self._parts.optimizers):
             return optimizer
         inner = optimizer.step
-        ctx = self
+        ctx, lifecycle = self, self.lifecycle
 
         def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            ctx._settle_staged_buffers()  # the update waits for slot 0's buffers: their loss abandons the step
-            if ctx._abandoned:
-                ctx.log.debug("optimizer step skipped (step abandoned: %s)", ctx._abandon_reason)
+            lifecycle.settle_staged_buffers()  # the update waits for slot 0's buffers: their loss abandons the step
+            if lifecycle.abandoned:
+                ctx.log.debug("optimizer step skipped (step abandoned: %s)", lifecycle.reason)
                 return None
             ctx._snapshotter.before_update()  # snapshot copies still reading the parameters come first
             result = inner(*args, **kwargs)
-            ctx._optimizer_steps += 1
+            lifecycle.optimizer_steps += 1
             return result
 
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
@@ -255,17 +245,17 @@ class Context:
         if isinstance(obj, torch.amp.GradScaler):
             self._gate_scaler(obj)
         else:
-            self._snapshots[name] = copy.deepcopy(obj.state_dict())
+            self.lifecycle.track_state(name, obj)
         self._parts.extra[name] = obj
         return obj
 
     def _gate_scaler(self, scaler: torch.amp.GradScaler) -> None:
         """``update()`` must still reset the scaler's per-step bookkeeping; only its scale is kept."""
         inner = scaler.update
-        ctx = self
+        lifecycle = self.lifecycle
 
         def update(self: torch.amp.GradScaler, new_scale: Any = None) -> None:
-            if not ctx._abandoned:
+            if not lifecycle.abandoned:
                 inner(new_scale)
                 return
             saved = [t.clone() if t is not None else None for t in (self._scale, self._growth_tracker)]
@@ -297,20 +287,14 @@ class Context:
                 return
             step = self._committed + 1
             if step >= total_steps:
-                if self._finish():
-                    self._step = -1
+                if self.finish():
+                    self.lifecycle.step = -1
                     return
                 continue
-            self._begin(step)
+            self.begin(step)
             batch = fetch(step)
             yield step, batch
-            if self._abandoned:
-                self._roll_back(step)
-                self._recover(self._abandon_reason, error=True)
-            else:
-                self._commit(step)
-                if self._failed_after_update:
-                    self._recover(self._failed_after_update, error=True)
+            self.end_step()
 
     def start(self) -> None:
         """Join the job's first generation (a spare: the one that gave it its slot), restore a snapshot if one
@@ -335,31 +319,32 @@ class Context:
             stopped = self._channel.stopped
             if stop_when_done and stopped is not None and stopped.done:
                 return False
-            self._recover(f"generation {self._channel.latest_gen} announced", error=False)
+            self.recover(f"generation {self._channel.latest_gen} announced", error=False)
         return True
 
-    def _begin(self, step: int) -> None:
-        self._abandoned = False
-        self._abandon_reason = ""
-        self._first_error_at = None
-        self._optimizer_steps = 0
-        self._user_collectives = 0
-        self._failed_after_update = ""
-        self._step = step
-        self._channel.step = step
-        reseed(self.config.seed, self.slot, step, python=self.config.reseed_python, numpy=self.config.reseed_numpy)
+    def begin(self, step: int) -> None:
+        """Open ``step`` (the committed step + 1; a redo after an abandoned step gets the same RNG)."""
+        cfg = self.config
+        self.lifecycle.begin(step, seed=cfg.seed, slot=self.slot, python=cfg.reseed_python, numpy=cfg.reseed_numpy)
 
-    def _commit(self, step: int) -> None:
-        if self._staged is not None and self._staged.pending:
-            try:
-                self._staged.wait()
-                self._staged.take()  # every rank now holds slot 0's buffers (torchpass.buffers)
-            except Exception as exc:  # after the update: the step commits, the rank recovers right after
-                self._staged.drop()
-                self._failed_after_update = self._failed_after_update or f"{type(exc).__name__}: {exc}"
+    def end_step(self) -> None:
+        """Close the step in progress: commit it, or roll it back; then recover when it failed (a rank whose
+        collective failed after the update commits first, then recovers)."""
+        lifecycle = self.lifecycle
+        if lifecycle.abandoned:
+            lifecycle.roll_back()
+            self.recover(lifecycle.reason, error=True)
+            return
+        self.commit(lifecycle.step)
+        if lifecycle.failed_after_update:
+            self.recover(lifecycle.failed_after_update, error=True)
+
+    def commit(self, step: int) -> None:
+        """``step`` is done on this rank: its state is the committed state (callbacks, snapshots)."""
+        self.lifecycle.settle_for_commit()  # every rank now holds slot 0's buffers (torchpass.buffers)
         self._committed = step
         self._has_state = True
-        self._snapshot_local_state()
+        self.lifecycle.remember()
         for callback in self._commit_hooks:
             callback(step)
         planned = step in self._channel.snapshot_steps
@@ -367,143 +352,79 @@ class Context:
             if not self._snapshotter.capture(self._parts, step, self.slot, self.world_size) and planned:
                 self._channel.skipped_snapshots.append(step)  # the coordinator may plan it again
 
-    def _snapshot_local_state(self) -> None:
-        """Remember what a step may change outside the optimizer's update, as of the last commit: buffers,
-        optimizer hyper-parameters (an LR scheduler edits ``param_groups`` directly) and generic registered
-        state. An abandoned step is undone from these copies."""
-        for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
-            shadow.copy_(live)
-        self._group_shadow = [
-            [
-                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
-                for group in optimizer.param_groups
-            ]
-            for optimizer in self._parts.optimizers
-        ]
-        for name in self._snapshots:
-            self._snapshots[name] = copy.deepcopy(self._parts.extra[name].state_dict())
-
-    def _roll_back(self, step: int) -> None:
-        """Undo what an abandoned step changed locally; the optimizer, scheduler and scaler skipped theirs."""
-        emit(self.event_sink, self.log, "torchpass.step_abandoned", step=step, reason=self._abandon_reason)
-        if self._staged is not None:
-            self._staged.drop()
-        with torch.no_grad():
-            for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
-                live.copy_(shadow)
-        for optimizer, groups in zip(self._parts.optimizers, self._group_shadow, strict=True):
-            for group, saved in zip(optimizer.param_groups, groups, strict=True):
-                group.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()})
-        for name, snapshot in self._snapshots.items():
-            self._parts.extra[name].load_state_dict(copy.deepcopy(snapshot))
-        self._zero_grads()
-
-    def _zero_grads(self) -> None:
-        for optimizer in self._parts.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        if self._parts.model is not None:
-            self._parts.model.zero_grad(set_to_none=True)
-
     # ----- failure-tolerant collectives ----------------------------------------------------
 
-    def _abandon_step(self, error: BaseException | str) -> None:
-        """Mark the current step abandoned (safe from any thread; the first reason wins)."""
-        if not self._abandoned:
-            self._first_error_at = time.time()
-            self._abandon_reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-            self._abandoned = True
-            self.log.warning("step abandoned: %s", self._abandon_reason.splitlines()[0][:300])
+    @property
+    def parts(self) -> StateParts:
+        """The state that moves (model, optimizers, registered objects); read it, do not replace it."""
+        return self._parts
 
-    def _collective_allowed(self) -> bool:
-        """Whether a collective may start now; abandons the step when the generation is stale."""
-        if self._abandoned:
-            return False
-        if self._channel.latest_gen > self.generation:
-            self._abandon_step(f"generation {self._channel.latest_gen} announced")
-            return False
-        return True
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
 
-    def _stage_buffers(self) -> None:
-        """After a synchronising forward inside a step: start broadcasting slot 0's buffers (buffers.py)."""
-        staged = self._staged
-        if staged is None or self._step < 0 or not self._collective_allowed():
-            return
-        try:
-            staged.launch()
-        except Exception as exc:
-            staged.drop()
-            self._abandon_step(exc)
+    @property
+    def user_group(self) -> dist.ProcessGroup | None:
+        """This generation's process group for the script's own collectives (never the gradients')."""
+        return self._backend.user_group
 
-    def _settle_staged_buffers(self) -> None:
-        """Wait for a staged broadcast of slot 0's buffers; its failure abandons the step."""
-        staged = self._staged
-        if staged is None or not staged.pending:
-            return
-        if self._abandoned:
-            staged.drop()
-            return
-        try:
-            staged.wait()
-        except Exception as exc:
-            staged.drop()
-            self._abandon_step(exc)
+    def collective_allowed(self) -> bool:
+        """Whether a collective may start now (False once the step is abandoned or the generation is stale)."""
+        return self.lifecycle.collective_allowed()
 
-    def _take_staged_buffers(self) -> None:
-        """Before a further forward of the same step: slot 0's staged buffers replace this rank's own."""
-        self._settle_staged_buffers()
-        if self._staged is not None and self._staged.pending:
-            self._staged.take()
+    def abandon_step(self, error: BaseException | str) -> None:
+        """Mark the current step abandoned (callable from any thread)."""
+        self.lifecycle.abandon(error)
+
+    def stage_buffers(self) -> None:
+        """After a synchronising forward: start broadcasting slot 0's buffers (a failure abandons the step)."""
+        self.lifecycle.stage_buffers()
+
+    def take_staged_buffers(self) -> None:
+        """Before a further forward of the same step: take the staged buffers, as DDP's broadcast would."""
+        self.lifecycle.take_staged_buffers()
+
+    def local_group(self) -> dist.ProcessGroup:
+        """The private one-rank group DDP is constructed over when its gradients are not on the CPU."""
+        return self._backend.local_group()
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> bool:
         """``dist.all_reduce`` that abandons the step instead of raising; returns whether it succeeded.
 
         Use it for collectives of your own inside the loop (e.g. averaging a loss for logging): a raw
-        ``dist`` call would raise into your code when a peer dies.
+        ``dist`` call would raise into your code when a peer dies. After the step's update a failure cannot
+        abandon the step: the collective is skipped, the step commits and the rank recovers right after.
         """
-        if self._updated():
-            return self._all_reduce_after_update(tensor, op)
-        if not self._collective_allowed():
-            return False
-        try:
-            self._user_collective("ctx.all_reduce", lambda group: dist.all_reduce(tensor, op=op, group=group))
+
+        def run() -> bool:
+            dist.all_reduce(tensor, op=op, group=self._backend.user_group)
             return True
-        except Exception as exc:
-            self._abandon_step(exc)
-            return False
 
-    def _updated(self) -> bool:
-        """Every wrapped optimizer stepped in this step: its result is in the parameters, so the step can no
-        longer be abandoned (a redo would apply the update twice); it commits whatever fails after this."""
-        return bool(self._parts.optimizers) and self._optimizer_steps >= len(self._parts.optimizers)
+        return self.guarded_collective("ctx.all_reduce", run, False)
 
-    def _all_reduce_after_update(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> bool:
-        """A collective after the update: on failure it is skipped and remembered; the step commits and the
-        rank recovers right after (:meth:`steps`)."""
-        if self._failed_after_update or self._channel.latest_gen > self.generation:
-            self._failed_after_update = self._failed_after_update or f"generation {self._channel.latest_gen} announced"
-            return False
+    def guarded_collective(self, name: str, run: Callable[[], _T], failed: _T) -> _T:
+        """Run one of the script's collectives inside the step in progress, never raising: before the update
+        a failure abandons the step; after it, the step commits and the rank recovers (:meth:`end_step`).
+        ``failed`` is returned when it did not run or failed; ``run()``'s result otherwise."""
+        lifecycle = self.lifecycle
+        if lifecycle.updated:
+            if lifecycle.failed_after_update or lifecycle.stale():
+                lifecycle.fail_after_update(f"generation {self._channel.latest_gen} announced")
+                return failed
+            try:
+                return lifecycle.user_collective(name, run)
+            except Exception as exc:
+                lifecycle.fail_after_update(f"{type(exc).__name__}: {exc}")
+                self.log.warning("collective failed after the step's update: %s", str(exc).splitlines()[0][:300])
+                return failed
+        if not lifecycle.collective_allowed():
+            return failed
         try:
-            self._user_collective("ctx.all_reduce", lambda group: dist.all_reduce(tensor, op=op, group=group))
-            return True
+            return lifecycle.user_collective(name, run)
         except Exception as exc:
-            self._first_error_at = self._first_error_at or time.time()
-            self._failed_after_update = f"{type(exc).__name__}: {exc}"
-            self.log.warning("collective failed after the step's update: %s", str(exc).splitlines()[0][:300])
-            return False
-
-    def _user_collective(self, name: str, run: Callable[[dist.ProcessGroup | None], _T]) -> _T:
-        """Run one of the script's collectives (``run(group)``) on the generation's group for them, never the
-        gradients' (backends.py); while it runs, the heartbeats say so, so the coordinator can tell when peers
-        went past it (a counter of the script's own that disagrees between ranks: torchpass.lockstep)."""
-        self._user_collectives += 1
-        self._channel.collective = (self._step, self._user_collectives, name) if self._step >= 0 else None
-        try:
-            return run(self._backend.user_group)
-        finally:
-            self._channel.collective = None
-
-    def _local_group(self) -> dist.ProcessGroup:
-        return self._backend.local_group()
+            lifecycle.abandon(exc)
+            return failed
 
     def _on_generation(self, gen: int) -> None:
         """Control thread: a newer generation exists, so any collective of an older one is doomed: abort it."""
@@ -512,7 +433,7 @@ class Context:
 
     # ----- membership changes ---------------------------------------------------------------
 
-    def _recover(self, reason: str, *, error: bool) -> None:
+    def recover(self, reason: str, *, error: bool) -> None:
         """Leave the current generation and join the next (see the module docstring)."""
         left_at = time.time()
         gen = self.generation
@@ -523,10 +444,10 @@ class Context:
                 "broken",
                 gen=gen,
                 slot=self.slot,
-                step=self._step,
+                step=self.lifecycle.step,
                 committed=self._committed,
                 error=reason[:500],
-                at=self._first_error_at or left_at,
+                at=self.lifecycle.first_error_at or left_at,
             )
         self._join_loop(after=gen, first=None, left_at=left_at)
 
@@ -549,7 +470,7 @@ class Context:
                     "broken",
                     gen=info.gen,
                     slot=self.slot,
-                    step=self._step,
+                    step=self.lifecycle.step,
                     committed=self._committed,
                     error=str(exc)[:500],
                     at=time.time(),
@@ -650,13 +571,10 @@ class Context:
         if self._channel.latest_gen > info.gen:
             raise _Broken(f"superseded by generation {self._channel.latest_gen}")
         self.generation = info.gen
-        if self._staged is not None:
-            self._staged.drop()  # staged in a generation that is gone
+        self.lifecycle.drop_staged_buffers()  # staged in a generation that is gone
         source, received, nbytes = self._agree_and_transfer(info)
         done_at = time.time()
-        self._zero_grads()
-        self._snapshot_local_state()
-        self._step = self._committed + 1
+        self.lifecycle.restart_at(self._committed + 1)
         timings: dict[str, Any] = {
             "rebuild_ms": round(1000 * (formed_at - received_at), 1),
             "transfer_ms": round(1000 * (done_at - formed_at), 1),
@@ -682,7 +600,7 @@ class Context:
             received=received,
             transfer_bytes=nbytes,
             arrived_at=arrived_at,
-            first_error_at=self._first_error_at,
+            first_error_at=self.lifecycle.first_error_at,
             left_at=left_at,
             handoff_ok=handoff_ok,
             **timings,
@@ -745,7 +663,7 @@ class Context:
         self._report("fatal", message=message)
         raise TorchPassError(message)
 
-    def _finish(self) -> bool:
+    def finish(self) -> bool:
         """Wait until every member committed the last step; False when a new generation needs this rank."""
         try:
             reply = self._channel.wait(
@@ -844,7 +762,7 @@ class Context:
     def snapshot_now(self) -> bool:
         """Take a snapshot after the current step commits (every rank must call it at the same step, or use
         ``clockwork snapshot take``); False when one is still being written."""
-        step = self._step if self._step >= 0 else self._committed
+        step = self.lifecycle.step if self.lifecycle.step >= 0 else self._committed
         self._channel.snapshot_steps.add(step)
         return not self._snapshotter.busy
 
@@ -880,11 +798,7 @@ class Context:
             return
         self._committed = committed
         self._has_state = True
-        self._zero_grads()
-        for name in self._snapshots:
-            self._snapshots[name] = copy.deepcopy(self._parts.extra[name].state_dict())
-        self._snapshot_local_state()
-        self._step = committed + 1
+        self.lifecycle.restart_at(committed + 1)
 
     # ----- end ------------------------------------------------------------------------------
 

@@ -54,23 +54,23 @@ class StepGuard(Protocol):
 
     world_size: int
 
-    def _collective_allowed(self) -> bool:
+    def collective_allowed(self) -> bool:
         """Whether a collective may start now (False once the step is abandoned or the generation is stale)."""
         ...
 
-    def _abandon_step(self, error: BaseException | str) -> None:
+    def abandon_step(self, error: BaseException | str) -> None:
         """Mark the current step abandoned (callable from any thread)."""
         ...
 
-    def _stage_buffers(self) -> None:
+    def stage_buffers(self) -> None:
         """After a synchronising forward: start broadcasting slot 0's buffers (a failure abandons the step)."""
         ...
 
-    def _take_staged_buffers(self) -> None:
+    def take_staged_buffers(self) -> None:
         """Before a further forward of the same step: take the staged buffers, as DDP's broadcast would."""
         ...
 
-    def _local_group(self) -> dist.ProcessGroup:
+    def local_group(self) -> dist.ProcessGroup:
         """The private one-rank group DDP is constructed over when its gradients are not on the CPU."""
         ...
 
@@ -126,7 +126,7 @@ def _sum_over_current(
     The future holds ``done()`` once the sum is in, or ``fallback`` when no collective may run now or the
     collective fails (a failure abandons the step instead of raising into ``loss.backward()``).
     """
-    if not ctx._collective_allowed():
+    if not ctx.collective_allowed():
         return _completed(fallback)
     # The current generation's group, called directly: dist.all_reduce's checks cost ~10 µs a bucket. A
     # complex tensor goes as its real view, as dist.all_reduce would send it.
@@ -134,14 +134,14 @@ def _sum_over_current(
     try:
         work = dist.distributed_c10d._get_default_group().allreduce(flat, opts)
     except Exception as exc:
-        ctx._abandon_step(exc)
+        ctx.abandon_step(exc)
         return _completed(fallback)
 
     def finish(future: torch.futures.Future[Any]) -> _T:
         try:
             future.value()
         except Exception as exc:  # runs on a backend thread: record, never raise into backward()
-            ctx._abandon_step(exc)
+            ctx.abandon_step(exc)
             return fallback
         return done()
 
@@ -212,7 +212,7 @@ class TorchPassDDP(DistributedDataParallel):
         )
         caps = _bucket_caps(ddp_kwargs.pop("bucket_cap_mb", None))
         on_cpu = all(p.device.type == "cpu" for p in module.parameters())
-        group = _CurrentGroup(ctx) if on_cpu else ctx._local_group()
+        group = _CurrentGroup(ctx) if on_cpu else ctx.local_group()
         super().__init__(module, process_group=group, init_sync=False, **no_sync, **caps, **ddp_kwargs)
         self._tp_ctx = ctx
         self.synced_buffers = list(module.buffers()) if broadcast_buffers else []
@@ -227,8 +227,8 @@ class TorchPassDDP(DistributedDataParallel):
         Staged only when DDP would broadcast before the next forward: grad enabled and outside ``no_sync()``."""
         if not self.synced_buffers:
             return super().forward(*inputs, **kwargs)
-        self._tp_ctx._take_staged_buffers()
+        self._tp_ctx.take_staged_buffers()
         output = super().forward(*inputs, **kwargs)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            self._tp_ctx._stage_buffers()
+            self._tp_ctx.stage_buffers()
         return output

@@ -212,9 +212,6 @@ class Session:
         self.step_pass = -1
         self.step_index = -1
         self.step_epoch = -1
-        self.optimizer_steps = 0
-        self.updated = False  # every optimizer stepped in the step in progress: it can only commit now
-        self.failed_after_update = ""  # a collective failed after the update: recover right after the commit
         self.steps_without_optimizer = 0
         self.fast_forward = False
         self.between_seen = 0  # the script's collectives between steps this process reached (once the job started)
@@ -244,20 +241,20 @@ class Session:
                 "the first step ran without a DistributedDataParallel model: gradients are not averaged through "
                 "TorchPass and no model state moves to a replacement"
             )
-        if not self.ctx._parts.optimizers:
+        if not self.ctx.parts.optimizers:
             raise TorchPassError(
                 "transparent mode: no torch.optim optimizer was built before the first step; there is no "
                 "training state to protect (use the model-aware API for custom update rules)"
             )
-        if self.optimizer_steps == 0:
+        if self.ctx.lifecycle.optimizer_steps == 0:
             raise TorchPassError(
                 "transparent mode: the first step (one batch of the DistributedSampler loader) ran no optimizer "
                 "step; each batch must end with optimizer.step() (gradient accumulation over several batches "
                 "cannot be protected: use the model-aware API)"
             )
-        if len(self.ctx._parts.optimizers) > 1:
+        if len(self.ctx.parts.optimizers) > 1:
             self.warn(
-                f"{len(self.ctx._parts.optimizers)} optimizers were built; all of them move with the state, "
+                f"{len(self.ctx.parts.optimizers)} optimizers were built; all of them move with the state, "
                 "matched by construction order, which must be the same on every rank"
             )
         if self.other_loaders:
@@ -343,14 +340,14 @@ class Session:
         log line) is skipped and remembered; the step commits and the rank recovers right after.
 
         A call on the default group runs on the generation's group for the script's collectives instead
-        (:meth:`Context._user_collective`), which no gradient bucket ever uses."""
+        (:meth:`Context.guarded_collective`), which no gradient bucket ever uses."""
         session = self
         name = f"dist.{collective.__name__}"
         params = list(inspect.signature(collective).parameters)
         group_at = params.index("group") if "group" in params else -1
 
         def call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            group = session.ctx._backend.user_group
+            group = session.ctx.user_group
             if group is None or group_at < 0:
                 return collective(*args, **kwargs)
             if len(args) > group_at:
@@ -360,9 +357,6 @@ class Session:
                 kwargs = {**kwargs, "group": group}
             return collective(*args, **kwargs)
 
-        def in_step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return session.ctx._user_collective(name, lambda _group: call(args, kwargs))
-
         @functools.wraps(collective)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if _internal():
@@ -371,23 +365,7 @@ class Session:
                 return call(args, kwargs)
             if not session.step_open:
                 return session.between_steps(lambda *a, **k: call(a, k), args, kwargs)
-            if session.updated:
-                if session.failed_after_update or session.ctx._channel.latest_gen > session.ctx.generation:
-                    session.failed_after_update = session.failed_after_update or "new generation announced"
-                    return None
-                try:
-                    return in_step(args, kwargs)
-                except Exception as exc:
-                    session.failed_after_update = f"{type(exc).__name__}: {exc}"
-                    session.ctx.log.warning("collective failed after the step's update: %s", exc)
-                    return None
-            if not session.ctx._collective_allowed():
-                return None
-            try:
-                return in_step(args, kwargs)
-            except Exception as exc:
-                session.ctx._abandon_step(exc)
-                return None
+            return session.ctx.guarded_collective(name, lambda: call(args, kwargs), None)
 
         return guarded
 
@@ -412,12 +390,12 @@ class Session:
             try:
                 result = collective(*args, **kwargs)
             except Exception as exc:
-                ctx._first_error_at = time.time()
+                ctx.lifecycle.first_error_at = time.time()
                 ctx.log.warning("collective between steps failed (%s): recovering, then running it again", exc)
                 with torch.no_grad():
                     for live, old in zip(tensors, saved, strict=True):
                         live.copy_(old)
-                ctx._recover(f"{type(exc).__name__}: {exc}", error=True)
+                ctx.recover(f"{type(exc).__name__}: {exc}", error=True)
                 continue
             self.position.collectives += 1
             self.moved_between = True
@@ -473,7 +451,7 @@ class Session:
             broadcast_buffers=True if broadcast_buffers is None else bool(broadcast_buffers),
             **given,
         )
-        self.ctx._adopt_model(ddp)
+        self.ctx.adopt_model(ddp)
         self.model = ddp
 
     def _install_optim(self) -> None:
@@ -550,7 +528,7 @@ class Session:
 
     def adopt(self, kind: str, obj: Any) -> None:
         """An LR scheduler or grad scaler: registered by kind and construction order."""
-        if any(obj is registered for registered in self.ctx._parts.extra.values()):
+        if any(obj is registered for registered in self.ctx.parts.extra.values()):
             return  # e.g. a SequentialLR's __init__ and LRScheduler's both saw it
         if kind == "lr_scheduler":
             name, self.n_schedulers = f"lr_scheduler{self.n_schedulers}", self.n_schedulers + 1
@@ -572,13 +550,12 @@ class Session:
             obj.update = update
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Global optimizer step post-hook: an optimizer step completed (the step's update happened)."""
-        if not any(optimizer is o for o in self.ctx._parts.optimizers):
+        """Global optimizer step post-hook: an optimizer no constructor hook saw is adopted here. Its step ran
+        outside ctx.wrap_optimizer's gate, which counts the step's updates (torchpass.step), so count it."""
+        if not any(optimizer is o for o in self.ctx.parts.optimizers):
             self.adopt_optimizer(optimizer)
-        if self.step_open:
-            self.optimizer_steps += 1
-            # The step's update is applied: from here on the step commits whatever fails (see _guarded).
-            self.updated = self.optimizer_steps >= len(self.ctx._parts.optimizers)
+            if self.step_open:
+                self.ctx.lifecycle.optimizer_steps += 1
 
     def _install_data(self) -> None:
         session = self
@@ -642,11 +619,10 @@ class Session:
             return
         self.step_open = False
         ctx, step = self.ctx, self.ctx.step
-        if ctx._abandoned:
-            ctx._roll_back(step)
-            ctx._recover(ctx._abandon_reason, error=True)
+        if ctx.lifecycle.abandoned:
+            ctx.end_step()  # rolls back and recovers
             return
-        if self.optimizer_steps == 0:
+        if ctx.lifecycle.optimizer_steps == 0:
             self.steps_without_optimizer += 1
             if self.first_step_checked and self.steps_without_optimizer == 1:
                 self.warn(
@@ -659,11 +635,7 @@ class Session:
             self.step_index + 1,
             self.step_epoch,
         )
-        ctx._commit(step)
-        failed = self.failed_after_update or ctx._failed_after_update  # the script's collective, or the buffers'
-        if failed:
-            ctx._first_error_at = ctx._first_error_at or time.time()
-            ctx._recover(failed, error=True)
+        ctx.end_step()  # commits; recovers after when a collective failed after the update
 
     def _boundary(self) -> None:
         """Between two steps: join the first generation, or follow a newer one (as ``ctx.steps`` does)."""
@@ -695,20 +667,17 @@ class Session:
         ctx = self.ctx
         if self.moved_between:  # an abandoned step rolls back to here, keeping what the epilogue did
             self.moved_between = False
-            ctx._snapshot_local_state()
+            ctx.lifecycle.remember()
         step = ctx.committed_step + 1
-        ctx._begin(step)
+        ctx.begin(step)
         batch = it.fetch(index, step, ctx.config.seed, ctx.slot)
         self.step_open, self.step_pass, self.step_index, self.step_epoch = True, it.pass_no, index, it.epoch
-        self.optimizer_steps = 0
-        self.updated = False
-        self.failed_after_update = ""
         return batch
 
     def finish(self) -> None:
         """After the script returned: close the last step and wait until every member finished."""
         ctx = self.ctx
-        if ctx._closed:
+        if ctx.closed:
             return
         self._close_step()
         if ctx.generation < 0:
@@ -716,7 +685,7 @@ class Session:
                 "transparent mode: the script ended without iterating a DataLoader over a DistributedSampler; "
                 "nothing was protected (see 'Model-transparent mode' in docs/user-guide.md)"
             )
-        while not ctx._finish():
+        while not ctx.finish():
             pass
         ctx.close()
 

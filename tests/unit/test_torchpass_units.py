@@ -144,7 +144,7 @@ def _one_rank_run(abandon_at: int | None) -> tuple[list[tuple[int, float]], dict
             seen.append((step, loss.item()))
             loss.backward()
             if step == abandon_at and sum(1 for s, _ in seen if s == step) == 1:
-                ctx._abandon_step("injected by the test")  # as the DDP hook does when a peer dies
+                ctx.abandon_step("injected by the test")  # as the DDP hook does when a peer dies
             opt.step()
             opt.zero_grad()
             sched.step()
@@ -291,11 +291,11 @@ _BUCKETS_SCRIPT = textwrap.dedent(
 
     class Guard:
         world_size = 1
-        def _collective_allowed(self): return True
-        def _abandon_step(self, error): raise AssertionError(error)
-        def _stage_buffers(self): pass
-        def _take_staged_buffers(self): pass
-        def _local_group(self): return dist.group.WORLD
+        def collective_allowed(self): return True
+        def abandon_step(self, error): raise AssertionError(error)
+        def stage_buffers(self): pass
+        def take_staged_buffers(self): pass
+        def local_group(self): return dist.group.WORLD
 
     out = {}
     for kind in ("plain", "torchpass"):
@@ -352,11 +352,11 @@ _AVERAGES_SCRIPT = textwrap.dedent(
     class Guard:
         world_size = world
         abandoned = None
-        def _collective_allowed(self): return True
-        def _abandon_step(self, error): self.abandoned = self.abandoned or str(error)
-        def _stage_buffers(self): pass
-        def _take_staged_buffers(self): pass
-        def _local_group(self): raise AssertionError("CPU gradients need no private group")
+        def collective_allowed(self): return True
+        def abandon_step(self, error): self.abandoned = self.abandoned or str(error)
+        def stage_buffers(self): pass
+        def take_staged_buffers(self): pass
+        def local_group(self): raise AssertionError("CPU gradients need no private group")
 
     def model():
         torch.manual_seed(0)

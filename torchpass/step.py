@@ -1,0 +1,238 @@
+"""One rank's step in progress: begin it, guard its collectives, abandon it, undo it or settle it for commit.
+
+Why one object: the model-aware loop (``ctx.steps``), transparent mode and the DDP wrapper (and the
+sharded wrappers to come) all drive the same lifecycle, and a failure must mean the same thing to each:
+
+- :meth:`StepLifecycle.begin` opens step ``n`` (same RNG on a redo: :func:`torchpass.state.reseed`).
+- :meth:`StepLifecycle.collective_allowed` is asked before every collective of the step;
+  :meth:`StepLifecycle.abandon` marks the step failed (from any thread, the first reason wins). Nothing
+  raises into the user's forward, backward or optimizer step.
+- Once every optimizer stepped (:attr:`StepLifecycle.updated`), the step's result is in the parameters and
+  it can no longer be abandoned: a collective failing after that is remembered
+  (:meth:`StepLifecycle.fail_after_update`), the step commits, and the rank recovers right after.
+- :meth:`StepLifecycle.roll_back` undoes what an abandoned step changed locally (buffers, optimizer
+  hyper-parameters, registered state, gradients) from the copies :meth:`StepLifecycle.remember` took at the
+  last commit; :meth:`StepLifecycle.settle_for_commit` lands slot 0's staged buffers before a commit.
+
+What happens around a step (joining generations, recovering, snapshots, commit callbacks) is the
+context's (:mod:`torchpass.context`); this module holds no sockets and no process groups of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from .buffers import StagedBuffers
+from .events import EventSink, emit
+from .rng import reseed
+from .state import StateParts
+
+__all__ = ["StepChannel", "StepLifecycle"]
+
+_T = TypeVar("_T")
+
+
+class StepChannel(Protocol):
+    """What the lifecycle reads from and tells the control channel (:class:`torchpass.control.ControlChannel`)."""
+
+    latest_gen: int
+    step: int
+    collective: tuple[int, int, str] | None
+
+
+class StepLifecycle:
+    """The step in progress on one rank, and the local state an abandoned step is undone from."""
+
+    def __init__(
+        self,
+        channel: StepChannel,
+        parts: StateParts,
+        generation: Callable[[], int],
+        log: logging.LoggerAdapter,  # type: ignore[type-arg]
+        event_sink: EventSink | None,
+    ) -> None:
+        self._channel = channel
+        self._parts = parts
+        self._generation = generation
+        self._log = log
+        self._event_sink = event_sink
+        self.step = -1  # the step in progress (-1 between steps and before the first)
+        self.abandoned = False
+        self.reason = ""  # why the step was abandoned
+        self.first_error_at: float | None = None  # when the first failure of this step was seen
+        self.optimizer_steps = 0  # optimizer steps taken in the step in progress
+        self.failed_after_update = ""  # a collective that failed once the update was applied
+        self._user_collectives = 0  # the script's collectives started in the step in progress
+        self._buffers: list[torch.Tensor] = []
+        self._buffer_shadow: list[torch.Tensor] = []
+        self._group_shadow: list[list[dict[str, Any]]] = []  # optimizer hyper-parameters at the last commit
+        self._registered: dict[str, Any] = {}  # generic registered state at the last commit
+        self._staged: StagedBuffers | None = None  # slot 0's buffers, broadcast after a forward (buffers.py)
+
+    # ----- what it protects ---------------------------------------------------------------------
+
+    def track_model(self, buffers: list[torch.Tensor], staged: StagedBuffers | None) -> None:
+        """The model's buffers roll back with an abandoned step; ``staged`` carries slot 0's (buffers.py)."""
+        self._buffers = buffers
+        self._buffer_shadow = [b.detach().clone() for b in buffers]
+        self._staged = staged
+
+    def track_state(self, name: str, obj: Any) -> None:
+        """A registered object (not a grad scaler) is copied at every commit and restored on a roll back."""
+        self._registered[name] = copy.deepcopy(obj.state_dict())
+
+    # ----- the lifecycle ------------------------------------------------------------------------
+
+    def begin(self, step: int, *, seed: int, slot: int, python: bool, numpy: bool) -> None:
+        """Open ``step``: no failure yet, no update yet, the RNG of this step and slot."""
+        self.abandoned = False
+        self.reason = ""
+        self.first_error_at = None
+        self.optimizer_steps = 0
+        self._user_collectives = 0
+        self.failed_after_update = ""
+        self.step = step
+        self._channel.step = step
+        reseed(seed, slot, step, python=python, numpy=numpy)
+
+    def abandon(self, error: BaseException | str) -> None:
+        """Mark the current step abandoned (safe from any thread; the first reason wins)."""
+        if not self.abandoned:
+            self.first_error_at = time.time()
+            self.reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            self.abandoned = True
+            self._log.warning("step abandoned: %s", self.reason.splitlines()[0][:300])
+
+    def stale(self) -> bool:
+        """Whether a newer generation than this rank's was announced."""
+        return self._channel.latest_gen > self._generation()
+
+    def collective_allowed(self) -> bool:
+        """Whether a collective may start now; abandons the step when the generation is stale."""
+        if self.abandoned:
+            return False
+        if self.stale():
+            self.abandon(f"generation {self._channel.latest_gen} announced")
+            return False
+        return True
+
+    @property
+    def updated(self) -> bool:
+        """Every wrapped optimizer stepped in this step: its result is in the parameters, so the step can no
+        longer be abandoned (a redo would apply the update twice); it commits whatever fails after this."""
+        return bool(self._parts.optimizers) and self.optimizer_steps >= len(self._parts.optimizers)
+
+    def fail_after_update(self, reason: str) -> None:
+        """A collective after the update failed (or may not run): the step commits, then the rank recovers."""
+        self.first_error_at = self.first_error_at or time.time()
+        self.failed_after_update = self.failed_after_update or reason
+
+    def user_collective(self, name: str, run: Callable[[], _T]) -> _T:
+        """Run one of the script's collectives; while it runs, the heartbeats say which one, so the coordinator
+        can tell when peers went past it (a counter of the script's own that disagrees: torchpass.lockstep)."""
+        self._user_collectives += 1
+        self._channel.collective = (self.step, self._user_collectives, name) if self.step >= 0 else None
+        try:
+            return run()
+        finally:
+            self._channel.collective = None
+
+    # ----- slot 0's buffers (torchpass.buffers) -------------------------------------------------
+
+    def stage_buffers(self) -> None:
+        """After a synchronising forward inside a step: start broadcasting slot 0's buffers."""
+        staged = self._staged
+        if staged is None or self.step < 0 or not self.collective_allowed():
+            return
+        try:
+            staged.launch()
+        except Exception as exc:
+            staged.drop()
+            self.abandon(exc)
+
+    def settle_staged_buffers(self) -> None:
+        """Wait for a staged broadcast of slot 0's buffers; its failure abandons the step."""
+        staged = self._staged
+        if staged is None or not staged.pending:
+            return
+        if self.abandoned:
+            staged.drop()
+            return
+        try:
+            staged.wait()
+        except Exception as exc:
+            staged.drop()
+            self.abandon(exc)
+
+    def take_staged_buffers(self) -> None:
+        """Before a further forward of the same step: slot 0's staged buffers replace this rank's own."""
+        self.settle_staged_buffers()
+        if self._staged is not None and self._staged.pending:
+            self._staged.take()
+
+    def drop_staged_buffers(self) -> None:
+        """A staged broadcast of a generation that is gone is dropped."""
+        if self._staged is not None:
+            self._staged.drop()
+
+    def settle_for_commit(self) -> None:
+        """Before a commit: every rank takes slot 0's buffers; a failure here comes after the update, so the
+        step commits and the rank recovers right after."""
+        if self._staged is not None and self._staged.pending:
+            try:
+                self._staged.wait()
+                self._staged.take()
+            except Exception as exc:
+                self._staged.drop()
+                self.fail_after_update(f"{type(exc).__name__}: {exc}")
+
+    # ----- undo -------------------------------------------------------------------------------
+
+    def remember(self) -> None:
+        """Remember what a step may change outside the optimizer's update, as of the last commit: buffers,
+        optimizer hyper-parameters (an LR scheduler edits ``param_groups`` directly) and generic registered
+        state. An abandoned step is undone from these copies."""
+        for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
+            shadow.copy_(live)
+        self._group_shadow = [
+            [
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups
+            ]
+            for optimizer in self._parts.optimizers
+        ]
+        for name in self._registered:
+            self._registered[name] = copy.deepcopy(self._parts.extra[name].state_dict())
+
+    def roll_back(self) -> None:
+        """Undo what the abandoned step changed locally; the optimizer, scheduler and scaler skipped theirs."""
+        emit(self._event_sink, self._log, "torchpass.step_abandoned", step=self.step, reason=self.reason)
+        self.drop_staged_buffers()
+        with torch.no_grad():
+            for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
+                live.copy_(shadow)
+        for optimizer, groups in zip(self._parts.optimizers, self._group_shadow, strict=True):
+            for group, saved in zip(optimizer.param_groups, groups, strict=True):
+                group.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()})
+        for name, saved_state in self._registered.items():
+            self._parts.extra[name].load_state_dict(copy.deepcopy(saved_state))
+        self._zero_grads()
+
+    def restart_at(self, step: int) -> None:
+        """After the state was replaced (joined a generation, restored a snapshot): no gradients, the undo
+        copies taken from the new state, and ``step`` next."""
+        self._zero_grads()
+        self.remember()
+        self.step = step
+
+    def _zero_grads(self) -> None:
+        for optimizer in self._parts.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if self._parts.model is not None:
+            self._parts.model.zero_grad(set_to_none=True)
