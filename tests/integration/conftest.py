@@ -30,14 +30,22 @@ def _worker_settings() -> dict[str, str]:
     """This pytest process's own sandbox settings, as ``[sandbox]`` keys.
 
     Under pytest-xdist each worker (``gwN``) runs its sandboxes side by side with the other workers': its own
-    namespaces and root-namespace veth (tag ``wN``), management subnet and Slurm ports. Without xdist there
-    are none: the defaults, as a user gets them.
+    namespaces and root-namespace veth (tag ``wN``), management subnet and Slurm ports. ``CLOCKWORK_TEST_SLOT``
+    (1-15) moves a whole pytest run to a block of its own, so that two runs (two developers' checkouts on one
+    machine) never share a sandbox. Without either there are none: the defaults, as a user gets them.
     """
     worker = re.fullmatch(r"gw(\d+)", os.environ.get("PYTEST_XDIST_WORKER", ""))
-    if worker is None:
+    slot = int(os.environ.get("CLOCKWORK_TEST_SLOT", "0") or 0)
+    if not 0 <= slot <= 15:
+        raise pytest.UsageError(f"CLOCKWORK_TEST_SLOT={slot}: give 0 to 15")
+    if worker is None and slot == 0:
         return {}
-    n = int(worker.group(1)) + 1
-    return {"tag": f"w{n}", "mgmt_net": f"198.19.{n}.0/24", "port_base": str(SandboxConfig().port_base + 10 * n)}
+    n = 16 * slot + (int(worker.group(1)) + 1 if worker is not None else 0)
+    return {
+        "tag": f"s{slot}w{n % 16}" if slot else f"w{n}",
+        "mgmt_net": f"198.19.{n}.0/24",
+        "port_base": str(SandboxConfig().port_base + 10 * n),
+    }
 
 
 WORKER_SETTINGS = _worker_settings()
