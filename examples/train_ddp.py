@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import hashlib
 import os
 import re
@@ -416,6 +417,9 @@ def train(launch: Launch, steps: int, seed: int) -> None:
         address = ",".join(addresses) if addresses else "unknown"
         _print(f"rank {rank} on {socket.gethostname()} ({address}) done")
     finally:
+        # A teardown that hangs must not hold the allocation until its time limit: past 30 s every
+        # thread's stack goes to stderr (so the hang can be diagnosed) and the process exits with 1.
+        faulthandler.dump_traceback_later(30, exit=True)
         dist.destroy_process_group()
 
 
