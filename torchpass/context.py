@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from clockworkd.coordinator_wire import GenerationInfo
 from torchpass.auth import ENV_JOB_KEY, JobKey
 from torchpass.backends import CommBackend, make_backend
 from torchpass.buffers import StagedBuffers
@@ -52,7 +53,7 @@ from torchpass.data import batch_source
 from torchpass.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
 from torchpass.events import DaemonEventSink, EventSink, tee
-from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, GenerationInfo, LaunchEnv, die_with_parent
+from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, die_with_parent
 from torchpass.rank_output import RankLog, configure_logging, whole_lines_on_shared_output
 from torchpass.rejoin import CoordinatorLink, Membership, ProcessGroupTransport, Rejoiner
 from torchpass.snapshot import RestoreError, Snapshotter, restore, restore_target

@@ -40,12 +40,12 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
+from clockworkd.coordinator_wire import GenerationInfo
 from torchpass.backends import CommBackend
 from torchpass.config import TorchPassConfig
 from torchpass.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.errors import TorchPassError
 from torchpass.events import EventSink, emit
-from torchpass.protocol import GenerationInfo
 from torchpass.state import StateError, StateParts, recv_state, send_state
 from torchpass.step import StepLifecycle
 from torchpass.transfer_plan import Holdings, PartLayout, StateLost, plan_transfers

@@ -16,12 +16,12 @@ import pytest
 import zmq
 
 from clockworkd.cli.main import run as clockwork
+from clockworkd.coordinator_wire import GenerationInfo, decode, encode
 from torchpass.auth import connect_as_client
 from torchpass.cli import main as cli_main
 from torchpass.config import TorchPassConfig
 from torchpass.control import CoordinatorRefused, CoordinatorRpc, JobStopped
 from torchpass.coordinator import DONE, FAILED, Coordinator
-from torchpass.protocol import GenerationInfo, decode, encode
 
 pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
 
