@@ -21,7 +21,8 @@ The rules (for one part they are exactly DDP's: the most advanced replicas send 
    that committed it keeps it, one that had not finished it receives its result instead of recomputing it.
 2. For each part, the sources are the members holding it at that step. Every slot that needs the part and is
    not a source receives it, the sources taking the receivers in turn (so several receivers are fed in
-   parallel).
+   parallel); across parts, the least busy *domain* (:meth:`PartLayout.domain_of`: an HSDP replica) serves
+   next, so several shards rebuilt at once are sent by different replicas where each has a holder.
 3. Nobody holds anything and training has not progressed: a fresh start. Each part's lowest slot needing it
    sends its initial values to the others, as DDP broadcasts rank 0's weights at construction.
 4. A part some slot needs that no member holds at that step (training has progressed, or another part was
@@ -63,6 +64,15 @@ class PartLayout(Protocol):
         """The parts ``slot`` must hold once the generation formed."""
         ...
 
+    def domain_of(self, slot: int) -> int:
+        """The group of slots whose sends share a bottleneck (a replica of an HSDP job, typically its own nodes):
+        the plan spreads sources over these before it spreads them over slots."""
+        ...
+
+    def part_name(self, part: int) -> str:
+        """How a message names ``part``."""
+        ...
+
 
 @dataclass(frozen=True)
 class Replicated:
@@ -76,6 +86,14 @@ class Replicated:
     def parts_of(self, slot: int) -> tuple[int, ...]:
         """Part 0, whatever the slot."""
         return (0,)
+
+    def domain_of(self, slot: int) -> int:
+        """Every slot is its own."""
+        return slot
+
+    def part_name(self, part: int) -> str:
+        """The state is one part."""
+        return "the training state"
 
 
 @dataclass(frozen=True)
@@ -103,6 +121,34 @@ class ShardedReplicas:
     def slot(self, replica: int, shard: int) -> int:
         """The slot of shard ``shard`` in replica ``replica``."""
         return replica * self.shards + shard
+
+    @property
+    def world_size(self) -> int:
+        """Slots in the job."""
+        return self.replicas * self.shards
+
+    def coordinate(self, slot: int) -> tuple[int, int]:
+        """(replica, shard) of ``slot``."""
+        return divmod(slot, self.shards)
+
+    def row(self, replica: int) -> list[int]:
+        """The slots of one replica: a shard group of the mesh."""
+        return [self.slot(replica, s) for s in range(self.shards)]
+
+    def column(self, shard: int) -> list[int]:
+        """The slots holding one shard: a replicate group of the mesh."""
+        return [self.slot(r, shard) for r in range(self.replicas)]
+
+    def __str__(self) -> str:
+        return f"{self.replicas}x{self.shards}"
+
+    def domain_of(self, slot: int) -> int:
+        """The replica of ``slot``: several shards to rebuild are served by different replicas when they can."""
+        return slot // self.shards
+
+    def part_name(self, part: int) -> str:
+        """``shard S of the RxS mesh``."""
+        return f"shard {part} of the {self.replicas}x{self.shards} mesh"
 
 
 @dataclass(frozen=True)
@@ -146,9 +192,8 @@ class Transfer:
 class StateLost(Exception):
     """A part some slot needs is held by no member at the step the generation resumes from."""
 
-    def __init__(self, part: int, step: int, parts: int) -> None:
-        whole = "the training state" if parts == 1 else f"part {part} of the training state"
-        super().__init__(f"no member holds {whole} any more" + (f" (at step {step})" if step >= 0 else ""))
+    def __init__(self, part: int, step: int, name: str) -> None:
+        super().__init__(f"no member holds {name} any more" + (f" (at step {step})" if step >= 0 else ""))
         self.part = part
         self.step = step
 
@@ -186,6 +231,7 @@ def plan_transfers(table: Sequence[Holdings], layout: PartLayout, *, expect_stat
     best = max(steps, default=-1)
     fresh = not steps
     transfers: list[Transfer] = []
+    sends: dict[int, int] = {}  # transfers given so far, per source slot and per domain (negative keys)
     for part in range(layout.parts):
         needing = [slot for slot in range(len(table)) if part in layout.parts_of(slot)]
         sources = [slot for slot, held in enumerate(table) if held.steps[part] == best and held.steps[part] is not None]
@@ -193,6 +239,12 @@ def plan_transfers(table: Sequence[Holdings], layout: PartLayout, *, expect_stat
             sources = [needing[0]]
         receivers = [slot for slot in needing if slot not in sources]
         if receivers and not sources:
-            raise StateLost(part, best, layout.parts)
-        transfers += [Transfer(part, sources[i % len(sources)], dst) for i, dst in enumerate(receivers)]
+            raise StateLost(part, best, layout.part_name(part))
+        for dst in receivers:
+            # The least busy domain, then the least busy slot in it, then the lowest: for one part that is
+            # round-robin over its sources; over several parts it spreads them over the replicas.
+            src = min(sources, key=lambda s: (sends.get(-1 - layout.domain_of(s), 0), sends.get(s, 0), s))
+            sends[src] = sends.get(src, 0) + 1
+            sends[-1 - layout.domain_of(src)] = sends.get(-1 - layout.domain_of(src), 0) + 1
+            transfers.append(Transfer(part, src, dst))
     return TransferPlan(best, tuple(transfers), fresh)

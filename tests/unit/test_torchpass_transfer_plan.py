@@ -21,6 +21,7 @@ from torchpass.transfer_plan import (
 DDP = Replicated()
 HSDP = ShardedReplicas(replicas=2, shards=2)  # slots 0,1 = replica 0 shards 0,1; slots 2,3 = replica 1
 FSDP = ShardedReplicas(replicas=1, shards=3)
+HSDP3 = ShardedReplicas(replicas=3, shards=2)  # slots (0,1), (2,3), (4,5): replicas 0, 1, 2
 
 
 def _held(*steps: int | None) -> Holdings:
@@ -104,6 +105,20 @@ PLANS: list[tuple[str, PartLayout, list[Holdings], bool, TransferPlan]] = [
         TransferPlan(-1, (_t(0, 0, 2), _t(1, 1, 3)), fresh=True),
     ),
     (
+        "HSDP 3x2: the two shards of a lost replica are sent by the two other replicas, not both by one",
+        HSDP3,
+        [_held(None, None), _held(None, None), _held(5, None), _held(None, 5), _held(5, None), _held(None, 5)],
+        True,
+        TransferPlan(5, (_t(0, 2, 0), _t(1, 5, 1))),
+    ),
+    (
+        "HSDP 3x2: three newcomers over two parts, each replica sending once where it can",
+        HSDP3,
+        [_held(None, None), _held(None, None), _held(5, None), _held(None, 5), _held(None, None), _held(None, 5)],
+        True,
+        TransferPlan(5, (_t(0, 2, 0), _t(0, 2, 4), _t(1, 5, 1))),
+    ),
+    (
         "FSDP: a lost shard comes back from the peer copy in its neighbour's host memory",
         FSDP,
         [_held(5, None, 5), _held(None, None, None), _held(None, 5, 5)],
@@ -131,13 +146,13 @@ LOST: list[tuple[str, PartLayout, list[Holdings], str]] = [
         "HSDP: both holders of shard 1 lost",
         HSDP,
         [_held(5, None), _held(None, None), _held(5, None), _held(None, None)],
-        "no member holds part 1 of the training state any more (at step 5)",
+        "no member holds shard 1 of the 2x2 mesh any more (at step 5)",
     ),
     (
         "FSDP: the only peer copy is a step behind the other shards",
         FSDP,
         [_held(5, None, 5), _held(None, None, None), _held(None, 4, 5)],
-        "part 1 of the training state any more (at step 5)",
+        "shard 1 of the 1x3 mesh any more (at step 5)",
     ),
 ]
 
