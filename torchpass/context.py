@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from clockworkd.coordinator_wire import GenerationInfo
 from torchpass.auth import ENV_JOB_KEY, JobKey
@@ -53,13 +54,14 @@ from torchpass.data import batch_source
 from torchpass.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
 from torchpass.events import DaemonEventSink, EventSink, tee
+from torchpass.fsdp import ShardedModel, ShardPlan
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, die_with_parent
 from torchpass.rank_output import RankLog, configure_logging, whole_lines_on_shared_output
 from torchpass.rejoin import CoordinatorLink, Membership, ProcessGroupTransport, Rejoiner
 from torchpass.snapshot import RestoreError, Snapshotter, restore, restore_target
 from torchpass.state import StateParts
 from torchpass.step import StepLifecycle
-from torchpass.transfer_plan import Replicated
+from torchpass.transfer_plan import Replicated, ShardedReplicas
 
 __all__ = ["Context", "TorchPassError", "init"]
 
@@ -112,6 +114,7 @@ class Context:
             log=self.log,
             event_sink=event_sink,
         )
+        self.mesh: DeviceMesh | None = None  # a sharded model's device mesh (ctx.wrap_fsdp)
         self._closed = False
         self._snapshotter = Snapshotter(config, self.log, event_sink)
         self._restore_from = restore_target(config) if env.initial_slot is not None else (None, False)
@@ -172,6 +175,20 @@ class Context:
             StagedBuffers(ddp.synced_buffers) if ddp.synced_buffers and self.world_size > 1 else None,
         )
         return ddp
+
+    def wrap_fsdp(
+        self, model: nn.Module, *, mesh_shape: tuple[int, int], shard: Any = None, **options: Any
+    ) -> nn.Module:
+        """Shard ``model`` with FSDP2 over a ``(replicas, shards)`` mesh TorchPass owns (``(1, N)``: pure FSDP):
+        ``fully_shard`` on what ``shard`` names, deepest first, then on ``model`` (returned); ``options`` go to every
+        ``fully_shard``. A failed rank is rebuilt from a live holder of its shard (:mod:`torchpass.fsdp`)."""
+        if self._model is not None or self._parts.model is not None:
+            raise TorchPassError("the job's model is already wrapped; register further modules with ctx.register")
+        sharded = ShardedModel(model, ShardPlan(ShardedReplicas(*mesh_shape), shard, options), self, self._parts)
+        chunk = int(self.config.transfer_chunk_mb * (1 << 20))
+        self.rejoiner.transport, self.rejoiner.layout = sharded.transport(self._backend, chunk), sharded.layout
+        self.mesh = sharded.groups.mesh
+        return model
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` skip abandoned steps; its state becomes part of the state that moves.

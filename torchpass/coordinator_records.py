@@ -12,7 +12,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -119,6 +119,7 @@ class RecoveryClock:
     death_seen_at: float | None = None
     declared_at: float | None = None
     reasons: list[str] = field(default_factory=list)
+    replaced: set[int] = field(default_factory=set)  # slots given to spares since the last generation completed
 
 
 # ----- events (what the core is told) ---------------------------------------------------------
@@ -314,6 +315,9 @@ def completion_fields(
         "transfer_ms": worst([r.transfer_ms or 0.0 for r in joined]),
         "transfer_bytes": max((r.transfer_bytes or 0) for r in joined),
     }
+    moves = sorted((m for r in joined for m in r.moves), key=lambda m: (m.target, m.part))
+    if moves:  # which part of the state (a shard, under FSDP) went from whom to whom: bytes, time
+        out["moves"] = [asdict(m) for m in moves]
     if recovery is not None and recovery.declared_at is not None:
         # The first sign of the failure: the launcher/daemon seeing the exit, a rank's broken report, or a
         # survivor's collective failing (which can come first: a closed socket is seen in microseconds).

@@ -378,6 +378,7 @@ class Membership:
         host = self.workers[self.members[host_slot]]
         recovery = self.recovery or RecoveryClock(evidence_at=self.out.now.wall)
         recovery.declared_at = self.out.now.wall
+        recovery.replaced |= set(replaced)  # a generation that never completes still replaced its slots
         self.recovery = recovery
         self.gen = max(self.gen + 1, self.gen_floor)
         reason = "; ".join(recovery.reasons) or "collective error with no member lost: rebuild"
@@ -432,7 +433,8 @@ class Membership:
         else:
             kind = "torchpass.recovered"
         self.progressed = True
-        self.out.emit(kind, generation=info.gen, reason=info.reason, slots=sorted(info.replaced), **fields)
+        slots = sorted(info.replaced.keys() | (rec.replaced if rec is not None else set()))
+        self.out.emit(kind, generation=info.gen, reason=info.reason, slots=slots, **fields)
 
     def rebuild_after_grace(self) -> None:
         """A broken collective that no death explained within ``broken_grace_s``: the same members rebuild,

@@ -282,9 +282,9 @@ class Rejoiner:
         m.slot = slot
         self.transport.leave()
         emit(self.event_sink, self.log, "torchpass.joining", generation=info.gen, slot=slot, reason=info.reason)
-        handoff_ok = False
+        handed: list[dict[str, Any]] = []  # what the departing rank handed over, when this is its spare
         if info.handoff is not None and info.handoff.target == self.worker_id and not m.has_state:
-            handoff_ok = self._receive_handoff(info)
+            handed = self._receive_handoff(info)
         store = self._rendezvous(info.store_host, info.store_port, f"{self.config.store_prefix}/g{info.gen}")
         self._arrive(store, slot, info.world_size, info.gen)
         arrived_at = time.time()
@@ -297,7 +297,7 @@ class Rejoiner:
             raise GenerationBroken(f"superseded by generation {self.link.latest_gen}")
         m.generation = info.gen
         self.lifecycle.drop_staged_buffers()  # staged in a generation that is gone
-        source, received, nbytes = self._agree_and_transfer(info)
+        source, received, nbytes, moves = self._agree_and_transfer(info)
         done_at = time.time()
         self.lifecycle.restart_at(m.committed + 1)
         timings: dict[str, Any] = {
@@ -310,6 +310,7 @@ class Rejoiner:
             "source": source,
             "received": received,
             "transfer_bytes": nbytes,
+            "moves": handed + moves,
         }
         emit(self.event_sink, self.log, "torchpass.joined", generation=info.gen, **outcome, **timings)
         self.link.report(
@@ -319,12 +320,13 @@ class Rejoiner:
             arrived_at=arrived_at,
             first_error_at=self.lifecycle.first_error_at,
             left_at=left_at,
-            handoff_ok=handoff_ok,
+            handoff_ok=bool(handed),
             **timings,
         )
 
-    def _agree_and_transfer(self, info: GenerationInfo) -> tuple[int | None, bool, int]:
-        """Agree on who holds what, and carry out this member's part of the plan; (source, received, bytes)."""
+    def _agree_and_transfer(self, info: GenerationInfo) -> tuple[int | None, bool, int, list[dict[str, Any]]]:
+        """Agree on who holds what, and carry out this member's part of the plan; (source, received, bytes, and
+        what it received: one record per part, with the part's name, its source, bytes and time)."""
         m = self.membership
         try:
             table = self.transport.exchange(self.transport.held(m.has_state, m.committed))
@@ -334,7 +336,7 @@ class Rejoiner:
             plan = plan_transfers(table, self.layout, expect_state=info.expect_state)
         except StateLost as exc:
             self.link.fatal(f"generation {info.gen}: {exc}")
-        me, nbytes = m.slot, 0
+        me, nbytes, moves = m.slot, 0, []
         for transfer in plan.involving(me):
             sending = transfer.source == me
             peer = transfer.target if sending else transfer.source
@@ -352,14 +354,26 @@ class Rejoiner:
                     nbytes += self.transport.send_part(transfer.part, plan.step, peer)
                 else:
                     m.has_state = False  # a partial receive leaves nothing trustworthy
-                    nbytes += self.transport.recv_part(transfer.part, peer)[1]
+                    began = time.time()
+                    got = self.transport.recv_part(transfer.part, peer)[1]
+                    nbytes += got
+                    moves.append(
+                        {
+                            "part": transfer.part,
+                            "what": self.layout.part_name(transfer.part),
+                            "source": peer,
+                            "target": me,
+                            "bytes": got,
+                            "ms": round(1000 * (time.time() - began), 1),
+                        }
+                    )
             except StateError as exc:
                 self.link.fatal(str(exc))
             except Exception as exc:
                 raise GenerationBroken(f"state transfer {transfer.source}->{transfer.target} failed: {exc}") from None
         m.committed, m.has_state = plan.step, True  # every member now holds its parts at the plan's step
         source = plan.source_of(me)
-        return source, source is not None, nbytes
+        return source, source is not None, nbytes, moves
 
     # ----- meeting --------------------------------------------------------------------------
 
@@ -445,20 +459,33 @@ class Rejoiner:
         self.link.on_exit()
         raise SystemExit(0)
 
-    def _receive_handoff(self, info: GenerationInfo) -> bool:
-        """The spare side of a migration; on any failure the state comes from a replica instead."""
+    def _receive_handoff(self, info: GenerationInfo) -> list[dict[str, Any]]:
+        """The spare side of a migration: what it received, per part (as the agreement's moves, from the slot it
+        takes over); nothing on any failure, and the state then comes from a replica instead."""
         assert info.handoff is not None
         m = self.membership
         try:
             self._handoff_group(info, 1)
-            committed, nbytes = -1, 0
+            committed, nbytes, handed = -1, 0, []
             for part in self.layout.parts_of(info.handoff.slot):
+                began = time.time()
                 committed, got = self.transport.recv_part(part, 0)
                 nbytes += got
+                handed.append(
+                    {
+                        "part": part,
+                        "what": self.layout.part_name(part),
+                        "source": info.handoff.slot,
+                        "target": info.handoff.slot,
+                        "bytes": got,
+                        "ms": round(1000 * (time.time() - began), 1),
+                        "handoff": True,
+                    }
+                )
             self.transport.exchange(self.transport.held(True, committed))  # tells the departing rank: received
             m.committed, m.has_state = committed, True
             self.log.info("received %d bytes of state (step %d) from %s", nbytes, committed, info.handoff.source)
-            return True
+            return handed
         except StateError as exc:
             self.link.fatal(str(exc))
         except Exception as exc:
@@ -472,6 +499,6 @@ class Rejoiner:
                 source=info.handoff.source,
                 error=f"{type(exc).__name__}: {exc}"[:300],
             )
-            return False
+            return []
         finally:
             self.transport.leave()

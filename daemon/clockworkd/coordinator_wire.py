@@ -51,6 +51,7 @@ __all__ = [
     "Joined",
     "Migrate",
     "MigrationAccepted",
+    "PartMove",
     "ProtocolError",
     "Refusal",
     "Register",
@@ -259,6 +260,39 @@ class Broken:
 
 
 @dataclass(frozen=True)
+class PartMove:
+    """A part of the training state (DDP: all of it; FSDP: a shard) a rank received while joining: which, from
+    which slot (a migration's departing rank: its own), how many bytes, how long it took."""
+
+    part: int
+    what: str  # the layout's name for it, e.g. "shard 1 of the 2x2 mesh"
+    source: int
+    target: int
+    bytes: int
+    ms: float
+    handoff: bool = False  # handed over by a departing rank (planned migration), not sent by a replica
+
+    @classmethod
+    def read(cls, value: Any) -> PartMove:
+        """One record from its wire map (unknown keys ignored)."""
+        if not isinstance(value, Mapping):
+            raise ValueError(f"a move is a map, got {type(value).__name__}")
+        return cls(
+            int(value["part"]),
+            str(value.get("what", ""))[:120],
+            int(value["source"]),
+            int(value["target"]),
+            int(value["bytes"]),
+            float(value["ms"]),
+            bool(value.get("handoff", False)),
+        )
+
+
+def _moves(value: Any) -> tuple[PartMove, ...]:
+    return tuple(PartMove.read(v) for v in (value or ())[:4096])
+
+
+@dataclass(frozen=True)
 class Joined:
     """The sender formed generation ``gen`` and holds the state to resume at ``resume_step``; how it went."""
 
@@ -277,6 +311,7 @@ class Joined:
     handoff_ok: bool = False
     rebuild_ms: float = 0.0
     transfer_ms: float = 0.0
+    moves: tuple[PartMove, ...] = ()  # what it received, part by part
 
 
 @dataclass(frozen=True)
@@ -401,6 +436,7 @@ _READERS: dict[str, Callable[[Any], Any]] = {
     "Role": lambda v: Role.parse(str(v)),
     "int | None": _optional(int),
     "float | None": _optional(float),
+    "tuple[PartMove, ...]": _moves,
 }
 
 
