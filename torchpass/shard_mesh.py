@@ -74,6 +74,44 @@ class StepGuard(Protocol):
         ...
 
 
+class _GuardedWork(dist.Work):
+    """A real collective's work whose failure is the guard's, never its waiter's: ``wait`` waits on the real work
+    in the caller's thread (no callback hop through the backend's thread, which costs a GIL hand-over per
+    collective) and reports an exception instead of raising it. Also the way to wait on a backend work that
+    has no future (gloo's reduce-scatter)."""
+
+    def __init__(self, work: dist.Work, guard: StepGuard) -> None:
+        super().__init__()
+        self._work = work
+        self._guard = guard
+        self._failed = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait for the real collective; a failure goes to the guard (the step is abandoned, or settled)."""
+        if not self._failed:
+            try:
+                self._work.wait() if timeout is None else self._work.wait(timeout)
+            except Exception as exc:
+                self._failed = True
+                self._guard.failed(exc)
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether the real collective is done (a failed one is)."""
+        return self._failed or self._work.is_completed()
+
+    def is_success(self) -> bool:
+        """Always: a failure is reported to the guard, not to the caller."""
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A future that completes when the collective does, never with an error."""
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        self.wait()
+        future.set_result(None)
+        return future
+
+
 def _completed(value: Any) -> dist.Work:
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(value)
@@ -119,23 +157,7 @@ class GenerationGroup(dist.ProcessGroup):
             guard.failed(exc)
             skipped()
             return _completed(result)
-        try:
-            future = work.get_future()
-        except RuntimeError:  # a work without a future (gloo's reduce-scatter): wait for it here
-            try:
-                work.wait()
-            except Exception as exc:
-                guard.failed(exc)
-            return _completed(result)
-
-        def finish(done: torch.futures.Future[Any]) -> Any:
-            try:
-                done.value()
-            except Exception as exc:  # on a backend thread: record it, never raise into forward or backward
-                guard.failed(exc)
-            return result
-
-        return _work_of(future.then(finish))
+        return _GuardedWork(work, guard)
 
     # ----- what FSDP2 and DTensor call ----------------------------------------------------------
 
