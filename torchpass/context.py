@@ -54,7 +54,7 @@ from torchpass.data import batch_source
 from torchpass.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
 from torchpass.events import DaemonEventSink, EventSink, tee
-from torchpass.fsdp import ShardedModel, ShardPlan
+from torchpass.fsdp import ShardedState, ShardPlan
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, die_with_parent
 from torchpass.rank_output import RankLog, configure_logging, whole_lines_on_shared_output
 from torchpass.rejoin import CoordinatorLink, Membership, ProcessGroupTransport, Rejoiner
@@ -115,6 +115,7 @@ class Context:
             event_sink=event_sink,
         )
         self.mesh: DeviceMesh | None = None  # a sharded model's device mesh (ctx.wrap_fsdp)
+        self._sharded: ShardedState | None = None  # its state: what moves, how
         self._closed = False
         self._snapshotter = Snapshotter(config, self.log, event_sink)
         self._restore_from = restore_target(config) if env.initial_slot is not None else (None, False)
@@ -160,7 +161,7 @@ class Context:
         Its parameters and buffers are part of the state that moves. One model per job; further modules
         whose state matters can be registered with :meth:`register`.
         """
-        if self._model is not None:
+        if self._model is not None or self._sharded is not None:
             raise TorchPassError("ctx.wrap_model was already called; register further modules with ctx.register")
         return self.adopt_model(TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs))
 
@@ -176,19 +177,25 @@ class Context:
         )
         return ddp
 
-    def wrap_fsdp(
-        self, model: nn.Module, *, mesh_shape: tuple[int, int], shard: Any = None, **options: Any
-    ) -> nn.Module:
-        """Shard ``model`` with FSDP2 over a ``(replicas, shards)`` mesh TorchPass owns (``(1, N)``: pure FSDP):
-        ``fully_shard`` on what ``shard`` names, deepest first, then on ``model`` (returned); ``options`` go to every
-        ``fully_shard``. A failed rank is rebuilt from a live holder of its shard (:mod:`torchpass.fsdp`)."""
-        if self._model is not None or self._parts.model is not None:
-            raise TorchPassError("the job's model is already wrapped; register further modules with ctx.register")
-        sharded = ShardedModel(model, ShardPlan(ShardedReplicas(*mesh_shape), shard, options), self, self._parts)
-        chunk = int(self.config.transfer_chunk_mb * (1 << 20))
-        self.rejoiner.transport, self.rejoiner.layout = sharded.transport(self._backend, chunk), sharded.layout
-        self.mesh = sharded.groups.mesh
+    def wrap_fsdp(self, model: nn.Module, *, mesh_shape: tuple[int, int], shard: Any = None, **kw: Any) -> nn.Module:
+        """FSDP2 over a ``(replicas, shards)`` mesh TorchPass owns: ``fully_shard(..., **kw)`` on what ``shard``
+        names, deepest first, then on ``model`` (returned). See :mod:`torchpass.fsdp`."""
+        sharded = self.shard_state(ShardedReplicas(*mesh_shape))
+        ShardPlan(sharded.layout, shard, kw).apply(model, sharded.groups)
+        sharded.adopt(model)
         return model
+
+    def shard_state(self, shape: ShardedReplicas, names: tuple[str, ...] | None = None) -> ShardedState:
+        """The job's one mesh (the same ``shape`` again returns it) and, from now on, the rank's shard as what
+        moves: what ``wrap_fsdp`` and transparent mode's ``init_device_mesh`` build on."""
+        if self._sharded is not None and self._sharded.layout == shape:
+            return self._sharded
+        if self._sharded is not None or self._model is not None:
+            raise TorchPassError("the job's model is already wrapped (one model, one mesh per job)")
+        self._sharded = sharded = ShardedState(shape, self, self._parts, names)
+        self.rejoiner.transport = sharded.transport(self._backend, int(self.config.transfer_chunk_mb * (1 << 20)))
+        self.rejoiner.layout, self.mesh = shape, sharded.groups.mesh
+        return sharded
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` skip abandoned steps; its state becomes part of the state that moves.

@@ -50,7 +50,7 @@ __all__ = [
     "ShardPlan",
     "ShardSpec",
     "ShardTransport",
-    "ShardedModel",
+    "ShardedState",
     "sharded_modules",
 ]
 
@@ -112,6 +112,7 @@ class ShardPlan:
             for _, module in chosen:
                 fully_shard(module, mesh=groups.mesh, **self.options)
             fully_shard(model, mesh=groups.mesh, **self.options)
+        warn_unsynchronised_buffers(model)
         return [name for name, _ in chosen] + [""]
 
 
@@ -144,27 +145,33 @@ class ShardHost(Protocol):
         ...
 
 
-class ShardedModel:
-    """A model sharded by :class:`ShardPlan` over the mesh TorchPass owns, on one rank: its mesh groups (guarded
-    by the rank's step lifecycle), the layout of the job's state, and the rank's state (``parts``) set up to hold
-    this rank's shard: the model, its mesh (received optimizer state is rebuilt over it) and the shard's name."""
+class ShardedState:
+    """The mesh TorchPass owns for a job's sharded model, on one rank, and how this rank's shard moves: made once
+    per job (``ctx.wrap_fsdp``, or transparent mode's ``init_device_mesh``). Its mesh groups are guarded by the
+    rank's step lifecycle; ``parts`` (the rank's state) gets the mesh, which received optimizer state is rebuilt
+    over, and the name of this rank's shard; :meth:`adopt` makes a ``fully_shard``-ed module the state's model."""
 
-    def __init__(self, model: nn.Module, plan: ShardPlan, host: ShardHost, parts: StateParts) -> None:
-        shape, config = plan.shape, host.config
+    def __init__(
+        self, shape: ShardedReplicas, host: ShardHost, parts: StateParts, names: tuple[str, ...] | None = None
+    ) -> None:
         if shape.world_size != host.world_size:
             raise TorchPassError(f"a {shape} mesh needs {shape.world_size} ranks; the job has {host.world_size}")
-        if config.snapshot_every_steps or config.snapshot_interval_s:
+        if host.config.snapshot_every_steps or host.config.snapshot_interval_s:
             raise TorchPassError("snapshots of a sharded model are not supported yet: turn snapshots off")
-        self.groups = MeshGroups(shape, host.slot, host.device.type, flat=shape.replicas == 1)
+        self.host = host
+        self.groups = MeshGroups(shape, host.slot, host.device.type, flat=shape.replicas == 1, names=names)
         self.groups.guard = LifecycleGuard(host.lifecycle)
-        self.sharded = plan.apply(model, self.groups)
-        warn_unsynchronised_buffers(model)
         self.layout = shape
         self.parts = parts
-        parts.model, parts.mesh = model, self.groups.mesh
+        parts.mesh = self.groups.mesh
         parts.label = shape.part_name(shape.coordinate(host.slot)[1])
-        host.lifecycle.track_model(list(model.buffers()) if config.snapshot_buffers else [], None)
-        log.info("sharded %d module(s) over a %s mesh (slot %d: %s)", len(self.sharded), shape, host.slot, parts.label)
+
+    def adopt(self, model: nn.Module) -> None:
+        """``model`` (sharded over this mesh: the outermost ``fully_shard``-ed module) is the job's model: its
+        state moves and its buffers roll back with an abandoned step."""
+        self.parts.model = model
+        self.host.lifecycle.track_model(list(model.buffers()) if self.host.config.snapshot_buffers else [], None)
+        log.info("model sharded over a %s mesh (slot %d: %s)", self.layout, self.host.slot, self.parts.label)
 
     def transport(self, backend: CommBackend, chunk_bytes: int) -> ShardTransport:
         """How this rank's shard moves (:class:`ShardTransport`), over ``backend``'s generations."""

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from torchpass.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
+from torchpass.transparent_fsdp import FsdpInterposers
 from torchpass.transparent_session import Session
 
 __all__ = ["Interposers", "internal"]
@@ -58,6 +59,7 @@ class Interposers:
         self._install_ddp()
         self._install_optim()
         self._install_data()
+        FsdpInterposers(self.session, internal).install(self._patch)  # an FSDP2 script's mesh and fully_shard
         handle = register_optimizer_step_post_hook(self.session.on_optimizer_step)
         self._undo.append(handle.remove)
 

@@ -236,13 +236,26 @@ def _nothing() -> None:
 class MeshGroups:
     """The mesh a sharded model is built over, and the real groups its proxies forward to in this generation.
 
-    :attr:`mesh` is the ``DeviceMesh`` to give ``fully_shard`` (dimensions ``("replicate", "shard")``, or only
-    ``("shard",)`` for pure FSDP when ``flat``). :meth:`bind` runs on every member after each generation's
-    default group formed; :meth:`unbind` when it is torn down."""
+    :attr:`mesh` is the ``DeviceMesh`` to give ``fully_shard``: dimensions ``("replicate", "shard")``, or only
+    ``("shard",)`` for pure FSDP when ``flat`` (``names`` renames them, as a script's ``init_device_mesh`` may).
+    :meth:`bind` runs on every member after each generation's default group formed; :meth:`unbind` when it is
+    torn down."""
 
-    def __init__(self, shape: ShardedReplicas, slot: int, device_type: str, *, flat: bool = False) -> None:
+    def __init__(
+        self,
+        shape: ShardedReplicas,
+        slot: int,
+        device_type: str,
+        *,
+        flat: bool = False,
+        names: tuple[str, ...] | None = None,
+    ) -> None:
         if not 0 <= slot < shape.world_size:
             raise ValueError(f"slot {slot} is outside a {shape} mesh")
+        roles = DIM_NAMES[1:] if flat else DIM_NAMES
+        names = roles if names is None else tuple(names)
+        if len(names) != len(roles) or len(set(names)) != len(names):
+            raise ValueError(f"a {'flat ' if flat else ''}{shape} mesh names {len(roles)} dimension(s), got {names}")
         self.shape = shape
         self.slot = slot
         self.flat = flat
@@ -255,10 +268,9 @@ class MeshGroups:
             "replicate": GenerationGroup(self, "replicate", replica, shape.replicas),
             "shard": GenerationGroup(self, "shard", shard, shape.shards),
         }
-        names = DIM_NAMES[1:] if flat else DIM_NAMES
         layout = torch.arange(shape.world_size, dtype=torch.int).view(shape.replicas, shape.shards)
         self.mesh = _mesh_over(
-            device_type, layout[replica] if flat else layout, names, [self.proxies[n] for n in names], slot
+            device_type, layout[replica] if flat else layout, names, [self.proxies[r] for r in roles], slot
         )
         self._register()
 

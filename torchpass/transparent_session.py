@@ -145,7 +145,7 @@ class Session:
         self.position = DataPosition()
         ctx.register(DATA_STATE, self.position)
         self.group_requested = False
-        self.model: TorchPassDDP | None = None
+        self.model: nn.Module | None = None  # the script's DDP, or the outermost module it fully_shard-ed
         self.loader: DataLoader[Any] | None = None
         self.other_loaders = 0
         self.passes = 0
@@ -178,8 +178,8 @@ class Session:
         self.first_step_checked = True
         if self.model is None:
             self.warn(
-                "the first step ran without a DistributedDataParallel model: gradients are not averaged through "
-                "TorchPass and no model state moves to a replacement"
+                "the first step ran without a DistributedDataParallel model or a fully_shard-ed one: gradients "
+                "are not averaged through TorchPass and no model state moves to a replacement"
             )
         if not self.ctx.parts.optimizers:
             raise TorchPassError(
