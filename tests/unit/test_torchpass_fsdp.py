@@ -116,7 +116,12 @@ def _rank_main() -> int:
             layers += [nn.ReLU(), nn.Dropout(0.2)]
     model = nn.Sequential(*layers)
     linears = [m for m in model if isinstance(m, nn.Linear)]
-    model = ctx.wrap_fsdp(model, mesh_shape=mesh_shape, shard=nn.Linear)
+    options: dict[str, Any] = {}
+    if os.environ.get("CW_TEST_MP") == "1":  # parameters gathered in bf16, gradients reduced in fp32, kept unsharded
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        options = {"mp_policy": MixedPrecisionPolicy(torch.bfloat16, torch.float32), "reshard_after_forward": False}
+    model = ctx.wrap_fsdp(model, mesh_shape=mesh_shape, shard=nn.Linear, **options)
     opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01))
     sched = ctx.register("sched", torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
     ctx.on_commit(lambda step: journal(ctx.slot, f"commit {ctx.generation} {step}"))
@@ -194,11 +199,12 @@ def _point() -> tuple[int, int]:
 
 
 def _run(
-    base: Path, name: str, *, mesh: str = "2x2", kill: str = "", migrate: str = "", spares: int = 1
+    base: Path, name: str, *, mesh: str = "2x2", kill: str = "", migrate: str = "", spares: int = 1, mp: bool = False
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MIGRATE=migrate, CW_TEST_MESH=mesh)
+    env["CW_TEST_MP"] = "1" if mp else ""
     cmd = local_command(out, SCRIPT, nproc=NPROC, spares=spares)
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -313,6 +319,21 @@ def test_two_failures_in_different_shards(base: Path, reference: FinishedJob) ->
     fields = _check_fault(run, reference, kill)
     sources = {m["target"]: m["source"] for m in fields["moves"] if m["target"] in (1, 2)}
     assert sources == {1: 3, 2: 0}, fields
+
+
+def test_mixed_precision_without_resharding(base: Path) -> None:
+    """``mp_policy`` (bf16 parameters gathered, fp32 gradients reduced) and ``reshard_after_forward=False`` pass
+    through to fully_shard; a SIGKILL in backward still ends bitwise equal to the same job without one."""
+    reference = _run(base, "mp_reference", mp=True)
+    reference.check_ok()
+    step, layer = _point()
+    kill = f"2:{step}:reducescatter:{layer}"
+    run = _run(base, "mp_kill", mp=True, kill=kill)
+    _check_fault(run, reference, kill)
+    import torch
+
+    weight = load_final(run.out, 0)["model"]["0.weight"]
+    assert weight.dtype == torch.float32  # the sharded parameters stay fp32: only their gathered copies are bf16
 
 
 @pytest.fixture(scope="module")
