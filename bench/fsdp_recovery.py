@@ -19,8 +19,12 @@ For each: the time from the crash to the end of the first full-width step after 
 step after it), the global steps computed twice, and the samples skipped (steps some replica trained at reduced
 width: none for either). Goal (DESIGN.md): full width in under 3 s on the sandbox, 0 samples skipped.
 
-TorchFT 0.2's HSDP (a replica group is the failure domain: the survivors go on at reduced width while the group
-restarts) is not measured here yet; ``bench/torchpass_vs_restart.py`` compares TorchFT on DDP.
+* **TorchFT** 0.2's HSDP (when installed: ``pip install -e '.[bench]'``): each replica group of ``--shards``
+  processes shards the model with FSDP2 over its own mesh, and TorchFT all-reduces the gradients over the replica
+  groups (``set_all_reduce_hook`` over a ``ManagedProcessGroup``, ``min_replica_size`` 1). The replica group is
+  TorchFT's failure domain: the crashed rank's whole group is restarted at once (as a per-group torchrun would),
+  heals from a live group, and meanwhile the others train at reduced width: those steps' samples of the absent
+  group are skipped.
 
 ``--quick`` runs in about a minute. The last line printed is one JSON object of the figures.
 """
@@ -37,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from support.torchpass_jobs import base_env, free_port, say, spawn, step_logs, wait_all
+from support.torchpass_jobs import Lighthouse, base_env, free_port, say, spawn, step_logs, torchft_status, wait_all
 from torchpass_vs_restart import MONITOR_S, crash_times, stamped_steps
 
 WORKLOAD = Path(__file__).resolve().parent / "support" / "fsdp_workload.py"
@@ -91,6 +95,68 @@ def run_torchpass(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return row
 
 
+def run_torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """TorchFT 0.2's HSDP: a replica group (``--shards`` processes) is the failure domain. The crashed rank's
+    whole group is stopped and started again at once (as a per-group torchrun would), and heals from a live
+    group; meanwhile the other replicas train at reduced width (``min_replica_size`` 1)."""
+    replicas = args.nproc // args.shards
+    extra = ("--min-replicas", "1")
+    deadline = time.monotonic() + args.timeout
+    respawns: list[tuple[int, float]] = []
+    with Lighthouse(out, min_replicas=1, join_timeout_ms=1000) as lighthouse:
+
+        def start(replica: int) -> list[Any]:
+            port, procs = free_port(), []
+            for group_rank in range(args.shards):
+                env = base_env()
+                env.update(
+                    REPLICA_ID=str(replica), NUM_REPLICAS=str(replicas), RANK=str(group_rank),
+                    WORLD_SIZE=str(args.shards), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    TORCHFT_LIGHTHOUSE=lighthouse.address,
+                )  # fmt: skip
+                cmd = [sys.executable, *workload(args, out, "torchft", *extra)]
+                procs.append(spawn(cmd, env, out / f"torchft-{replica}-{group_rank}.err"))
+            return procs
+
+        groups = {replica: start(replica) for replica in range(replicas)}
+        while not all(p.poll() == 0 for procs in groups.values() for p in procs):
+            if time.monotonic() > deadline:
+                for p in (p for procs in groups.values() for p in procs):
+                    p.kill()
+                raise RuntimeError(f"torchft did not finish within {args.timeout:g} s; see {out}")
+            for replica, procs in list(groups.items()):
+                if any(p.poll() not in (None, 0) for p in procs):  # the group is the failure domain: restart it
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+                    wait_all(procs, 10)
+                    respawns.append((replica, time.time()))
+                    groups[replica] = start(replica)
+            time.sleep(MONITOR_S)
+    (crash_step, crashed_at), *_ = sorted(crash_times(out).items())
+    results = [json.loads(p.read_text()) for p in out.glob("result-*.json")]
+    reduced = max((int(r.get("reduced_width_steps", 0)) for r in results), default=0)
+    stamps = stamped_steps(out)
+    after = [(replica, at) for replica, at in respawns if at >= crashed_at]  # (a group may also fail at the start)
+    back = []  # when the group restarted after the crash trained (finished) a step again
+    for replica, restarted in after[:1]:
+        for rank in range(args.shards):
+            back += [t for _, t in stamps.get(replica * args.shards + rank, []) if t > restarted]
+    twice = set()
+    for steps in step_logs(out).values():
+        twice |= {s for s in steps if steps.count(s) > 1}
+    return {
+        "crash_step": crash_step,
+        "to_full_width_s": round(min(back) - crashed_at, 3) if back else None,
+        "steps_at_reduced_width": reduced,
+        "samples_skipped": reduced * args.shards * args.batch,  # the absent group's share of each such step
+        "steps_computed_twice": len(twice),
+        "group_restarts": len(after),
+        "group_restarts_at_start": len(respawns) - len(after),
+        "restarts": 0,
+    }
+
+
 def run_restart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     extra = ("--ckpt", str(out / "ckpt"), "--ckpt-every", str(args.ckpt_every))
     (out / "ckpt").mkdir()
@@ -136,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs of each system, alternated (default 3)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders")
+    parser.add_argument("--skip-torchft", action="store_true", help="leave TorchFT out")
     parser.add_argument("--quick", action="store_true", help="one run each of 40 steps, crash at 25 (about a minute)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -146,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         f"blocks of {args.hidden}, {args.steps} steps, rank 1 SIGKILLed at step {args.crash_step}; checkpoint-restart "
         f"saves every {args.ckpt_every} steps; {args.runs} run(s) each"
     )
-    systems = {"torchpass": run_torchpass, "restart": run_restart}
+    torchft_note = "left out (--skip-torchft)" if args.skip_torchft else torchft_status()
+    systems: dict[str, Any] = {"torchpass": run_torchpass, "restart": run_restart}
+    if not torchft_note:
+        systems["torchft"] = run_torchft
     work = Path(tempfile.mkdtemp(prefix="fsdp-recovery-"))
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     try:
@@ -168,27 +238,43 @@ def main(argv: list[str] | None = None) -> int:
         return round(statistics.median(values), 3) if values else None
 
     common = ("to_full_width_s", "steps_computed_twice", "samples_skipped", "restarts")
-    phases = ("detect_ms", "spare_ready_ms", "rebuild_ms", "transfer_ms", "transfer_bytes", "total_ms")
-    summary = {
-        name: {key: median(name, key) for key in common + (phases if name == "torchpass" else ())} for name in systems
+    extra = {
+        "torchpass": ("detect_ms", "spare_ready_ms", "rebuild_ms", "transfer_ms", "transfer_bytes", "total_ms"),
+        "torchft": ("steps_at_reduced_width", "group_restarts"),
     }
-    tp, restart = summary["torchpass"], summary["restart"]
+    summary = {name: {key: median(name, key) for key in common + extra.get(name, ())} for name in systems}
+    tp, restart, ft = summary["torchpass"], summary["restart"], summary.get("torchft", {})
     say("")
-    say(f"{'':<44}{'TorchPass':>12}{'ckpt-restart':>14}")
+    say(f"{'':<44}{'TorchPass':>12}{'ckpt-restart':>14}{'TorchFT HSDP':>14}")
     for label, key in (
         ("crash -> first full-width step done (s)", "to_full_width_s"),
-        ("global steps computed twice", "steps_computed_twice"),
+        ("steps at reduced width", "steps_at_reduced_width"),
         ("samples skipped", "samples_skipped"),
+        ("global steps computed twice", "steps_computed_twice"),
         ("whole-job restarts", "restarts"),
+        ("replica-group restarts", "group_restarts"),
     ):
-        say(f"{label:<44}{tp[key]!s:>12}{restart[key]!s:>14}")
+        say(f"{label:<44}{tp.get(key, 0)!s:>12}{restart.get(key, 0)!s:>14}{ft.get(key, '-')!s:>14}")
+    if torchft_note:
+        say(f"TorchFT: {torchft_note}")
     say(
         f"TorchPass, medians: detection {tp['detect_ms']} ms, spare ready {tp['spare_ready_ms']} ms, rebuild "
         f"{tp['rebuild_ms']} ms, transfer {tp['transfer_ms']} ms of {tp['transfer_bytes']} bytes; fault to every "
         f"rank training again {tp['total_ms']} ms"
     )
     speedup = restart["to_full_width_s"] / tp["to_full_width_s"] if tp["to_full_width_s"] else None
-    say(f"full width {speedup:.1f}x sooner than checkpoint-restart" if speedup else "")
+    ft_speedup = (
+        ft["to_full_width_s"] / tp["to_full_width_s"] if ft.get("to_full_width_s") and tp["to_full_width_s"] else None
+    )
+    say(
+        (f"full width {speedup:.1f}x sooner than checkpoint-restart" if speedup else "")
+        + (f", {ft_speedup:.1f}x sooner than TorchFT" if ft_speedup else "")
+    )
+    goals = {
+        "zero_samples_skipped": tp["samples_skipped"] == 0,
+        "2x_faster_to_full_width_than_torchft": bool(ft_speedup and ft_speedup >= 2),
+    }
+    say(f"goals: {goals}")
     print(
         json.dumps(
             {
@@ -202,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                 "summary": summary,
                 "runs": rows,
                 "speedup_vs_restart": round(speedup, 2) if speedup else None,
-                "torchft": "not measured (HSDP under TorchFT not wired in this benchmark yet)",
+                "speedup_vs_torchft": round(ft_speedup, 2) if ft_speedup else None,
+                "goals_met": goals,
+                "torchft": torchft_note or "ok",
             }
         )
     )

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchpass_workload import Recorder
@@ -224,12 +225,34 @@ def train_torchft(args: argparse.Namespace) -> None:
     model = shard(make_model(args.hidden, args.layers), mesh)
     opt_inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+    # TorchFT heals a restarted group rank by rank from a live group's same rank: each sends its local shards
+    # (TorchFT's transport carries plain tensors), and the receiver puts them into its own DTensors.
+    def local(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.to_local()
+        if isinstance(value, dict):
+            return {k: local(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [local(v) for v in value]
+        return value
+
     def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": opt_inner.state_dict()}
+        return {"model": local(dict(model.state_dict())), "optim": local(opt_inner.state_dict())}
 
     def load_state_dict(state: dict[str, Any]) -> None:
-        model.load_state_dict(state["model"])
-        opt_inner.load_state_dict(state["optim"])
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                tensor.to_local().copy_(state["model"][name])
+        params = [p for group in opt_inner.param_groups for p in group["params"]]
+        optim = state["optim"]
+        for index, values in optim["state"].items():
+            param = params[int(index)]
+            for key, value in list(values.items()):
+                if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and key != "step":
+                    values[key] = DTensor.from_local(
+                        value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                    )
+        opt_inner.load_state_dict(optim)
 
     manager = Manager(
         pg=ProcessGroupGloo(timeout=datetime.timedelta(seconds=10)),
