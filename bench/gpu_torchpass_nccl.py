@@ -8,6 +8,8 @@ forms a new NCCL communicator (a new generation, non-blocking, as TorchPass make
 The baseline, run first in the same process, is the same job with no migration. Printed: both runs' final
 weight hashes (they must be equal), the migration's pause (step time across the handover vs the median step),
 and the events. ``--backend gloo`` runs the same on CPU (how it is checked on machines without a GPU).
+``--fsdp`` shards the model with ``ctx.wrap_fsdp`` (FSDP2 on a 1 x 1 mesh, its collectives on TorchPass's NCCL
+subgroups): the migration then hands over the rank's shard.
 The last line is one JSON object of the figures.
 """
 
@@ -27,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "support" / "torchpass_gpu_train.py"
 
 
-def run_job(out: Path, backend: str, steps: int, migrate_at: int | None) -> dict[str, Any]:
+def run_job(out: Path, backend: str, steps: int, migrate_at: int | None, fsdp: bool = False) -> dict[str, Any]:
     out.mkdir(parents=True)
     events = out / "events.jsonl"
     coord = out / "coordinator"
@@ -37,7 +39,7 @@ def run_job(out: Path, backend: str, steps: int, migrate_at: int | None) -> dict
         sys.executable, "-m", "torchpass", "run", "--local", "--nproc", "1",
         "--spares", "1" if migrate_at is not None else "0", "--set", f"backend={backend}",
         "--events", str(events), "--coordinator-file", str(coord),
-        str(TRAIN), "--steps", str(steps), "--out", str(out),
+        str(TRAIN), "--steps", str(steps), "--out", str(out), *(["--fsdp"] if fsdp else []),
     ]  # fmt: skip
     log = (out / "launcher.log").open("w")
     started = time.monotonic()
@@ -80,11 +82,12 @@ def main() -> int:
     parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--quick", action="store_true", help="40 steps (under a minute)")
+    parser.add_argument("--fsdp", action="store_true", help="the model sharded by ctx.wrap_fsdp (FSDP2) instead of DDP")
     args = parser.parse_args()
     steps = 40 if args.quick else args.steps
     with tempfile.TemporaryDirectory(prefix="tp-nccl-") as tmp:
-        base = run_job(Path(tmp) / "baseline", args.backend, steps, None)
-        moved = run_job(Path(tmp) / "migrated", args.backend, steps, steps // 2)
+        base = run_job(Path(tmp) / "baseline", args.backend, steps, None, args.fsdp)
+        moved = run_job(Path(tmp) / "migrated", args.backend, steps, steps // 2, args.fsdp)
     for name, r in (("baseline", base), ("migrated", moved)):
         print(f"{name}: exit {r['rc']} in {r['seconds']:.1f} s, finals {r['finals']}, events {r['events']}")
         if r["rc"] != 0 or not r["finals"]:
@@ -99,6 +102,7 @@ def main() -> int:
     print(f"final weights bitwise equal: {equal}; migration events: {len(migrations)}")
     figures = {
         "backend": args.backend,
+        "model": "fsdp" if args.fsdp else "ddp",
         "steps": steps,
         "baseline_rc": base["rc"],
         "migrated_rc": moved["rc"],

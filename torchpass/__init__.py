@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchpass.config import ConfigError, TorchPassConfig
-    from torchpass.context import Context, TorchPassError, init
+    from torchpass.context import Context, init
     from torchpass.data import StepLoader
+    from torchpass.errors import TorchPassError
     from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink
 
 __all__ = [
@@ -43,7 +44,7 @@ _WHERE = {
     "ConfigError": "torchpass.config",
     "TorchPassConfig": "torchpass.config",
     "Context": "torchpass.context",
-    "TorchPassError": "torchpass.context",
+    "TorchPassError": "torchpass.errors",
     "init": "torchpass.context",
     "StepLoader": "torchpass.data",
     "DaemonEventSink": "torchpass.events",

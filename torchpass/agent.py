@@ -42,13 +42,14 @@ import sys
 import time
 from types import FrameType
 
+from clockworkd.coordinator_wire import JobState
 from clockworkd.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
 from torchpass.auth import job_key
 from torchpass.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
-from torchpass.mesh import FINAL_STATES, AgentMesh
+from torchpass.mesh import AgentMesh
 from torchpass.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
 from torchpass.proxy import CoordinatorProxy
@@ -326,7 +327,7 @@ class SlurmAgent:
                 # non-zero status would fail the whole step although the job goes on.
                 return AGENT_EXIT_LEFT if self.environ.get(ENV_AGENT_INDEX) else AGENT_EXIT_DONE
             state = self.mesh.job_state()
-            if state in FINAL_STATES:
+            if state.ended:
                 ended_at = ended_at or time.monotonic()
                 if self._child_alive() and time.monotonic() - ended_at > self.exit_grace_s:
                     log.warning("%s still running %.0f s after the job ended", self._child_wid, self.exit_grace_s)
@@ -352,14 +353,14 @@ class SlurmAgent:
         log.info("%s (%s) exited with %d", self._child_wid, self._child_role, code)
         self.proxy.forget(self._child_wid)
         self.mesh.child_update(self._child_wid, self._child_role, code)
-        if not respawn or code == 0 or self.mesh.job_state() in FINAL_STATES or self.mesh.evicted.is_set():
+        if not respawn or code == 0 or self.mesh.job_state().ended or self.mesh.evicted.is_set():
             return
         if self._started > self.config.max_failures:
             log.warning("not starting another spare on this node: %d processes started already", self._started)
             return
         self._spawn("spare")  # the node is fine, only its process died: keep it useful as a spare
 
-    def _finish(self, state: str) -> int:
+    def _finish(self, state: JobState) -> int:
         self.mesh.finished = True
         deadline = time.monotonic() + FINISH_WAIT_S
         # The leader stays until every agent saw the end, so the ranks get their answers and nobody holds an
@@ -369,7 +370,7 @@ class SlurmAgent:
                 time.sleep(self.config.agent_heartbeat_interval_s)
         else:
             time.sleep(3 * self.config.agent_heartbeat_interval_s)
-        if state == "done":
+        if state == JobState.DONE:
             return AGENT_EXIT_DONE
         print(f"torchpass: job failed: {self.mesh.failure_reason() or 'see the leader agent log'}", file=sys.stderr)
         return AGENT_EXIT_FAILED

@@ -115,6 +115,12 @@ class CommBackend(ABC):
         self._hooked = True
         self.user_group = dist.new_group()
 
+    def new_subgroup(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        """A group of ``ranks`` of the current generation (a sharded model's mesh: :mod:`torchpass.shard_mesh`),
+        None on a rank outside it; every member of the generation calls this for every subgroup, in the same
+        order. It is aborted and destroyed with the generation's group."""
+        return _member_group(dist.new_group(ranks, timeout=self.timeout))
+
     @abstractmethod
     def abort(self) -> None:
         """Make every in-flight collective of the current group fail now (thread-safe, idempotent)."""
@@ -154,6 +160,11 @@ class CommBackend(ABC):
         return group
 
 
+def _member_group(group: Any) -> dist.ProcessGroup | None:
+    """What ``dist.new_group`` returned: the group for a member, None for everyone else."""
+    return group if isinstance(group, dist.ProcessGroup) else None
+
+
 _BOUND_GLOO = "torchpass_gloo"
 _bound_gloo_host = ""
 
@@ -182,6 +193,7 @@ class GlooBackend(CommBackend):
     def __init__(self, config: TorchPassConfig, bind_host: str = "") -> None:
         super().__init__(config)
         self._sockets: dict[int, str] = {}
+        self._skip: set[int] = set()  # the stores' ports: their sockets are never the group's
         self.bind_host = bind_host
         if bind_host:
             global _bound_gloo_host
@@ -203,11 +215,32 @@ class GlooBackend(CommBackend):
         opened = {fd: link for fd, link in after.items() if before.get(fd) != link}
         with self._lock:
             self._sockets = {fd: link for fd, link in opened.items() if _is_peer_tcp_socket(fd, skip_ports)}
+            self._skip = set(skip_ports)
             self.generation = generation
         log.debug("gloo group g%d: rank %d/%d, %d peer sockets", generation, rank, world_size, len(self._sockets))
 
+    def new_subgroup(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        """A subgroup whose peer sockets (gloo connects them all at once) an abort shuts down too."""
+        before = _socket_fds()
+        group = super().new_subgroup(ranks)
+        opened = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
+        with self._lock:
+            self._sockets.update({fd: link for fd, link in opened.items() if _is_peer_tcp_socket(fd, self._skip)})
+        return group
+
+    def destroy(self) -> None:
+        """Shut the group's sockets down first, then destroy it. Destroying alone closes a group's sockets only
+        when its last reference goes, and a sharded model's mesh groups may be referenced for a while longer
+        (FSDP's state, a work still held): a peer blocked on such a socket, in a collective this rank abandoned,
+        would wait for the collective timeout instead of failing now."""
+        self._shut_down(logging.DEBUG)
+        super().destroy()
+
     def abort(self) -> None:
         """Shut down (not close: gloo still owns the descriptors) every peer socket of the group."""
+        self._shut_down(logging.INFO)
+
+    def _shut_down(self, level: int) -> None:
         with self._lock:
             for fd, link in self._sockets.items():
                 try:
@@ -223,7 +256,7 @@ class GlooBackend(CommBackend):
                 finally:
                     sock.close()
             if self._sockets:
-                log.info("aborted gloo group g%d (%d sockets shut down)", self.generation, len(self._sockets))
+                log.log(level, "aborted gloo group g%d (%d sockets shut down)", self.generation, len(self._sockets))
             self._sockets = {}
 
     def _forget(self) -> None:
@@ -280,6 +313,14 @@ class NcclBackend(CommBackend):
         )
         with self._lock:
             self.generation = generation
+
+    def new_subgroup(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        """A non-blocking NCCL subgroup (split from the eagerly initialised default communicator), so that the
+        abort of every group (:meth:`abort`, c10d's abort of the default group) reaches it too."""
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.blocking = 0
+        options._timeout = self.timeout
+        return _member_group(dist.new_group(ranks, timeout=self.timeout, pg_options=options))
 
     def abort(self) -> None:
         """ncclCommAbort on the group's communicators: in-flight kernels exit, their Works fail."""

@@ -18,17 +18,12 @@ What a step is, and when it counts:
   abandoned one is rolled back (buffers, registered state, gradients) and the rank recovers.
 
 Recovery (:meth:`Context.recover`): tear down the broken group (which unblocks peers still inside a
-collective with us), tell the coordinator if the collective broke, wait for the new generation, meet its
-members at a rendezvous in a live member's store (fresh prefix per generation), form the new default
-process group, and agree on the state. Every member reports (has state, last committed step); the most
-advanced replicas become sources and every other member (a newcomer, or a survivor that had not finished the
-step) receives their state. A survivor that had already committed step S keeps it and does not redo it; one
-that had not receives S's result instead of recomputing it. Training resumes at (most advanced step + 1).
-A failure during any of this simply makes the next generation.
-
-A planned migration is the same machinery: the departing rank sees the new generation at its next
-boundary, sends its live state straight to the spare taking its slot over a two-rank group, and exits
-cleanly (``SystemExit(0)`` out of ``ctx.steps``).
+collective with us), tell the coordinator if the collective broke, and join the next generation
+(:mod:`torchpass.rejoin`: rendezvous, new process group, agreement on who holds the newest committed state,
+transfer to everyone behind). A survivor that had already committed step S keeps it and does not redo it; one
+that had not receives S's result instead of recomputing it. A planned migration is the same machinery, with
+the departing rank handing its live state straight to the spare before it exits cleanly (``SystemExit(0)``
+out of ``ctx.steps``).
 """
 
 from __future__ import annotations
@@ -37,18 +32,18 @@ import atexit
 import datetime
 import gc
 import importlib
-import logging
 import os
-import sys
 import time
 import types
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from clockworkd.coordinator_wire import GenerationInfo
 from torchpass.auth import ENV_JOB_KEY, JobKey
 from torchpass.backends import CommBackend, make_backend
 from torchpass.buffers import StagedBuffers
@@ -57,65 +52,21 @@ from torchpass.control import ControlChannel, CoordinatorLost, CoordinatorRefuse
 from torchpass.coordinator import Coordinator
 from torchpass.data import batch_source
 from torchpass.ddp import TorchPassDDP
-from torchpass.events import DaemonEventSink, EventSink, emit, tee
-from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, GenerationInfo, LaunchEnv, die_with_parent
+from torchpass.errors import TorchPassError
+from torchpass.events import DaemonEventSink, EventSink, tee
+from torchpass.fsdp import ShardedState, ShardPlan
+from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, die_with_parent
+from torchpass.rank_output import RankLog, configure_logging, whole_lines_on_shared_output
+from torchpass.rejoin import CoordinatorLink, Membership, ProcessGroupTransport, Rejoiner
 from torchpass.snapshot import RestoreError, Snapshotter, restore, restore_target
-from torchpass.state import StateError, StateParts, recv_state, send_state
+from torchpass.state import StateParts
 from torchpass.step import StepLifecycle
+from torchpass.transfer_plan import Replicated, ShardedReplicas
 
 __all__ = ["Context", "TorchPassError", "init"]
 
 _T = TypeVar("_T")
-LOGGER_NAME = "clockwork.torchpass"
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 _FOREVER_S = 10 * 365 * 24 * 3600.0
-
-
-class TorchPassError(RuntimeError):
-    """TorchPass cannot keep this job going (the message says why); the rank exits with an error."""
-
-
-class _Broken(Exception):
-    """The generation being joined cannot complete; the rank asks for the next one."""
-
-
-class _RankLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """Prefixes every message with the rank's slot, generation, step and worker id."""
-
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        ctx = cast(Context, self.extra["ctx"])  # type: ignore[index]
-        return f"[slot {ctx.slot} g{ctx.generation} step {ctx.step} {ctx.worker_id}] {msg}", kwargs
-
-
-def _configure_logging(level: str) -> None:
-    """Show TorchPass's own log on stderr unless the script configured logging itself."""
-    logger = logging.getLogger(LOGGER_NAME)
-    if logger.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    logger.addHandler(handler)
-    logger.setLevel(level.upper())
-    logger.propagate = False
-
-
-def _whole_lines_on_shared_output() -> None:
-    """Keep each line a rank prints one ``write()``.
-
-    The ranks of one launcher (or node agent) share its stdout and stderr, and are started with
-    ``PYTHONUNBUFFERED`` so that nothing printed is lost when a rank is killed. Unbuffered, ``print`` writes
-    its text and its newline in two calls, and two ranks' lines tear into each other. Line buffering flushes
-    at every newline just as promptly, and a line then reaches the pipe in one write (atomic up to
-    ``PIPE_BUF``). A stream the script replaced with something else is left alone.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is None:
-            continue
-        try:
-            reconfigure(line_buffering=True, write_through=False)
-        except (ValueError, OSError):  # closed, or not a text stream that can be reconfigured
-            continue
 
 
 class Context:
@@ -135,23 +86,36 @@ class Context:
         self.env = env
         self.worker_id = env.worker_id
         self.world_size = env.world_size
-        self.slot: int = env.initial_slot if env.initial_slot is not None else -1
-        self.generation = -1
+        self.membership = Membership(slot=env.initial_slot if env.initial_slot is not None else -1)
         self.is_replacement = env.initial_slot is None
         self.event_sink = event_sink
-        self.log = _RankLog(logging.getLogger(LOGGER_NAME), {"ctx": self})
+        self.log = RankLog(lambda: f"slot {self.slot} g{self.generation} step {self.step} {self.worker_id}")
         self._channel = channel
         self._backend = backend
-        self._store_server = store_server
+        self._store_server = store_server  # hosts the rendezvous of generations this rank is chosen for
         self._coordinator = coordinator  # standalone mode only: an in-process coordinator for one rank
         self._parts = StateParts()
         self._model: TorchPassDDP | None = None
         self._commit_hooks: list[Callable[[int], None]] = []
-        self._pending: GenerationInfo | None = None
-        self._committed = -1
-        self._has_state = False
+        self._pending: GenerationInfo | None = None  # a spare's first generation, found before ctx.steps
         # The step in progress and what an abandoned one is undone from (torchpass.step).
         self.lifecycle = StepLifecycle(channel, self._parts, lambda: self.generation, self.log, event_sink)
+        # Joining generations (torchpass.rejoin): DDP's transport moves the whole state as one part.
+        self.link = CoordinatorLink(channel, self.log, self.close)
+        self.rejoiner = Rejoiner(
+            worker_id=self.worker_id,
+            config=config,
+            link=self.link,
+            transport=ProcessGroupTransport(backend, {0: self._parts}, int(config.transfer_chunk_mb * (1 << 20))),
+            layout=Replicated(),
+            membership=self.membership,
+            lifecycle=self.lifecycle,
+            own_store_port=store_server.port,
+            log=self.log,
+            event_sink=event_sink,
+        )
+        self.mesh: DeviceMesh | None = None  # a sharded model's device mesh (ctx.wrap_fsdp)
+        self._sharded: ShardedState | None = None  # its state: what moves, how
         self._closed = False
         self._snapshotter = Snapshotter(config, self.log, event_sink)
         self._restore_from = restore_target(config) if env.initial_slot is not None else (None, False)
@@ -162,7 +126,17 @@ class Context:
     @property
     def rank(self) -> int:
         """This rank's slot (its rank in every generation's process group)."""
-        return self.slot
+        return self.membership.slot
+
+    @property
+    def slot(self) -> int:
+        """This rank's slot (-1 for a spare not given one yet)."""
+        return self.membership.slot
+
+    @property
+    def generation(self) -> int:
+        """The generation this rank trains in (-1 before it joined the first)."""
+        return self.membership.generation
 
     @property
     def step(self) -> int:
@@ -172,7 +146,7 @@ class Context:
     @property
     def committed_step(self) -> int:
         """The last step whose update this rank's state contains (-1 before the first)."""
-        return self._committed
+        return self.membership.committed
 
     @property
     def device(self) -> torch.device:
@@ -187,7 +161,7 @@ class Context:
         Its parameters and buffers are part of the state that moves. One model per job; further modules
         whose state matters can be registered with :meth:`register`.
         """
-        if self._model is not None:
+        if self._model is not None or self._sharded is not None:
             raise TorchPassError("ctx.wrap_model was already called; register further modules with ctx.register")
         return self.adopt_model(TorchPassDDP(model, self, broadcast_buffers=broadcast_buffers, **ddp_kwargs))
 
@@ -202,6 +176,26 @@ class Context:
             StagedBuffers(ddp.synced_buffers) if ddp.synced_buffers and self.world_size > 1 else None,
         )
         return ddp
+
+    def wrap_fsdp(self, model: nn.Module, *, mesh_shape: tuple[int, int], shard: Any = None, **kw: Any) -> nn.Module:
+        """FSDP2 over a ``(replicas, shards)`` mesh TorchPass owns: ``fully_shard(..., **kw)`` on what ``shard``
+        names, deepest first, then on ``model`` (returned). See :mod:`torchpass.fsdp`."""
+        sharded = self.shard_state(ShardedReplicas(*mesh_shape))
+        ShardPlan(sharded.layout, shard, kw).apply(model, sharded.groups)
+        sharded.adopt(model)
+        return model
+
+    def shard_state(self, shape: ShardedReplicas, names: tuple[str, ...] | None = None) -> ShardedState:
+        """The job's one mesh (the same ``shape`` again returns it) and, from now on, the rank's shard as what
+        moves: what ``wrap_fsdp`` and transparent mode's ``init_device_mesh`` build on."""
+        if self._sharded is not None and self._sharded.layout == shape:
+            return self._sharded
+        if self._sharded is not None or self._model is not None:
+            raise TorchPassError("the job's model is already wrapped (one model, one mesh per job)")
+        self._sharded = sharded = ShardedState(shape, self, self._parts, names)
+        self.rejoiner.transport = sharded.transport(self._backend, int(self.config.transfer_chunk_mb * (1 << 20)))
+        self.rejoiner.layout, self.mesh = shape, sharded.groups.mesh
+        return sharded
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` skip abandoned steps; its state becomes part of the state that moves.
@@ -285,7 +279,7 @@ class Context:
         while True:
             if not self.follow_generation(stop_when_done=True):
                 return
-            step = self._committed + 1
+            step = self.membership.committed + 1
             if step >= total_steps:
                 if self.finish():
                     self.lifecycle.step = -1
@@ -302,7 +296,7 @@ class Context:
         transparent mode at its first batch."""
         if self.generation >= 0:
             return
-        self._join_loop(after=-1, first=self._pending)
+        self.rejoin(after=-1, first=self._pending)
         self._maybe_restore()
         self._snapshotter.prepare()
 
@@ -342,8 +336,7 @@ class Context:
     def commit(self, step: int) -> None:
         """``step`` is done on this rank: its state is the committed state (callbacks, snapshots)."""
         self.lifecycle.settle_for_commit()  # every rank now holds slot 0's buffers (torchpass.buffers)
-        self._committed = step
-        self._has_state = True
+        self.membership.committed, self.membership.has_state = step, True
         self.lifecycle.remember()
         for callback in self._commit_hooks:
             callback(step)
@@ -440,234 +433,27 @@ class Context:
         self.log.warning("leaving generation %d: %s", gen, reason.splitlines()[0][:300])
         self._backend.destroy()  # closes our sockets: peers still inside a collective with us fail at once
         if error and self._channel.latest_gen <= gen:
-            self._report(
+            self.link.report(
                 "broken",
                 gen=gen,
                 slot=self.slot,
                 step=self.lifecycle.step,
-                committed=self._committed,
+                committed=self.committed_step,
                 error=reason[:500],
                 at=self.lifecycle.first_error_at or left_at,
             )
-        self._join_loop(after=gen, first=None, left_at=left_at)
+        self.rejoin(after=gen, left_at=left_at)
 
-    def _join_loop(self, after: int, first: GenerationInfo | None, left_at: float | None = None) -> None:
+    def rejoin(self, after: int, first: GenerationInfo | None = None, left_at: float | None = None) -> None:
+        """Join ``first`` or the next generation after ``after`` (:class:`torchpass.rejoin.Rejoiner`)."""
         self._snapshotter.before_update()  # joining may overwrite the state a snapshot is still copying
-        info = first
-        while True:
-            if info is None:
-                info = self._await_generation(after)
-            received_at = time.time()
-            if info.handoff is not None and info.handoff.source == self.worker_id:
-                self._depart(info)
-            try:
-                self._join(info, received_at, left_at)
-                return
-            except _Broken as exc:
-                self.log.warning("generation %d could not form: %s", info.gen, exc)
-                self._backend.destroy()
-                self._report(
-                    "broken",
-                    gen=info.gen,
-                    slot=self.slot,
-                    step=self.lifecycle.step,
-                    committed=self._committed,
-                    error=str(exc)[:500],
-                    at=time.time(),
-                )
-                after, info = info.gen, None
-
-    def _await_generation(self, after: int) -> GenerationInfo:
-        try:
-            reply = self._channel.wait(
-                "await_generation",
-                _FOREVER_S,
-                after=after,
-                gen=self.generation,
-                slot=self.slot,
-                committed=self._committed,
-            )
-        except JobStopped as stop:
-            self._stopped(stop)
-        except CoordinatorLost as exc:
-            raise TorchPassError(str(exc)) from None
-        return GenerationInfo.from_wire(reply["generation"])
-
-    def _stopped(self, stop: JobStopped) -> NoReturn:
-        if stop.done:
-            self.log.info("the job finished without needing this process")
-            self.close()
-            raise SystemExit(0)
-        raise TorchPassError(f"the job failed: {stop.reason}")
-
-    def _report(self, op: str, **fields: Any) -> None:
-        """A short request whose loss must not stop recovery (the coordinator also sees deaths itself)."""
-        try:
-            self._channel.call(op, **fields)
-        except JobStopped as stop:
-            self._stopped(stop)
-        except (CoordinatorLost, CoordinatorRefused) as exc:
-            self.log.warning("coordinator did not take %s: %s", op, exc)
-
-    def _rendezvous(self, host: str, port: int, prefix: str) -> dist.Store:
-        try:
-            client = dist.TCPStore(
-                host,
-                port,
-                None,
-                False,
-                timeout=datetime.timedelta(seconds=self.config.collective_timeout_s),
-                wait_for_workers=False,
-            )
-        except Exception as exc:
-            raise _Broken(f"store {host}:{port} unreachable: {exc}") from None
-        return dist.PrefixStore(prefix, client)
-
-    def _arrive(self, store: dist.Store, me: int, count: int, gen: int) -> None:
-        """Store barrier that gives up as soon as the generation is superseded (a blocking wait would not)."""
-        try:
-            store.set(f"arrive/{me}", self.worker_id)
-            keys = [f"arrive/{i}" for i in range(count)]
-            deadline = time.monotonic() + self.config.join_timeout_s
-            delay = 0.001
-            while not store.check(keys):
-                if self._channel.latest_gen > gen:
-                    raise _Broken(f"superseded by generation {self._channel.latest_gen}")
-                if self._channel.stopped is not None and not self._channel.stopped.done:
-                    raise _Broken(f"job stopped: {self._channel.stopped.reason}")
-                if time.monotonic() > deadline:
-                    raise _Broken(f"not every member arrived within join_timeout_s={self.config.join_timeout_s:g}")
-                time.sleep(delay)
-                delay = min(0.02, delay * 1.5)
-        except _Broken:
-            raise
-        except Exception as exc:
-            raise _Broken(f"rendezvous store failed: {exc}") from None
-
-    def _skip_ports(self, *ports: int) -> set[int]:
-        return {self._store_server.port, *ports}
-
-    def _join(self, info: GenerationInfo, received_at: float, left_at: float | None) -> None:
-        slot = info.slot_of(self.worker_id)
-        if slot is None:
-            raise TorchPassError(f"generation {info.gen} does not include this process")
-        self.slot = slot
-        self._backend.destroy()
-        emit(self.event_sink, self.log, "torchpass.joining", generation=info.gen, slot=slot, reason=info.reason)
-        handoff_ok = False
-        if info.handoff is not None and info.handoff.target == self.worker_id and not self._has_state:
-            handoff_ok = self._receive_handoff(info)
-        prefix = f"{self.config.store_prefix}/g{info.gen}"
-        store = self._rendezvous(info.store_host, info.store_port, prefix)
-        self._arrive(store, slot, info.world_size, info.gen)
-        arrived_at = time.time()
-        try:
-            self._backend.form_group(
-                dist.PrefixStore("pg", store), slot, info.world_size, info.gen, self._skip_ports(info.store_port)
-            )
-        except Exception as exc:
-            raise _Broken(f"process group did not form: {exc}") from None
-        formed_at = time.time()
-        if self._channel.latest_gen > info.gen:
-            raise _Broken(f"superseded by generation {self._channel.latest_gen}")
-        self.generation = info.gen
-        self.lifecycle.drop_staged_buffers()  # staged in a generation that is gone
-        source, received, nbytes = self._agree_and_transfer(info)
-        done_at = time.time()
-        self.lifecycle.restart_at(self._committed + 1)
-        timings: dict[str, Any] = {
-            "rebuild_ms": round(1000 * (formed_at - received_at), 1),
-            "transfer_ms": round(1000 * (done_at - formed_at), 1),
-        }
-        emit(
-            self.event_sink,
-            self.log,
-            "torchpass.joined",
-            generation=info.gen,
-            slot=slot,
-            resume_step=self._committed + 1,
-            source=source,
-            received=received,
-            transfer_bytes=nbytes,
-            **timings,
-        )
-        self._report(
-            "joined",
-            gen=info.gen,
-            slot=slot,
-            resume_step=self._committed + 1,
-            source=source,
-            received=received,
-            transfer_bytes=nbytes,
-            arrived_at=arrived_at,
-            first_error_at=self.lifecycle.first_error_at,
-            left_at=left_at,
-            handoff_ok=handoff_ok,
-            **timings,
-        )
-
-    def _agree_and_transfer(self, info: GenerationInfo) -> tuple[int | None, bool, int]:
-        """Find the most advanced replicas and send their state to everyone behind; (source, received, bytes)."""
-        device = self._backend.device
-        world, me = info.world_size, self.slot
-        try:
-            mine = torch.tensor([1 if self._has_state else 0, self._committed], dtype=torch.int64, device=device)
-            rows = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(rows, mine)
-            table = [(int(r[0]), int(r[1])) for r in (row.tolist() for row in rows)]
-        except Exception as exc:
-            raise _Broken(f"state agreement failed: {exc}") from None
-        holders = [rank for rank, (has, _) in enumerate(table) if has]
-        if not holders:
-            if info.expect_state:
-                self._fatal(f"generation {info.gen}: no member holds the training state any more")
-            holders, best = [0], -1  # a fresh start: slot 0's initial weights go to everyone (as DDP does)
-        else:
-            best = max(table[rank][1] for rank in holders)
-        sources = [rank for rank in holders if table[rank][1] == best]
-        receivers = [rank for rank in range(world) if rank not in sources]
-        plan = [(sources[i % len(sources)], dst) for i, dst in enumerate(receivers)]
-        chunk = int(self.config.transfer_chunk_mb * (1 << 20))
-        source_of_me, nbytes = None, 0
-        for src, dst in plan:
-            if me not in (src, dst):
-                continue
-            emit(
-                self.event_sink,
-                self.log,
-                "torchpass.transfer",
-                generation=info.gen,
-                role="send" if me == src else "receive",
-                peer=dst if me == src else src,
-                step=best,
-            )
-            try:
-                if me == src:
-                    nbytes += send_state(self._parts, self._committed, dst, device, chunk)
-                else:
-                    self._has_state = False  # a partial receive leaves nothing trustworthy
-                    with torch.no_grad():
-                        self._committed, nbytes = recv_state(self._parts, src, device, chunk)
-                    self._has_state = True
-                    source_of_me = src
-            except StateError as exc:
-                self._fatal(str(exc))
-            except Exception as exc:
-                raise _Broken(f"state transfer {src}->{dst} failed: {exc}") from None
-        if me in sources:
-            self._committed = best
-            self._has_state = True
-        return source_of_me, source_of_me is not None, nbytes
-
-    def _fatal(self, message: str) -> NoReturn:
-        self._report("fatal", message=message)
-        raise TorchPassError(message)
+        self.rejoiner.join(after, first, left_at)
 
     def finish(self) -> bool:
         """Wait until every member committed the last step; False when a new generation needs this rank."""
         try:
             reply = self._channel.wait(
-                "finished", _FOREVER_S, gen=self.generation, slot=self.slot, committed=self._committed
+                "finished", _FOREVER_S, gen=self.generation, slot=self.slot, committed=self.committed_step
             )
         except JobStopped as stop:
             if stop.done:
@@ -678,7 +464,7 @@ class Context:
         info = GenerationInfo.from_wire(reply["generation"])
         self.log.info("generation %d announced while finishing; rejoining", info.gen)
         self._backend.destroy()
-        self._join_loop(after=self.generation, first=info, left_at=time.time())
+        self.rejoin(after=self.generation, first=info, left_at=time.time())
         return False
 
     # ----- planned migration ----------------------------------------------------------------
@@ -690,79 +476,12 @@ class Context:
         except CoordinatorRefused as exc:
             raise TorchPassError(str(exc)) from None
 
-    def _handoff_store(self, info: GenerationInfo) -> dist.Store:
-        assert info.handoff is not None
-        return self._rendezvous(info.handoff.host, info.handoff.port, f"{self.config.store_prefix}/g{info.gen}/handoff")
-
-    def _depart(self, info: GenerationInfo) -> NoReturn:
-        """This rank is migrating away: hand the live state to the spare, then exit cleanly."""
-        assert info.handoff is not None
-        started, ok, nbytes = time.time(), False, 0
-        chunk = int(self.config.transfer_chunk_mb * (1 << 20))
-        try:
-            store = self._handoff_store(info)
-            self._arrive(store, 0, 2, info.gen)
-            self._backend.form_group(dist.PrefixStore("pg", store), 0, 2, info.gen, self._skip_ports(info.handoff.port))
-            nbytes = send_state(self._parts, self._committed, 1, self._backend.device, chunk)
-            ack = torch.zeros(1, dtype=torch.int64, device=self._backend.device)
-            dist.recv(ack, 1)
-            ok = True
-            self.log.info("handed %d bytes of state (step %d) to %s", nbytes, self._committed, info.handoff.target)
-        except Exception as exc:
-            self.log.warning("handoff to %s failed (%s); it gets the state from a replica", info.handoff.target, exc)
-        finally:
-            self._backend.destroy()
-        handoff_ms = round(1000 * (time.time() - started), 1)
-        emit(
-            self.event_sink,
-            self.log,
-            "torchpass.departed",
-            generation=info.gen,
-            handoff_ok=ok,
-            handoff_ms=handoff_ms,
-            handoff_bytes=nbytes if ok else 0,
-        )
-        self._report("departed", gen=info.gen, handoff_ok=ok, handoff_ms=handoff_ms, handoff_bytes=nbytes if ok else 0)
-        self.close()
-        raise SystemExit(0)
-
-    def _receive_handoff(self, info: GenerationInfo) -> bool:
-        """The spare side of a migration; on any failure the state comes from a replica instead."""
-        chunk = int(self.config.transfer_chunk_mb * (1 << 20))
-        assert info.handoff is not None
-        try:
-            store = self._handoff_store(info)
-            self._arrive(store, 1, 2, info.gen)
-            self._backend.form_group(dist.PrefixStore("pg", store), 1, 2, info.gen, self._skip_ports(info.handoff.port))
-            with torch.no_grad():
-                self._committed, nbytes = recv_state(self._parts, 0, self._backend.device, chunk)
-            dist.send(torch.ones(1, dtype=torch.int64, device=self._backend.device), 0)
-            self._has_state = True
-            self.log.info("received %d bytes of state (step %d) from %s", nbytes, self._committed, info.handoff.source)
-            return True
-        except StateError as exc:
-            self._fatal(str(exc))
-        except Exception as exc:
-            self._has_state, self._committed = False, -1
-            self.log.warning("handoff from %s failed (%s); taking the state from a replica", info.handoff.source, exc)
-            emit(
-                self.event_sink,
-                self.log,
-                "torchpass.handoff_failed",
-                generation=info.gen,
-                source=info.handoff.source,
-                error=f"{type(exc).__name__}: {exc}"[:300],
-            )
-            return False
-        finally:
-            self._backend.destroy()
-
     # ----- snapshots ------------------------------------------------------------------------
 
     def snapshot_now(self) -> bool:
         """Take a snapshot after the current step commits (every rank must call it at the same step, or use
         ``clockwork snapshot take``); False when one is still being written."""
-        step = self.lifecycle.step if self.lifecycle.step >= 0 else self._committed
+        step = self.lifecycle.step if self.lifecycle.step >= 0 else self.committed_step
         self._channel.snapshot_steps.add(step)
         return not self._snapshotter.busy
 
@@ -793,11 +512,10 @@ class Context:
                 event_sink=self.event_sink,
             )
         except RestoreError as exc:
-            self._fatal(str(exc))
+            self.link.fatal(str(exc))
         if committed is None:
             return
-        self._committed = committed
-        self._has_state = True
+        self.membership.committed, self.membership.has_state = committed, True
         self.lifecycle.restart_at(committed + 1)
 
     # ----- end ------------------------------------------------------------------------------
@@ -828,7 +546,7 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
     0 of a one-rank job, with an in-process coordinator.
     """
     cfg = (config or TorchPassConfig.from_env()).with_overrides(**overrides)
-    _configure_logging(cfg.log_level)
+    configure_logging(cfg.log_level)
     env = LaunchEnv.from_environ()
     coordinator = None
     if env is None:
@@ -837,7 +555,7 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
         coordinator = Coordinator(1, cfg)
         env = LaunchEnv(coordinator.start(), "w0", "slot:0", 1, "127.0.0.1", "", False)
     else:
-        _whole_lines_on_shared_output()
+        whole_lines_on_shared_output()
     if env.local or env.agent >= 0:
         die_with_parent()
     daemon_socket = os.environ.get(ENV_DAEMON_SOCKET, "")
@@ -866,16 +584,16 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
             "register", pid=os.getpid(), host=env.host, store_port=store_server.port, role=env.role, agent=env.agent
         )
     except JobStopped as stop:
-        ctx._stopped(stop)
+        ctx.link.exit_stopped(stop)
     except CoordinatorLost as exc:
         raise TorchPassError(f"cannot reach the coordinator: {exc}") from None
     channel.start()
     atexit.register(ctx.close)
     if env.role == "spare":
         ctx.log.info("spare ready, waiting for a slot")
-        info = ctx._await_generation(-1)
+        info = ctx.rejoiner.await_generation(-1)
         ctx._pending = info
         slot = info.slot_of(env.worker_id)
-        ctx.slot = slot if slot is not None else -1
+        ctx.membership.slot = slot if slot is not None else -1
         ctx.log.info("assigned slot %d in generation %d (%s)", ctx.slot, info.gen, info.reason)
     return ctx

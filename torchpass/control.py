@@ -8,14 +8,14 @@ is ever sent. The control thread also sends heartbeats (carrying the current ste
 status``), notices a vanished coordinator, and calls back into the rank when a newer generation appears so a
 collective blocked on a silently dead peer can be aborted at once instead of waiting for its timeout.
 
-This module imports no torch; ``torchpass status`` and ``clockwork migrate`` speak its protocol through
-:mod:`clockworkd.coordinator_client`.
+This module imports no torch. Its requests go through :class:`clockworkd.coordinator_client.CoordinatorRpc`
+and its messages are :mod:`clockworkd.coordinator_wire`'s, which ``torchpass status``, ``clockwork migrate``
+and the daemon use too: one implementation of the protocol's client side.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import threading
@@ -25,104 +25,22 @@ from typing import Any
 
 import zmq
 
-from torchpass.auth import connect_as_client
-from torchpass.protocol import ProtocolError, decode, encode
+from clockworkd.coordinator_client import CoordinatorLost, CoordinatorRefused, CoordinatorRpc, JobStopped
+from clockworkd.coordinator_wire import (
+    GenerationPush,
+    HeartbeatAck,
+    ProtocolError,
+    SnapshotPush,
+    StopPush,
+    decode,
+    encode,
+    parse_push,
+)
+from torchpass.auth import connect_as_client, job_key
 
 __all__ = ["ControlChannel", "CoordinatorLost", "CoordinatorRefused", "CoordinatorRpc", "JobStopped"]
 
 log = logging.getLogger("clockwork.torchpass.control")
-
-
-class CoordinatorLost(RuntimeError):
-    """The coordinator did not answer in time (in local mode: the launcher is gone)."""
-
-
-class CoordinatorRefused(RuntimeError):
-    """The coordinator answered with an error (the message says why).
-
-    ``leader`` is set when the answer came from a passive replica (Slurm mode): where the leader is; ``retry``
-    when the same request may succeed later (a migration asked for before a spare is ready)."""
-
-    def __init__(self, message: str, leader: str = "", *, retry: bool = False) -> None:
-        super().__init__(message)
-        self.leader = leader
-        self.retry = retry
-
-
-class JobStopped(RuntimeError):
-    """The coordinator ended the job: ``done`` True when it finished, False when it failed."""
-
-    def __init__(self, reason: str, done: bool) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.done = done
-
-
-class CoordinatorRpc:
-    """Requests over one DEALER socket, from one thread; every request has an id its reply repeats."""
-
-    _ids = itertools.count(1)
-
-    def __init__(
-        self,
-        context: zmq.Context[zmq.Socket[bytes]],
-        endpoint: str,
-        timeout_s: float,
-        identity: bytes | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.timeout_s = timeout_s
-        self._sock = context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        if identity is not None:
-            self._sock.setsockopt(zmq.IDENTITY, identity)
-        connect_as_client(self._sock)
-        self._sock.connect(endpoint)
-
-    def close(self) -> None:
-        """Close the socket (pending requests are dropped)."""
-        self._sock.close(0)
-
-    def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
-        """One round trip. Raises :class:`CoordinatorLost`, :class:`CoordinatorRefused` or :class:`JobStopped`."""
-        return self.wait(op, time.monotonic() + (timeout_s or self.timeout_s), **fields)
-
-    def wait(
-        self,
-        op: str,
-        deadline: float,
-        *,
-        interrupt: Callable[[], None] | None = None,
-        **fields: Any,
-    ) -> dict[str, Any]:
-        """Send once and wait for the reply until ``deadline`` (monotonic) — a long poll when the coordinator
-        parks the request. ``interrupt`` is called every quarter second and may raise to give up early."""
-        req_id = next(self._ids)
-        self._sock.send(encode(op, id=req_id, **fields))
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CoordinatorLost(f"no answer to {op} from the coordinator at {self.endpoint}")
-            if self._sock.poll(int(min(left, 0.25) * 1000) + 1, zmq.POLLIN):
-                try:
-                    reply = decode(self._sock.recv())
-                except ProtocolError as exc:
-                    log.warning("unreadable reply from the coordinator: %s", exc)
-                    continue
-                if reply.get("id") != req_id:
-                    continue  # a late answer to an abandoned request
-                if not reply.get("ok", False):
-                    raise CoordinatorRefused(
-                        str(reply.get("error", "refused")),
-                        str(reply.get("leader") or ""),
-                        retry=bool(reply.get("retry")),
-                    )
-                if reply.get("stop"):
-                    raise JobStopped(str(reply.get("reason", "")), bool(reply.get("done")))
-                return reply
-            if interrupt is not None:
-                interrupt()
 
 
 class ControlChannel:
@@ -152,7 +70,9 @@ class ControlChannel:
         self.skipped_snapshots: collections.deque[int] = collections.deque()  # reported in the next heartbeat
         self.on_generation: Callable[[int], None] | None = None
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.rpc = CoordinatorRpc(self._context, endpoint, rpc_timeout_s, identity=f"{worker_id}.r".encode())
+        self.rpc = CoordinatorRpc(
+            self._context, endpoint, rpc_timeout_s, identity=f"{worker_id}.r".encode(), key=job_key()
+        )
         self._closing = threading.Event()
         self._wake_r, self._wake_w = os.pipe()  # close() wakes the control thread at once
         self._thread = threading.Thread(target=self._run, name="torchpass-control", daemon=True)
@@ -231,19 +151,18 @@ class ControlChannel:
             sock.close(0)
 
     def _on_message(self, msg: dict[str, Any]) -> None:
-        op = msg["op"]
-        if op in ("snapshot", "hb_ack"):
-            for step in msg.get("snap") or ():
-                if int(step) > self.step - 1:  # a step already committed can no longer be snapshotted
-                    self.snapshot_steps.add(int(step))
-        if op in ("generation", "hb_ack"):
-            gen = int(msg.get("gen", -1))
-            if gen > self.latest_gen:
-                self.latest_gen = gen
-                self._announce(gen)
-        elif op == "stop":
-            self.stopped = JobStopped(str(msg.get("reason", "")), bool(msg.get("done")))
-            if not self.stopped.done:  # a failed job: unblock any collective; a finished one keeps its group
+        push = parse_push(msg)
+        if isinstance(push, SnapshotPush | HeartbeatAck):
+            for step in push.snap:
+                if step > self.step - 1:  # a step already committed can no longer be snapshotted
+                    self.snapshot_steps.add(step)
+        if isinstance(push, GenerationPush | HeartbeatAck):
+            if push.gen > self.latest_gen:
+                self.latest_gen = push.gen
+                self._announce(push.gen)
+        elif isinstance(push, StopPush):
+            self.stopped = JobStopped(push.reason, push.done)
+            if not push.done:  # a failed job: unblock any collective; a finished one keeps its group
                 self._announce(1 << 62)
 
     def _announce(self, gen: int) -> None:

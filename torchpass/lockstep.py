@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from clockworkd.coordinator_wire import parse_collective
+
 __all__ = ["CollectiveWait", "MemberProgress", "find_mismatch", "parse_wait"]
 
 
@@ -45,13 +47,10 @@ class MemberProgress:
 
 
 def parse_wait(value: object, reported_at: float) -> CollectiveWait | None:
-    """The ``uc`` field of a heartbeat ([step, ordinal, name], or nothing); anything else reads as nothing."""
-    if not isinstance(value, list | tuple) or len(value) != 3:
-        return None
-    step, ordinal, name = value
-    if not (isinstance(step, int) and isinstance(ordinal, int) and isinstance(name, str)) or step < 0:
-        return None
-    return CollectiveWait(step, ordinal, name[:80], reported_at)
+    """The ``uc`` field of a heartbeat ([step, ordinal, name], or nothing); anything else reads as nothing
+    (:func:`clockworkd.coordinator_wire.parse_collective`, which the coordinator's heartbeat parser uses)."""
+    wait = parse_collective(value)
+    return None if wait is None else CollectiveWait(*wait, reported_at)
 
 
 def find_mismatch(members: list[MemberProgress], margin_s: float) -> str | None:

@@ -39,6 +39,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from clockworkd.coordinator_wire import JobState
 from torchpass.auth import connect_as_client, serve
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator import Coordinator
@@ -51,7 +52,6 @@ __all__ = ["AgentMesh"]
 log = logging.getLogger("clockwork.torchpass.mesh")
 
 MAX_MESH_MESSAGE = 64 << 20
-FINAL_STATES = ("done", "failed")
 
 
 @dataclass
@@ -138,10 +138,10 @@ class AgentMesh(SocketThread):
             self._report_exit(wid, role, code)
         self._wake()
 
-    def job_state(self) -> str:
-        """The job's state in the newest replicated snapshot ('forming' before the first)."""
+    def job_state(self) -> JobState:
+        """The job's state in the newest replicated snapshot (forming before the first)."""
         with self._lock:
-            return str(self._snapshot["state"]) if self._snapshot else "forming"
+            return JobState(str(self._snapshot["state"])) if self._snapshot else JobState.FORMING
 
     def failure_reason(self) -> str:
         """Why the job failed, per the newest snapshot ('' when it did not)."""
@@ -308,7 +308,7 @@ class AgentMesh(SocketThread):
                 if peer.index not in self.dead and not peer.finished and self._silent(peer, now):
                     self._lose(peer, now)
             return
-        if self.job_state() in FINAL_STATES:
+        if self.job_state().ended:
             return  # the job is over: a silent leader has simply exited
         leader = self._peers.get(self.leader)
         if leader is None or not self._silent(leader, now):

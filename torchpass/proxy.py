@@ -28,9 +28,9 @@ from typing import Any
 
 import zmq
 
+from clockworkd.coordinator_wire import MAX_MESSAGE_BYTES, ProtocolError, decode
 from torchpass.auth import connect_as_client, serve
-from torchpass.protocol import MAX_MESSAGE_BYTES, ProtocolError, decode, router_messages
-from torchpass.socket_thread import SocketThread
+from torchpass.socket_thread import SocketThread, router_messages
 
 __all__ = ["CoordinatorProxy"]
 

@@ -43,9 +43,9 @@ import torch
 import zmq
 from torch import nn
 
+from clockworkd.coordinator_wire import ProtocolError, decode, encode
 from torchpass.auth import connect_as_client, serve
-from torchpass.protocol import ProtocolError, decode, encode, router_messages
-from torchpass.socket_thread import SocketThread
+from torchpass.socket_thread import SocketThread, router_messages
 
 __all__ = ["Publisher", "Subscriber"]
 

@@ -264,6 +264,15 @@ class Snapshotter:
     def capture(self, parts: StateParts, committed: int, slot: int, world_size: int) -> bool:
         """Stage the state of step ``committed`` and hand it to the writer; False when skipped (still busy)."""
         started = time.perf_counter()
+        if parts.label:  # a sharded model: its replicas do not hold the same tensors, which this layout assumes
+            emit(
+                self.event_sink,
+                self.log,
+                "torchpass.snapshot_failed",
+                step=committed,
+                error=f"snapshots of a sharded model ({parts.label}) are not supported yet",
+            )
+            return True
         if self._busy.is_set():
             self.skipped += 1
             # Tell rank 0's writer at once that this shard will not come (else it waits snapshot_timeout_s);

@@ -1,15 +1,20 @@
 """The life cycle the coordinator, the agents' mesh and the rank proxy share: one ZeroMQ context served by one
-background thread, which a pipe wakes when another thread hands it work or asks it to stop."""
+background thread, which a pipe wakes when another thread hands it work or asks it to stop; and reading a
+ROUTER socket's messages without letting a stranger's garbage stop the thread."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import zmq
 
-__all__ = ["SocketThread"]
+from clockworkd.coordinator_wire import ProtocolError, decode
+
+__all__ = ["SocketThread", "router_messages"]
 
 
 class SocketThread:
@@ -55,3 +60,22 @@ class SocketThread:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def router_messages(sock: zmq.Socket[bytes], log: logging.Logger) -> Iterator[tuple[bytes, bytes, dict[str, Any]]]:
+    """(sender identity, raw payload, message) for every message a ROUTER socket holds now; malformed ones are
+    logged and dropped, never raised (a stranger's garbage must not stop a coordinator or a proxy)."""
+    while True:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) < 2:
+            continue
+        ident, payload = frames[0], frames[-1]
+        try:
+            msg = decode(payload)
+        except ProtocolError as exc:
+            log.warning("dropping a malformed message from %r: %s", ident, exc)
+            continue
+        yield ident, payload, msg

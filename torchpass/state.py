@@ -19,6 +19,12 @@ point-to-point sends (so several receivers can be fed by several sources in para
    most ``transfer_chunk_mb``. Model tensors are received straight into the live parameters.
 
 Every byte is copied, never recomputed: the receiver ends bitwise equal to the source.
+
+Sharded state (FSDP2: parameters and optimizer state are ``DTensor``s) travels as each tensor's local shard,
+with the ``DTensor``'s placements, global shape and stride in the metadata: a receiver holding the same shard
+of the same mesh takes the parameters' shards straight into its live parameters and rebuilds the optimizer
+state as ``DTensor``s over its own mesh (:attr:`StateParts.mesh`). :attr:`StateParts.label` names which part
+of the state a rank holds (e.g. shard 1 of a 2x2 mesh); a receiver refuses a state labelled otherwise.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["StateError", "StateParts", "TensorRef", "recv_state", "send_state"]
 
@@ -45,9 +52,11 @@ class StateError(RuntimeError):
 
 
 class TensorRef(NamedTuple):
-    """Stands in for a tensor inside pickled metadata: its index in the payload."""
+    """Stands in for a tensor inside pickled metadata: its index in the payload, and for a ``DTensor`` (whose
+    local shard is what the payload holds) its placements, global shape and stride."""
 
     position: int
+    dtensor: tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass
@@ -57,10 +66,15 @@ class StateParts:
     model: nn.Module | None = None
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)  # name -> object with state_dict/load_state_dict
+    mesh: Any = None  # a sharded model's DeviceMesh: received DTensor state is rebuilt over it
+    label: str = ""  # which part of the training state this is ("" = all of it; e.g. "shard 1 of 2x2")
 
 
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """``obj`` with every tensor moved into ``tensors`` and replaced by a :class:`TensorRef`."""
+    if isinstance(obj, DTensor):
+        tensors.append(obj.to_local().detach())
+        return TensorRef(len(tensors) - 1, (tuple(obj.placements), tuple(obj.shape), tuple(obj.stride())))
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach())
         return TensorRef(len(tensors) - 1)
@@ -76,20 +90,31 @@ def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _fill(obj: Any, tensors: Sequence[torch.Tensor]) -> Any:
-    """Inverse of :func:`_strip`."""
+def _fill(obj: Any, tensors: Sequence[torch.Tensor], mesh: Any = None) -> Any:
+    """Inverse of :func:`_strip` (``DTensor``s are rebuilt over ``mesh``)."""
     if isinstance(obj, TensorRef):
-        return tensors[obj.position]
+        local = tensors[obj.position]
+        if obj.dtensor is None:
+            return local
+        if mesh is None:
+            raise StateError("the sender's state is sharded (DTensors) and this rank's model is not")
+        placements, shape, stride = obj.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
     if isinstance(obj, OrderedDict):
-        return OrderedDict((k, _fill(v, tensors)) for k, v in obj.items())
+        return OrderedDict((k, _fill(v, tensors, mesh)) for k, v in obj.items())
     if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
+        return {k: _fill(v, tensors, mesh) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_fill(v, tensors) for v in obj]
+        return [_fill(v, tensors, mesh) for v in obj]
     if isinstance(obj, tuple):
-        items = [_fill(v, tensors) for v in obj]
+        items = [_fill(v, tensors, mesh) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     return obj
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A model tensor as it travels: a ``DTensor``'s local shard (a view of the live parameter), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -149,13 +174,15 @@ def _describe(parts: StateParts, committed: int) -> tuple[dict[str, Any], list[t
     model_entries: list[tuple[str, tuple[int, ...], str]] = []
     if parts.model is not None:
         for name, tensor in parts.model.state_dict().items():
-            model_entries.append((name, tuple(tensor.shape), str(tensor.dtype)))
-            tensors.append(tensor.detach())
+            local = _local(tensor).detach()
+            model_entries.append((name, tuple(local.shape), str(local.dtype)))
+            tensors.append(local)
     optim = [_strip(opt.state_dict(), tensors) for opt in parts.optimizers]
     extra = {name: _strip(obj.state_dict(), tensors) for name, obj in parts.extra.items()}
     meta = {
         "version": FORMAT_VERSION,
         "committed": committed,
+        "label": parts.label,
         "model": model_entries,
         "optim": optim,
         "extra": extra,
@@ -217,8 +244,12 @@ def _destinations(
     """Where each received tensor goes: the live model tensors first, fresh tensors for the rest."""
     out: list[torch.Tensor] = []
     model_entries = meta["model"]
+    if meta.get("label", "") != parts.label:
+        raise StateError(
+            f"received {meta.get('label') or 'the whole state'}, this rank holds {parts.label or 'it all'}"
+        )
     if parts.model is not None:
-        local = parts.model.state_dict()
+        local = {name: _local(tensor) for name, tensor in parts.model.state_dict().items()}
         names = [name for name, _, _ in model_entries]
         if names != list(local):
             missing = sorted(set(names) ^ set(local))[:5]
@@ -246,8 +277,10 @@ def _destinations(
 def _apply(parts: StateParts, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
     try:
         for optimizer, state in zip(parts.optimizers, meta["optim"], strict=True):
-            optimizer.load_state_dict(_fill(state, tensors))
+            optimizer.load_state_dict(_fill(state, tensors, parts.mesh))
         for name, state in meta["extra"].items():
-            parts.extra[name].load_state_dict(_fill(state, tensors))
+            parts.extra[name].load_state_dict(_fill(state, tensors, parts.mesh))
+    except StateError:
+        raise
     except Exception as exc:
         raise StateError(f"cannot load the received state: {type(exc).__name__}: {exc}") from exc

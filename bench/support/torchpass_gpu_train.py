@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The training script of bench/gpu_torchpass_nccl.py: a model-aware TorchPass job whose model and batches live
-on the backend's device (the GPU under NCCL), which writes its final weights' hash where it is told."""
+on the backend's device (the GPU under NCCL), which writes its final weights' hash where it is told. With
+``--fsdp`` the model is sharded by ``ctx.wrap_fsdp`` over a (1 x world) mesh instead of wrapped in DDP: FSDP2's
+collectives then run on the NCCL subgroups of TorchPass's mesh, and the hash is of the gathered weights."""
 
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--sleep", type=float, default=0.05, help="seconds per step (time to ask for a migration)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--fsdp", action="store_true", help="shard with ctx.wrap_fsdp (pure FSDP) instead of DDP")
     args = parser.parse_args()
 
     ctx = tp.init()
     device = ctx.device
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.1), nn.Linear(256, 1)).to(device)
-    ddp = ctx.wrap_model(model)
+    ddp = ctx.wrap_fsdp(model, mesh_shape=(1, ctx.world_size), shard=nn.Linear) if args.fsdp else ctx.wrap_model(model)
     optimizer = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(7)
     data = TensorDataset(torch.randn(4096, 64, generator=g), torch.randn(4096, 1, generator=g))
@@ -42,6 +45,7 @@ def main() -> int:
         time.sleep(args.sleep)
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a shard: gather it
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     (args.out / f"final-{ctx.slot}").write_text(f"{digest.hexdigest()} {device}\n")

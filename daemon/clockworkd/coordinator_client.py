@@ -7,25 +7,27 @@ agent, term, key}``). The newest such event of the job says where the leader is;
 replica, so a stale record still works: a passive replica answers with a redirect to the leader, and a dead one
 is skipped after a timeout.
 
-The request speaks TorchPass's coordinator wire format (a msgpack map with ``op`` and ``id`` over a ZeroMQ
-DEALER; the reply repeats the id) without importing TorchPass: clockworkd must not import torch, and the
-dependency direction is torchpass -> clockworkd, never the reverse. It is CURVE-authenticated with the job's
-key, which the record carries (:mod:`clockworkd.jobkey`). The coordinator answers at once; the rank moves at its
-next step boundary.
+Requests go through :class:`CoordinatorRpc`, the one client of the coordinator's wire protocol
+(:mod:`clockworkd.coordinator_wire`): the command line here, and every TorchPass rank for its own requests
+(:mod:`torchpass.control`). It imports no TorchPass: clockworkd must not import torch, and the dependency runs
+torchpass -> clockworkd, never the reverse. Every socket is CURVE-authenticated with the job's key, which the
+record carries (:mod:`clockworkd.jobkey`). The coordinator answers at once; the rank moves at its next step
+boundary.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 
+from clockworkd.coordinator_wire import MAX_MESSAGE_BYTES, ProtocolError, decode, encode
 from clockworkd.errors import ClockworkError
 from clockworkd.jobkey import ENV_JOB_KEY, JobKey, JobKeyError
 
@@ -33,6 +35,10 @@ __all__ = [
     "COORDINATOR_EVENT",
     "COORDINATOR_HELP",
     "CoordinatorBusy",
+    "CoordinatorLost",
+    "CoordinatorRefused",
+    "CoordinatorRpc",
+    "JobStopped",
     "ask_leader",
     "coordinator_record",
     "local_record",
@@ -41,9 +47,10 @@ __all__ = [
     "write_coordinator_file",
 ]
 
+log = logging.getLogger("clockwork.coordinator_client")
+
 COORDINATOR_EVENT = "torchpass.coordinator"
 MAX_REDIRECTS = 3
-_ids = itertools.count(int(time.time() * 1000) % 1_000_000)
 RETRY_INTERVAL_S = 0.5
 COORDINATOR_HELP = (
     "The coordinator file `torchpass run --local` printed (address and job key), or tcp://HOST:PORT with the "
@@ -53,6 +60,107 @@ COORDINATOR_HELP = (
 
 class CoordinatorBusy(ClockworkError):
     """The coordinator refused for now; the same request may succeed later (e.g. no spare is ready yet)."""
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator did not answer in time (in local mode: the launcher is gone)."""
+
+
+class CoordinatorRefused(RuntimeError):
+    """The coordinator answered with an error (the message says why).
+
+    ``leader`` is set when the answer came from a passive replica (Slurm mode): where the leader is; ``retry``
+    when the same request may succeed later (a migration asked for before a spare is ready)."""
+
+    def __init__(self, message: str, leader: str = "", *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.leader = leader
+        self.retry = retry
+
+
+class JobStopped(RuntimeError):
+    """The coordinator ended the job: ``done`` True when it finished, False when it failed."""
+
+    def __init__(self, reason: str, done: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.done = done
+
+
+class CoordinatorRpc:
+    """Requests over one DEALER socket, from one thread; every request has an id its reply repeats.
+
+    ``key``: the job's (None: from ``TORCHPASS_JOB_KEY``). ``identity``: a rank's request socket is ``WID.r``,
+    so that the coordinator (or the proxy in its node agent) sees the rank itself."""
+
+    _ids = itertools.count(int(time.time() * 1000) % 1_000_000)
+
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        timeout_s: float,
+        identity: bytes | None = None,
+        *,
+        key: JobKey | None = None,
+    ) -> None:
+        if key is None:
+            key = JobKey.from_environ()
+            if key is None:
+                raise JobKeyError(f"{ENV_JOB_KEY} is not set: the coordinator answers only the job's own processes")
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._sock = context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if identity is not None:
+            self._sock.setsockopt(zmq.IDENTITY, identity)
+        key.connect_as_client(self._sock)
+        self._sock.connect(endpoint)
+
+    def close(self) -> None:
+        """Close the socket (pending requests are dropped)."""
+        self._sock.close(0)
+
+    def call(self, op: str, *, timeout_s: float | None = None, **fields: Any) -> dict[str, Any]:
+        """One round trip. Raises :class:`CoordinatorLost`, :class:`CoordinatorRefused` or :class:`JobStopped`."""
+        return self.wait(op, time.monotonic() + (timeout_s or self.timeout_s), **fields)
+
+    def wait(
+        self,
+        op: str,
+        deadline: float,
+        *,
+        interrupt: Callable[[], None] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Send once and wait for the reply until ``deadline`` (monotonic) — a long poll when the coordinator
+        parks the request. ``interrupt`` is called every quarter second and may raise to give up early."""
+        req_id = next(self._ids)
+        self._sock.send(encode(op, id=req_id, **fields))
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CoordinatorLost(f"no answer to {op} from the coordinator at {self.endpoint}")
+            if self._sock.poll(int(min(left, 0.25) * 1000) + 1, zmq.POLLIN):
+                try:
+                    reply = decode(self._sock.recv())
+                except ProtocolError as exc:
+                    log.warning("unreadable reply from the coordinator: %s", exc)
+                    continue
+                if reply.get("id") != req_id:
+                    continue  # a late answer to an abandoned request
+                if not reply.get("ok", False):
+                    raise CoordinatorRefused(
+                        str(reply.get("error", "refused")),
+                        str(reply.get("leader") or ""),
+                        retry=bool(reply.get("retry")),
+                    )
+                if reply.get("stop"):
+                    raise JobStopped(str(reply.get("reason", "")), bool(reply.get("done")))
+                return reply
+            if interrupt is not None:
+                interrupt()
 
 
 def write_coordinator_file(path: Path, endpoint: str, key: JobKey) -> None:
@@ -100,32 +208,6 @@ def coordinator_record(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     return dict(newest["fields"])
 
 
-def _call(endpoint: str, key: JobKey, request: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
-    """One request to a coordinator replica; None when it does not answer in time."""
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-    try:
-        key.connect_as_client(sock)
-        sock.connect(endpoint)
-        sock.send(msgpack.packb(request, use_bin_type=True))
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                break
-            try:
-                reply = msgpack.unpackb(sock.recv(), raw=False, strict_map_key=False)
-            except (ValueError, msgpack.UnpackException):
-                continue
-            if isinstance(reply, dict) and reply.get("id") == request["id"]:
-                return reply
-        return None
-    finally:
-        sock.close(0)
-        context.term()
-
-
 def request_migration(
     record: dict[str, Any],
     rank: int,
@@ -166,25 +248,34 @@ def ask_leader(record: dict[str, Any], fields: dict[str, Any], timeout_s: float,
     if not record.get("key"):
         raise ClockworkError(f"the job's coordinator record has no job key: its TorchPass is too old to be {purpose}")
     key = JobKey.from_hex(str(record["key"]), where="the job's coordinator record")
+    request = dict(fields)
+    op = str(request.pop("op"))
     tried: list[str] = []
     queue = list(endpoints)
-    while queue and len(tried) < len(endpoints) + MAX_REDIRECTS:
-        endpoint = queue.pop(0)
-        if endpoint in tried:
-            continue
-        tried.append(endpoint)
-        request = {**fields, "id": next(_ids)}
-        reply = _call(endpoint, key, request, timeout_s)
-        if reply is None:
-            continue  # a replica on a lost node: try the next
-        if reply.get("ok"):
-            return reply
-        leader = str(reply.get("leader") or "")
-        if leader.startswith("tcp://") and leader not in tried:
-            queue.insert(0, leader)  # a passive replica: it knows who leads
-            continue
-        refused = f"the coordinator refused: {reply.get('error', 'no reason given')}"
-        raise CoordinatorBusy(refused) if reply.get("retry") else ClockworkError(refused)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        while queue and len(tried) < len(endpoints) + MAX_REDIRECTS:
+            endpoint = queue.pop(0)
+            if endpoint in tried:
+                continue
+            tried.append(endpoint)
+            rpc = CoordinatorRpc(context, endpoint, timeout_s, key=key)
+            try:
+                return rpc.call(op, **request)
+            except CoordinatorLost:
+                continue  # a replica on a lost node: try the next
+            except CoordinatorRefused as exc:
+                if exc.leader.startswith("tcp://") and exc.leader not in tried:
+                    queue.insert(0, exc.leader)  # a passive replica: it knows who leads
+                    continue
+                refused = f"the coordinator refused: {exc}"
+                raise CoordinatorBusy(refused) if exc.retry else ClockworkError(refused) from None
+            except JobStopped as exc:
+                raise ClockworkError(f"the coordinator says the job ended: {exc.reason}") from None
+            finally:
+                rpc.close()
+    finally:
+        context.term()
     raise ClockworkError(
         f"no coordinator replica of the job answered within {timeout_s:g} s (tried {', '.join(tried)})", exit_code=3
     )

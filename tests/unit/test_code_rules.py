@@ -196,15 +196,16 @@ def test_dependency_direction(package: str, forbidden: tuple[str, ...]) -> None:
     assert not offenders, "\n".join(offenders)
 
 
-# What TorchPass may use of clockworkd: its torch-free, client-side modules (the job key, the coordinator's
-# command client, option and hostlist parsing, the snapshot format, the settings helper, the daemon's client for
-# the event sink and borrowing, the command-line error handler). Never the daemon itself (server, agent, Lens,
-# LinkPass hosts): a rank must not load it, and the daemon may change without touching TorchPass.
+# What TorchPass may use of clockworkd: its torch-free, client-side modules (the job key, the coordinator's wire
+# protocol and its one client, option and hostlist parsing, the snapshot format, the settings helper, the daemon's
+# client for the event sink and borrowing, the command-line error handler). Never the daemon itself (server, agent,
+# Lens, LinkPass hosts): a rank must not load it, and the daemon may change without touching TorchPass.
 TORCHPASS_MAY_IMPORT = {
     "clockworkd.cli.invoke",
     "clockworkd.client",
     "clockworkd.config_fields",
     "clockworkd.coordinator_client",
+    "clockworkd.coordinator_wire",
     "clockworkd.errors",
     "clockworkd.hostlist",
     "clockworkd.job_options",

@@ -144,3 +144,16 @@ def test_a_borrowed_node_is_part_of_the_story_and_saves_nothing_by_itself() -> N
     assert "holder job 900" in borrowed[0].resolution and "640.0 ms" in borrowed[0].resolution
     assert [i.detail for i in story.incidents if i.what == "borrow failed"] == ["limit"]  # not the intruder's try
     assert borrowed[0].saved_node_h == 0.0 and story.faults == 1  # the rank replaced is the one fault
+
+
+def test_a_sharded_job_says_which_shard_moved_from_whom() -> None:
+    moved = {"part": 1, "what": "shard 1 of the 2x2 mesh", "source": 3, "target": 1, "bytes": 1_200_000, "ms": 15.2}
+    handed = {**moved, "source": 2, "target": 2, "what": "shard 0 of the 2x2 mesh", "handoff": True}
+    events = [
+        _event(1, 10.0, "node1", "torchpass.member_failed", slot=1, why="exited with code -9"),
+        _event(2, 11.0, "node1", "torchpass.recovered", slots=[1], source_slots=[3], total_ms=80.0, moves=[moved]),
+        _event(3, 20.0, "node1", "torchpass.migrated", slots=[2], total_ms=90.0, step=9, moves=[handed]),
+    ]
+    replaced, migrated = build_story(9, events, {}, nodes=4, checkpoint_interval_s=1800, restart_cost_s=600).incidents
+    assert "with shard 1 of the 2x2 mesh from rank 3 (1.2 MB in 15.2 ms)" in replaced.resolution
+    assert "shard 0 of the 2x2 mesh handed over by the departing rank" in migrated.resolution

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
+from clockworkd.coordinator_wire import encode
 from clockworkd.jobkey import ENV_JOB_KEY, JobKey
-from torchpass.protocol import encode
 from torchpass.rollout import Publisher, Subscriber, _Version
 
 

@@ -16,12 +16,12 @@ import pytest
 import zmq
 
 from clockworkd.cli.main import run as clockwork
+from clockworkd.coordinator_wire import GenerationInfo, decode, encode
 from torchpass.auth import connect_as_client
 from torchpass.cli import main as cli_main
 from torchpass.config import TorchPassConfig
 from torchpass.control import CoordinatorRefused, CoordinatorRpc, JobStopped
 from torchpass.coordinator import DONE, FAILED, Coordinator
-from torchpass.protocol import GenerationInfo, decode, encode
 
 pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
 
@@ -174,10 +174,12 @@ def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[by
         assert failed == [failed[0]] and failed[0]["slot"] == 1 and failed[0]["generation"] == 0
 
         a.joined(g1, first_error_at=time.time())
-        spare.joined(g1, received=True, source=0, transfer_bytes=123, rebuild_ms=4.0, transfer_ms=2.0)
+        move = {"part": 0, "what": "the training state", "source": 0, "target": 1, "bytes": 123, "ms": 1.5}
+        spare.joined(g1, received=True, source=0, transfer_bytes=123, rebuild_ms=4.0, transfer_ms=2.0, moves=[move])
         _wait_for(lambda: events.of("torchpass.recovered"))
         recovered = events.of("torchpass.recovered")[0]
         assert recovered["slots"] == [1] and recovered["received_by"] == [1] and recovered["source_slots"] == [0]
+        assert recovered["moves"] == [{**move, "handoff": False}]  # what moved from whom (under FSDP: a shard)
         for key in ("detect_ms", "decide_ms", "spare_ready_ms", "total_ms", "rebuild_ms", "transfer_ms"):
             assert recovered[key] >= 0, key
 
@@ -197,6 +199,28 @@ def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[by
         waiter.join(30)
         assert len(outcomes) == 2 and all(isinstance(o, JobStopped) and o.done for o in outcomes)
         assert coord.state == DONE and events.of("torchpass.finished")[0]["committed"] == [41]
+    finally:
+        coord.stop()
+
+
+def test_a_recovery_over_two_generations_names_every_slot_it_replaced(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Two ranks die moments apart: the generation that replaced the first never completes (the second died
+    meanwhile); the recovery the next one completes names both slots, so neither failure stays open in the report."""
+    events = Events()
+    coord, _, _ = _start(3, events)
+    try:
+        a, b, c, s1, s2 = _ranks(zctx, coord, ["slot:0", "slot:1", "slot:2", "spare", "spare"])
+        _start_generation0(events, a, b, c)
+        coord.worker_exited("w1", "slot:1", -9)
+        g1 = a.await_generation(0)
+        assert g1.replaced == {1: "w3"}
+        coord.worker_exited("w2", "slot:2", -9)  # before generation 1 completed
+        g2 = a.await_generation(1)
+        assert g2.replaced == {2: "w4"} and g2.members == {0: "w0", 1: "w3", 2: "w4"}
+        for rank in (a, s1, s2):
+            rank.joined(g2)
+        _wait_for(lambda: events.of("torchpass.recovered"))
+        assert events.of("torchpass.recovered")[0]["slots"] == [1, 2]
     finally:
         coord.stop()
 

@@ -185,18 +185,18 @@ def test_launch_environment_contract() -> None:
 def test_a_launched_rank_prints_whole_lines_under_pythonunbuffered() -> None:
     """The launchers start ranks with PYTHONUNBUFFERED (nothing lost when one is killed). Unbuffered, a
     ``print`` is two writes (text, then newline) and the ranks sharing the launcher's stdout tear each other's
-    lines; after ``_whole_lines_on_shared_output`` (run by ``init`` in every launched rank) a line goes out
+    lines; after ``whole_lines_on_shared_output`` (run by ``init`` in every launched rank) a line goes out
     whole at its newline. The raw ``os.write`` in between shows which of the two happened."""
     script = textwrap.dedent(
         """
         import os, sys
-        from torchpass.context import _whole_lines_on_shared_output
+        from torchpass.rank_output import whole_lines_on_shared_output
         def line():
             print("part", end="")
             os.write(1, b"|raw|")
             print("-end")
         line()
-        _whole_lines_on_shared_output()
+        whole_lines_on_shared_output()
         line()
         print("on stderr", end="", file=sys.stderr)
         os.write(2, b"|raw|")

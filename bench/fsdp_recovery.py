@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""A rank of a sharded (HSDP) job crashes: how long until the job trains at full width again, and what it costs.
+
+The job (``bench/support/fsdp_workload.py``: residual MLP blocks, each its own ``fully_shard``, AdamW,
+``clip_grad_norm_``) runs as ``--nproc`` local ranks on 127.0.0.1 over gloo on a ``(nproc / shards) x shards``
+HSDP mesh (2 x 2 by default); rank 1 SIGKILLs itself at step ``--crash-step``. Side by side, in one run,
+alternating ``--runs`` times:
+
+* **TorchPass**: ``torchpass run --local`` with one spare, started with the job (on a cluster it waits on a
+  node of its own). The spare takes the dead rank's slot and receives its shard from the rank holding the same
+  shard in the other replica; every replica resumes at the same step, at full width. Split from the
+  coordinator's ``torchpass.recovered`` event: detection, spare ready, rebuild (groups of both mesh
+  dimensions), transfer, and the bytes moved;
+* **checkpoint-restart**: plain FSDP2, a sharded checkpoint (``torch.distributed.checkpoint``) every
+  ``--ckpt-every`` steps; when a rank dies every rank is stopped (a 50 ms monitor, as torchrun's) and the whole
+  job is started again from the last checkpoint, recomputing the steps since.
+
+For each: the time from the crash to the end of the first full-width step after it (every rank has begun the
+step after it), the global steps computed twice, and the samples skipped (steps some replica trained at reduced
+width: none for either). Goal (DESIGN.md): full width in under 3 s on the sandbox, 0 samples skipped.
+
+* **TorchFT** 0.2's HSDP (when installed: ``pip install -e '.[bench]'``): each replica group of ``--shards``
+  processes shards the model with FSDP2 over its own mesh, and TorchFT all-reduces the gradients over the replica
+  groups (``set_all_reduce_hook`` over a ``ManagedProcessGroup``, ``min_replica_size`` 1). The replica group is
+  TorchFT's failure domain: the crashed rank's whole group is restarted at once (as a per-group torchrun would),
+  heals from a live group, and meanwhile the others train at reduced width: those steps' samples of the absent
+  group are skipped.
+
+``--quick`` runs in about a minute. The last line printed is one JSON object of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from support.torchpass_jobs import Lighthouse, base_env, free_port, say, spawn, step_logs, torchft_status, wait_all
+from torchpass_vs_restart import MONITOR_S, crash_times, stamped_steps
+
+WORKLOAD = Path(__file__).resolve().parent / "support" / "fsdp_workload.py"
+
+
+def workload(args: argparse.Namespace, out: Path, mode: str, *extra: str) -> list[str]:
+    """The workload script's command line after the interpreter."""
+    return [
+        str(WORKLOAD), mode, "--out", str(out), "--steps", str(args.steps), "--warmup", "0",
+        "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch", str(args.batch),
+        "--shards", str(args.shards), "--crash-steps", str(args.crash_step), *extra,
+    ]  # fmt: skip
+
+
+def full_width(out: Path) -> dict[str, Any]:
+    """From the step logs: the crash to the end of the first step after it on every rank, and steps done twice."""
+    (crash_step, crashed_at), *_ = sorted(crash_times(out).items())
+    stamps = stamped_steps(out)
+    twice = set()
+    for steps in step_logs(out).values():
+        twice |= {s for s in steps if steps.count(s) > 1}
+    resumed = min(s for entries in stamps.values() for s, t in entries if t > crashed_at)  # the step redone first
+    ends = [[t for s, t in entries if s == resumed + 1 and t > crashed_at] for entries in stamps.values()]
+    if not all(ends):
+        raise RuntimeError(f"not every rank trained step {resumed + 1} after the crash; see {out}")
+    return {
+        "crash_step": crash_step,
+        "resumed_at": resumed,
+        "to_full_width_s": round(max(min(e) for e in ends) - crashed_at, 3),
+        "steps_computed_twice": len(twice),
+        "samples_skipped": 0,  # every step trained by every rank: no replica sat out a step
+    }
+
+
+def run_torchpass(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    cmd = [
+        sys.executable, "-m", "torchpass", "run", "--local", "--nproc", str(args.nproc), "--spares", "1",
+        "--no-respawn-spares", "--events", str(out / "events.jsonl"),
+        *workload(args, out, "torchpass", "--wait-spares", "1"),
+    ]  # fmt: skip
+    code = wait_all([spawn(cmd, base_env(), out / "torchpass.err")], args.timeout)[0]
+    if code:
+        raise RuntimeError(f"torchpass run exited with {code}; see {out}/torchpass.err")
+    row = full_width(out)
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    (recovered,) = [e["fields"] for e in events if e["kind"] == "torchpass.recovered"]
+    for key in ("detect_ms", "decide_ms", "spare_ready_ms", "rebuild_ms", "transfer_ms", "transfer_bytes", "total_ms"):
+        row[key] = recovered.get(key)
+    row["moves"] = recovered.get("moves", [])
+    row["restarts"] = 0
+    return row
+
+
+def run_torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """TorchFT 0.2's HSDP: a replica group (``--shards`` processes) is the failure domain. The crashed rank's
+    whole group is stopped and started again at once (as a per-group torchrun would), and heals from a live
+    group; meanwhile the other replicas train at reduced width (``min_replica_size`` 1)."""
+    replicas = args.nproc // args.shards
+    extra = ("--min-replicas", "1")
+    deadline = time.monotonic() + args.timeout
+    respawns: list[tuple[int, float]] = []
+    with Lighthouse(out, min_replicas=1, join_timeout_ms=1000) as lighthouse:
+
+        def start(replica: int) -> list[Any]:
+            port, procs = free_port(), []
+            for group_rank in range(args.shards):
+                env = base_env()
+                env.update(
+                    REPLICA_ID=str(replica), NUM_REPLICAS=str(replicas), RANK=str(group_rank),
+                    WORLD_SIZE=str(args.shards), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                    TORCHFT_LIGHTHOUSE=lighthouse.address,
+                )  # fmt: skip
+                cmd = [sys.executable, *workload(args, out, "torchft", *extra)]
+                procs.append(spawn(cmd, env, out / f"torchft-{replica}-{group_rank}.err"))
+            return procs
+
+        groups = {replica: start(replica) for replica in range(replicas)}
+        while not all(p.poll() == 0 for procs in groups.values() for p in procs):
+            if time.monotonic() > deadline:
+                for p in (p for procs in groups.values() for p in procs):
+                    p.kill()
+                raise RuntimeError(f"torchft did not finish within {args.timeout:g} s; see {out}")
+            for replica, procs in list(groups.items()):
+                if any(p.poll() not in (None, 0) for p in procs):  # the group is the failure domain: restart it
+                    for p in procs:
+                        if p.poll() is None:
+                            p.kill()
+                    wait_all(procs, 10)
+                    respawns.append((replica, time.time()))
+                    groups[replica] = start(replica)
+            time.sleep(MONITOR_S)
+    (crash_step, crashed_at), *_ = sorted(crash_times(out).items())
+    results = [json.loads(p.read_text()) for p in out.glob("result-*.json")]
+    reduced = max((int(r.get("reduced_width_steps", 0)) for r in results), default=0)
+    stamps = stamped_steps(out)
+    after = [(replica, at) for replica, at in respawns if at >= crashed_at]  # (a group may also fail at the start)
+    back = []  # when the group restarted after the crash trained (finished) a step again
+    for replica, restarted in after[:1]:
+        for rank in range(args.shards):
+            back += [t for _, t in stamps.get(replica * args.shards + rank, []) if t > restarted]
+    twice = set()
+    for steps in step_logs(out).values():
+        twice |= {s for s in steps if steps.count(s) > 1}
+    return {
+        "crash_step": crash_step,
+        "to_full_width_s": round(min(back) - crashed_at, 3) if back else None,
+        "steps_at_reduced_width": reduced,
+        "samples_skipped": reduced * args.shards * args.batch,  # the absent group's share of each such step
+        "steps_computed_twice": len(twice),
+        "group_restarts": len(after),
+        "group_restarts_at_start": len(respawns) - len(after),
+        "restarts": 0,
+    }
+
+
+def run_restart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    extra = ("--ckpt", str(out / "ckpt"), "--ckpt-every", str(args.ckpt_every))
+    (out / "ckpt").mkdir()
+    deadline = time.monotonic() + args.timeout
+    restarts = 0
+    while True:
+        port = free_port()
+        procs = []
+        for rank in range(args.nproc):
+            env = base_env()
+            env.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            cmd = [sys.executable, *workload(args, out, "restart", *extra)]
+            procs.append(spawn(cmd, env, out / f"restart-{rank}.err"))
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(MONITOR_S)
+        if all(p.poll() == 0 for p in procs):
+            break
+        for p in procs:  # one rank died: stop the whole job, as torchrun would
+            if p.poll() is None:
+                p.kill()
+        wait_all(procs, 10)
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"checkpoint-restart did not finish within {args.timeout:g} s; see {out}")
+        restarts += 1
+    row = full_width(out)
+    row["restarts"] = restarts
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    parser.add_argument("--shards", type=int, default=2, help="shards per replica (default 2: HSDP 2 x 2)")
+    parser.add_argument("--steps", type=int, default=120, help="steps of the job (default 120)")
+    parser.add_argument("--crash-step", type=int, default=70, help="rank 1 crashes at this step (default 70)")
+    parser.add_argument("--ckpt-every", type=int, default=40, help="checkpoint-restart: steps between checkpoints")
+    parser.add_argument("--hidden", type=int, default=512, help="block width (default 512)")
+    parser.add_argument("--layers", type=int, default=4, help="blocks (default 4)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each system, alternated (default 3)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' folders")
+    parser.add_argument("--skip-torchft", action="store_true", help="leave TorchFT out")
+    parser.add_argument("--quick", action="store_true", help="one run each of 40 steps, crash at 25 (about a minute)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.crash_step, args.ckpt_every, args.runs = 40, 25, 10, 1
+    replicas = args.nproc // args.shards
+    say(
+        f"fsdp_recovery: {args.nproc} ranks on 127.0.0.1 (gloo), HSDP mesh {replicas}x{args.shards}, {args.layers} "
+        f"blocks of {args.hidden}, {args.steps} steps, rank 1 SIGKILLed at step {args.crash_step}; checkpoint-restart "
+        f"saves every {args.ckpt_every} steps; {args.runs} run(s) each"
+    )
+    torchft_note = "left out (--skip-torchft)" if args.skip_torchft else torchft_status()
+    systems: dict[str, Any] = {"torchpass": run_torchpass, "restart": run_restart}
+    if not torchft_note:
+        systems["torchft"] = run_torchft
+    work = Path(tempfile.mkdtemp(prefix="fsdp-recovery-"))
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+    try:
+        for index in range(args.runs):
+            for name in list(systems)[index % 2 :] + list(systems)[: index % 2]:
+                out = work / f"{name}-{index}"
+                out.mkdir()
+                row = systems[name](args, out)
+                rows[name].append(row)
+                say(f"  run {index + 1} {name:<10} {json.dumps(row)}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            say(f"  runs kept in {work}")
+
+    def median(name: str, key: str) -> float | None:
+        values = [r[key] for r in rows[name] if r.get(key) is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    common = ("to_full_width_s", "steps_computed_twice", "samples_skipped", "restarts")
+    extra = {
+        "torchpass": ("detect_ms", "spare_ready_ms", "rebuild_ms", "transfer_ms", "transfer_bytes", "total_ms"),
+        "torchft": ("steps_at_reduced_width", "group_restarts"),
+    }
+    summary = {name: {key: median(name, key) for key in common + extra.get(name, ())} for name in systems}
+    tp, restart, ft = summary["torchpass"], summary["restart"], summary.get("torchft", {})
+    say("")
+    say(f"{'':<44}{'TorchPass':>12}{'ckpt-restart':>14}{'TorchFT HSDP':>14}")
+    for label, key in (
+        ("crash -> first full-width step done (s)", "to_full_width_s"),
+        ("steps at reduced width", "steps_at_reduced_width"),
+        ("samples skipped", "samples_skipped"),
+        ("global steps computed twice", "steps_computed_twice"),
+        ("whole-job restarts", "restarts"),
+        ("replica-group restarts", "group_restarts"),
+    ):
+        say(f"{label:<44}{tp.get(key, 0)!s:>12}{restart.get(key, 0)!s:>14}{ft.get(key, '-')!s:>14}")
+    if torchft_note:
+        say(f"TorchFT: {torchft_note}")
+    say(
+        f"TorchPass, medians: detection {tp['detect_ms']} ms, spare ready {tp['spare_ready_ms']} ms, rebuild "
+        f"{tp['rebuild_ms']} ms, transfer {tp['transfer_ms']} ms of {tp['transfer_bytes']} bytes; fault to every "
+        f"rank training again {tp['total_ms']} ms"
+    )
+    speedup = restart["to_full_width_s"] / tp["to_full_width_s"] if tp["to_full_width_s"] else None
+    ft_speedup = (
+        ft["to_full_width_s"] / tp["to_full_width_s"] if ft.get("to_full_width_s") and tp["to_full_width_s"] else None
+    )
+    say(
+        (f"full width {speedup:.1f}x sooner than checkpoint-restart" if speedup else "")
+        + (f", {ft_speedup:.1f}x sooner than TorchFT" if ft_speedup else "")
+    )
+    goals = {
+        "zero_samples_skipped": tp["samples_skipped"] == 0,
+        "2x_faster_to_full_width_than_torchft": bool(ft_speedup and ft_speedup >= 2),
+    }
+    say(f"goals: {goals}")
+    print(
+        json.dumps(
+            {
+                "bench": "fsdp_recovery",
+                "nproc": args.nproc,
+                "mesh": [replicas, args.shards],
+                "model": {"hidden": args.hidden, "layers": args.layers, "batch": args.batch},
+                "steps": args.steps,
+                "crash_step": args.crash_step,
+                "ckpt_every": args.ckpt_every,
+                "summary": summary,
+                "runs": rows,
+                "speedup_vs_restart": round(speedup, 2) if speedup else None,
+                "speedup_vs_torchft": round(ft_speedup, 2) if ft_speedup else None,
+                "goals_met": goals,
+                "torchft": torchft_note or "ok",
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

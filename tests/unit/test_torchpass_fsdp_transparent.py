@@ -1,0 +1,185 @@
+"""Model-transparent mode for an unmodified FSDP2 script: a SIGKILLed rank is rebuilt from the peer holding its
+shard, and every slot ends bitwise equal to the fault-free run.
+
+The rank script is this file, executed directly: a plain PyTorch FSDP2 script (``init_process_group``,
+``init_device_mesh`` of a 2 x 2 HSDP mesh, ``fully_shard`` on each Linear and on the model, AdamW, gradient
+clipping, an LR scheduler stepped once per epoch, a DataLoader over a ``DistributedSampler`` iterated once per
+epoch after ``set_epoch``). It imports nothing from TorchPass. Each test launches it with ``python -m torchpass
+run --local --transparent`` (4 ranks, 1 spare, gloo on 127.0.0.1).
+
+``CW_TEST_KILL`` (``slot:step``) makes that slot SIGKILL itself in the backward pass of that step, before the
+reduce-scatter of a layer drawn at random (the step is AdamW's own count, which moves with the state, so it is
+right on a replacement too); a marker file makes the kill happen once. The seed is printed; ``CW_TEST_SEED``
+replays it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve()
+NPROC = 4
+EPOCHS = 2
+BATCH = 4
+SAMPLES = 96
+STEPS = EPOCHS * SAMPLES // (BATCH * NPROC)  # 12
+RUN_TIMEOUT_S = 150
+
+
+# ======================================================================================================
+# The rank script: an unmodified FSDP2 training script (runs in each rank and spare process)
+# ======================================================================================================
+
+
+def _rank_main() -> int:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    out = Path(os.environ["CW_TEST_DIR"])
+    kill = os.environ.get("CW_TEST_KILL", "")
+    kill_layer = int(os.environ.get("CW_TEST_KILL_LAYER", "0"))
+
+    dist.init_process_group(backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+    torch.manual_seed(1234)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 33), nn.ReLU(), nn.Dropout(0.2), nn.Linear(33, 4)
+    )
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    for layer in linears:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    first = next(iter(model.parameters()))
+
+    def step_no() -> int:
+        state = opt.state.get(first)
+        return int(state["step"]) if state else 0
+
+    def maybe_kill(_grad: Any) -> None:
+        if kill != f"{rank}:{step_no()}":
+            return
+        try:
+            os.close(os.open(out / f"killed-{kill.replace(':', '-')}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # done once: the replacement must not kill itself too
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    linears[kill_layer].register_forward_hook(lambda _m, _i, output: output.register_hook(maybe_kill) and None)
+
+    generator = torch.Generator().manual_seed(7)
+    x_all = torch.randn(SAMPLES, 16, generator=generator)
+    y_all = x_all @ torch.randn(16, 4, generator=generator) + 0.1 * torch.randn(SAMPLES, 4, generator=generator)
+    dataset = TensorDataset(x_all, y_all)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=3, drop_last=True)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler, drop_last=True)
+
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+            opt.step()
+            opt.zero_grad()
+        sched.step()
+
+    def gathered(value: Any) -> Any:
+        if hasattr(value, "full_tensor"):
+            return value.full_tensor()
+        if isinstance(value, dict):
+            return {k: gathered(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [gathered(v) for v in value]
+        return value
+
+    final = {
+        "model": gathered(dict(model.state_dict())),
+        "optim": gathered(opt.state_dict()),
+        "sched": sched.state_dict(),
+    }
+    torch.save(final, out / f"final-slot{rank}.pt")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())
+
+
+# ======================================================================================================
+# The tests (run by pytest in the parent process)
+# ======================================================================================================
+
+from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final, local_command  # noqa: E402
+
+SEED = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
+print(f"test_torchpass_fsdp_transparent: CW_TEST_SEED={SEED}")
+
+
+def _run(base: Path, name: str, *, kill: str = "", layer: int = 0) -> FinishedJob:
+    out = base / name
+    out.mkdir()
+    env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_KILL_LAYER=str(layer))
+    cmd = local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"])
+    with open(out / "launcher.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            returncode = proc.wait()
+    return FinishedJob(out, returncode, (out / "launcher.log").read_text())
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("torchpass-fsdp-transparent")
+
+
+@pytest.fixture(scope="module")
+def reference(base: Path) -> FinishedJob:
+    run = _run(base, "reference")
+    run.check_ok()
+    return run
+
+
+def test_fault_free_run_trains_every_batch_once(reference: FinishedJob) -> None:
+    expected = load_final(reference.out, 0)
+    step = next(iter(expected["optim"]["state"].values()))["step"]
+    assert int(step) == STEPS, f"AdamW took {int(step)} steps, the loader has {STEPS} batches"
+    for slot in range(1, NPROC):
+        assert_bitwise_equal(load_final(reference.out, slot), expected, f"slot {slot}")
+    assert "transparent mode:" not in reference.output  # no start-up warning: the script is inside what it protects
+
+
+def test_sigkill_in_backward_rebuilds_the_shard(base: Path, reference: FinishedJob) -> None:
+    draw = random.Random(SEED)
+    slot, step, layer = draw.randrange(NPROC), draw.randrange(1, STEPS - 1), draw.randrange(3)
+    kill = f"{slot}:{step}"
+    print(f"kill {kill} before layer {layer}'s reduce-scatter")
+    run = _run(base, "kill", kill=kill, layer=layer)
+    run.check_ok()
+    assert (run.out / f"killed-{slot}-{step}").exists(), "the fault was not injected"
+    expected = load_final(reference.out, 0)
+    for other in range(NPROC):
+        assert_bitwise_equal(load_final(run.out, other), expected, f"slot {other}")
+    (recovered,) = run.of_kind("torchpass.recovered")
+    assert recovered["slots"] == [slot], recovered
+    (move,) = [m for m in recovered["moves"] if m["target"] == slot]
+    assert move["source"] == slot ^ 2 and move["what"] == f"shard {slot % 2} of the 2x2 mesh", recovered

@@ -1,0 +1,254 @@
+"""Sharded training (FSDP2 and HSDP) under TorchPass: the model-aware wrapper and how its shards move.
+
+``ctx.wrap_fsdp(model, mesh_shape=(R, S), shard=...)`` runs ``fully_shard`` as the user would, on the
+submodules named by ``shard`` (deepest first) and then on the root, over the
+:class:`~torch.distributed.device_mesh.DeviceMesh` TorchPass owns (:mod:`torchpass.shard_mesh`): R replicas
+of a model cut into S shards, slot ``r * S + s`` holding shard ``s`` of replica ``r``; ``R = 1`` is pure FSDP.
+``fully_shard``'s own options (``mp_policy``, ``reshard_after_forward``, ``offload_policy``, ...) pass
+through. Optimizers over the sharded (DTensor) parameters, LR schedulers, ``clip_grad_norm_`` over DTensors and
+mixed precision then work as under plain FSDP2.
+
+The plan is replayed, not rebuilt: a newcomer runs the script, which calls ``wrap_fsdp`` with the same
+arguments, so its modules are sharded exactly as the dead rank's were (the shard is a function of the slot,
+which it takes over). Survivors keep their FSDP modules across a recovery; only the mesh's groups are formed
+again (:meth:`torchpass.shard_mesh.MeshGroups.bind`, from :meth:`ShardTransport.form`).
+
+What moves (:class:`ShardTransport`): the state of slot (r, s) is *part* ``s``: its local shards of every
+parameter and of every piece of optimizer state, plus what is not sharded (the step, LR schedulers, grad
+scalers, registered objects, buffers). A newcomer in (r, s) receives part ``s`` from a live holder (r', s) of
+the most advanced step; when no member holds part ``s`` at that step (pure FSDP, or both holders lost), nothing
+is invented: the job stops with that reason (:class:`torchpass.transfer_plan.StateLost`).
+
+Buffers are not synchronised by FSDP2: a buffer a forward pass updates (BatchNorm's running statistics) then
+differs per rank, and a replica's copy is not the dead rank's. ``wrap_fsdp`` warns about such modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from torchpass.backends import CommBackend
+from torchpass.config import TorchPassConfig
+from torchpass.errors import TorchPassError
+from torchpass.rejoin import ProcessGroupTransport
+from torchpass.shard_mesh import MeshGroups
+from torchpass.state import StateError, StateParts
+from torchpass.step import StepLifecycle
+from torchpass.transfer_plan import Holdings, ShardedReplicas
+
+__all__ = [
+    "LifecycleGuard",
+    "ShardHost",
+    "ShardPlan",
+    "ShardSpec",
+    "ShardTransport",
+    "ShardedState",
+    "sharded_modules",
+]
+
+log = logging.getLogger("clockwork.torchpass.fsdp")
+
+# What ``shard=`` may be: module classes, a predicate on (qualified name, module), or the modules themselves.
+ShardSpec = type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Iterable[nn.Module]
+
+
+class LifecycleGuard:
+    """The mesh proxies' guard (:class:`torchpass.shard_mesh.StepGuard`) over the rank's step lifecycle: the
+    same rules as the DDP hook and ``ctx.all_reduce`` (before the update a failure abandons the step; after it the
+    step commits and the rank recovers right after)."""
+
+    def __init__(self, lifecycle: StepLifecycle) -> None:
+        self.lifecycle = lifecycle
+
+    def protecting(self) -> bool:
+        """Inside ``ctx.steps`` (the step counter is -1 before the first step and after the last)."""
+        return self.lifecycle.step >= 0
+
+    def admit(self) -> bool:
+        """Whether a collective may start (see :meth:`torchpass.step.StepLifecycle.collective_allowed`)."""
+        lifecycle = self.lifecycle
+        if lifecycle.updated:
+            if lifecycle.failed_after_update or lifecycle.stale():
+                lifecycle.fail_after_update("a newer generation was announced after the step's update")
+                return False
+            return True
+        return lifecycle.collective_allowed()
+
+    def failed(self, error: BaseException | str) -> None:
+        """Abandon the step, or after its update commit it and recover right after."""
+        lifecycle = self.lifecycle
+        if lifecycle.updated:
+            lifecycle.fail_after_update(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+        else:
+            lifecycle.abandon(error)
+
+
+class ShardPlan:
+    """How one job shards its model: the mesh's shape, which submodules get their own ``fully_shard``, and
+    ``fully_shard``'s options. Applied once per process (:meth:`apply`), identically on every slot."""
+
+    def __init__(self, shape: ShardedReplicas, shard: ShardSpec | None, options: dict[str, Any]) -> None:
+        reserved = sorted({"mesh"} & set(options))
+        if reserved:
+            raise TypeError("ctx.wrap_fsdp builds the mesh itself (mesh_shape=...); do not pass mesh=")
+        self.shape = shape
+        self.shard = shard
+        self.options = options
+
+    def apply(self, model: nn.Module, groups: MeshGroups) -> list[str]:
+        """``fully_shard`` the chosen submodules (deepest first) and then the root; the names sharded."""
+        if isinstance(model, FSDPModule):
+            raise TypeError("the model is already sharded: give ctx.wrap_fsdp the plain module")
+        chosen = sharded_modules(model, self.shard)
+        with groups.before_first_generation():
+            for _, module in chosen:
+                fully_shard(module, mesh=groups.mesh, **self.options)
+            fully_shard(model, mesh=groups.mesh, **self.options)
+        warn_unsynchronised_buffers(model)
+        return [name for name, _ in chosen] + [""]
+
+
+class ShardHost(Protocol):
+    """What sharding a model needs from the rank (:class:`torchpass.context.Context` provides it)."""
+
+    @property
+    def slot(self) -> int:
+        """This rank's slot: its coordinates in the mesh."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """The job's slots."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the collectives run (the mesh's device type)."""
+        ...
+
+    @property
+    def lifecycle(self) -> StepLifecycle:
+        """The step in progress: what the mesh's collectives consult and report failures to."""
+        ...
+
+    @property
+    def config(self) -> TorchPassConfig:
+        """The job's settings (snapshots, buffer copies)."""
+        ...
+
+
+class ShardedState:
+    """The mesh TorchPass owns for a job's sharded model, on one rank, and how this rank's shard moves: made once
+    per job (``ctx.wrap_fsdp``, or transparent mode's ``init_device_mesh``). Its mesh groups are guarded by the
+    rank's step lifecycle; ``parts`` (the rank's state) gets the mesh, which received optimizer state is rebuilt
+    over, and the name of this rank's shard; :meth:`adopt` makes a ``fully_shard``-ed module the state's model."""
+
+    def __init__(
+        self, shape: ShardedReplicas, host: ShardHost, parts: StateParts, names: tuple[str, ...] | None = None
+    ) -> None:
+        if shape.world_size != host.world_size:
+            raise TorchPassError(f"a {shape} mesh needs {shape.world_size} ranks; the job has {host.world_size}")
+        if host.config.snapshot_every_steps or host.config.snapshot_interval_s:
+            raise TorchPassError("snapshots of a sharded model are not supported yet: turn snapshots off")
+        self.host = host
+        self.groups = MeshGroups(shape, host.slot, host.device.type, flat=shape.replicas == 1, names=names)
+        self.groups.guard = LifecycleGuard(host.lifecycle)
+        self.layout = shape
+        self.parts = parts
+        parts.mesh = self.groups.mesh
+        parts.label = shape.part_name(shape.coordinate(host.slot)[1])
+
+    def adopt(self, model: nn.Module) -> None:
+        """``model`` (sharded over this mesh: the outermost ``fully_shard``-ed module) is the job's model: its
+        state moves and its buffers roll back with an abandoned step."""
+        self.parts.model = model
+        self.host.lifecycle.track_model(list(model.buffers()) if self.host.config.snapshot_buffers else [], None)
+        log.info("model sharded over a %s mesh (slot %d: %s)", self.layout, self.host.slot, self.parts.label)
+
+    def transport(self, backend: CommBackend, chunk_bytes: int) -> ShardTransport:
+        """How this rank's shard moves (:class:`ShardTransport`), over ``backend``'s generations."""
+        return ShardTransport(backend, self.groups, self.parts, chunk_bytes)
+
+
+def sharded_modules(model: nn.Module, shard: ShardSpec | None) -> list[tuple[str, nn.Module]]:
+    """The submodules ``shard`` names (not the root), deepest first, as ``fully_shard`` must see them."""
+    if shard is None:
+        return []
+    named = [(name, module) for name, module in model.named_modules() if name]
+    if isinstance(shard, type) or (isinstance(shard, tuple) and all(isinstance(t, type) for t in shard)):
+        chosen = [(name, module) for name, module in named if isinstance(module, shard)]
+    elif callable(shard) and not isinstance(shard, nn.Module):
+        chosen = [(name, module) for name, module in named if shard(name, module)]
+    else:
+        wanted = {id(module) for module in shard}  # type: ignore[union-attr]
+        chosen = [(name, module) for name, module in named if id(module) in wanted]
+        if len(chosen) != len(wanted):
+            raise ValueError("shard= names modules that are not submodules of the model")
+    depth = {name: name.count(".") for name, _ in chosen}
+    return sorted(reversed(chosen), key=lambda item: -depth[item[0]])
+
+
+def warn_unsynchronised_buffers(model: nn.Module) -> None:
+    """Buffers a forward pass updates differ per rank under FSDP2, and a replica cannot stand in for them."""
+    tracking = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+    if tracking:
+        warnings.warn(
+            f"{len(tracking)} module(s) with running statistics ({', '.join(tracking[:3])}): FSDP2 does not "
+            "synchronise buffers, so each rank's statistics are its own, and a replacement gets its source's",
+            stacklevel=3,
+        )
+
+
+class ShardTransport(ProcessGroupTransport):
+    """The state transport of a sharded model (:class:`torchpass.rejoin.StateTransport`): DDP's, over the
+    generation's default group, with the mesh's groups formed beside it and the rank's own shard as its only
+    part (part ``s`` for slot (r, s)). Same wire as DDP's (:func:`torchpass.state.send_state`): each DTensor
+    travels as its local shard and lands straight in the live parameters."""
+
+    def __init__(self, backend: CommBackend, groups: MeshGroups, parts: StateParts, chunk_bytes: int) -> None:
+        self.shard = groups.shape.coordinate(groups.slot)[1]
+        super().__init__(backend, {self.shard: parts}, chunk_bytes)
+        self.groups = groups
+
+    def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
+        """The generation's default group, then its mesh groups, which the proxies forward to from now on. (A
+        migration's two-member group, in a job of two ranks, binds them too: harmless, the next generation
+        binds again before any collective of the model runs.)"""
+        super().form(store, rank, world_size, generation, skip_ports)
+        if world_size == self.groups.shape.world_size:
+            self.groups.bind(generation, self.backend.new_subgroup)
+
+    def held(self, has_state: bool, committed: int) -> Holdings:
+        """This rank's shard at ``committed`` (or nothing); no other part."""
+        steps: list[int | None] = [None] * self.groups.shape.shards
+        steps[self.shard] = committed if has_state else None
+        return Holdings(tuple(steps))
+
+    def send_part(self, part: int, committed: int, peer: int) -> int:
+        """This rank's shard (at ``committed``) to ``peer``; the bytes sent."""
+        if part != self.shard:
+            raise StateError(f"asked to send shard {part}; this rank holds shard {self.shard}")
+        return super().send_part(part, committed, peer)
+
+    def recv_part(self, part: int, peer: int) -> tuple[int, int]:
+        """This rank's shard from ``peer``, into the live parameters; (committed step, bytes)."""
+        if part != self.shard:
+            raise StateError(f"asked to receive shard {part}; this rank holds shard {self.shard}")
+        return super().recv_part(part, peer)
+
+    def leave(self) -> None:
+        """Destroy the generation's groups (the mesh's with them)."""
+        self.groups.unbind()
+        super().leave()

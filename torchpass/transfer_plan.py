@@ -1,0 +1,250 @@
+"""Who holds which part of the training state, and who sends what to whom when a generation forms.
+
+This is the decision half of joining a generation (:mod:`torchpass.rejoin` does the I/O), kept apart as a
+pure function so that every case is a line of a table test and another layout is a new :class:`PartLayout`,
+not a new protocol.
+
+Words used here:
+
+* A **part** is a piece of the training state that moves as a whole. Under DDP the whole state is one part
+  (part 0) and every slot holds it (:class:`Replicated`). Under HSDP with R replicas of S shards, part ``s``
+  is shard ``s`` and slot ``r * S + s`` holds it (:class:`ShardedReplicas`): a newcomer in slot (r, s)
+  needs shard s and only a holder of shard s can give it. Under pure FSDP (R = 1) a shard's only other
+  holder is a peer copy, e.g. in a neighbour's host memory: a member reports the parts it *holds* (its own,
+  and any copies it keeps), and the layout says which parts each slot *needs* to train.
+* At the agreement every member says what it holds (:class:`Holdings`: per part, the committed step of its
+  copy, or nothing). :func:`plan_transfers` turns the table of holdings into a :class:`TransferPlan`.
+
+The rules (for one part they are exactly DDP's: the most advanced replicas send to everyone behind):
+
+1. The generation resumes after the newest committed step any member holds a copy of (``step``); a survivor
+   that committed it keeps it, one that had not finished it receives its result instead of recomputing it.
+2. For each part, the sources are the members holding it at that step. Every slot that needs the part and is
+   not a source receives it, the sources taking the receivers in turn (so several receivers are fed in
+   parallel); across parts, the least busy *domain* (:meth:`PartLayout.domain_of`: an HSDP replica) serves
+   next, so several shards rebuilt at once are sent by different replicas where each has a holder.
+3. Nobody holds anything and training has not progressed: a fresh start. Each part's lowest slot needing it
+   sends its initial values to the others, as DDP broadcasts rank 0's weights at construction.
+4. A part some slot needs that no member holds at that step (training has progressed, or another part was
+   already past the start): :class:`StateLost`. Retrying cannot help; the job fails with the reason.
+
+Transfers are listed by part, then receiver. Every member walks the plan in that order, sending or receiving
+the transfers it takes part in, so the point-to-point sends pair up on every member alike.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = [
+    "Holdings",
+    "PartLayout",
+    "Replicated",
+    "ShardedReplicas",
+    "StateLost",
+    "Transfer",
+    "TransferPlan",
+    "plan_transfers",
+]
+
+
+class PartLayout(Protocol):
+    """How the training state is cut into parts, and which parts each slot needs to train."""
+
+    @property
+    def parts(self) -> int:
+        """How many parts there are (numbered from 0)."""
+        ...
+
+    def parts_of(self, slot: int) -> tuple[int, ...]:
+        """The parts ``slot`` must hold once the generation formed."""
+        ...
+
+    def domain_of(self, slot: int) -> int:
+        """The group of slots whose sends share a bottleneck (a replica of an HSDP job, typically its own nodes):
+        the plan spreads sources over these before it spreads them over slots."""
+        ...
+
+    def part_name(self, part: int) -> str:
+        """How a message names ``part``."""
+        ...
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """DDP: the whole state is part 0, and every slot holds it."""
+
+    @property
+    def parts(self) -> int:
+        """One part."""
+        return 1
+
+    def parts_of(self, slot: int) -> tuple[int, ...]:
+        """Part 0, whatever the slot."""
+        return (0,)
+
+    def domain_of(self, slot: int) -> int:
+        """Every slot is its own."""
+        return slot
+
+    def part_name(self, part: int) -> str:
+        """The state is one part."""
+        return "the training state"
+
+
+@dataclass(frozen=True)
+class ShardedReplicas:
+    """HSDP: ``replicas`` copies of a model cut into ``shards`` shards; slot ``r * shards + s`` holds shard s.
+
+    ``replicas=1`` is pure FSDP: each shard lives in one slot only (plus whatever peer copies members report)."""
+
+    replicas: int
+    shards: int
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.shards < 1:
+            raise ValueError(f"replicas and shards must be >= 1, got {self.replicas} x {self.shards}")
+
+    @property
+    def parts(self) -> int:
+        """One part per shard."""
+        return self.shards
+
+    def parts_of(self, slot: int) -> tuple[int, ...]:
+        """The shard of ``slot``."""
+        return (slot % self.shards,)
+
+    def slot(self, replica: int, shard: int) -> int:
+        """The slot of shard ``shard`` in replica ``replica``."""
+        return replica * self.shards + shard
+
+    @property
+    def world_size(self) -> int:
+        """Slots in the job."""
+        return self.replicas * self.shards
+
+    def coordinate(self, slot: int) -> tuple[int, int]:
+        """(replica, shard) of ``slot``."""
+        return divmod(slot, self.shards)
+
+    def row(self, replica: int) -> list[int]:
+        """The slots of one replica: a shard group of the mesh."""
+        return [self.slot(replica, s) for s in range(self.shards)]
+
+    def column(self, shard: int) -> list[int]:
+        """The slots holding one shard: a replicate group of the mesh."""
+        return [self.slot(r, shard) for r in range(self.replicas)]
+
+    def __str__(self) -> str:
+        return f"{self.replicas}x{self.shards}"
+
+    def domain_of(self, slot: int) -> int:
+        """The replica of ``slot``: several shards to rebuild are served by different replicas when they can."""
+        return slot // self.shards
+
+    def part_name(self, part: int) -> str:
+        """``shard S of the RxS mesh``."""
+        return f"shard {part} of the {self.replicas}x{self.shards} mesh"
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What one member holds at the agreement: per part, the committed step of its copy (None: no copy).
+
+    On the wire (:meth:`encode`) two integers per part, (1, step) or (0, -1): for one part that is the
+    (has state, committed step) pair every rank has always sent."""
+
+    steps: tuple[int | None, ...]
+
+    @classmethod
+    def whole(cls, has_state: bool, committed: int, parts: int = 1) -> Holdings:
+        """A member holding all ``parts`` at ``committed`` (or nothing)."""
+        return cls(tuple(committed if has_state else None for _ in range(parts)))
+
+    def encode(self) -> list[int]:
+        """Two integers per part, for a fixed-size collective."""
+        out: list[int] = []
+        for step in self.steps:
+            out += [0, -1] if step is None else [1, step]
+        return out
+
+    @classmethod
+    def decode(cls, values: Sequence[int]) -> Holdings:
+        """Inverse of :meth:`encode`."""
+        if len(values) % 2:
+            raise ValueError(f"holdings are pairs of integers, got {len(values)} values")
+        return cls(tuple(int(values[i + 1]) if values[i] else None for i in range(0, len(values), 2)))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Slot ``source`` sends its copy of ``part`` to slot ``target``."""
+
+    part: int
+    source: int
+    target: int
+
+
+class StateLost(Exception):
+    """A part some slot needs is held by no member at the step the generation resumes from."""
+
+    def __init__(self, part: int, step: int, name: str) -> None:
+        super().__init__(f"no member holds {name} any more" + (f" (at step {step})" if step >= 0 else ""))
+        self.part = part
+        self.step = step
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Who sends what to whom, and the committed step every member holds once it is carried out."""
+
+    step: int
+    transfers: tuple[Transfer, ...]
+    fresh: bool = False  # nothing was held: each part's initial values come from its lowest slot
+
+    def involving(self, slot: int) -> tuple[Transfer, ...]:
+        """The transfers ``slot`` sends or receives, in the plan's order."""
+        return tuple(t for t in self.transfers if slot in (t.source, t.target))
+
+    def source_of(self, slot: int) -> int | None:
+        """The slot that sends ``slot`` its (first) part, or None when it receives nothing."""
+        return next((t.source for t in self.transfers if t.target == slot), None)
+
+    def sources(self) -> list[int]:
+        """The slots that send something, ascending."""
+        return sorted({t.source for t in self.transfers})
+
+
+def plan_transfers(table: Sequence[Holdings], layout: PartLayout, *, expect_state: bool) -> TransferPlan:
+    """The plan for members ``0..len(table)-1`` (``table[slot]``: what that slot holds); see the module docstring.
+
+    ``expect_state``: training has progressed (a generation completed), so someone must hold the state; a
+    fresh start is then :class:`StateLost` instead."""
+    for slot, held in enumerate(table):
+        if len(held.steps) != layout.parts:
+            raise ValueError(f"slot {slot} reports {len(held.steps)} part(s), the layout has {layout.parts}")
+    steps = [step for held in table for step in held.steps if step is not None]
+    best = max(steps, default=-1)
+    fresh = not steps
+    transfers: list[Transfer] = []
+    sends: dict[int, int] = {}  # transfers given so far, per source slot and per domain (negative keys)
+    for part in range(layout.parts):
+        needing = [slot for slot in range(len(table)) if part in layout.parts_of(slot)]
+        sources = [slot for slot, held in enumerate(table) if held.steps[part] == best and held.steps[part] is not None]
+        if not sources and fresh and not expect_state and needing:
+            sources = [needing[0]]
+        receivers = [slot for slot in needing if slot not in sources]
+        if receivers and not sources:
+            raise StateLost(part, best, layout.part_name(part))
+        for dst in receivers:
+            # The least busy domain, then the least busy slot in it, then the lowest: for one part that is
+            # round-robin over its sources; over several parts it spreads them over the replicas.
+            src = min(sources, key=lambda s: (sends.get(-1 - layout.domain_of(s), 0), sends.get(s, 0), s))
+            sends[src] = sends.get(src, 0) + 1
+            sends[-1 - layout.domain_of(src)] = sends.get(-1 - layout.domain_of(src), 0) + 1
+            transfers.append(Transfer(part, src, dst))
+    return TransferPlan(best, tuple(transfers), fresh)
