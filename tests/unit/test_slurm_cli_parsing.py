@@ -319,7 +319,7 @@ def test_job_from_squeue_json(fake: FakeSlurm) -> None:
     assert job is not None
     assert job.nodes == ["n01", "n02", "gpu7"]
     assert backend.job(999) is None  # 22.05 ignores --jobs with --json: the record is picked here
-    assert fake.calls() == ["squeue --json --jobs=4242", "squeue --json --jobs=999"]
+    assert fake.calls() == ["squeue --json --states=all --jobs=4242", "squeue --json --states=all --jobs=999"]
 
 
 def test_job_json_rejected_falls_back_to_scontrol_once(fake: FakeSlurm) -> None:
@@ -338,7 +338,7 @@ def test_job_json_rejected_falls_back_to_scontrol_once(fake: FakeSlurm) -> None:
     assert backend.job(7) is None
     assert backend.job(4242) == first
     assert fake.calls() == [
-        "squeue --json --jobs=4242",
+        "squeue --json --states=all --jobs=4242",
         "scontrol -o show job 4242",
         "scontrol -o show job 7",
         "scontrol -o show job 4242",
