@@ -163,6 +163,7 @@ def test_sandbox_slurm_release_follows_the_precedence(
     assert run(["sandbox", "prepare", "--slurm", "22.05"]) == 0
     assert capsys.readouterr().out == host
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr("clockworkd.sandbox.slurm_release.CACHE_DIR", clean_env.parent / "cache")  # not built
     assert run(["sandbox", "prepare"]) == 77  # 24.11 from the environment: its root is built as root only
     assert "clockwork sandbox prepare needs root" in capsys.readouterr().err
     assert run(["sandbox", "prepare", "--slurm", "23.02"]) == 2

@@ -89,7 +89,8 @@ def prepare(state: CliContext, slurm: str | None) -> None:
     if not chosen.from_root:
         click.echo(f"Slurm {chosen.version}: the host's own packages, nothing to build")
         return
-    require_root("clockwork sandbox prepare")
+    if not chosen.ready():
+        require_root("clockwork sandbox prepare")
     seconds = chosen.ensure_root(progress=_say)
     how = f"built in {seconds:.1f} s" if seconds else "already built"
     click.echo(f"Slurm {chosen.installed()} root at {chosen.root}: {how}")
