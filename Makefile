@@ -7,12 +7,12 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # Debian packages the sandbox cluster and the SPANK build need (chromium: the test that renders the audit's HTML report;
 # gcc, python3-dev and libsodium-dev: Fleet Lens's C extension, which `pip install -e` compiles; systemd: the check of
-# etc/systemd/clockworkd.service with systemd-analyze).
+# etc/systemd/clockworkd.service with systemd-analyze; mmdebstrap: the Slurm 24.11 root of `make slurm-24.11`).
 APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
 	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping \
-	chromium gcc python3-dev libsodium-dev systemd
+	chromium gcc python3-dev libsodium-dev systemd mmdebstrap
 
-.PHONY: help venv system-packages demo test lint typecheck clean sandbox-down spank
+.PHONY: help venv system-packages demo test lint typecheck clean sandbox-down spank slurm-24.11
 
 help:
 	@echo "make demo   - set up (if needed), then run the demo on the embedded sandbox cluster"
@@ -24,6 +24,14 @@ venv: system-packages $(STAMP) spank
 # The SPANK plugin (spank/clockwork.so); the sandbox's plugstack.conf loads it once it exists.
 spank: system-packages
 	$(MAKE) -C spank
+
+# Slurm 24.11 beside the host's 22.05, for `clockwork sandbox up --slurm 24.11` and its tests: a Debian 13 root
+# built once under /var/cache/clockwork (root and a Debian mirror; `sandbox prepare` does nothing when it is
+# there), and the SPANK plugin built against that root's headers (spank/slurm-24.11/clockwork.so).
+SLURM_2411_ROOT := /var/cache/clockwork/slurm-24.11/root
+slurm-24.11: venv
+	$(VENV)/bin/clockwork sandbox prepare --slurm 24.11
+	$(MAKE) -C spank SLURM_HEADERS=$(SLURM_2411_ROOT)/usr/include/slurm OUT=slurm-24.11
 
 system-packages:
 	@missing=$$(for p in $(APT_PACKAGES); do \
@@ -58,7 +66,7 @@ lint: venv
 # (integration, the long ones, first: tests/conftest.py), not by their number of tests.
 TEST_WORKERS ?= 1
 
-test: lint typecheck
+test: lint typecheck slurm-24.11
 	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 typecheck: venv

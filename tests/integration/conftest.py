@@ -74,8 +74,8 @@ class SandboxManager:
     state_dir: Path
     current: Sandbox | None = None
 
-    def ensure_up(self, nodes: int = 4, accounting: bool = True) -> Sandbox:
-        cfg = worker_sandbox_config(self.state_dir, nodes=nodes, accounting=accounting)
+    def ensure_up(self, nodes: int = 4, accounting: bool = True, slurm: str = "22.05") -> Sandbox:
+        cfg = worker_sandbox_config(self.state_dir, nodes=nodes, accounting=accounting, slurm=slurm)
         if self.current is not None and self.current.running() and self.current.config == cfg:
             return self.current
         self.ensure_down()
@@ -146,8 +146,12 @@ def sandbox(sandbox_manager: SandboxManager) -> Sandbox:
 
 
 def slurm_env(box: Sandbox) -> dict[str, str]:
+    """The environment a test runs Slurm commands with: the sandbox's slurm.conf and its release's commands
+    (the host's, or a root release's wrappers first on PATH), then the venv's programs."""
     env = box.slurm_env()
-    env["PATH"] = f"{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin"
+    slurm_bin = box.slurm_bin()
+    first = f"{slurm_bin}:" if slurm_bin is not None else ""
+    env["PATH"] = f"{first}{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin"
     return env
 
 

@@ -1,12 +1,15 @@
-"""The Slurm CLI backend against the real sandbox Slurm (22.05 here): what tests and tools rely on."""
+"""The Slurm CLI backend against the real sandbox Slurm: what tests and tools rely on.
+
+Here on the host's Slurm (22.05); test_slurm_2411_sandbox.py runs these same tests on Slurm 24.11."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
-from clockworkd.config.schema import SlurmConfig
+from clockworkd.config import load_config
 from clockworkd.errors import SlurmError
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.slurm import from_config
@@ -15,17 +18,20 @@ from tests.integration.conftest import wait_job
 
 
 def backend(box: Sandbox) -> CliBackend:
-    slurm = from_config(SlurmConfig(backend="cli", conf=str(box.paths.slurm_conf), timeout_s=20))
+    """The backend the sandbox's clockwork.toml configures (its slurm.conf, its release's commands)."""
+    cfg = load_config(box.paths.clockwork_toml, env={}).config.slurm
+    slurm = from_config(replace(cfg, timeout_s=20))
     assert isinstance(slurm, CliBackend)
     return slurm
 
 
 def test_version_ping_and_nodes(sandbox: Sandbox) -> None:
     slurm = backend(sandbox)
-    assert slurm.version() >= (22, 5, 0)
+    major, minor, _ = slurm.version()
+    assert f"{major}.{minor:02d}" == sandbox.slurm_release().version
     assert slurm.ping() is True
     nodes = {n.name: n for n in slurm.nodes()}
-    assert sorted(nodes) == ["node1", "node2", "node3", "node4"]
+    assert sorted(nodes) == sorted(n.name for n in sandbox.layout().nodes)
     for name in sorted(nodes):
         assert nodes[name].base_state == "IDLE"
         assert nodes[name].addr == sandbox.layout().node(name).mgmt_ip  # Slurm's NodeAddr: the management NIC

@@ -84,22 +84,27 @@ def test_a_disabled_policy_needs_nothing_else() -> None:
 # ----------------------------------------------------------------------- the queue and the choice
 
 
-def test_the_queue_is_read_from_both_json_shapes() -> None:
-    old = {j.job_id: j for j in parse_queue_json(json.loads((DATA / "squeue_22.05.json").read_text()))}
-    ft = old[4242]
-    assert (ft.state, ft.user, ft.account, ft.partition, ft.qos, ft.requeue) == (
+@pytest.mark.parametrize("version", ["22.05", "24.11"])
+def test_the_queue_is_read_from_both_json_shapes(version: str) -> None:
+    """``squeue --json`` as Slurm 22.05 and 24.11 printed it (data/slurm/VERSION, recorded with the jobs its
+    manifest names): strings and plain numbers, or state lists and ``{"set", "number"}`` numbers."""
+    folder = DATA / version
+    manifest = json.loads((folder / "manifest.json").read_text())
+    queue = {j.job_id: j for j in parse_queue_json(json.loads((folder / "squeue.json").read_text()))}
+    running = queue[manifest["jobs"]["running"]]
+    assert (running.state, running.user, running.account, running.partition, running.qos, running.requeue) == (
         "RUNNING",
-        "alice",
-        "research",
-        "main",
+        "root",
+        "root",
+        "low",
         "normal",
-        True,
+        True,  # JobRequeue=1, Slurm's default
     )
-    assert ft.nodes == ("n01", "n02", "gpu7") and ft.start_time == 1714557600
-    assert old[4243].nodes == () and old[4243].start_time == 0
-    new = {j.job_id: j for j in parse_queue_json(json.loads((DATA / "squeue_23.11_shape.json").read_text()))}
-    assert new[9001].state == "RUNNING" and new[9001].start_time == 1714557600
-    assert new[9003].state == "REQUEUED"  # the flag wins, as scontrol shows it
+    assert running.nodes == ("node1", "node2") and running.start_time > 1.7e9
+    assert running.admin_comment == manifest["live_comment"]
+    held = queue[manifest["jobs"]["held"]]
+    assert (held.state, held.nodes, held.start_time) == ("PENDING", (), 0)
+    assert queue[manifest["jobs"]["requeued"]].state == "PENDING"
 
 
 def _job(

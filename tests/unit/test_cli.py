@@ -148,6 +148,28 @@ def test_sandbox_up_needs_root(
     assert not state.exists()  # refused before building anything
 
 
+def test_sandbox_slurm_release_follows_the_precedence(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, clean_env: Path
+) -> None:
+    """``[sandbox] slurm``: command line > environment > file > default (22.05, the host's: nothing to build)."""
+    host = "Slurm 22.05: the host's own packages, nothing to build\n"
+    assert run(["sandbox", "prepare"]) == 0
+    assert capsys.readouterr().out == host
+    clean_env.write_text('[sandbox]\nslurm = "24.11"\n')
+    monkeypatch.setenv("CLOCKWORK_SANDBOX_SLURM", "22.05")
+    assert run(["sandbox", "prepare"]) == 0
+    assert capsys.readouterr().out == host
+    monkeypatch.setenv("CLOCKWORK_SANDBOX_SLURM", "24.11")
+    assert run(["sandbox", "prepare", "--slurm", "22.05"]) == 0
+    assert capsys.readouterr().out == host
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr("clockworkd.sandbox.slurm_release.CACHE_DIR", clean_env.parent / "cache")  # not built
+    assert run(["sandbox", "prepare"]) == 77  # 24.11 from the environment: its root is built as root only
+    assert "clockwork sandbox prepare needs root" in capsys.readouterr().err
+    assert run(["sandbox", "prepare", "--slurm", "23.02"]) == 2
+    assert "[sandbox] slurm: invalid value '23.02' (expected one of 22.05, 24.11)" in capsys.readouterr().err
+
+
 def test_sandbox_status_without_a_sandbox(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     state = tmp_path / "no-sandbox"
     state.mkdir()

@@ -235,3 +235,25 @@ def test_prolog_wrapper_runs_and_records_the_event(paths: StatePaths, layout: La
     assert event["options"] == {"ft": "off"}
     assert "exit_code" not in event
     assert "job 42: job.prolog on node1" in (paths.logs / "clockwork.log").read_text()
+
+
+def test_a_release_from_a_root_gets_its_plugins_and_commands(paths: StatePaths, layout: Layout, tmp_path: Path) -> None:
+    """Slurm 24.11's sandbox: slurm.conf names the root's plugin folder (no host plugin is ever found), and the
+    configuration the hooks, the daemons and the tools read points them at the release's client commands."""
+    plugins = tmp_path / "root" / "usr" / "lib" / "x86_64-linux-gnu" / "slurm-wlm"
+    write_all(
+        paths,
+        layout,
+        accounting=True,
+        cpus_per_node=2,
+        python=sys.executable,
+        spank_so=None,
+        plugin_dir=plugins,
+        slurm_bin=paths.slurm_bin,
+    )
+    assert _settings(paths.slurm_conf.read_text())["PluginDir"] == str(plugins)
+    assert "PluginDir" not in _settings(slurm_conf(paths, layout, accounting=True, cpus_per_node=2))
+    slurm = load_config(paths.clockwork_toml, env={}).config.slurm
+    assert slurm.bin_dir == str(paths.slurm_bin)
+    write_all(paths, layout, accounting=True, cpus_per_node=2, python=sys.executable, spank_so=None)
+    assert load_config(paths.clockwork_toml, env={}).config.slurm.bin_dir == ""  # the host's: PATH

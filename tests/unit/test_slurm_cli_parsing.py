@@ -1,12 +1,13 @@
-"""The CLI backend: its JSON and text parsers on realistic Slurm output, and its command handling.
+"""The CLI backend: its JSON and text parsers on what real Slurm clients printed, and its command handling.
 
-Fixtures under data/slurm/: ``*_22.05*`` follow Slurm 22.05.8 exactly (``*_controller_down.json`` were
-captured from 22.05.8 clients; the others are laid out like the 22.05 openapi v0.0.38 dump code and
-scontrol/sacct print code); ``*_23.11_shape.json`` follow the 23.02+ data_parser layout (lists for
-states, ``{"set","number"}`` numbers) and are constructed, not captured.
+The parsers read recordings of Slurm 22.05.8 (the host's) and 24.11.5 (the sandbox's Debian 13 root) under
+data/slurm/VERSION/, made by data/slurm/record.py from a sandbox it put into a known state; that state is in each
+folder's manifest.json (job ids by role, the drained node and its reason, the comments set, each node's address).
+Every parser test runs on both releases and checks the parsed records against the manifest: what the scenario
+made, not what the recording says.
 
 Command handling is exercised through fake client executables in a temporary ``bin_dir`` (public
-configuration of the backend), which log their argv and SLURM_CONF.
+configuration of the backend) that print those recordings and log their argv and SLURM_CONF.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ import pytest
 
 from clockworkd.errors import SlurmError
 from clockworkd.slurm import SlurmBackend
-from clockworkd.slurm.backend import AcctRecord, JobInfo, NodeInfo, node_state
+from clockworkd.slurm.backend import JobInfo, NodeInfo, node_state
 from clockworkd.slurm.cli_backend import (
     CliBackend,
     SlurmTimeoutError,
@@ -37,16 +39,57 @@ from clockworkd.slurm.cli_backend import (
 )
 
 DATA = Path(__file__).parent / "data" / "slurm"
+RELEASES = ("22.05", "24.11")
 
 
-def load_json(name: str) -> dict[str, Any]:
-    doc = json.loads((DATA / name).read_text())
-    assert isinstance(doc, dict)
-    return doc
+@dataclass(frozen=True)
+class Recording:
+    """One release's recorded client output and the manifest of the state it was recorded in."""
+
+    version: str
+    folder: Path
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        data = json.loads((self.folder / "manifest.json").read_text())
+        assert isinstance(data, dict)
+        return data
+
+    def json(self, name: str) -> dict[str, Any]:
+        doc = json.loads((self.folder / name).read_text())
+        assert isinstance(doc, dict)
+        return doc
+
+    def text(self, name: str) -> str:
+        return (self.folder / name).read_text()
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def job(self, role: str) -> int:
+        return int(self.manifest["jobs"][role])
+
+    @property
+    def nodes_json(self) -> str:
+        """The node listing the backend reads for this release (sinfo before 23.02, scontrol from it)."""
+        return "sinfo.json" if self.version == "22.05" else "scontrol_show_node.json"
+
+    @property
+    def lists_ended_jobs(self) -> bool:
+        """22.05's ``squeue --json`` ignores every filter and lists ended jobs too; 24.11 applies the default
+        state filter (and ``--jobs``)."""
+        return self.version == "22.05"
 
 
-def fixture_text(name: str) -> str:
-    return (DATA / name).read_text()
+R2205 = Recording("22.05", DATA / "22.05")
+R2411 = Recording("24.11", DATA / "24.11")
+
+
+@pytest.fixture(params=[R2205, R2411], ids=RELEASES)
+def rec(request: pytest.FixtureRequest) -> Recording:
+    recording = request.param
+    assert isinstance(recording, Recording)
+    return recording
 
 
 # ---------------------------------------------------------------------------------------- parsers
@@ -70,46 +113,88 @@ def test_parse_version_rejects_garbage() -> None:
         parse_version("sinfo: fatal: Could not establish a configuration source")
 
 
-def test_squeue_json_22_05() -> None:
-    jobs = {j.job_id: j for j in parse_squeue_json(load_json("squeue_22.05.json"))}
-    assert sorted(jobs) == [4240, 4241, 4242, 4243]
-    assert jobs[4242] == JobInfo(
-        job_id=4242,
-        name="train-ft",
-        state="RUNNING",
-        user="alice",
-        partition="main",
-        nodes=["n01", "n02", "gpu7"],
-        exit_code="0:0",
-        restart_count=1,
-        admin_comment="",
+def test_recorded_version(rec: Recording) -> None:
+    major, minor, _ = parse_version(rec.text("version.txt"))
+    assert f"{major}.{minor:02d}" == rec.version
+
+
+def _expected_live_jobs(rec: Recording) -> dict[int, JobInfo]:
+    """The jobs the scenario left queued or running, as the manifest says they are."""
+    m = rec.manifest
+    common = {"user": m["user"], "partition": m["partition"], "exit_code": "0:0"}
+    return {
+        rec.job("running"): JobInfo(
+            rec.job("running"),
+            "running",
+            "RUNNING",
+            nodes=["node1", "node2"],
+            restart_count=0,
+            admin_comment=m["live_comment"],
+            **common,
+        ),
+        rec.job("held"): JobInfo(
+            rec.job("held"), "held", "PENDING", nodes=[], restart_count=0, admin_comment="", **common
+        ),
+        rec.job("requeued"): JobInfo(
+            rec.job("requeued"), "requeued", "PENDING", nodes=[], restart_count=1, admin_comment="", **common
+        ),
+    }
+
+
+def _expected_ended_jobs(rec: Recording) -> dict[int, tuple[str, str, list[str]]]:
+    """(state, exit code, nodes) of the jobs that ended: ``exit 3``, and a ``sleep`` ended by scancel's SIGTERM."""
+    return {
+        rec.job("exits-three"): ("FAILED", "3:0", ["node1"]),
+        rec.job("cancelled"): ("CANCELLED", "0:15", ["node1"]),
+    }
+
+
+def test_squeue_json(rec: Recording) -> None:
+    jobs = {j.job_id: j for j in parse_squeue_json(rec.json("squeue.json"))}
+    live = _expected_live_jobs(rec)
+    for job_id, expected in live.items():
+        assert jobs[job_id] == expected
+        assert not jobs[job_id].finished
+    ended = _expected_ended_jobs(rec)
+    if rec.lists_ended_jobs:
+        assert sorted(jobs) == sorted([*live, *ended])
+        for job_id, (state, exit_code, nodes) in ended.items():
+            assert (jobs[job_id].state, jobs[job_id].exit_code, jobs[job_id].nodes) == (state, exit_code, nodes)
+            assert jobs[job_id].finished
+    else:
+        assert sorted(jobs) == sorted(live)
+
+
+def test_squeue_json_of_one_ended_job(rec: Recording) -> None:
+    """What CliBackend.job() runs (``--states=all --jobs=N``) finds a job that ended; without --states=all 24.11
+    finds nothing, and 22.05 dumps every job whatever the filters."""
+    failed = rec.job("exits-three")
+    plain = [j.job_id for j in parse_squeue_json(rec.json("squeue_finished_job.json"))]
+    every = {j.job_id: j for j in parse_squeue_json(rec.json("squeue_finished_job_all_states.json"))}
+    if rec.lists_ended_jobs:
+        assert sorted(plain) == sorted(every) == sorted(rec.manifest["jobs"].values())
+    else:
+        assert plain == []
+        assert list(every) == [failed]
+    job = every[failed]
+    assert (job.name, job.state, job.exit_code, job.nodes, job.finished) == (
+        "exits-three",
+        "FAILED",
+        "3:0",
+        ["node1"],
+        True,
     )
-    assert not jobs[4242].finished
-    # 22.05 gives the raw wait status: 256 is "exit 1", 9 is "killed by signal 9".
-    assert jobs[4240].exit_code == "1:0"
-    assert jobs[4240].state == "FAILED"
-    assert jobs[4240].finished
-    assert jobs[4240].admin_comment == "clockwork:report=/var/spool/clockwork/reports/4240.json"
-    assert jobs[4241].exit_code == "0:9"
-    assert jobs[4241].nodes == ["n02", "n03"]
-    assert jobs[4243].state == "PENDING"
-    assert jobs[4243].nodes == []
-    assert jobs[4243].user == "bob"
 
 
-def test_squeue_json_23_11_shape() -> None:
-    jobs = {j.job_id: j for j in parse_squeue_json(load_json("squeue_23.11_shape.json"))}
-    assert jobs[9001].state == "RUNNING"
-    assert jobs[9001].nodes == ["n01", "n02"]
-    assert jobs[9001].restart_count == 2
-    assert jobs[9001].admin_comment == "clockwork:ft=aware"
-    assert jobs[9001].exit_code == "0:0"
-    assert jobs[9002].exit_code == "3:0"
-    assert jobs[9002].finished
-    # ["PENDING", "REQUEUED"]: the flag wins, as job_state_string() does in 22.05.
-    assert jobs[9003].state == "REQUEUED"
-    assert not jobs[9003].finished
-    assert jobs[9003].nodes == []
+def test_a_flag_state_wins_over_the_base_state(rec: Recording) -> None:
+    """A requeued job that is pending again reads REQUEUED, as scontrol prints it: 22.05 gives that one string,
+    24.11 a list (base state first, then flags). The recorded running job, its state set as each release
+    writes a requeued one."""
+    doc = rec.json("squeue.json")
+    (job,) = [j for j in doc["jobs"] if j["job_id"] == rec.job("running")]
+    job["job_state"] = "REQUEUED" if rec.version == "22.05" else ["PENDING", "REQUEUED"]
+    (parsed,) = [j for j in parse_squeue_json({"jobs": [job]})]
+    assert parsed.state == "REQUEUED" and not parsed.finished
 
 
 def test_squeue_json_without_jobs_list_is_an_error() -> None:
@@ -134,40 +219,47 @@ def test_format_wait_status(status: int, expected: str) -> None:
     assert format_wait_status(status) == expected
 
 
-def test_json_errors_of_real_22_05_controller_down_output() -> None:
-    # Captured from squeue/sinfo 22.05.8 with slurmctld down: exit 0, only "errors" tells.
-    squeue = json_errors(load_json("squeue_22.05_controller_down.json"))
-    sinfo = json_errors(load_json("sinfo_22.05_controller_down.json"))
-    assert squeue == [(-1, "Failed while looking for jobs: Unspecified error: slurm_load_jobs")]
-    assert sinfo == [(-1, "Unspecified error")]
-    assert json_errors(load_json("squeue_22.05.json")) == []
+def test_json_errors_with_the_controller_down(rec: Recording) -> None:
+    """22.05 exits 0 and tells only in "errors"; 24.11 exits 1 and prints no JSON, only its error."""
+    exits = rec.manifest["controller_down_exit"]
+    if rec.version == "22.05":
+        assert exits == {"squeue_controller_down.json": 0, "sinfo_controller_down.json": 0}
+        squeue = json_errors(rec.json("squeue_controller_down.json"))
+        assert squeue == [(-1, "Failed while looking for jobs: Unspecified error: slurm_load_jobs")]
+        assert json_errors(rec.json("sinfo_controller_down.json")) == [(-1, "Unspecified error")]
+    else:
+        assert set(exits.values()) == {1}
+        for name in exits:
+            assert rec.text(name) == ""
+            assert "Unable to contact slurm controller" in rec.text(name.replace(".json", ".stderr"))
+    assert json_errors(rec.json("squeue.json")) == []
 
 
-def test_nodes_json_22_05() -> None:
-    nodes = {n.name: n for n in parse_nodes_json(load_json("sinfo_22.05.json"))}
-    assert nodes["n01"] == NodeInfo("n01", ("MIXED",), "10.10.0.1", ["main"], "")
-    assert nodes["n02"].state == ("IDLE", "DRAIN")
-    assert nodes["n02"].has("drain")
-    assert nodes["n02"].base_state == "IDLE"
-    assert nodes["n02"].reason == "clockwork: NIC0 flapping"
-    assert nodes["n03"].state == ("DOWN", "NOT_RESPONDING")
-    assert nodes["gpu7"].state == ("ALLOCATED", "DRAIN")
-    assert nodes["gpu7"].partitions == ["main", "spare"]
-    assert not nodes["n01"].has("DRAIN")
+def _expected_nodes(rec: Recording) -> list[NodeInfo]:
+    m = rec.manifest
+    drained = m["drained"]["node"]
+    return [
+        NodeInfo(
+            name,
+            ("IDLE", "DRAIN") if name == drained else ("MIXED",),  # node1 and node2 each run a 1-CPU job of 2
+            addr,
+            m["partitions"],
+            m["drained"]["reason"] if name == drained else "",
+        )
+        for name, addr in m["nodes"].items()
+    ]
 
 
-def test_nodes_json_23_11_shape() -> None:
-    nodes = {n.name: n for n in parse_nodes_json(load_json("scontrol_show_node_23.11_shape.json"))}
-    assert nodes["n01"] == NodeInfo("n01", ("IDLE", "DRAIN"), "10.10.0.1", ["main"], "maint window")
-    assert nodes["n02"].partitions == ["main", "spare"]
-    assert nodes["n03"].state == ("DOWN", "NOT_RESPONDING")
+def test_nodes_json(rec: Recording) -> None:
+    nodes = parse_nodes_json(rec.json(rec.nodes_json))
+    assert nodes == _expected_nodes(rec)
+    drained = next(n for n in nodes if n.name == rec.manifest["drained"]["node"])
+    assert drained.has("drain") and drained.base_state == "IDLE"
 
 
-def test_text_and_json_node_parsers_agree() -> None:
-    # The two 22.05 fixtures describe the same four nodes; scontrol adds "[user@time]" to reasons.
-    from_json = parse_nodes_json(load_json("sinfo_22.05.json"))
-    from_text = parse_scontrol_nodes(fixture_text("scontrol_show_node_22.05.txt"))
-    assert from_text == from_json
+def test_text_and_json_node_parsers_agree(rec: Recording) -> None:
+    """``scontrol -o show node`` says the same (its reasons' ``[user@time]`` stamp dropped)."""
+    assert parse_scontrol_nodes(rec.text("scontrol_show_node.txt")) == parse_nodes_json(rec.json(rec.nodes_json))
 
 
 def test_scontrol_record_parsing() -> None:
@@ -186,21 +278,19 @@ def test_scontrol_record_parsing() -> None:
     assert "cpu" not in fields
 
 
-def test_scontrol_job_text_22_05() -> None:
-    (job,) = parse_scontrol_jobs(fixture_text("scontrol_show_job_22.05.txt"))
-    assert job == JobInfo(
-        job_id=4242,
-        name="train ft",
-        state="RUNNING",
-        user="alice",
-        partition="main",
-        nodes=["n01", "n02", "gpu7"],
-        exit_code="0:0",
-        restart_count=1,
-        admin_comment="clockwork:ft=aware,report=/var/spool/clockwork/4242.json",
-    )
-    (pending,) = parse_scontrol_jobs(fixture_text("scontrol_show_job_22.05_pending.txt"))
-    assert (pending.state, pending.nodes, pending.user, pending.admin_comment) == ("PENDING", [], "bob", "")
+def test_scontrol_job_text(rec: Recording) -> None:
+    jobs = {j.job_id: j for j in parse_scontrol_jobs(rec.text("scontrol_show_job.txt"))}
+    assert sorted(jobs) == sorted(rec.manifest["jobs"].values())
+    for job_id, expected in _expected_live_jobs(rec).items():
+        assert jobs[job_id] == expected
+    for job_id, (state, exit_code, nodes) in _expected_ended_jobs(rec).items():
+        assert (jobs[job_id].state, jobs[job_id].exit_code, jobs[job_id].nodes) == (state, exit_code, nodes)
+
+
+def test_text_and_json_job_parsers_agree(rec: Recording) -> None:
+    from_text = {j.job_id: j for j in parse_scontrol_jobs(rec.text("scontrol_show_job.txt"))}
+    for job in parse_squeue_json(rec.json("squeue.json")):
+        assert from_text[job.job_id] == job
 
 
 @pytest.mark.parametrize(
@@ -221,26 +311,27 @@ def test_node_state_normalization(raw: Any, flags: tuple[str, ...], expected: tu
     assert node_state(raw, flags) == expected
 
 
-def test_sacct_parsable_22_05() -> None:
-    recs = parse_sacct_parsable(fixture_text("sacct_22.05_all_steps.txt"))
-    assert [r.job_id for r in recs] == ["4240", "4240.batch", "4240.extern", "4240.0", "4243"]
-    assert recs[0] == AcctRecord(
-        job_id="4240",
-        state="FAILED",
-        nodes=["n01"],
-        start="2024-05-01T10:00:00",
-        end="2024-05-01T10:40:00",
-        exit_code="1:0",
-        # AdminComment is the last column, so a "|" inside it survives.
-        admin_comment="clockwork:report=/var/spool/clockwork/4240.json|x",
-        restarts=None,
+def test_sacct_parsable(rec: Recording) -> None:
+    rows = {r.job_id: r for r in parse_sacct_parsable(rec.text("sacct.txt"))}
+    failed, cancelled, running = rec.job("exits-three"), rec.job("cancelled"), rec.job("running")
+    job = rows[str(failed)]
+    assert (job.state, job.exit_code, job.nodes) == ("FAILED", "3:0", ["node1"])
+    assert job.admin_comment == rec.manifest["finished_comment"]  # set through slurmdbd after the end
+    assert job.start and job.end and not job.is_step
+    assert rows[f"{failed}.batch"].is_step and rows[f"{failed}.batch"].exit_code == "3:0"
+    assert rows[str(cancelled)].state == "CANCELLED"  # "CANCELLED by 0"
+    assert rows[f"{cancelled}.batch"].exit_code == "0:15"
+    assert (rows[str(running)].state, rows[str(running)].end, rows[str(running)].nodes) == (
+        "RUNNING",
+        "",
+        ["node1", "node2"],
     )
-    assert not recs[0].is_step
-    assert recs[1].is_step
-    assert recs[3].state == "CANCELLED"  # "CANCELLED by 1000"
-    assert recs[3].nodes == ["n01", "n02"]
-    assert recs[3].exit_code == "0:9"
-    assert (recs[4].nodes, recs[4].start, recs[4].end) == ([], "", "")
+    for role in ("held", "requeued"):
+        pending = rows[str(rec.job(role))]
+        assert (pending.state, pending.nodes, pending.start, pending.end) == ("PENDING", [], "", "")
+    allocations = parse_sacct_parsable(rec.text("sacct_allocations.txt"))
+    assert [r.job_id for r in allocations] == [j for j in rows if "." not in j]
+    assert all(r == rows[r.job_id] for r in allocations)
 
 
 def test_sacct_unexpected_line_is_an_error() -> None:
@@ -268,8 +359,8 @@ class FakeSlurm:
         )
         script.chmod(0o755)
 
-    def cat(self, fixture: str) -> str:
-        return f"cat {shlex.quote(str(DATA / fixture))}"
+    def cat(self, recording: Path) -> str:
+        return f"cat {shlex.quote(str(recording))}"
 
     def calls(self) -> list[str]:
         return [line.split("|", 1)[0] for line in self.log.read_text().splitlines()]
@@ -312,43 +403,57 @@ def test_every_command_gets_our_slurm_conf_and_a_clean_env(
     assert fake.log.read_text().splitlines() == [f"sinfo --version|{fake.conf}"]
 
 
-def test_job_from_squeue_json(fake: FakeSlurm) -> None:
-    fake.add("squeue", fake.cat("squeue_22.05.json"))
+def test_job_from_squeue_json(fake: FakeSlurm, rec: Recording) -> None:
+    """job() of a job that ended: the recorded answer to the very command it runs (22.05 dumps every job, so the
+    record is picked here; 24.11 lists that one job)."""
+    fake.add("squeue", fake.cat(rec.path("squeue_finished_job_all_states.json")))
     backend = fake.backend()
-    job = backend.job(4242)
-    assert job is not None
-    assert job.nodes == ["n01", "n02", "gpu7"]
-    assert backend.job(999) is None  # 22.05 ignores --jobs with --json: the record is picked here
-    assert fake.calls() == ["squeue --json --jobs=4242", "squeue --json --jobs=999"]
+    failed = rec.job("exits-three")
+    job = backend.job(failed)
+    assert job is not None and (job.state, job.exit_code, job.nodes) == ("FAILED", "3:0", ["node1"])
+    assert backend.job(999999) is None
+    assert fake.calls() == [f"squeue --json --states=all --jobs={failed}", "squeue --json --states=all --jobs=999999"]
 
 
-def test_job_json_rejected_falls_back_to_scontrol_once(fake: FakeSlurm) -> None:
+def test_job_json_rejected_falls_back_to_scontrol_once(fake: FakeSlurm, rec: Recording) -> None:
+    running = rec.job("running")
     fake.add("squeue", "echo \"squeue: unrecognized option '--json'\" >&2\nexit 1")
     fake.add(
         "scontrol",
         'case "$*" in\n'
-        f'  "-o show job 4242") {fake.cat("scontrol_show_job_22.05.txt")} ;;\n'
-        '  "-o show job 7") echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1 ;;\n'
+        f'  "-o show job {running}") {fake.cat(rec.path("scontrol_show_job.txt"))} ;;\n'
+        '  "-o show job 999999") echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1 ;;\n'
         "  *) exit 9 ;;\nesac",
     )
     backend = fake.backend()
-    first = backend.job(4242)
-    assert first is not None
-    assert first.admin_comment == "clockwork:ft=aware,report=/var/spool/clockwork/4242.json"
-    assert backend.job(7) is None
-    assert backend.job(4242) == first
+    first = backend.job(running)
+    assert first == _expected_live_jobs(rec)[running]
+    assert backend.job(999999) is None
+    assert backend.job(running) == first
     assert fake.calls() == [
-        "squeue --json --jobs=4242",
-        "scontrol -o show job 4242",
-        "scontrol -o show job 7",
-        "scontrol -o show job 4242",
+        f"squeue --json --states=all --jobs={running}",
+        f"scontrol -o show job {running}",
+        "scontrol -o show job 999999",
+        f"scontrol -o show job {running}",
     ]
 
 
 def test_job_json_errors_raise(fake: FakeSlurm) -> None:
-    fake.add("squeue", fake.cat("squeue_22.05_controller_down.json"))
+    fake.add("squeue", fake.cat(R2205.path("squeue_controller_down.json")))  # 22.05: exit 0, only "errors" tells
     with pytest.raises(SlurmError, match="Failed while looking for jobs"):
-        fake.backend().job(4242)
+        fake.backend().job(R2205.job("running"))
+
+
+def test_an_unreachable_controller_is_an_error_not_a_reason_to_give_up_json(fake: FakeSlurm) -> None:
+    """24.11 exits 1 with only its error when slurmctld is down: the backend says so, and asks in JSON again
+    next time (only a client that cannot print JSON switches the backend to text)."""
+    stderr = R2411.path("squeue_controller_down.stderr")
+    fake.add("squeue", f"cat {shlex.quote(str(stderr))} >&2\nexit 1")
+    backend = fake.backend()
+    for _ in range(2):
+        with pytest.raises(SlurmError, match="Unable to contact slurm controller"):
+            backend.job(5)
+    assert fake.calls() == ["squeue --json --states=all --jobs=5"] * 2
 
 
 def test_job_invalid_id_reported_in_json_errors_is_none(fake: FakeSlurm) -> None:
@@ -357,27 +462,22 @@ def test_job_invalid_id_reported_in_json_errors_is_none(fake: FakeSlurm) -> None
     assert fake.backend().job(5) is None
 
 
-def test_nodes_22_05_use_sinfo_json(fake: FakeSlurm) -> None:
-    fake.add_sinfo(json_body=fake.cat("sinfo_22.05.json"))
-    nodes = fake.backend().nodes()
-    assert [n.name for n in nodes] == ["n01", "n02", "n03", "gpu7"]
-    assert fake.calls() == ["sinfo --version", "sinfo --json"]
-
-
-def test_nodes_23_11_use_scontrol_json(fake: FakeSlurm) -> None:
-    fake.add_sinfo(version="slurm 23.11.1")
-    fake.add("scontrol", fake.cat("scontrol_show_node_23.11_shape.json"))
-    nodes = fake.backend().nodes()
-    assert nodes[0].state == ("IDLE", "DRAIN")
-    assert fake.calls() == ["sinfo --version", "scontrol --json show node"]
+def test_nodes_come_from_the_releases_json(fake: FakeSlurm, rec: Recording) -> None:
+    """sinfo --json before 23.02; from 23.02 scontrol --json show node (24.11's sinfo groups nodes by state)."""
+    fake.add_sinfo(version=rec.text("version.txt").strip(), json_body=fake.cat(rec.path("sinfo.json")))
+    if rec.version != "22.05":
+        fake.add("scontrol", fake.cat(rec.path("scontrol_show_node.json")))
+    assert fake.backend().nodes() == _expected_nodes(rec)
+    asked = "sinfo --json" if rec.version == "22.05" else "scontrol --json show node"
+    assert fake.calls() == ["sinfo --version", asked]
 
 
 def test_nodes_fall_back_to_text_when_json_has_no_serializer(fake: FakeSlurm) -> None:
     fake.add_sinfo(json_body='echo "sinfo: fatal: unable to load openapi plugins" >&2; exit 1')
-    fake.add("scontrol", fake.cat("scontrol_show_node_22.05.txt"))
+    fake.add("scontrol", fake.cat(R2205.path("scontrol_show_node.txt")))
     backend = fake.backend()
-    assert backend.nodes() == parse_nodes_json(load_json("sinfo_22.05.json"))
-    assert backend.nodes()[1].state == ("IDLE", "DRAIN")
+    assert backend.nodes() == _expected_nodes(R2205)
+    assert backend.nodes()[2].state == ("IDLE", "DRAIN")
     assert fake.calls() == [
         "sinfo --version",
         "sinfo --json",
@@ -387,7 +487,7 @@ def test_nodes_fall_back_to_text_when_json_has_no_serializer(fake: FakeSlurm) ->
 
 
 def test_nodes_json_errors_raise(fake: FakeSlurm) -> None:
-    fake.add_sinfo(json_body=fake.cat("sinfo_22.05_controller_down.json"))
+    fake.add_sinfo(json_body=fake.cat(R2205.path("sinfo_controller_down.json")))
     with pytest.raises(SlurmError, match="Unspecified error"):
         fake.backend().nodes()
 
@@ -489,57 +589,66 @@ def test_cancel_is_idempotent(fake: FakeSlurm) -> None:
         backend.cancel(7)
 
 
-def test_accounting(fake: FakeSlurm) -> None:
-    fake.add("sacct", fake.cat("sacct_22.05_all_steps.txt"))
+def test_accounting(fake: FakeSlurm, rec: Recording) -> None:
+    failed = rec.job("exits-three")
+    fake.add("sacct", fake.cat(rec.path("sacct.txt")))
     backend = fake.backend()
-    recs = backend.accounting(4240, all_steps=True)
-    assert recs[0].exit_code == "1:0"
-    backend.accounting(4240)
+    rows = {r.job_id: r for r in backend.accounting(failed, all_steps=True)}
+    assert rows[str(failed)].exit_code == "3:0" and rows[f"{failed}.batch"].is_step
+    backend.accounting(failed)
     fields = "--format=JobID,State,NodeList,Start,End,ExitCode,AdminComment"
     assert fake.calls() == [
-        f"sacct --jobs=4240 --noheader --parsable2 {fields}",
-        f"sacct --jobs=4240 --noheader --parsable2 {fields} --allocations",
+        f"sacct --jobs={failed} --noheader --parsable2 {fields}",
+        f"sacct --jobs={failed} --noheader --parsable2 {fields} --allocations",
     ]
 
 
+def _squeue_dump(fake: FakeSlurm) -> None:
+    """squeue answering every question with 22.05's dump of every job (as 22.05 does with --json)."""
+    fake.add("squeue", fake.cat(R2205.path("squeue.json")))
+
+
 def test_admin_comment_on_live_job_goes_to_slurmctld(fake: FakeSlurm) -> None:
-    fake.add("squeue", fake.cat("squeue_22.05.json"))
+    held = R2205.job("held")  # pending, never requeued
+    _squeue_dump(fake)
     fake.add("scontrol", "exit 0")
     fake.add("sacctmgr", "exit 99")
-    fake.backend().set_admin_comment(4243, "clockwork:report=/var/spool/clockwork/4243.json")
-    assert fake.calls()[-1] == (
-        "scontrol update JobId=4243 AdminComment=clockwork:report=/var/spool/clockwork/4243.json"
-    )
+    fake.backend().set_admin_comment(held, "clockwork:report=/var/spool/clockwork/3.json")
+    assert [c for c in fake.calls() if not c.startswith("squeue")] == [
+        f"scontrol update JobId={held} AdminComment=clockwork:report=/var/spool/clockwork/3.json"
+    ]
 
 
 def test_admin_comment_on_requeued_job_also_goes_to_its_earlier_runs_record(fake: FakeSlurm) -> None:
-    """Job 4242 was requeued once: slurmctld takes the comment, and so does slurmdbd's record of the earlier
-    run (a failing sacctmgr, as without accounting, is logged, not raised)."""
-    fake.add("squeue", fake.cat("squeue_22.05.json"))
+    """The requeued job (restart count 1): slurmctld takes the comment, and so does slurmdbd's record of the
+    earlier run (a failing sacctmgr, as without accounting, is logged, not raised)."""
+    requeued = R2205.job("requeued")
+    _squeue_dump(fake)
     fake.add("scontrol", "exit 0")
     fake.add("sacctmgr", "exit 99")
-    fake.backend().set_admin_comment(4242, "clockwork: preempted for job 7")
+    fake.backend().set_admin_comment(requeued, "clockwork: preempted for job 7")
     assert [c for c in fake.calls() if not c.startswith("squeue")] == [
-        "scontrol update JobId=4242 AdminComment=clockwork: preempted for job 7",
-        "sacctmgr -i modify job where JobID=4242 set AdminComment=clockwork: preempted for job 7",
+        f"scontrol update JobId={requeued} AdminComment=clockwork: preempted for job 7",
+        f"sacctmgr -i modify job where JobID={requeued} set AdminComment=clockwork: preempted for job 7",
     ]
 
 
 def test_admin_comment_on_finished_job_goes_to_slurmdbd(fake: FakeSlurm) -> None:
-    fake.add("squeue", fake.cat("squeue_22.05.json"))
+    failed = R2205.job("exits-three")
+    _squeue_dump(fake)
     fake.add("scontrol", "exit 99")
-    fake.add("sacctmgr", 'echo " Modified jobs..."\necho "  4240 submitted at 2024-05-01T10:00:00"')
+    fake.add("sacctmgr", f'echo " Modified jobs..."\necho "  {failed} submitted at 2026-12-02T20:57:58"')
     backend = fake.backend()
-    backend.set_admin_comment(4240, "clockwork:report=r.json")  # FAILED: in slurmctld, but finished
+    backend.set_admin_comment(failed, "clockwork:report=r.json")  # FAILED: in slurmctld, but finished
     backend.set_admin_comment(31337, "clockwork:report=old.json")  # purged from slurmctld
     assert [c for c in fake.calls() if not c.startswith("squeue")] == [
-        "sacctmgr -i modify job where JobID=4240 set AdminComment=clockwork:report=r.json",
+        f"sacctmgr -i modify job where JobID={failed} set AdminComment=clockwork:report=r.json",
         "sacctmgr -i modify job where JobID=31337 set AdminComment=clockwork:report=old.json",
     ]
 
 
 def test_admin_comment_for_unknown_job_fails(fake: FakeSlurm) -> None:
-    fake.add("squeue", fake.cat("squeue_22.05.json"))
+    _squeue_dump(fake)
     fake.add("sacctmgr", 'echo " Nothing modified"')
     with pytest.raises(SlurmError, match="no record of job 555"):
         fake.backend().set_admin_comment(555, "x")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from clockworkd.sandbox.slurm_release import release
 from tests.conftest import in_ci
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,9 +87,42 @@ def test_built_with_hardening_flags(plugin: Path) -> None:
     assert "BIND_NOW" in dynamic or re.search(r"FLAGS_1.*\bNOW\b", dynamic)
 
 
+def _exports(so: Path) -> set[str]:
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True)
+    return {line.split()[-1].split("@")[0] for line in nm.stdout.splitlines() if line.strip()}
+
+
+def _plugin_version(so: Path) -> tuple[int, int, int]:
+    """The SLURM_VERSION_NUMBER a plugin was built against (its ``plugin_version``, which Slurm checks)."""
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True, text=True, check=True)
+    address = next(int(line.split()[0], 16) for line in symbols.stdout.splitlines() if line.endswith(" plugin_version"))
+    sections = subprocess.run(["readelf", "-SW", str(so)], capture_output=True, text=True, check=True).stdout
+    for line in sections.splitlines():
+        fields = line.replace("[ ", "[").split()
+        if len(fields) > 5 and fields[1] == ".rodata":
+            start, offset = int(fields[3], 16), int(fields[4], 16)
+            data = so.read_bytes()[offset + address - start : offset + address - start + 4]
+            number = int.from_bytes(data, "little")
+            return number >> 16, (number >> 8) & 0xFF, number & 0xFF
+    raise AssertionError(f"no .rodata in {so}")
+
+
+def test_one_build_per_slurm_release(plugin: Path) -> None:
+    """The default build is for the host's headers; ``SLURM_HEADERS``/``OUT`` build another release's plugin beside
+    it (here Slurm 24.11's, from the sandbox's root), each stamped with its own version (Slurm refuses another's)."""
+    headers = release("24.11").root / "usr" / "include" / "slurm"
+    _require(None if (headers / "spank.h").exists() else f"{headers} is missing (make slurm-24.11 builds it)")
+    build = _make(f"SLURM_HEADERS={headers}", "OUT=slurm-24.11")
+    assert build.returncode == 0, f"{build.stdout}\n{build.stderr}"
+    other = SPANK / "slurm-24.11" / "clockwork.so"
+    assert _plugin_version(other)[:2] == (24, 11)
+    host = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "libslurm-dev"], capture_output=True, text=True)
+    assert _plugin_version(plugin)[:2] == tuple(int(v) for v in host.stdout.split(".")[:2])
+    assert _exports(other) == _exports(plugin)  # the same plugin, only the headers differ
+
+
 def test_exports_only_the_symbols_slurm_needs(plugin: Path) -> None:
-    nm = subprocess.run(["nm", "-D", "--defined-only", str(plugin)], capture_output=True, text=True, check=True)
-    names = {line.split()[-1].split("@")[0] for line in nm.stdout.splitlines() if line.strip()}
+    names = _exports(plugin)
     assert {n for n in names if not ALLOWED_EXPORTS.fullmatch(n)} == set()
     required = {"slurm_spank_init", "slurm_spank_init_post_opt", "plugin_name", "plugin_type", "plugin_version"}
     assert required <= names

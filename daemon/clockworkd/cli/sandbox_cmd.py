@@ -16,6 +16,7 @@ from clockworkd.sandbox import gpu_faults
 from clockworkd.sandbox.cluster import Sandbox, require_root
 from clockworkd.sandbox.daemons import NodeDaemons
 from clockworkd.sandbox.faults import KINDS
+from clockworkd.sandbox.slurm_release import RELEASES, release
 
 
 def _sandbox(state: CliContext) -> Sandbox:
@@ -46,22 +47,53 @@ def sandbox(state: CliContext, state_dir: str | None) -> None:
 @click.option("--nodes", type=int, help="Number of nodes (default 3).")
 @click.option("--nics", type=int, help="NICs (rails) per node (default 2).")
 @click.option("--accounting/--no-accounting", default=None, help="Start slurmdbd + MariaDB so sacct works.")
+@click.option("--slurm", metavar="VERSION", help=f"Slurm release: {' or '.join(RELEASES)} (default 22.05).")
 @click.option("--state", "state_dir", metavar="DIR", help="State folder (same as `sandbox --state`).")
 @pass_ctx
-def up(state: CliContext, nodes: int | None, nics: int | None, accounting: bool | None, state_dir: str | None) -> None:
+def up(
+    state: CliContext,
+    nodes: int | None,
+    nics: int | None,
+    accounting: bool | None,
+    slurm: str | None,
+    state_dir: str | None,
+) -> None:
     """Build the cluster and wait until every node is idle."""
     state.set("sandbox.nodes", nodes)
     state.set("sandbox.nics", nics)
     state.set("sandbox.accounting", accounting)
+    state.set("sandbox.slurm", slurm)
     state.set("sandbox.state_dir", state_dir)
     box = _sandbox(state)
     seconds = box.up(progress=_say)
     cfg = box.config
     click.echo(
-        f"sandbox up in {seconds:.1f} s: {cfg.nodes} nodes x {cfg.nics} NICs, accounting "
+        f"sandbox up in {seconds:.1f} s: Slurm {cfg.slurm}, {cfg.nodes} nodes x {cfg.nics} NICs, accounting "
         f"{'on' if cfg.accounting else 'off'}, state {box.paths.root}\n"
         f'use it with: eval "$(clockwork sandbox env)"'
     )
+
+
+@sandbox.command()
+@click.option("--slurm", metavar="VERSION", help=f"Slurm release: {' or '.join(RELEASES)} (default 22.05).")
+@pass_ctx
+def prepare(state: CliContext, slurm: str | None) -> None:
+    """Build what `up --slurm VERSION` needs and the host lacks, once (idempotent).
+
+    \b
+    22.05: the host's own packages (make venv installs them): nothing to build.
+    24.11: a Debian 13 root with Slurm 24.11 under /var/cache/clockwork (root, network, once per machine).
+    """
+    state.set("sandbox.slurm", slurm)
+    chosen = release(state.load().config.sandbox.slurm)
+    if not chosen.from_root:
+        click.echo(f"Slurm {chosen.version}: the host's own packages, nothing to build")
+        return
+    if not chosen.ready():
+        require_root("clockwork sandbox prepare")
+    seconds = chosen.ensure_root(progress=_say)
+    how = f"built in {seconds:.1f} s" if seconds else "already built"
+    click.echo(f"Slurm {chosen.installed()} root at {chosen.root}: {how}")
 
 
 @sandbox.command()

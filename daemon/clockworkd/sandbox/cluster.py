@@ -27,7 +27,9 @@ from clockworkd.sandbox import fabric, faults, gpu_faults, processes, slurm_file
 from clockworkd.sandbox.fabric import baseline_routes as fabric_baseline_routes
 from clockworkd.sandbox.layout import CLUSTER, CONTROLLER, Layout, NodeSpec, build_layout
 from clockworkd.sandbox.paths import StatePaths
-from clockworkd.sandbox.shell import missing_programs, netns_path, run
+from clockworkd.sandbox.prefixes import controller_prefix, node_prefix
+from clockworkd.sandbox.shell import missing_programs, run
+from clockworkd.sandbox.slurm_release import SlurmRelease, release
 from clockworkd.sandbox.state import SandboxState
 from clockworkd.slurm.cli_backend import CliBackend
 
@@ -35,6 +37,15 @@ log = logging.getLogger("clockwork.sandbox")
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SPANK_SO = REPO_ROOT / "spank" / "clockwork.so"
+"""The SPANK plugin built against the host's Slurm headers (``make -C spank``)."""
+
+
+def spank_plugin(slurm: SlurmRelease) -> Path:
+    """The SPANK plugin the sandbox loads for ``slurm``: the host build, or the release's own build
+    (``spank/slurm-24.11/clockwork.so``, ``make slurm-24.11``): Slurm refuses a plugin of another series."""
+    return SPANK_SO if not slurm.from_root else REPO_ROOT / "spank" / f"slurm-{slurm.version}" / "clockwork.so"
+
+
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
 
@@ -44,41 +55,6 @@ def require_root(what: str) -> None:
             f"{what} needs root: it creates network namespaces, veths, bridges and mounts and starts "
             f"munged and the Slurm daemons (you are uid {os.geteuid()}; run it with sudo)"
         )
-
-
-def node_prefix(paths: StatePaths, node: NodeSpec, cgroup_name: str) -> list[str]:
-    """Argv prefix that runs a command "on" a sandbox node.
-
-    Enters the node's network namespace, then new UTS and mount namespaces: hostname = node name,
-    a fresh /sys for this namespace's devices, a private cgroup mount (slurmd 22.05 needs a cgroup
-    hierarchy it may touch; the host's stays untouched) and the sandbox's /etc/hosts.
-    """
-    setup = (
-        "mount -t sysfs sysfs /sys && "
-        "mount -t tmpfs -o mode=755 cgroup /sys/fs/cgroup && mkdir /sys/fs/cgroup/systemd && "
-        f"mount -t cgroup -o none,name={cgroup_name} cgroup /sys/fs/cgroup/systemd && "
-        f'mount --bind {paths.hosts} /etc/hosts && hostname {node.name} && exec "$@"'
-    )
-    return [
-        "nsenter",
-        f"--net={netns_path(node.netns)}",
-        "unshare",
-        "--uts",
-        "--mount",
-        "--propagation",
-        "private",
-        "--",
-        "/bin/sh",
-        "-c",
-        setup,
-        "sh",
-    ]
-
-
-def controller_prefix(paths: StatePaths) -> list[str]:
-    """Argv prefix for slurmctld/slurmdbd: root network namespace, hostname ``ctl``, local name lookups."""
-    setup = f'mount --bind {paths.controller_hosts} /etc/hosts && hostname {CONTROLLER} && exec "$@"'
-    return ["unshare", "--uts", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", setup, "sh"]
 
 
 def _owners(namespaces: set[str]) -> list[str]:
@@ -112,16 +88,32 @@ class Sandbox:
             raise SandboxError(f"no sandbox is running at {self.paths.root} (start one with `clockwork sandbox up`)")
         return st
 
+    def slurm_release(self) -> SlurmRelease:
+        """The Slurm release this sandbox runs (a running one's own, whatever the current configuration says)."""
+        st = self.state()
+        return release((st.config if st else self.config).slurm)
+
+    def slurm_bin(self) -> Path | None:
+        """The folder of Slurm client commands for this sandbox: the release's wrappers, or None for the host's
+        own commands (found on PATH)."""
+        return self.paths.slurm_bin if self.slurm_release().from_root else None
+
     def slurm_env(self) -> dict[str, str]:
-        """Environment for Slurm client commands aimed at this sandbox."""
+        """Environment for Slurm client commands aimed at this sandbox (its release's commands first on PATH)."""
         env = dict(os.environ)
         env["SLURM_CONF"] = str(self.paths.slurm_conf)
+        bindir = self.slurm_bin()
+        if bindir is not None:
+            env["PATH"] = f"{bindir}:{env.get('PATH', '/usr/sbin:/usr/bin:/sbin:/bin')}"
         return env
 
     def env_exports(self) -> str:
         """Shell lines that point a shell at the sandbox (for ``eval "$(clockwork sandbox env)"``)."""
         st = self.require_up()
         bindir = str(Path(st.python).parent)
+        slurm_bin = self.slurm_bin()
+        if slurm_bin is not None:
+            bindir = f"{slurm_bin}:{bindir}"
         return (
             "\n".join(
                 [
@@ -138,7 +130,8 @@ class Sandbox:
         """Build and start the whole cluster; returns the seconds it took."""
         self._progress = progress or (lambda msg: None)
         require_root("clockwork sandbox up")
-        missing = missing_programs(self.config.accounting)
+        slurm = release(self.config.slurm)
+        missing = missing_programs(self.config.accounting, host_slurm=not slurm.from_root)
         if missing:
             raise SandboxError(
                 "missing system programs: " + ", ".join(missing) + " (install them with `make venv`, "
@@ -146,6 +139,7 @@ class Sandbox:
             )
         layout = build_layout(self.config)
         self._check_socket_paths(layout)
+        slurm.ensure_root(self._progress)
         self._claim_state_dir(layout)
         t0 = time.monotonic()
         st = SandboxState(
@@ -249,6 +243,7 @@ class Sandbox:
     def _build(self, st: SandboxState, layout: Layout) -> None:
         p = self.paths
         accounting = self.config.accounting
+        slurm = release(self.config.slurm)
         slurm_env = {"SLURM_CONF": str(p.slurm_conf)}
         slurm_files.write_all(
             p,
@@ -256,8 +251,12 @@ class Sandbox:
             accounting=accounting,
             cpus_per_node=self.config.cpus_per_node,
             python=sys.executable,
-            spank_so=SPANK_SO,
+            spank_so=spank_plugin(slurm),
+            plugin_dir=slurm.plugin_dir(),
+            slurm_bin=self.slurm_bin(),
         )
+        if slurm.from_root:
+            slurm.write_client_wrappers(p.slurm_bin)
         p.munge.chmod(0o755)
         p.munge_key.write_bytes(os.urandom(1024))
         p.munge_key.chmod(0o600)
@@ -291,11 +290,12 @@ class Sandbox:
         self._start(
             st,
             "slurmctld",
-            [*controller_prefix(p), "slurmctld", "-D", "-c", "-f", str(p.slurm_conf)],
+            [*controller_prefix(p, slurm.overlay_command()), "slurmctld", "-D", "-c", "-f", str(p.slurm_conf)],
             env=slurm_env,
             ready=self.slurm().ping,
             interval_s=0.05,
         )
+        self._check_release(slurm)
 
         self._progress("starting one slurmd per node")
         for node in layout.nodes:
@@ -344,7 +344,10 @@ class Sandbox:
         )
         init = p.etc / "mariadb-init.sql"
         init.write_text(
-            "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1';\nGRANT ALL PRIVILEGES ON *.* TO 'slurm'@'127.0.0.1';\n"
+            "".join(
+                f"CREATE USER IF NOT EXISTS 'slurm'@'{host}';\nGRANT ALL PRIVILEGES ON *.* TO 'slurm'@'{host}';\n"
+                for host in ("localhost", "127.0.0.1")
+            )
         )
         self._start(
             st,
@@ -370,15 +373,24 @@ class Sandbox:
         self._start(
             st,
             "slurmdbd",
-            [*controller_prefix(p), "slurmdbd", "-D"],
-            env=slurm_env,
+            [*controller_prefix(p, release(self.config.slurm).overlay_command()), "slurmdbd", "-D"],
+            env={**slurm_env, "MYSQL_UNIX_PORT": str(p.db_socket)},
             ready=processes.port_open(layout.ctl_ip, layout.slurmdbd_port),
         )
-        run(["sacctmgr", "-i", "add", "cluster", CLUSTER], env={**self.slurm_env(), **slurm_env}, timeout=30)
+        self.slurm().run_text(["sacctmgr", "-i", "add", "cluster", CLUSTER])
+
+    def _check_release(self, slurm: SlurmRelease) -> None:
+        """The controller must be the release asked for: every version-specific test relies on it."""
+        running = self.slurm().version()
+        if f"{running[0]}.{running[1]:02d}" != slurm.version:
+            where = f"the root at {slurm.root}" if slurm.from_root else "the host's packages"
+            raise SandboxError(
+                f"[sandbox] slurm = {slurm.version!r}, but {where} run Slurm {'.'.join(map(str, running))}"
+            )
 
     def slurm(self) -> CliBackend:
         """The Slurm CLI backend aimed at this sandbox (tests use exactly what users' tools use)."""
-        return CliBackend(self.paths.slurm_conf, timeout_s=10.0)
+        return CliBackend(self.paths.slurm_conf, bin_dir=self.slurm_bin(), timeout_s=10.0)
 
     def node_states(self) -> dict[str, str]:
         """Slurm's state of each node (``IDLE``, ``ALLOCATED+DRAIN`` ...); empty if slurmctld is unreachable."""
@@ -459,6 +471,7 @@ class Sandbox:
             "phase": st.phase,
             "running": self.running(),
             "accounting": st.config.accounting,
+            "slurm": st.config.slurm,
             "controller": {"host": CONTROLLER, "addr": layout.ctl_ip, "port": layout.slurmctld_port},
             "slurm_conf": str(self.paths.slurm_conf),
             "munge_socket": str(self.paths.munge_socket),
@@ -562,4 +575,4 @@ class Sandbox:
         return [*self._node_prefix(self.layout().node(node)), *argv]
 
     def _node_prefix(self, node: NodeSpec) -> list[str]:
-        return node_prefix(self.paths, node, self.layout().cgroup_name)
+        return node_prefix(self.paths, node, self.layout().cgroup_name, self.slurm_release().overlay_command())

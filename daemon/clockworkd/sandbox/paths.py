@@ -63,6 +63,11 @@ class StatePaths:
         return self.etc / "curve"
 
     @property
+    def slurm_bin(self) -> Path:
+        """Wrappers of the Slurm release's client commands (a release from a root only)."""
+        return self.root / "bin"
+
+    @property
     def hooks(self) -> Path:
         return self.root / "hooks"
 

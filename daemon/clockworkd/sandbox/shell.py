@@ -36,11 +36,18 @@ ACCOUNTING_PROGRAMS: dict[str, str] = {
 }
 
 
-def missing_programs(accounting: bool) -> list[str]:
-    """``program (package)`` for every needed program that is not installed."""
+#: What the host's own Slurm provides: not needed from the host when the release comes from a root.
+HOST_SLURM_PROGRAMS = frozenset({"slurmctld", "slurmd", "sbatch", "slurmdbd", "sacctmgr"})
+
+
+def missing_programs(accounting: bool, host_slurm: bool = True) -> list[str]:
+    """``program (package)`` for every needed program that is not installed (``host_slurm``: Slurm's own
+    programs too, else only what the host provides beside a root's Slurm: munged, MariaDB, the network tools)."""
     wanted = dict(REQUIRED_PROGRAMS)
     if accounting:
         wanted.update(ACCOUNTING_PROGRAMS)
+    if not host_slurm:
+        wanted = {prog: pkg for prog, pkg in wanted.items() if prog not in HOST_SLURM_PROGRAMS}
     search = "/usr/sbin:/usr/bin:/sbin:/bin"
     return [f"{prog} ({pkg})" for prog, pkg in wanted.items() if shutil.which(prog, path=search) is None]
 

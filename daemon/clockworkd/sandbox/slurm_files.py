@@ -28,7 +28,9 @@ HOOKS = {
 }
 
 
-def slurm_conf(paths: StatePaths, layout: Layout, accounting: bool, cpus_per_node: int) -> str:
+def slurm_conf(
+    paths: StatePaths, layout: Layout, accounting: bool, cpus_per_node: int, plugin_dir: Path | None = None
+) -> str:
     p = paths
     lines = [
         "# Written by `clockwork sandbox up`; every path lies under the sandbox state folder.",
@@ -67,6 +69,8 @@ def slurm_conf(paths: StatePaths, layout: Layout, accounting: bool, cpus_per_nod
         "HealthCheckInterval=0",
         *(f"{param}={p.hooks / name}" for param, name in HOOKS.items()),
     ]
+    if plugin_dir is not None:
+        lines.append(f"PluginDir={plugin_dir}")
     if accounting:
         lines += [
             "AccountingStorageType=accounting_storage/slurmdbd",
@@ -105,7 +109,9 @@ def slurmdbd_conf(paths: StatePaths, layout: Layout) -> str:
                 f"LogFile={paths.logs}/slurmdbd.log",
                 f"PidFile={paths.root}/slurmdbd.pid",
                 "StorageType=accounting_storage/mysql",
-                "StorageHost=127.0.0.1",
+                # MariaDB's unix socket (MYSQL_UNIX_PORT in slurmdbd's environment), not TCP: the MariaDB client
+                # library of Slurm 24.11's root (Debian 13) insists on TLS over TCP, which the sandbox's server lacks.
+                "StorageHost=localhost",
                 f"StoragePort={layout.mariadb_port}",
                 "StorageUser=slurm",
                 "StorageLoc=slurm_acct_db",
@@ -150,7 +156,7 @@ def plugstack(spank_so: Path | None) -> str:
     return f"optional {spank_so}\n"
 
 
-def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
+def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str], slurm_bin: Path | None = None) -> str:
     """The configuration the hooks, the node daemons (and `clockwork` inside jobs) read on the sandbox.
 
     The nodes share one filesystem, so each node's daemon gets its own folders through ``{node}``;
@@ -158,7 +164,7 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str]) -> str:
     """
     settings: dict[str, dict[str, Any]] = {
         "log": {"file": str(paths.logs / "clockwork.log")},
-        "slurm": {"backend": "cli", "conf": str(paths.slurm_conf)},
+        "slurm": {"backend": "cli", "conf": str(paths.slurm_conf), "bin_dir": str(slurm_bin or "")},
         "hooks": {"spool_dir": str(paths.spool), "health_nics": ",".join(nics)},
         "daemon": {
             "run_dir": str(paths.root / "nodes" / "{node}" / "run"),
@@ -216,19 +222,29 @@ def hook_wrapper(python: str, config: Path, context: str) -> str:
 
 
 def write_all(
-    paths: StatePaths, layout: Layout, *, accounting: bool, cpus_per_node: int, python: str, spank_so: Path | None
+    paths: StatePaths,
+    layout: Layout,
+    *,
+    accounting: bool,
+    cpus_per_node: int,
+    python: str,
+    spank_so: Path | None,
+    plugin_dir: Path | None = None,
+    slurm_bin: Path | None = None,
 ) -> None:
-    """Write every file the sandbox's daemons read."""
+    """Write every file the sandbox's daemons read (``plugin_dir`` and ``slurm_bin``: a Slurm release from a
+    root, whose plugins and client commands those are)."""
     for d in paths.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
-    paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node))
+    paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir))
     paths.cgroup_conf.write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
     paths.plugstack_conf.write_text(plugstack(spank_so))
     paths.hosts.write_text(hosts(layout))
     paths.fabric_map.write_text(fabric_map(layout))
     paths.topology.write_text(topology(layout))
     paths.controller_hosts.write_text(controller_hosts(layout))
-    paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root, [nic.name for nic in layout.nodes[0].nics]))
+    nics = [nic.name for nic in layout.nodes[0].nics]
+    paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root, nics, slurm_bin))
     if accounting:
         paths.slurmdbd_conf.write_text(slurmdbd_conf(paths, layout))
         os.chmod(paths.slurmdbd_conf, 0o600)  # slurmdbd refuses a readable file

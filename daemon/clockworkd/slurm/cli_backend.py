@@ -7,8 +7,9 @@ and more when slurmctld is down, and a hung client must not hang the daemon.
 
 Output formats, per command, chosen from what each Slurm release really prints:
 
-- jobs: ``squeue --json`` (22.05 ignores ``--jobs`` with ``--json`` and dumps every job, so the
-  record is picked here), else ``scontrol -o show job N``;
+- jobs: ``squeue --json --states=all --jobs=N`` (22.05 ignores both filters with ``--json`` and dumps
+  every job, so the record is picked here; 24.11 applies them, and without ``--states=all`` leaves out a
+  job that has ended, which slurmctld still knows for MinJobAge), else ``scontrol -o show job N``;
 - nodes: ``sinfo --json`` before 23.02, ``scontrol --json show node`` from 23.02 (newer sinfo
   aggregates nodes), else ``scontrol -o show node``;
 - accounting: ``sacct --parsable2`` always. The JSON of 22.05 (dbv0.0.38) and 23.02 reports every
@@ -143,7 +144,7 @@ class CliBackend:
         return parse_scontrol_nodes(self._run(["scontrol", "-o", "show", "node"]).stdout)
 
     def job(self, job_id: int) -> JobInfo | None:
-        argv = ["squeue", "--json", f"--jobs={job_id}"]
+        argv = ["squeue", "--json", "--states=all", f"--jobs={job_id}"]
         try:
             doc = self._json_query("squeue", argv)
         except SlurmError as exc:
