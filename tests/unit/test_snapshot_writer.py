@@ -17,20 +17,21 @@ import h5py
 import numpy as np
 import pytest
 
+from clockworkd.snapshots.messages import Entry
 from clockworkd.snapshots.writer import DIRECT_ALIGN, write_shard
 
 SIZES = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, 3 * DIRECT_ALIGN + 5, (3 << 20) + 7, 8 << 20]
 
 
 @pytest.fixture
-def arena() -> tuple[mmap.mmap, list[list[object]]]:
+def arena() -> tuple[mmap.mmap, list[Entry]]:
     """A /dev/shm arena of random bytes and its entries; the last entry starts 8 bytes past a block."""
-    entries: list[list[object]] = []
+    entries: list[Entry] = []
     offset = 0
     for i, size in enumerate(SIZES):
-        entries.append([f"t/{i:06d}", offset, size, "torch.uint8", [size]])
+        entries.append(Entry(f"t/{i:06d}", offset, size, "torch.uint8", (size,)))
         offset += (size + DIRECT_ALIGN - 1) // DIRECT_ALIGN * DIRECT_ALIGN
-    entries.append(["rank/00000/odd", offset + 8, 2 * DIRECT_ALIGN, "torch.uint8", [2 * DIRECT_ALIGN]])
+    entries.append(Entry("rank/00000/odd", offset + 8, 2 * DIRECT_ALIGN, "torch.uint8", (2 * DIRECT_ALIGN,)))
     size = offset + 3 * DIRECT_ALIGN
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
     fd = os.open(folder or "/tmp", os.O_TMPFILE | os.O_RDWR, 0o600)
@@ -44,16 +45,16 @@ def arena() -> tuple[mmap.mmap, list[list[object]]]:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
-def test_shard_holds_every_byte(arena: tuple[mmap.mmap, list[list[object]]], tmp_path: Path, direct: bool) -> None:
+def test_shard_holds_every_byte(arena: tuple[mmap.mmap, list[Entry]], tmp_path: Path, direct: bool) -> None:
     mapping, entries = arena
     path = tmp_path / "rank-00000.h5"
     total = write_shard(mapping, path, entries, direct=direct)
-    assert total == sum(int(e[2]) for e in entries)  # type: ignore[call-overload]
+    assert total == sum(e.nbytes for e in entries)
     assert not list(tmp_path.glob(".*tmp*")), "the temporary file was left behind"
     with h5py.File(path, "r") as f:
-        for name, offset, nbytes, _dtype, _shape in entries:
-            expected = mapping[int(offset) : int(offset) + int(nbytes)]  # type: ignore[call-overload]
-            dset = f[str(name)]
-            got = dset[...].tobytes() if int(nbytes) else b""  # type: ignore[call-overload]
-            assert got == expected, f"{name}: the bytes differ"
+        for entry in entries:
+            expected = mapping[entry.offset : entry.offset + entry.nbytes]
+            dset = f[entry.name]
+            got = dset[...].tobytes() if entry.nbytes else b""  # type: ignore[union-attr]
+            assert got == expected, f"{entry.name}: the bytes differ"
             assert int(dset.attrs["crc32"]) == zlib.crc32(expected) & 0xFFFFFFFF

@@ -6,16 +6,10 @@ under /dev/shm that both processes map), then sends one JSON line on this proces
 checksums and writes the entries, fsyncs and renames the shard, and answers one JSON line per phase on stdout.
 It imports neither torch nor anything of TorchPass, and dies with the rank that started it.
 
-Request (one line)::
-
-    {"op": "write", "id": 7, "arena": "/proc/PID/fd/N", "arena_id": 1234, "folder": ".../step-0000000123", "rank": 0,
-     "entries": [[name, offset, nbytes, dtype, shape], ...],
-     "finalize": null | {"world_size": 4, "step": 123, "job": "42", "tensors": 310, "keep": 3,
-                          "directory": "...", "timeout_s": 600}}
-
-Answers: ``{"id": 7, "phase": "shard", "ok": true, "bytes": N, "seconds": S}`` and, on the finalizing rank,
-``{"id": 7, "phase": "manifest", "ok": true, ...}``; ``ok: false`` with ``error`` when a phase failed (disk
-full, I/O error, a peer's shard missing): the snapshot does not exist, older ones are untouched.
+The requests and answers are :mod:`clockworkd.snapshots.messages`: one JSON line each, a write request in, one
+answer per phase out (the shard; on the finalizing rank also the manifest). A failed phase (disk full, I/O
+error, a peer's shard missing) answers ``ok: false`` with the error: the snapshot does not exist, older ones
+are untouched.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,6 +30,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from clockworkd.snapshots.messages import Entry, FinalizeSpec, Phase, WriterAnswer, WriteRequest
 from clockworkd.snapshots.store import (
     FAILED_PREFIX,
     NICE_INCREMENT,
@@ -109,7 +104,7 @@ def _open_direct(path: Path) -> int | None:
         return None
 
 
-def write_shard(arena: mmap.mmap, path: Path, entries: list[list[Any]], *, direct: bool = True) -> int:
+def write_shard(arena: mmap.mmap, path: Path, entries: Sequence[Entry], *, direct: bool = True) -> int:
     """Write every entry from the arena into ``path`` durably; returns the bytes of entry data.
 
     The file is HDF5, one dataset per entry, the data of each large entry at a 4 KiB-aligned place allocated
@@ -121,7 +116,7 @@ def write_shard(arena: mmap.mmap, path: Path, entries: list[list[Any]], *, direc
     every entry where O_DIRECT is refused, go through HDF5 with early writeback (:class:`_Writeback`). The
     CRC-32s are computed on other threads meanwhile (zlib releases the GIL)."""
     total = 0
-    views = [np.frombuffer(arena, dtype=np.uint8, count=int(e[2]), offset=int(e[1])) for e in entries]
+    views = [np.frombuffer(arena, dtype=np.uint8, count=e.nbytes, offset=e.offset) for e in entries]
     source = memoryview(arena)
 
     def write(tmp: Path) -> None:
@@ -143,14 +138,14 @@ def write_shard(arena: mmap.mmap, path: Path, entries: list[list[Any]], *, direc
             try:
                 # Each entry's direct write starts as soon as its dataset exists (the disk works while the
                 # next ones are created); the attributes are set while the writes run.
-                for i, (name, offset, nbytes, _dtype, _shape) in enumerate(entries):
-                    dset = f.create_dataset(name, shape=(int(nbytes),), dtype=np.uint8, dcpl=dcpl)
+                for i, entry in enumerate(entries):
+                    dset = f.create_dataset(entry.name, shape=(entry.nbytes,), dtype=np.uint8, dcpl=dcpl)
                     dsets.append(dset)
-                    bulk = int(nbytes) // DIRECT_ALIGN * DIRECT_ALIGN
+                    bulk = entry.nbytes // DIRECT_ALIGN * DIRECT_ALIGN
                     at = dset.id.get_offset()
-                    aligned = at is not None and at % DIRECT_ALIGN == 0 and int(offset) % DIRECT_ALIGN == 0
+                    aligned = at is not None and at % DIRECT_ALIGN == 0 and entry.offset % DIRECT_ALIGN == 0
                     if fd is not None and bulk and aligned:
-                        src = source[int(offset) : int(offset) + bulk]
+                        src = source[entry.offset : entry.offset + bulk]
                         pending.append((i, bulk, io_pool.submit(_pwrite_all, fd, src, at)))
                 direct_bytes = {i: bulk for i, bulk, _future in pending}
                 writeback = _Writeback(f.id.get_vfd_handle())
@@ -159,11 +154,11 @@ def write_shard(arena: mmap.mmap, path: Path, entries: list[list[Any]], *, direc
                     if done < data.size:  # small entries and tails, through HDF5
                         dset.write_direct(data, np.s_[done:], np.s_[done:])
                         writeback.wrote(data.size - done)
-                for (_name, _offset, nbytes, dtype, shape), dset, crc in zip(entries, dsets, sums, strict=True):
+                for entry, dset, crc in zip(entries, dsets, sums, strict=True):
                     dset.attrs["crc32"] = crc.result()
-                    dset.attrs["dtype"] = str(dtype)
-                    dset.attrs["shape"] = json.dumps([int(v) for v in shape])
-                    total += int(nbytes)
+                    dset.attrs["dtype"] = entry.dtype
+                    dset.attrs["shape"] = json.dumps(list(entry.shape))
+                    total += entry.nbytes
                 for i, bulk, future in pending:
                     try:
                         future.result()
@@ -189,11 +184,10 @@ def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
         done += os.pwrite(fd, data[done : done + IO_CHUNK], at + done)
 
 
-def finalize(folder: Path, own_error: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Wait for every rank's shard, then write the manifest and apply retention."""
-    world = int(spec["world_size"])
-    deadline = time.monotonic() + float(spec["timeout_s"])
-    wanted = [folder / shard_name(r) for r in range(world)]
+def finalize(folder: Path, own_error: str, spec: FinalizeSpec) -> tuple[str, ...]:
+    """Wait for every rank's shard, then write the manifest and apply retention; the folders removed."""
+    deadline = time.monotonic() + spec.timeout_s
+    wanted = [folder / shard_name(r) for r in range(spec.world_size)]
     while True:
         if own_error:
             raise SnapshotCorrupt(f"this rank's own shard failed: {own_error}")
@@ -204,29 +198,23 @@ def finalize(folder: Path, own_error: str, spec: dict[str, Any]) -> dict[str, An
         if not missing:
             break
         if time.monotonic() > deadline:
-            raise SnapshotCorrupt(f"shards {missing[:4]} not written within {spec['timeout_s']} s")
+            raise SnapshotCorrupt(f"shards {missing[:4]} not written within {spec.timeout_s} s")
         time.sleep(0.05)
     body = manifest_body(
-        folder,
-        step=int(spec["step"]),
-        world_size=world,
-        job=str(spec.get("job", "")),
-        tensors=int(spec["tensors"]),
-        extra=spec.get("extra"),
+        folder, step=spec.step, world_size=spec.world_size, job=spec.job, tensors=spec.tensors, extra=spec.extra
     )
     write_manifest(folder, body)
-    removed = apply_retention(spec["directory"], int(spec["keep"]))
-    return {"removed": [str(p) for p in removed]}
+    return tuple(str(p) for p in apply_retention(spec.directory, spec.keep))
 
 
 class _Arena:
     """The rank's arena, mapped once and kept (mapping 1 GiB afresh costs a page fault per 4 KiB each time)."""
 
     def __init__(self) -> None:
-        self.key: tuple[str, Any] = ("", None)
+        self.key: tuple[str, int] = ("", 0)
         self.mapping: mmap.mmap | None = None
 
-    def map(self, path: str, arena_id: Any) -> mmap.mmap:
+    def map(self, path: str, arena_id: int) -> mmap.mmap:
         """The mapping of ``path`` (``/proc/PID/fd/N`` of an unlinked file); ``arena_id`` tells a new arena that
         reuses the same descriptor number from the one mapped before."""
         if (path, arena_id) != self.key or self.mapping is None:
@@ -242,7 +230,7 @@ class _Arena:
                 self.mapping.close()
             except BufferError:
                 pass  # a failed write's traceback still holds a view; unmapped when it goes
-        self.mapping, self.key = None, ("", None)
+        self.mapping, self.key = None, ("", 0)
 
 
 _ARENA = _Arena()
@@ -255,34 +243,29 @@ def _mark_failed(folder: Path, rank: int, error: str) -> None:
         pass  # the disk may be full: the finalizing rank then times out instead
 
 
-def handle(request: dict[str, Any]) -> list[dict[str, Any]]:
+def handle(request: WriteRequest) -> list[WriterAnswer]:
     """Serve one write request; the answers to print."""
-    req_id, rank = request["id"], int(request["rank"])
-    folder = Path(request["folder"])
-    answers: list[dict[str, Any]] = []
+    folder = Path(request.folder)
+    answers: list[WriterAnswer] = []
     started = time.monotonic()
     shard_error = ""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        arena = _ARENA.map(request["arena"], request.get("arena_id"))
-        nbytes = write_shard(arena, folder / shard_name(rank), request["entries"])
-        answers.append(
-            {"id": req_id, "phase": "shard", "ok": True, "bytes": nbytes, "seconds": time.monotonic() - started}
-        )
+        arena = _ARENA.map(request.arena, request.arena_id)
+        nbytes = write_shard(arena, folder / shard_name(request.rank), request.entries)
+        answers.append(WriterAnswer(request.id, Phase.SHARD, True, bytes=nbytes, seconds=time.monotonic() - started))
     except Exception as exc:  # disk full, I/O error, a bad request: this snapshot fails, the writer lives on
-        error = f"{type(exc).__name__}: {exc}"
-        shard_error = error
-        _mark_failed(folder, rank, error)
-        answers.append({"id": req_id, "phase": "shard", "ok": False, "error": error})
-    spec = request.get("finalize")
-    if spec:
+        shard_error = f"{type(exc).__name__}: {exc}"
+        _mark_failed(folder, request.rank, shard_error)
+        answers.append(WriterAnswer(request.id, Phase.SHARD, False, error=shard_error))
+    if request.finalize is not None:
         try:
-            extra = finalize(folder, shard_error, spec)
+            removed = finalize(folder, shard_error, request.finalize)
             answers.append(
-                {"id": req_id, "phase": "manifest", "ok": True, "seconds": time.monotonic() - started, **extra}
+                WriterAnswer(request.id, Phase.MANIFEST, True, seconds=time.monotonic() - started, removed=removed)
             )
         except Exception as exc:
-            answers.append({"id": req_id, "phase": "manifest", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            answers.append(WriterAnswer(request.id, Phase.MANIFEST, False, error=f"{type(exc).__name__}: {exc}"))
     return answers
 
 
@@ -297,12 +280,12 @@ def main() -> int:
         if not line.strip():
             continue
         try:
-            request = json.loads(line)
+            request = WriteRequest.from_line(line)
         except ValueError as exc:
-            print(json.dumps({"id": None, "phase": "request", "ok": False, "error": str(exc)}), flush=True)
+            print(WriterAnswer(None, Phase.REQUEST, False, error=str(exc)).to_line(), flush=True)
             continue
         for answer in handle(request):
-            print(json.dumps(answer), flush=True)
+            print(answer.to_line(), flush=True)
     return 0
 
 
