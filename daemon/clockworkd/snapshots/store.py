@@ -17,8 +17,11 @@ Durability: a shard is written under a temporary name, fsynced, renamed, and the
 every shard is durable does one rank write the manifest (same dance). The manifest lists every entry of every
 file with its size and CRC-32 and carries a CRC of its own body, so a flipped byte anywhere, a truncated
 file, a missing shard or a missing/garbled manifest makes the snapshot fail verification; a loader then moves
-on to the previous one. CRC-32 (zlib, several GB/s, releases the GIL) catches media and transfer corruption;
-it is not meant to resist a deliberate forger (whoever can write the folder can write any training state).
+on to the previous one. CRC-32 catches media and transfer corruption; it is not meant to resist a deliberate
+forger (whoever can write the folder can write any training state). It is zlib's CRC-32 (the same values
+as every snapshot written before), computed by ISA-L (python-isal, with carry-less multiplication: 12-17
+GB/s a core here, against zlib's 2.2-2.5, and without the GIL): zlib's is no faster than a disk writes, so
+the writer, 10 nice levels below a busy training loop, waited for its checksums rather than the disk.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ import os
 import re
 import shutil
 import time
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,7 @@ from typing import Any
 
 import h5py
 import numpy as np
+from isal import isal_zlib
 
 __all__ = [
     "FORMAT",
@@ -72,11 +75,11 @@ class SnapshotCorrupt(RuntimeError):
 
 
 def crc32(data: Any) -> int:
-    """CRC-32 of a buffer, in chunks (zlib releases the GIL on each)."""
+    """zlib's CRC-32 of a buffer, by ISA-L, in chunks (each releases the GIL)."""
     view = memoryview(data).cast("B")
     value = 0
     for start in range(0, len(view), _CRC_CHUNK):
-        value = zlib.crc32(view[start : start + _CRC_CHUNK], value)
+        value = isal_zlib.crc32(view[start : start + _CRC_CHUNK], value)
     return value & 0xFFFFFFFF
 
 
@@ -145,7 +148,7 @@ def file_entries(path: Path) -> dict[str, dict[str, Any]]:
 
 def write_manifest(folder: Path, body: dict[str, Any]) -> None:
     """Write ``manifest.json`` (body plus the CRC of its canonical form) durably: the snapshot now exists."""
-    text = json.dumps({"body": body, "crc32": zlib.crc32(_canonical(body))}, indent=1, sort_keys=True)
+    text = json.dumps({"body": body, "crc32": crc32(_canonical(body))}, indent=1, sort_keys=True)
 
     def write(tmp: Path) -> None:
         tmp.write_text(text)
@@ -165,7 +168,7 @@ def load_manifest(folder: Path) -> dict[str, Any]:
     if not isinstance(raw, dict) or not isinstance(raw.get("body"), dict):
         raise SnapshotCorrupt(f"{path}: not a snapshot manifest")
     body = raw["body"]
-    if zlib.crc32(_canonical(body)) != raw.get("crc32"):
+    if crc32(_canonical(body)) != raw.get("crc32"):
         raise SnapshotCorrupt(f"{path}: manifest checksum mismatch (the file was altered or damaged)")
     if body.get("format") != FORMAT:
         raise SnapshotCorrupt(f"{path}: format {body.get('format')!r}, expected {FORMAT!r}")

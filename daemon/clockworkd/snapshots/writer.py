@@ -15,21 +15,21 @@ are untouched.
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import mmap
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
 
+from clockworkd.snapshots.direct_io import DIRECT_ALIGN, DirectWrites, Writeback, open_direct
 from clockworkd.snapshots.messages import Entry, FinalizeSpec, Phase, WriterAnswer, WriteRequest
 from clockworkd.snapshots.store import (
     FAILED_PREFIX,
@@ -43,17 +43,8 @@ from clockworkd.snapshots.store import (
     write_manifest,
 )
 
-#: Threads that checksum entries while the writer writes them.
+#: Threads that checksum entries while the writer writes them (one checksums several GB/s: see store.crc32).
 CRC_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
-#: Direct writes in flight at once (a device works best with more than one request queued).
-IO_THREADS = 2
-#: Largest single direct write.
-IO_CHUNK = 64 << 20
-#: Alignment of file offsets, memory and lengths for O_DIRECT (the largest logical block size in common use).
-DIRECT_ALIGN = 4096
-#: Written bytes after which the kernel is told to start writing them out (see :class:`_Writeback`).
-WRITEBACK_EVERY = 64 << 20
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def _die_with_parent() -> None:
@@ -65,123 +56,82 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-class _Writeback:
-    """Starts the disk writes of what the shard has so far, without waiting for them (``sync_file_range``).
-
-    For entries written through the page cache (see :func:`write_shard`). Why: below the dirty-page thresholds
-    (10 % of RAM by default, many GiB on a training node) the kernel writes nothing back until the final
-    fsync, so copying into the page cache and writing to disk would happen one after the other. Started every
-    ``WRITEBACK_EVERY`` bytes, the disk works while the next entries are copied. Linux only; elsewhere (or
-    when the call is refused) it does nothing and the fsync does all the work."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.pending = 0
-        self._call: Callable[[int, int, int, int], int] | None = None
-        try:
-            call = ctypes.CDLL(None, use_errno=True).sync_file_range
-            call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        except (OSError, AttributeError):
-            return
-        self._call = call
-
-    def wrote(self, nbytes: int) -> None:
-        self.pending += nbytes
-        if self._call is not None and self.pending >= WRITEBACK_EVERY:
-            self.pending = 0
-            if self._call(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
-                self._call = None  # e.g. a file system that refuses it: the final fsync still makes it durable
-
-
-def _open_direct(path: Path) -> int | None:
-    """A second descriptor on ``path`` with O_DIRECT, or None where the file system refuses it."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | flag)
-    except OSError:
-        return None
-
-
 def write_shard(arena: mmap.mmap, path: Path, entries: Sequence[Entry], *, direct: bool = True) -> int:
     """Write every entry from the arena into ``path`` durably; returns the bytes of entry data.
 
     The file is HDF5, one dataset per entry, the data of each large entry at a 4 KiB-aligned place allocated
-    when the dataset is created. With ``direct`` (and a file system that allows it), that data goes from the
-    arena to the disk with O_DIRECT writes, ``IO_THREADS`` in flight: no copy into the page cache, which on a
-    fast disk is the bottleneck (measured here: 0.5-1.2 GB/s through the page cache, 2.1-3.2 GB/s direct,
-    against 2.3-3.5 GB/s for ``dd oflag=direct``). HDF5 writes its own metadata and the few bytes past the
-    last whole block of each entry through the page cache; the final fsync covers both. Small entries, and
-    every entry where O_DIRECT is refused, go through HDF5 with early writeback (:class:`_Writeback`). The
-    CRC-32s are computed on other threads meanwhile (zlib releases the GIL)."""
-    total = 0
+    when the dataset is created (consecutive datasets mostly lie back to back). With ``direct`` (and a file
+    system that allows it), the whole blocks of that data go from the arena to the disk with O_DIRECT, runs
+    of back-to-back datasets merged into writes of up to 64 MiB, each started as soon as its datasets exist
+    (:class:`~clockworkd.snapshots.direct_io.DirectWrites`). HDF5 writes its own metadata and the few bytes
+    past the last whole block of each entry through the page cache; the final fsync covers both. Small
+    entries, and every entry where O_DIRECT is refused, go through HDF5 with early writeback. The CRC-32s are
+    computed on other threads meanwhile."""
     views = [np.frombuffer(arena, dtype=np.uint8, count=e.nbytes, offset=e.offset) for e in entries]
     source = memoryview(arena)
 
     def write(tmp: Path) -> None:
-        nonlocal total
         # Datasets of DIRECT_ALIGN bytes or more start at DIRECT_ALIGN-aligned file offsets; their space is
         # allocated at creation, never filled (we write every byte).
         with (
-            ThreadPoolExecutor(max_workers=CRC_THREADS) as sums_pool,
-            ThreadPoolExecutor(max_workers=IO_THREADS) as io_pool,
+            ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="shard-crc") as sums_pool,
             h5py.File(tmp, "w", alignment_threshold=DIRECT_ALIGN, alignment_interval=DIRECT_ALIGN) as f,
         ):
             sums = [sums_pool.submit(crc32, data) for data in views]
-            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-            fd = _open_direct(tmp) if direct else None
-            dsets: list[Any] = []
-            pending: list[tuple[int, int, Any]] = []  # (entry index, bytes written direct, future)
+            fd = open_direct(tmp) if direct else None  # the file exists now
+            if fd is None:
+                _write_through_hdf5(f, entries, source, views, sums, None)
+                return
             try:
-                # Each entry's direct write starts as soon as its dataset exists (the disk works while the
-                # next ones are created); the attributes are set while the writes run.
-                for i, entry in enumerate(entries):
-                    dset = f.create_dataset(entry.name, shape=(entry.nbytes,), dtype=np.uint8, dcpl=dcpl)
-                    dsets.append(dset)
-                    bulk = entry.nbytes // DIRECT_ALIGN * DIRECT_ALIGN
-                    at = dset.id.get_offset()
-                    aligned = at is not None and at % DIRECT_ALIGN == 0 and entry.offset % DIRECT_ALIGN == 0
-                    if fd is not None and bulk and aligned:
-                        src = source[entry.offset : entry.offset + bulk]
-                        pending.append((i, bulk, io_pool.submit(_pwrite_all, fd, src, at)))
-                direct_bytes = {i: bulk for i, bulk, _future in pending}
-                writeback = _Writeback(f.id.get_vfd_handle())
-                for i, (data, dset) in enumerate(zip(views, dsets, strict=True)):
-                    done = direct_bytes.get(i, 0)
-                    if done < data.size:  # small entries and tails, through HDF5
-                        dset.write_direct(data, np.s_[done:], np.s_[done:])
-                        writeback.wrote(data.size - done)
-                for entry, dset, crc in zip(entries, dsets, sums, strict=True):
-                    dset.attrs["crc32"] = crc.result()
-                    dset.attrs["dtype"] = entry.dtype
-                    dset.attrs["shape"] = json.dumps(list(entry.shape))
-                    total += entry.nbytes
-                for i, bulk, future in pending:
-                    try:
-                        future.result()
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise  # disk full, I/O error: this snapshot fails
-                        dsets[i].write_direct(views[i], np.s_[:bulk], np.s_[:bulk])  # refused after all
+                with DirectWrites(fd) as writes:  # leaving it waits for every write, even on error
+                    _write_through_hdf5(f, entries, source, views, sums, writes)
             finally:
-                for _i, _bulk, future in pending:
-                    future.cancel()
-                if fd is not None:
-                    io_pool.shutdown(wait=True)
-                    os.close(fd)
+                os.close(fd)
 
     durable_write(path, write)
-    return total
+    return sum(e.nbytes for e in entries)
 
 
-def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
-    """Write all of ``data`` at file offset ``at``, in chunks of at most ``IO_CHUNK``."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done : done + IO_CHUNK], at + done)
+def _write_through_hdf5(
+    f: h5py.File,
+    entries: Sequence[Entry],
+    source: memoryview,
+    views: list[np.ndarray],
+    sums: list[Future[int]],
+    writes: DirectWrites | None,
+) -> None:
+    """Create every dataset, hand its whole blocks to ``writes`` (None: everything through HDF5), write the
+    rest through HDF5, set the attributes, and wait for ``writes``."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dsets: list[Any] = []
+    direct_bytes: dict[int, int] = {}
+    for i, entry in enumerate(entries):
+        dset = f.create_dataset(entry.name, shape=(entry.nbytes,), dtype=np.uint8, dcpl=dcpl)
+        dsets.append(dset)
+        bulk = entry.nbytes // DIRECT_ALIGN * DIRECT_ALIGN
+        at = dset.id.get_offset()
+        aligned = at is not None and at % DIRECT_ALIGN == 0 and entry.offset % DIRECT_ALIGN == 0
+        if writes is not None and bulk and aligned:
+            writes.add(i, source[entry.offset : entry.offset + bulk], at)
+            direct_bytes[i] = bulk
+    if writes is not None:
+        writes.flush()  # the last run too, before anything below waits for the checksums
+    writeback = Writeback(f.id.get_vfd_handle())
+    for i, (data, dset) in enumerate(zip(views, dsets, strict=True)):
+        done = direct_bytes.get(i, 0)
+        if done < data.size:  # small entries and tails, through HDF5
+            dset.write_direct(data, np.s_[done:], np.s_[done:])
+            writeback.wrote(data.size - done)
+    for entry, dset, crc in zip(entries, dsets, sums, strict=True):
+        dset.attrs["crc32"] = crc.result()
+        dset.attrs["dtype"] = entry.dtype
+        dset.attrs["shape"] = json.dumps(list(entry.shape))
+    if writes is not None:
+        for i in sorted(writes.finish()):  # refused after all: through the page cache
+            bulk = direct_bytes[i]
+            dsets[i].write_direct(views[i], np.s_[:bulk], np.s_[:bulk])
 
 
 def finalize(folder: Path, own_error: str, spec: FinalizeSpec) -> tuple[str, ...]:
