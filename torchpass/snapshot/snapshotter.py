@@ -195,33 +195,20 @@ class Snapshotter:
                 job.staged.wait_for_gpu()
                 self._serve(job)
             except Exception as exc:
-                self.failed += 1
-                emit_at(
-                    logging.ERROR,
-                    self.event_sink,
-                    self.log,
-                    "torchpass.snapshot_failed",
-                    step=job.step,
-                    error=f"{type(exc).__name__}: {exc}",
-                )
+                self._failed(job.step, error=f"{type(exc).__name__}: {exc}")
             finally:
                 self._busy.clear()
+
+    def _failed(self, step: int, **fields: object) -> None:
+        """Count and report a failed snapshot (older ones stay; training goes on)."""
+        self.failed += 1
+        emit_at(logging.ERROR, self.event_sink, self.log, "torchpass.snapshot_failed", step=step, **fields)
 
     def _serve(self, job: PendingSnapshot) -> None:
         request = job.request
         for answer in self._writer.submit(request):
             if not answer.ok:
-                self.failed += 1
-                emit_at(
-                    logging.ERROR,
-                    self.event_sink,
-                    self.log,
-                    "torchpass.snapshot_failed",
-                    step=job.step,
-                    phase=answer.phase.value,
-                    folder=request.folder,
-                    error=answer.error[:500],
-                )
+                self._failed(job.step, phase=answer.phase.value, folder=request.folder, error=answer.error[:500])
             elif answer.phase is Phase.MANIFEST:
                 emit(
                     self.event_sink,
