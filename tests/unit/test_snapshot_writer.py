@@ -1,17 +1,20 @@
-"""The shard writer's two ways to the disk give the same file: direct (O_DIRECT from the arena, the tails and
-small entries through HDF5) and through the page cache only.
+"""The shard writer: its two ways to the disk give the same shard, its direct writes are whole and bounded, and
+shards of the earlier format stay readable.
 
 Entries of awkward sizes (empty, one byte, a block less one, whole blocks, a block and a byte, a few MiB and
-odd bytes) and one at an arena offset O_DIRECT cannot use are written both ways from a real shared-memory
-arena; each file must read back, through h5py, as exactly the arena's bytes, with their CRC-32s.
+odd bytes) and one at an arena offset not on a block boundary are written both ways (O_DIRECT from the arena,
+and through the page cache only) from a real shared-memory arena; each shard must read back, through the
+store's reader, as exactly the arena's bytes, with zlib's CRC-32s.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import zlib
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -19,6 +22,14 @@ import pytest
 
 from clockworkd.snapshots import direct_io
 from clockworkd.snapshots.messages import Entry
+from clockworkd.snapshots.store import (
+    SnapshotCorrupt,
+    entry_file_offset,
+    file_entries,
+    read_entries,
+    verify_snapshot,
+    write_manifest,
+)
 from clockworkd.snapshots.writer import write_shard
 
 DIRECT_ALIGN = direct_io.DIRECT_ALIGN
@@ -46,6 +57,13 @@ def arena() -> tuple[mmap.mmap, list[Entry]]:
     return mapping, entries
 
 
+def read_back(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
+    """The shard's index and every entry's bytes, read and CRC-checked by the store's reader."""
+    entries = file_entries(path)
+    body = {"files": {path.name: {"size": path.stat().st_size, "entries": entries}}}
+    return entries, read_entries(path.parent, body)
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 def test_shard_holds_every_byte(arena: tuple[mmap.mmap, list[Entry]], tmp_path: Path, direct: bool) -> None:
     mapping, entries = arena
@@ -53,41 +71,73 @@ def test_shard_holds_every_byte(arena: tuple[mmap.mmap, list[Entry]], tmp_path: 
     total = write_shard(mapping, path, entries, direct=direct)
     assert total == sum(e.nbytes for e in entries)
     assert not list(tmp_path.glob(".*tmp*")), "the temporary file was left behind"
-    with h5py.File(path, "r") as f:
-        for entry in entries:
-            expected = mapping[entry.offset : entry.offset + entry.nbytes]
-            dset = f[entry.name]
-            got = dset[...].tobytes() if entry.nbytes else b""  # type: ignore[union-attr]
-            assert got == expected, f"{entry.name}: the bytes differ"
-            assert int(dset.attrs["crc32"]) == zlib.crc32(expected) & 0xFFFFFFFF
+    index, data = read_back(path)
+    assert sorted(index) == sorted(e.name for e in entries)
+    for entry in entries:
+        expected = mapping[entry.offset : entry.offset + entry.nbytes]
+        assert data[entry.name].tobytes() == expected, f"{entry.name}: the bytes differ"
+        assert index[entry.name]["crc32"] == zlib.crc32(expected) & 0xFFFFFFFF
+        assert (index[entry.name]["dtype"], index[entry.name]["shape"]) == (entry.dtype, list(entry.shape))
+        if entry.nbytes:  # where a tool finds it in the file is where it is
+            with path.open("rb") as f:
+                f.seek(entry_file_offset(path, entry.name))
+                assert f.read(entry.nbytes) == expected
 
 
-def test_back_to_back_entries_share_writes_and_big_ones_are_cut(
+def test_direct_writes_are_cut_at_the_cap_and_lose_nothing(
     arena: tuple[mmap.mmap, list[Entry]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With writes capped at three blocks, runs of datasets that lie back to back in the file are merged up to
-    the cap, larger entries are cut into several writes, and the file still holds every byte (a merged run
-    that put one entry's bytes at another's place would show here)."""
-    calls: list[tuple[int, int]] = []
+    """With writes capped at three blocks, the shard's data goes out in many direct writes, none larger, and
+    still every byte lands where the index says."""
+    calls: list[int] = []
     real = os.pwritev
 
     def counting(fd: int, buffers: list[memoryview], offset: int) -> int:
-        calls.append((len(buffers), sum(len(b) for b in buffers)))
+        calls.append(sum(len(b) for b in buffers))
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(direct_io, "IO_CHUNK", 3 * DIRECT_ALIGN)
+    monkeypatch.setattr("clockworkd.snapshots.writer.IO_CHUNK", 3 * DIRECT_ALIGN)
     monkeypatch.setattr(direct_io.os, "pwritev", counting)
     mapping, entries = arena
     path = tmp_path / "rank-00000.h5"
     write_shard(mapping, path, entries, direct=True)
-    assert calls, "nothing was written with O_DIRECT"
-    assert max(size for _n, size in calls) <= 3 * DIRECT_ALIGN
-    assert any(n > 1 for n, _size in calls), "no two back-to-back entries were merged into one write"
-    with h5py.File(path, "r") as f:
-        for entry in entries:
-            dset = f[entry.name]
-            got = dset[...].tobytes() if entry.nbytes else b""  # type: ignore[union-attr]
-            assert got == mapping[entry.offset : entry.offset + entry.nbytes], f"{entry.name}: the bytes differ"
+    monkeypatch.undo()
+    assert len(calls) > 100, "the data did not go out with O_DIRECT"
+    assert max(calls) <= 3 * DIRECT_ALIGN
+    _index, data = read_back(path)
+    for entry in entries:
+        assert data[entry.name].tobytes() == mapping[entry.offset : entry.offset + entry.nbytes], entry.name
+
+
+def test_back_to_back_pieces_share_one_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DirectWrites merges pieces that continue each other in the file into one pwritev (up to the cap) and
+    starts a new write where one does not."""
+    calls: list[tuple[int, int]] = []
+    real = os.pwritev
+
+    def counting(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append((offset, len(buffers)))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(direct_io.os, "pwritev", counting)
+    data = np.random.default_rng(5).integers(0, 256, 8 * DIRECT_ALIGN, dtype=np.uint8).tobytes()
+    view = memoryview(data)
+    path = tmp_path / "out.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with direct_io.DirectWrites(fd) as writes:
+            writes.add(0, view[: 2 * DIRECT_ALIGN], 0)  # these two continue each other
+            writes.add(1, view[2 * DIRECT_ALIGN : 3 * DIRECT_ALIGN], 2 * DIRECT_ALIGN)
+            writes.add(2, view[5 * DIRECT_ALIGN :], 5 * DIRECT_ALIGN)  # a gap before this one
+            assert writes.finish() == set()
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    assert sorted(calls) == [(0, 2), (5 * DIRECT_ALIGN, 1)]
+    written = path.read_bytes()
+    assert written[: 3 * DIRECT_ALIGN] == data[: 3 * DIRECT_ALIGN]
+    assert written[5 * DIRECT_ALIGN :] == data[5 * DIRECT_ALIGN :]
 
 
 def test_a_short_write_goes_on_where_it_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,3 +163,39 @@ def test_a_short_write_goes_on_where_it_stopped(tmp_path: Path, monkeypatch: pyt
     finally:
         os.close(fd)
     assert path.read_bytes()[DIRECT_ALIGN:] == data
+
+
+def write_v1_snapshot(folder: Path, blobs: dict[str, bytes]) -> None:
+    """A snapshot as the first format had it: a dataset per entry with crc32/dtype/shape attributes."""
+    folder.mkdir()
+    shard = folder / "rank-00000.h5"
+    with h5py.File(shard, "w") as f:
+        for name, blob in blobs.items():
+            dset = f.create_dataset(name, data=np.frombuffer(blob, dtype=np.uint8))
+            dset.attrs["crc32"] = zlib.crc32(blob)
+            dset.attrs["dtype"] = "torch.uint8"
+            dset.attrs["shape"] = json.dumps([len(blob)])
+    entries = file_entries(shard)
+    body = {
+        "format": "clockwork-snapshot/1",
+        "step": 3,
+        "world_size": 1,
+        "tensors": 1,
+        "files": {shard.name: {"size": shard.stat().st_size, "entries": entries}},
+    }
+    write_manifest(folder, body)
+
+
+def test_a_snapshot_of_the_first_format_stays_readable(tmp_path: Path) -> None:
+    blobs = {"t/000000": bytes(range(256)) * 40, "meta": b"description", "rank/00000/position": b"{}"}
+    folder = tmp_path / "step-0000000003"
+    write_v1_snapshot(folder, blobs)
+    assert verify_snapshot(folder) == []
+    _index, data = read_back(folder / "rank-00000.h5")
+    assert {name: array.tobytes() for name, array in data.items()} == blobs
+    with (folder / "rank-00000.h5").open("r+b") as f:  # and its checksums still catch damage
+        f.seek(entry_file_offset(folder / "rank-00000.h5", "t/000000") + 100)
+        f.write(b"\xff")
+    assert any("checksum mismatch" in p for p in verify_snapshot(folder))
+    with pytest.raises(SnapshotCorrupt, match="checksum mismatch"):
+        read_back(folder / "rank-00000.h5")

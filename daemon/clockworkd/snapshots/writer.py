@@ -24,15 +24,17 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import h5py
 import numpy as np
 
-from clockworkd.snapshots.direct_io import DIRECT_ALIGN, DirectWrites, Writeback, open_direct
+from clockworkd.snapshots.direct_io import DIRECT_ALIGN, IO_CHUNK, DirectWrites, Writeback, open_direct
 from clockworkd.snapshots.messages import Entry, FinalizeSpec, Phase, WriterAnswer, WriteRequest
 from clockworkd.snapshots.store import (
+    DATA,
     FAILED_PREFIX,
+    FORMAT,
+    INDEX,
     NICE_INCREMENT,
     SnapshotCorrupt,
     apply_retention,
@@ -57,34 +59,50 @@ def _die_with_parent() -> None:
 
 
 def write_shard(arena: mmap.mmap, path: Path, entries: Sequence[Entry], *, direct: bool = True) -> int:
-    """Write every entry from the arena into ``path`` durably; returns the bytes of entry data.
+    """Write every entry from the arena into ``path`` durably (format ``clockwork-snapshot/2``, see
+    :mod:`clockworkd.snapshots.store`); returns the bytes of entry data.
 
-    The file is HDF5, one dataset per entry, the data of each large entry at a 4 KiB-aligned place allocated
-    when the dataset is created (consecutive datasets mostly lie back to back). With ``direct`` (and a file
-    system that allows it), the whole blocks of that data go from the arena to the disk with O_DIRECT, runs
-    of back-to-back datasets merged into writes of up to 64 MiB, each started as soon as its datasets exist
-    (:class:`~clockworkd.snapshots.direct_io.DirectWrites`). HDF5 writes its own metadata and the few bytes
-    past the last whole block of each entry through the page cache; the final fsync covers both. Small
-    entries, and every entry where O_DIRECT is refused, go through HDF5 with early writeback. The CRC-32s are
-    computed on other threads meanwhile."""
+    The arena's bytes from the first entry to the end of the last go into one dataset, byte for byte (the
+    entries keep their 4 KiB-aligned places), its space allocated when it is created: with ``direct`` (and a
+    file system that allows it) its whole blocks go from the arena to the disk with O_DIRECT, in writes of up
+    to 64 MiB (:class:`~clockworkd.snapshots.direct_io.DirectWrites`), the same sequential stream as the
+    ``dd`` it is measured against; the last partial block, the index and HDF5's metadata go through the page
+    cache, which the final fsync covers. Elsewhere everything goes through the page cache with early
+    writeback. The CRC-32s are computed on other threads meanwhile."""
+    if not entries:
+        raise ValueError("a shard needs at least one entry")
+    base = min(e.offset for e in entries) // DIRECT_ALIGN * DIRECT_ALIGN
+    end = max(e.offset + e.nbytes for e in entries)
     views = [np.frombuffer(arena, dtype=np.uint8, count=e.nbytes, offset=e.offset) for e in entries]
-    source = memoryview(arena)
+    source = memoryview(arena)[base:end]
+    data = np.frombuffer(arena, dtype=np.uint8, count=end - base, offset=base)
 
     def write(tmp: Path) -> None:
-        # Datasets of DIRECT_ALIGN bytes or more start at DIRECT_ALIGN-aligned file offsets; their space is
-        # allocated at creation, never filled (we write every byte).
         with (
             ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="shard-crc") as sums_pool,
             h5py.File(tmp, "w", alignment_threshold=DIRECT_ALIGN, alignment_interval=DIRECT_ALIGN) as f,
         ):
-            sums = [sums_pool.submit(crc32, data) for data in views]
-            fd = open_direct(tmp) if direct else None  # the file exists now
+            sums = [sums_pool.submit(crc32, view) for view in views]
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # its place is known now; never filled: we write it all
+            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+            dset = f.create_dataset(DATA, shape=(end - base,), dtype=np.uint8, dcpl=dcpl)
+            at = dset.id.get_offset()
+            bulk = (end - base) // DIRECT_ALIGN * DIRECT_ALIGN
+            fd = open_direct(tmp) if direct and bulk and at is not None and at % DIRECT_ALIGN == 0 else None
             if fd is None:
-                _write_through_hdf5(f, entries, source, views, sums, None)
+                _write_buffered(f, dset, data, 0)
+                _write_index(f, entries, base, sums)
                 return
             try:
                 with DirectWrites(fd) as writes:  # leaving it waits for every write, even on error
-                    _write_through_hdf5(f, entries, source, views, sums, writes)
+                    for start in range(0, bulk, IO_CHUNK):
+                        writes.add(0, source[start : min(bulk, start + IO_CHUNK)], at + start)
+                    writes.flush()
+                    _write_buffered(f, dset, data, bulk)  # the last partial block
+                    _write_index(f, entries, base, sums)
+                    if writes.finish():  # refused after all (EINVAL): through the page cache
+                        _write_buffered(f, dset, data[:bulk], 0)
             finally:
                 os.close(fd)
 
@@ -92,46 +110,31 @@ def write_shard(arena: mmap.mmap, path: Path, entries: Sequence[Entry], *, direc
     return sum(e.nbytes for e in entries)
 
 
-def _write_through_hdf5(
-    f: h5py.File,
-    entries: Sequence[Entry],
-    source: memoryview,
-    views: list[np.ndarray],
-    sums: list[Future[int]],
-    writes: DirectWrites | None,
-) -> None:
-    """Create every dataset, hand its whole blocks to ``writes`` (None: everything through HDF5), write the
-    rest through HDF5, set the attributes, and wait for ``writes``."""
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    dsets: list[Any] = []
-    direct_bytes: dict[int, int] = {}
-    for i, entry in enumerate(entries):
-        dset = f.create_dataset(entry.name, shape=(entry.nbytes,), dtype=np.uint8, dcpl=dcpl)
-        dsets.append(dset)
-        bulk = entry.nbytes // DIRECT_ALIGN * DIRECT_ALIGN
-        at = dset.id.get_offset()
-        aligned = at is not None and at % DIRECT_ALIGN == 0 and entry.offset % DIRECT_ALIGN == 0
-        if writes is not None and bulk and aligned:
-            writes.add(i, source[entry.offset : entry.offset + bulk], at)
-            direct_bytes[i] = bulk
-    if writes is not None:
-        writes.flush()  # the last run too, before anything below waits for the checksums
+def _write_buffered(f: h5py.File, dset: h5py.Dataset, data: np.ndarray, start: int) -> None:
+    """Write ``data[start:]`` into ``dset`` at the same place through HDF5 and the page cache, telling the
+    kernel to start writing every WRITEBACK_EVERY bytes."""
     writeback = Writeback(f.id.get_vfd_handle())
-    for i, (data, dset) in enumerate(zip(views, dsets, strict=True)):
-        done = direct_bytes.get(i, 0)
-        if done < data.size:  # small entries and tails, through HDF5
-            dset.write_direct(data, np.s_[done:], np.s_[done:])
-            writeback.wrote(data.size - done)
-    for entry, dset, crc in zip(entries, dsets, sums, strict=True):
-        dset.attrs["crc32"] = crc.result()
-        dset.attrs["dtype"] = entry.dtype
-        dset.attrs["shape"] = json.dumps(list(entry.shape))
-    if writes is not None:
-        for i in sorted(writes.finish()):  # refused after all: through the page cache
-            bulk = direct_bytes[i]
-            dsets[i].write_direct(views[i], np.s_[:bulk], np.s_[:bulk])
+    for lo in range(start, data.size, IO_CHUNK):
+        hi = min(data.size, lo + IO_CHUNK)
+        dset.write_direct(data, np.s_[lo:hi], np.s_[lo:hi])
+        writeback.wrote(hi - lo)
+
+
+def _write_index(f: h5py.File, entries: Sequence[Entry], base: int, sums: list[Future[int]]) -> None:
+    """The shard's list of entries (their places in the data, sizes, checksums, dtypes, shapes) and format."""
+    index = [
+        {
+            "name": e.name,
+            "offset": e.offset - base,
+            "nbytes": e.nbytes,
+            "crc32": crc.result(),
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+        }
+        for e, crc in zip(entries, sums, strict=True)
+    ]
+    f.create_dataset(INDEX, data=np.frombuffer(json.dumps(index).encode(), dtype=np.uint8))
+    f.attrs["format"] = FORMAT
 
 
 def finalize(folder: Path, own_error: str, spec: FinalizeSpec) -> tuple[str, ...]:
