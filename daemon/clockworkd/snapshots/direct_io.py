@@ -3,13 +3,13 @@
 Two ways, both ending in the shard's fsync:
 
 - :class:`DirectWrites`: whole 4 KiB blocks straight from the arena with O_DIRECT (no copy into the page
-  cache, which on a fast disk is the bottleneck). Pieces that lie back to back in the file are merged into
-  one ``pwritev`` of up to :data:`IO_CHUNK` bytes: a file system such as ext4 runs one O_DIRECT write that
-  allocates blocks at a time per file, so what keeps the device busy is the size of each write (a 64 MiB
-  write is 16 requests of 4 MiB in flight), as with ``dd bs=64M oflag=direct``; per-entry writes of a few MiB
-  left it idle between requests.
-- :class:`Writeback`: what goes through the page cache (HDF5's metadata, small entries, the bytes past an
-  entry's last whole block, every entry where O_DIRECT is refused) is handed to the disk as it accumulates
+  cache, which on a fast disk is the bottleneck), in writes of up to :data:`IO_CHUNK` bytes; pieces that lie
+  back to back in the file are merged into one ``pwritev``. The size of each write matters: a file system
+  such as ext4 runs one block-allocating O_DIRECT write per file at a time, so what keeps the device busy is
+  how much one write hands it (a 64 MiB write is 16 requests of 4 MiB in flight), as with ``dd bs=64M
+  oflag=direct``, the bandwidth the writer is measured against;
+- :class:`Writeback`: what goes through the page cache (HDF5's metadata and the index, the bytes past the
+  last whole block, all of it where O_DIRECT is refused) is handed to the disk as it accumulates
   instead of all at the final fsync.
 """
 
