@@ -40,7 +40,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["StateError", "StateParts", "TensorRef", "recv_state", "send_state"]
+__all__ = [
+    "StateError",
+    "StateParts",
+    "TensorRef",
+    "apply_state",
+    "as_bytes",
+    "describe",
+    "destinations_for",
+    "recv_state",
+    "send_state",
+]
 
 ALIGN = 64
 FORMAT_VERSION = 1
@@ -141,7 +151,7 @@ def _offsets(layout: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[list[int], 
     return offsets, position
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (a 0-d tensor counts as one element)."""
     return tensor.reshape(-1).view(torch.uint8)
 
@@ -198,7 +208,7 @@ def send_state(parts: StateParts, committed: int, dst: int, device: torch.device
     offsets, total = _offsets(meta["layout"])
     dist.send(torch.tensor([len(blob), total], dtype=torch.int64, device=device), dst)
     dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst)
-    sources = [_as_bytes(t.contiguous()) for t in tensors]
+    sources = [as_bytes(t.contiguous()) for t in tensors]
     sizes = [s.numel() for s in sources]
     for lo, hi in _chunks(total, chunk_bytes):
         buf = torch.zeros(hi - lo, dtype=torch.uint8, device=device)
@@ -226,19 +236,19 @@ def recv_state(parts: StateParts, src: int, device: torch.device, chunk_bytes: i
     offsets, expected_total = _offsets(layout)
     if expected_total != total:
         raise StateError(f"payload of {total} bytes does not match its layout ({expected_total})")
-    destinations = _destinations(parts, meta, layout, device)
-    targets = [_as_bytes(d) for d in destinations]
+    destinations = destinations_for(parts, meta, layout, device)
+    targets = [as_bytes(d) for d in destinations]
     sizes = [t.numel() for t in targets]
     for lo, hi in _chunks(total, chunk_bytes):
         buf = torch.empty(hi - lo, dtype=torch.uint8, device=device)
         dist.recv(buf, src)
         for i, a, b in _overlaps(offsets, sizes, lo, hi):
             targets[i][a - offsets[i] : b - offsets[i]].copy_(buf[a - lo : b - lo])
-    _apply(parts, meta, destinations)
+    apply_state(parts, meta, destinations)
     return int(meta["committed"]), total
 
 
-def _destinations(
+def destinations_for(
     parts: StateParts, meta: dict[str, Any], layout: list[tuple[str, tuple[int, ...]]], device: torch.device
 ) -> list[torch.Tensor]:
     """Where each received tensor goes: the live model tensors first, fresh tensors for the rest."""
@@ -274,7 +284,9 @@ def _destinations(
     return out
 
 
-def _apply(parts: StateParts, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+def apply_state(parts: StateParts, meta: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    """Load the optimizers' and registered objects' state from ``meta`` with ``tensors`` in place of its
+    :class:`TensorRef` s (model tensors were received in place already)."""
     try:
         for optimizer, state in zip(parts.optimizers, meta["optim"], strict=True):
             optimizer.load_state_dict(_fill(state, tensors, parts.mesh))

@@ -18,13 +18,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import h5py
 import pytest
 import torch
 from torch import nn
 
 from clockworkd.cli.main import run as clockwork
-from clockworkd.snapshots.store import list_snapshots, shard_name, snapshot_path, verify_snapshot
+from clockworkd.snapshots.store import (
+    entry_file_offset,
+    list_snapshots,
+    shard_name,
+    snapshot_path,
+    verify_snapshot,
+)
 from tests.conftest import in_ci
 from torchpass.config import TorchPassConfig
 from torchpass.snapshot import RestoreError, Snapshotter, restore
@@ -125,10 +130,7 @@ def restore_into(target: Path, events: Events, *, required: bool = True, width: 
 
 
 def data_offset(shard: Path, name: str) -> int:
-    with h5py.File(shard, "r") as f:
-        offset = f[name].id.get_offset()
-    assert offset is not None
-    return int(offset)
+    return entry_file_offset(shard, name)
 
 
 def flip_byte(path: Path, offset: int) -> None:

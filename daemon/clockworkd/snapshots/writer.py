@@ -6,38 +6,35 @@ under /dev/shm that both processes map), then sends one JSON line on this proces
 checksums and writes the entries, fsyncs and renames the shard, and answers one JSON line per phase on stdout.
 It imports neither torch nor anything of TorchPass, and dies with the rank that started it.
 
-Request (one line)::
-
-    {"op": "write", "id": 7, "arena": "/proc/PID/fd/N", "arena_id": 1234, "folder": ".../step-0000000123", "rank": 0,
-     "entries": [[name, offset, nbytes, dtype, shape], ...],
-     "finalize": null | {"world_size": 4, "step": 123, "job": "42", "tensors": 310, "keep": 3,
-                          "directory": "...", "timeout_s": 600}}
-
-Answers: ``{"id": 7, "phase": "shard", "ok": true, "bytes": N, "seconds": S}`` and, on the finalizing rank,
-``{"id": 7, "phase": "manifest", "ok": true, ...}``; ``ok: false`` with ``error`` when a phase failed (disk
-full, I/O error, a peer's shard missing): the snapshot does not exist, older ones are untouched.
+The requests and answers are :mod:`clockworkd.snapshots.messages`: one JSON line each, a write request in, one
+answer per phase out (the shard; on the finalizing rank also the manifest). A failed phase (disk full, I/O
+error, a peer's shard missing) answers ``ok: false`` with the error: the snapshot does not exist, older ones
+are untouched.
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import mmap
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import h5py
 import numpy as np
 
+from clockworkd.snapshots.direct_io import DIRECT_ALIGN, IO_CHUNK, DirectWrites, Writeback, open_direct
+from clockworkd.snapshots.messages import Entry, FinalizeSpec, Phase, WriterAnswer, WriteRequest
 from clockworkd.snapshots.store import (
+    DATA,
     FAILED_PREFIX,
+    FORMAT,
+    INDEX,
     NICE_INCREMENT,
     SnapshotCorrupt,
     apply_retention,
@@ -48,17 +45,8 @@ from clockworkd.snapshots.store import (
     write_manifest,
 )
 
-#: Threads that checksum entries while the writer writes them.
+#: Threads that checksum entries while the writer writes them (one checksums several GB/s: see store.crc32).
 CRC_THREADS = max(1, min(4, (os.cpu_count() or 1) - 1))
-#: Direct writes in flight at once (a device works best with more than one request queued).
-IO_THREADS = 2
-#: Largest single direct write.
-IO_CHUNK = 64 << 20
-#: Alignment of file offsets, memory and lengths for O_DIRECT (the largest logical block size in common use).
-DIRECT_ALIGN = 4096
-#: Written bytes after which the kernel is told to start writing them out (see :class:`_Writeback`).
-WRITEBACK_EVERY = 64 << 20
-_SYNC_FILE_RANGE_WRITE = 2
 
 
 def _die_with_parent() -> None:
@@ -70,130 +58,89 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-class _Writeback:
-    """Starts the disk writes of what the shard has so far, without waiting for them (``sync_file_range``).
+def write_shard(arena: mmap.mmap, path: Path, entries: Sequence[Entry], *, direct: bool = True) -> int:
+    """Write every entry from the arena into ``path`` durably (format ``clockwork-snapshot/2``, see
+    :mod:`clockworkd.snapshots.store`); returns the bytes of entry data.
 
-    For entries written through the page cache (see :func:`write_shard`). Why: below the dirty-page thresholds
-    (10 % of RAM by default, many GiB on a training node) the kernel writes nothing back until the final
-    fsync, so copying into the page cache and writing to disk would happen one after the other. Started every
-    ``WRITEBACK_EVERY`` bytes, the disk works while the next entries are copied. Linux only; elsewhere (or
-    when the call is refused) it does nothing and the fsync does all the work."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.pending = 0
-        self._call: Callable[[int, int, int, int], int] | None = None
-        try:
-            call = ctypes.CDLL(None, use_errno=True).sync_file_range
-            call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        except (OSError, AttributeError):
-            return
-        self._call = call
-
-    def wrote(self, nbytes: int) -> None:
-        self.pending += nbytes
-        if self._call is not None and self.pending >= WRITEBACK_EVERY:
-            self.pending = 0
-            if self._call(self.fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
-                self._call = None  # e.g. a file system that refuses it: the final fsync still makes it durable
-
-
-def _open_direct(path: Path) -> int | None:
-    """A second descriptor on ``path`` with O_DIRECT, or None where the file system refuses it."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | flag)
-    except OSError:
-        return None
-
-
-def write_shard(arena: mmap.mmap, path: Path, entries: list[list[Any]], *, direct: bool = True) -> int:
-    """Write every entry from the arena into ``path`` durably; returns the bytes of entry data.
-
-    The file is HDF5, one dataset per entry, the data of each large entry at a 4 KiB-aligned place allocated
-    when the dataset is created. With ``direct`` (and a file system that allows it), that data goes from the
-    arena to the disk with O_DIRECT writes, ``IO_THREADS`` in flight: no copy into the page cache, which on a
-    fast disk is the bottleneck (measured here: 0.5-1.2 GB/s through the page cache, 2.1-3.2 GB/s direct,
-    against 2.3-3.5 GB/s for ``dd oflag=direct``). HDF5 writes its own metadata and the few bytes past the
-    last whole block of each entry through the page cache; the final fsync covers both. Small entries, and
-    every entry where O_DIRECT is refused, go through HDF5 with early writeback (:class:`_Writeback`). The
-    CRC-32s are computed on other threads meanwhile (zlib releases the GIL)."""
-    total = 0
-    views = [np.frombuffer(arena, dtype=np.uint8, count=int(e[2]), offset=int(e[1])) for e in entries]
-    source = memoryview(arena)
+    The arena's bytes from the first entry to the end of the last go into one dataset, byte for byte (the
+    entries keep their 4 KiB-aligned places), its space allocated when it is created: with ``direct`` (and a
+    file system that allows it) its whole blocks go from the arena to the disk with O_DIRECT, in writes of up
+    to 64 MiB (:class:`~clockworkd.snapshots.direct_io.DirectWrites`), the same sequential stream as the
+    ``dd`` it is measured against; the last partial block, the index and HDF5's metadata go through the page
+    cache, which the final fsync covers. Elsewhere everything goes through the page cache with early
+    writeback. The CRC-32s are computed on other threads meanwhile."""
+    if not entries:
+        raise ValueError("a shard needs at least one entry")
+    base = min(e.offset for e in entries) // DIRECT_ALIGN * DIRECT_ALIGN
+    end = max(e.offset + e.nbytes for e in entries)
+    views = [np.frombuffer(arena, dtype=np.uint8, count=e.nbytes, offset=e.offset) for e in entries]
+    source = memoryview(arena)[base:end]
+    data = np.frombuffer(arena, dtype=np.uint8, count=end - base, offset=base)
 
     def write(tmp: Path) -> None:
-        nonlocal total
-        # Datasets of DIRECT_ALIGN bytes or more start at DIRECT_ALIGN-aligned file offsets; their space is
-        # allocated at creation, never filled (we write every byte).
         with (
-            ThreadPoolExecutor(max_workers=CRC_THREADS) as sums_pool,
-            ThreadPoolExecutor(max_workers=IO_THREADS) as io_pool,
+            ThreadPoolExecutor(max_workers=CRC_THREADS, thread_name_prefix="shard-crc") as sums_pool,
             h5py.File(tmp, "w", alignment_threshold=DIRECT_ALIGN, alignment_interval=DIRECT_ALIGN) as f,
         ):
-            sums = [sums_pool.submit(crc32, data) for data in views]
+            sums = [sums_pool.submit(crc32, view) for view in views]
             dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # its place is known now; never filled: we write it all
             dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-            fd = _open_direct(tmp) if direct else None
-            dsets: list[Any] = []
-            pending: list[tuple[int, int, Any]] = []  # (entry index, bytes written direct, future)
+            dset = f.create_dataset(DATA, shape=(end - base,), dtype=np.uint8, dcpl=dcpl)
+            at = dset.id.get_offset()
+            bulk = (end - base) // DIRECT_ALIGN * DIRECT_ALIGN
+            fd = open_direct(tmp) if direct and bulk and at is not None and at % DIRECT_ALIGN == 0 else None
+            if fd is None:
+                _write_buffered(f, dset, data, 0)
+                _write_index(f, entries, base, sums)
+                return
             try:
-                # Each entry's direct write starts as soon as its dataset exists (the disk works while the
-                # next ones are created); the attributes are set while the writes run.
-                for i, (name, offset, nbytes, _dtype, _shape) in enumerate(entries):
-                    dset = f.create_dataset(name, shape=(int(nbytes),), dtype=np.uint8, dcpl=dcpl)
-                    dsets.append(dset)
-                    bulk = int(nbytes) // DIRECT_ALIGN * DIRECT_ALIGN
-                    at = dset.id.get_offset()
-                    aligned = at is not None and at % DIRECT_ALIGN == 0 and int(offset) % DIRECT_ALIGN == 0
-                    if fd is not None and bulk and aligned:
-                        src = source[int(offset) : int(offset) + bulk]
-                        pending.append((i, bulk, io_pool.submit(_pwrite_all, fd, src, at)))
-                direct_bytes = {i: bulk for i, bulk, _future in pending}
-                writeback = _Writeback(f.id.get_vfd_handle())
-                for i, (data, dset) in enumerate(zip(views, dsets, strict=True)):
-                    done = direct_bytes.get(i, 0)
-                    if done < data.size:  # small entries and tails, through HDF5
-                        dset.write_direct(data, np.s_[done:], np.s_[done:])
-                        writeback.wrote(data.size - done)
-                for (_name, _offset, nbytes, dtype, shape), dset, crc in zip(entries, dsets, sums, strict=True):
-                    dset.attrs["crc32"] = crc.result()
-                    dset.attrs["dtype"] = str(dtype)
-                    dset.attrs["shape"] = json.dumps([int(v) for v in shape])
-                    total += int(nbytes)
-                for i, bulk, future in pending:
-                    try:
-                        future.result()
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise  # disk full, I/O error: this snapshot fails
-                        dsets[i].write_direct(views[i], np.s_[:bulk], np.s_[:bulk])  # refused after all
+                with DirectWrites(fd) as writes:  # leaving it waits for every write, even on error
+                    for start in range(0, bulk, IO_CHUNK):
+                        writes.add(0, source[start : min(bulk, start + IO_CHUNK)], at + start)
+                    writes.flush()
+                    _write_buffered(f, dset, data, bulk)  # the last partial block
+                    _write_index(f, entries, base, sums)
+                    if writes.finish():  # refused after all (EINVAL): through the page cache
+                        _write_buffered(f, dset, data[:bulk], 0)
             finally:
-                for _i, _bulk, future in pending:
-                    future.cancel()
-                if fd is not None:
-                    io_pool.shutdown(wait=True)
-                    os.close(fd)
+                os.close(fd)
 
     durable_write(path, write)
-    return total
+    return sum(e.nbytes for e in entries)
 
 
-def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
-    """Write all of ``data`` at file offset ``at``, in chunks of at most ``IO_CHUNK``."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done : done + IO_CHUNK], at + done)
+def _write_buffered(f: h5py.File, dset: h5py.Dataset, data: np.ndarray, start: int) -> None:
+    """Write ``data[start:]`` into ``dset`` at the same place through HDF5 and the page cache, telling the
+    kernel to start writing every WRITEBACK_EVERY bytes."""
+    writeback = Writeback(f.id.get_vfd_handle())
+    for lo in range(start, data.size, IO_CHUNK):
+        hi = min(data.size, lo + IO_CHUNK)
+        dset.write_direct(data, np.s_[lo:hi], np.s_[lo:hi])
+        writeback.wrote(hi - lo)
 
 
-def finalize(folder: Path, own_error: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Wait for every rank's shard, then write the manifest and apply retention."""
-    world = int(spec["world_size"])
-    deadline = time.monotonic() + float(spec["timeout_s"])
-    wanted = [folder / shard_name(r) for r in range(world)]
+def _write_index(f: h5py.File, entries: Sequence[Entry], base: int, sums: list[Future[int]]) -> None:
+    """The shard's list of entries (their places in the data, sizes, checksums, dtypes, shapes) and format."""
+    index = [
+        {
+            "name": e.name,
+            "offset": e.offset - base,
+            "nbytes": e.nbytes,
+            "crc32": crc.result(),
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+        }
+        for e, crc in zip(entries, sums, strict=True)
+    ]
+    f.create_dataset(INDEX, data=np.frombuffer(json.dumps(index).encode(), dtype=np.uint8))
+    f.attrs["format"] = FORMAT
+
+
+def finalize(folder: Path, own_error: str, spec: FinalizeSpec) -> tuple[str, ...]:
+    """Wait for every rank's shard, then write the manifest and apply retention; the folders removed."""
+    deadline = time.monotonic() + spec.timeout_s
+    wanted = [folder / shard_name(r) for r in range(spec.world_size)]
     while True:
         if own_error:
             raise SnapshotCorrupt(f"this rank's own shard failed: {own_error}")
@@ -204,29 +151,23 @@ def finalize(folder: Path, own_error: str, spec: dict[str, Any]) -> dict[str, An
         if not missing:
             break
         if time.monotonic() > deadline:
-            raise SnapshotCorrupt(f"shards {missing[:4]} not written within {spec['timeout_s']} s")
+            raise SnapshotCorrupt(f"shards {missing[:4]} not written within {spec.timeout_s} s")
         time.sleep(0.05)
     body = manifest_body(
-        folder,
-        step=int(spec["step"]),
-        world_size=world,
-        job=str(spec.get("job", "")),
-        tensors=int(spec["tensors"]),
-        extra=spec.get("extra"),
+        folder, step=spec.step, world_size=spec.world_size, job=spec.job, tensors=spec.tensors, extra=spec.extra
     )
     write_manifest(folder, body)
-    removed = apply_retention(spec["directory"], int(spec["keep"]))
-    return {"removed": [str(p) for p in removed]}
+    return tuple(str(p) for p in apply_retention(spec.directory, spec.keep))
 
 
 class _Arena:
     """The rank's arena, mapped once and kept (mapping 1 GiB afresh costs a page fault per 4 KiB each time)."""
 
     def __init__(self) -> None:
-        self.key: tuple[str, Any] = ("", None)
+        self.key: tuple[str, int] = ("", 0)
         self.mapping: mmap.mmap | None = None
 
-    def map(self, path: str, arena_id: Any) -> mmap.mmap:
+    def map(self, path: str, arena_id: int) -> mmap.mmap:
         """The mapping of ``path`` (``/proc/PID/fd/N`` of an unlinked file); ``arena_id`` tells a new arena that
         reuses the same descriptor number from the one mapped before."""
         if (path, arena_id) != self.key or self.mapping is None:
@@ -242,7 +183,7 @@ class _Arena:
                 self.mapping.close()
             except BufferError:
                 pass  # a failed write's traceback still holds a view; unmapped when it goes
-        self.mapping, self.key = None, ("", None)
+        self.mapping, self.key = None, ("", 0)
 
 
 _ARENA = _Arena()
@@ -255,34 +196,29 @@ def _mark_failed(folder: Path, rank: int, error: str) -> None:
         pass  # the disk may be full: the finalizing rank then times out instead
 
 
-def handle(request: dict[str, Any]) -> list[dict[str, Any]]:
+def handle(request: WriteRequest) -> list[WriterAnswer]:
     """Serve one write request; the answers to print."""
-    req_id, rank = request["id"], int(request["rank"])
-    folder = Path(request["folder"])
-    answers: list[dict[str, Any]] = []
+    folder = Path(request.folder)
+    answers: list[WriterAnswer] = []
     started = time.monotonic()
     shard_error = ""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        arena = _ARENA.map(request["arena"], request.get("arena_id"))
-        nbytes = write_shard(arena, folder / shard_name(rank), request["entries"])
-        answers.append(
-            {"id": req_id, "phase": "shard", "ok": True, "bytes": nbytes, "seconds": time.monotonic() - started}
-        )
+        arena = _ARENA.map(request.arena, request.arena_id)
+        nbytes = write_shard(arena, folder / shard_name(request.rank), request.entries)
+        answers.append(WriterAnswer(request.id, Phase.SHARD, True, bytes=nbytes, seconds=time.monotonic() - started))
     except Exception as exc:  # disk full, I/O error, a bad request: this snapshot fails, the writer lives on
-        error = f"{type(exc).__name__}: {exc}"
-        shard_error = error
-        _mark_failed(folder, rank, error)
-        answers.append({"id": req_id, "phase": "shard", "ok": False, "error": error})
-    spec = request.get("finalize")
-    if spec:
+        shard_error = f"{type(exc).__name__}: {exc}"
+        _mark_failed(folder, request.rank, shard_error)
+        answers.append(WriterAnswer(request.id, Phase.SHARD, False, error=shard_error))
+    if request.finalize is not None:
         try:
-            extra = finalize(folder, shard_error, spec)
+            removed = finalize(folder, shard_error, request.finalize)
             answers.append(
-                {"id": req_id, "phase": "manifest", "ok": True, "seconds": time.monotonic() - started, **extra}
+                WriterAnswer(request.id, Phase.MANIFEST, True, seconds=time.monotonic() - started, removed=removed)
             )
         except Exception as exc:
-            answers.append({"id": req_id, "phase": "manifest", "ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            answers.append(WriterAnswer(request.id, Phase.MANIFEST, False, error=f"{type(exc).__name__}: {exc}"))
     return answers
 
 
@@ -297,12 +233,12 @@ def main() -> int:
         if not line.strip():
             continue
         try:
-            request = json.loads(line)
+            request = WriteRequest.from_line(line)
         except ValueError as exc:
-            print(json.dumps({"id": None, "phase": "request", "ok": False, "error": str(exc)}), flush=True)
+            print(WriterAnswer(None, Phase.REQUEST, False, error=str(exc)).to_line(), flush=True)
             continue
         for answer in handle(request):
-            print(json.dumps(answer), flush=True)
+            print(answer.to_line(), flush=True)
     return 0
 
 

@@ -1,0 +1,31 @@
+"""Snapshots of the training state that cost the training loop a memory copy, and restores that never load a
+bad one.
+
+Taking one (:class:`Snapshotter`, at a step boundary right after a commit, on every rank at the same step):
+
+1. the state TorchPass already moves between ranks (:func:`torchpass.state.describe`: model parameters and
+   buffers, optimizers, registered objects, the committed step, which is also the data position) is laid out
+   in a shared-memory arena (:mod:`~torchpass.snapshot.arena`, a file under /dev/shm mapped by the rank and
+   by its writer process), each replicated tensor staged by one data-parallel replica only, plus each rank's
+   own state (:mod:`~torchpass.snapshot.staging`);
+2. parameters and optimizer state, which only an optimizer step changes, are copied while the next forward
+   and backward pass run, and the next optimizer step waits for that copy (:meth:`Snapshotter.before_update`);
+   the rest is copied at the boundary. Parameters and optimizer state must therefore change only inside the
+   wrapped ``optimizer.step()``;
+3. the snapshot thread hands the arena to the writer process (:mod:`~torchpass.snapshot.writer_client`,
+   :mod:`clockworkd.snapshots.writer`), which checksums, writes and fsyncs the shard while training goes on;
+   rank 0's writer waits for every shard, writes the manifest (the snapshot now exists) and applies retention
+   (:mod:`~torchpass.snapshot.snapshotter`).
+
+Restoring (:func:`restore`, :mod:`~torchpass.snapshot.restore`): the newest snapshot whose manifest and every
+checksum verify on every rank, bitwise. Where the snapshots are and whether a start restores one:
+:mod:`~torchpass.snapshot.location`.
+"""
+
+from __future__ import annotations
+
+from torchpass.snapshot.location import restore_target, snapshot_directory
+from torchpass.snapshot.restore import RestoreError, restore
+from torchpass.snapshot.snapshotter import Snapshotter
+
+__all__ = ["RestoreError", "Snapshotter", "restore", "restore_target", "snapshot_directory"]

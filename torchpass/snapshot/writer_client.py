@@ -1,0 +1,69 @@
+"""The rank's end of its snapshot writer process (:mod:`clockworkd.snapshots.writer`): start it, send it a
+request, read the answers to that request.
+
+Why a process and not a thread: the checksums, h5py calls and disk waits would otherwise take the rank's GIL
+from the training loop. It is started early (Python and h5py take a moment to load) and kept for the job.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+from clockworkd.snapshots.messages import WriterAnswer, WriteRequest
+
+__all__ = ["WriterProcess"]
+
+
+class WriterProcess:
+    """One writer process, serving one request at a time (the snapshot thread is its only user)."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[str] | None = None
+
+    def ensure_started(self) -> None:
+        """Start the process unless it is running."""
+        if self._process is None or self._process.poll() is not None:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "clockworkd.snapshots.writer"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+            )
+
+    def submit(self, request: WriteRequest) -> Iterator[WriterAnswer]:
+        """Send ``request`` and yield its answers as they come (one per phase); RuntimeError if the process
+        dies first."""
+        self.ensure_started()
+        process = self._process
+        assert process is not None and process.stdin is not None and process.stdout is not None
+        process.stdin.write(request.to_line() + "\n")
+        process.stdin.flush()
+        phases = request.phases
+        while phases:
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the snapshot writer exited (status {process.wait()})")
+            answer = WriterAnswer.from_line(line)
+            if answer.id != request.id:
+                continue  # an answer to an abandoned request
+            phases.discard(answer.phase)
+            yield answer
+
+    def close(self) -> None:
+        """Close its input (it exits when done) and wait for it, briefly; then kill it."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.stdin is not None:
+            try:
+                process.stdin.close()
+            except OSError:
+                pass
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
