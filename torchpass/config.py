@@ -132,6 +132,12 @@ class TorchPassConfig:
         "is silent, it sends no reset). If it was the leader, the lowest agent still heard takes over.",
         min=0.05,
     )
+    fabric_verdicts: bool = setting(
+        True,
+        "Slurm mode: act on the node daemon's node-silent verdicts (a node silent on every fabric rail for about "
+        "100 ms, its kernel silent to ICMP echo, a second daemon agreeing): its agent is lost at once, not after "
+        "agent_timeout_s. Off: only the agents' own heartbeats count (needs clockworkd on the nodes either way).",
+    )
     agent_startup_timeout_s: float = setting(
         60.0,
         "Slurm mode: how long the agents wait for a peer never heard from (srun starts them at slightly "
