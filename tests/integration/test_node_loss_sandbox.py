@@ -190,7 +190,7 @@ def test_a_crashed_node_is_judged_dead_by_both_observers(box: Sandbox) -> None:
     assert verdicts[0].silent_ms >= 100, verdicts[0]
 
     def judged_by_node2() -> list[dict[str, Any]]:
-        return [v for v in _watch(box, "node2").get("verdicts", []) if v["node"] == "node3"]
+        return [v for v in _watch(box, "node2").get("in_force", []) if v["node"] == "node3"]
 
     found = until("node2 to judge node3 dead too", judged_by_node2, 10, 0.05)
     assert found[0]["confirmed_by"] == ["node1"], found

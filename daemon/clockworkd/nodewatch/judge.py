@@ -335,7 +335,7 @@ class Judge:
                 }
                 for peer, e in sorted(self.episodes.items())
             },
-            "verdicts": [v.to_wire() for v in sorted(self.verdicts.values(), key=lambda v: v.seq)],
+            "in_force": [v.to_wire() for v in sorted(self.verdicts.values(), key=lambda v: v.seq)],
             "echo_answered": sorted(self.echo_ok),
             **self.counters,
         }
