@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,9 +56,20 @@ class VerdictFollower:
             while not self._stop.is_set():
                 try:
                     if after is None:  # verdicts from before this agent started are not news
-                        _, after = client.node_verdicts(self.job_id)
+                        first = client.node_verdicts(self.job_id)
+                        if not first.enabled:
+                            log.warning(
+                                "no node verdicts on this node (node watch %s): the agents' heartbeats alone "
+                                "find a dead node",
+                                first.state,
+                            )
+                            return
+                        after = first.seq
                         continue
-                    verdicts, latest = client.node_verdicts(self.job_id, after, WAIT_S)
+                    asked = time.monotonic()
+                    answer = client.node_verdicts(self.job_id, after, WAIT_S)
+                    if not answer.verdicts and time.monotonic() - asked < WAIT_S / 2:
+                        self._stop.wait(RETRY_S)  # answered early with nothing (its parking is full): no spinning
                 except Exception as exc:  # unreachable, refused, not registered: the heartbeats still work
                     failures += 1
                     if failures == 1 or failures % 60 == 0:
@@ -67,11 +79,11 @@ class VerdictFollower:
                     self._stop.wait(RETRY_S)
                     continue
                 failures = 0
-                for verdict in verdicts:
+                for verdict in answer.verdicts:
                     if self._stop.is_set():
                         return
                     try:
                         self.on_verdict(verdict.node, verdict.reason, verdict.last_heard, verdict.silent_ms)
                     except Exception:
                         log.exception("acting on the verdict on %s failed", verdict.node)
-                after = max([latest, after, *(v.seq for v in verdicts)])
+                after = max([answer.seq, after, *(v.seq for v in answer.verdicts)])

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NodeVerdict", "VerdictFormatError"]
+__all__ = ["NodeVerdict", "NodeVerdicts", "VerdictFormatError"]
 
 
 class VerdictFormatError(ValueError):
@@ -63,3 +63,14 @@ class NodeVerdict:
             raise VerdictFormatError(f"verdict 'reason' must be a string, got {reason!r}")
         assert isinstance(last_heard, int | float) and isinstance(silent_ms, int | float)  # checked above
         return cls(seq, node, float(last_heard), float(silent_ms), tuple(by), reason)
+
+
+@dataclass(frozen=True)
+class NodeVerdicts:
+    """One answer to ``node_verdicts``: the verdicts asked for, the daemon's newest verdict number, and whether its
+    node watch runs at all (``state`` says why not)."""
+
+    verdicts: list[NodeVerdict]
+    seq: int
+    enabled: bool
+    state: str = ""

@@ -718,7 +718,7 @@ class Daemon:
         if job is None:
             raise UnknownJobError(args["job_id"])
         source = self._verdict_source()
-        if isinstance(source, str):
+        if isinstance(source, str):  # a follower learns it once and stops asking
             return {"enabled": False, "state": source, "verdicts": [], "seq": 0}
         after, nodes = args.get("after", 0), job.nodes
 

@@ -182,9 +182,9 @@ def test_a_partitioned_rail_is_not_a_lost_node(box: Sandbox) -> None:
 def test_a_crashed_node_is_judged_dead_by_both_observers(box: Sandbox) -> None:
     """The positive control: the same daemons do judge a real crash, and tell the job."""
     with DaemonClient(daemon_paths(box, "node1"), timeout_s=5) as client:
-        _, seq = client.node_verdicts(JOB_ID)
+        seq = client.node_verdicts(JOB_ID).seq
         box.crash_node("node3")  # the module's teardown (clear_faults) brings it back
-        verdicts, _ = client.node_verdicts(JOB_ID, seq, wait_s=10)  # the long poll an agent makes
+        verdicts = client.node_verdicts(JOB_ID, seq, wait_s=10).verdicts  # the long poll an agent makes
     assert [v.node for v in verdicts] == ["node3"], verdicts
     assert verdicts[0].confirmed_by == ("node2",), verdicts[0]
     assert verdicts[0].silent_ms >= 100, verdicts[0]

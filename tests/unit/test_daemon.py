@@ -208,7 +208,7 @@ out = {
     "events_other": attempt(lambda: client.job_events(100)),
     "post_other": attempt(lambda: client.post_event(100, "user.note")),
     "verdicts_other": attempt(lambda: client.node_verdicts(100)),
-    "verdicts_own": attempt(lambda: [[v.to_wire() for v in client.node_verdicts(200, 0, 0.1)[0]]]),
+    "verdicts_own": attempt(lambda: client.node_verdicts(200, 0, 0.1).enabled),
     "status": attempt(client.status),
     "jobs": attempt(client.jobs),
     "post_own": attempt(lambda: client.post_event(200, "user.note", {"a": 1})),
@@ -257,7 +257,7 @@ def test_a_second_user_acts_only_on_its_own_jobs(scratch: Path, daemons: list[Ru
     assert "may not unregister_job job 100: it belongs to uid 1000" in out["unregister_other"]["message"]
     assert "may not job_events job 100: it belongs to uid 1000" in out["events_other"]["message"]
     assert "may not node_verdicts job 100: it belongs to uid 1000" in out["verdicts_other"]["message"]
-    assert out["verdicts_own"] == {"ok": True, "result": [[]]}  # no node watch here (no LinkPass): none
+    assert out["verdicts_own"] == {"ok": True, "result": False}  # no node watch here (no LinkPass)
     # Only its own jobs are listed.
     assert [j["job_id"] for j in out["status"]["result"]["jobs"]] == [200]
     assert out["status"]["result"]["caller"] == {"uid": NOBODY, "privileged": False}
