@@ -136,7 +136,8 @@ class TorchPassConfig:
         True,
         "Slurm mode: act on the node daemon's node-silent verdicts (a node silent on every fabric rail for about "
         "100 ms, its kernel silent to ICMP echo, a second daemon agreeing): its agent is lost at once, not after "
-        "agent_timeout_s. Off: only the agents' own heartbeats count (needs clockworkd on the nodes either way).",
+        "agent_timeout_s. It needs clockworkd with LinkPass on the nodes (without, the same as off). Off: only the "
+        "agents' own heartbeats count.",
     )
     agent_startup_timeout_s: float = setting(
         60.0,
