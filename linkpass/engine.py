@@ -427,6 +427,20 @@ class LinkPass:
 
     # ----- reporting ------------------------------------------------------------------------
 
+    def last_heard(self) -> dict[str, float]:
+        """Peer -> when its newest heartbeat arrived, on any rail (this engine's clock), for every peer whose daemon
+        was ever heard: the node daemon's node-silent verdicts start from it (silence on every rail at once is a
+        dead or stopped node, not a link, and LinkPass leaves it alone)."""
+        return {
+            peer: max(path.last_in for path in paths.values())
+            for peer, paths in self.paths.items()
+            if peer in self.heard_from
+        }
+
+    def usable_nics(self) -> list[str]:
+        """This node's fabric NICs that are up with carrier."""
+        return [rail for rail in self.rails if self.nic_up.get(rail, False)]
+
     def avoid_nics(self) -> list[str]:
         """Local NICs a new communicator should not use (NCCL: NCCL_IB_HCA=^...): down, or no live path."""
         out = []

@@ -19,6 +19,8 @@ What an agent does for its node:
   does not cost a node;
 * kills its process when the leader counts it lost (evicted), and leaves the job when the leader counts the
   whole agent lost (a node that was silent too long: its slot already went to a spare);
+* follows its node daemon's node-silent verdicts (:mod:`torchpass.node_verdicts`; ``fabric_verdicts``): a node
+  the daemons judge dead, in about a tenth of a second, is handed to the mesh at once;
 * reports: every event of the agent, its coordinator replica while it leads and its rank goes to the node
   daemon when the job runs under Clockwork (``--clockwork-ft``, or ``CLOCKWORK_CONFIG`` set), and to
   ``--events FILE``. Every agent
@@ -51,6 +53,7 @@ from torchpass.coordinator import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
 from torchpass.mesh import AgentMesh
 from torchpass.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
+from torchpass.node_verdicts import VerdictFollower
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
 from torchpass.proxy import CoordinatorProxy
 from torchpass.slurm_layout import (
@@ -141,6 +144,9 @@ class SlurmAgent:
         self.proxy = CoordinatorProxy(layout.address, self.mesh.leader_endpoint)
         self.mesh.listeners.append(lambda _leader, _term: self.proxy.leader_changed())
         self.mesh.listeners.append(lambda _leader, _term: self._announce())
+        self.verdicts: VerdictFollower | None = None
+        if self.daemon_socket and config.fabric_verdicts:
+            self.verdicts = VerdictFollower(layout.job_id, self.daemon_socket, self._on_node_verdict)
         self.borrower: Borrower | None = None
         if self.options.spares is SpareMode.BORROW:  # a spare, when needed, is borrowed from other work
             self.borrower = Borrower(
@@ -164,6 +170,12 @@ class SlurmAgent:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+
+    def _on_node_verdict(self, node: str, why: str, last_heard: float, silent_ms: float) -> None:
+        """The node daemon judged ``node`` dead: every agent of the job on it is silent now."""
+        for agent, name in enumerate(self.layout.nodes):
+            if name == node:
+                self.mesh.node_verdict(agent, why, last_heard, silent_ms / 1000)
 
     # ----- borrowed spares (--clockwork-spares=borrow) ------------------------------------------
 
@@ -273,6 +285,8 @@ class SlurmAgent:
                 f"{self.layout.port + 1} ({exc}): another job or program holds them; choose others with --port"
             ) from None
         self.proxy.start()
+        if self.verdicts is not None:
+            self.verdicts.start()
         print(
             f"torchpass: agent {self.layout.index}/{self.layout.agents} on {self.layout.node} ({self.layout.address}), "
             f"job {self.layout.job_id}: {self.layout.world_size} rank(s), {self.layout.spares} spare(s); "
@@ -290,6 +304,8 @@ class SlurmAgent:
             self._terminate_child(grace_s=5.0)
             if self.borrower is not None:
                 self.borrower.stop()
+            if self.verdicts is not None:
+                self.verdicts.stop()
             self.proxy.stop()
             self.mesh.stop()
             self.coordinator.stop()

@@ -132,6 +132,13 @@ class TorchPassConfig:
         "is silent, it sends no reset). If it was the leader, the lowest agent still heard takes over.",
         min=0.05,
     )
+    fabric_verdicts: bool = setting(
+        True,
+        "Slurm mode: act on the node daemon's node-silent verdicts (a node silent on every fabric rail for about "
+        "100 ms, its kernel silent to ICMP echo, a second daemon agreeing): its agent is lost at once, not after "
+        "agent_timeout_s. It needs clockworkd with LinkPass on the nodes (without, the same as off). Off: only the "
+        "agents' own heartbeats count.",
+    )
     agent_startup_timeout_s: float = setting(
         60.0,
         "Slurm mode: how long the agents wait for a peer never heard from (srun starts them at slightly "

@@ -15,6 +15,10 @@ who that is and keeps the others ready to take over:
   term it hears, and of two claims in the same term the lower agent index wins. The new leader's coordinator
   takes over from the last replicated snapshot, counts the processes of every silent agent as dead and
   starts a fresh generation. The leader declares silent followers lost the same way.
+* **Node verdicts.** The node daemon hears every node on every fabric rail every 10 ms; when it judges one dead
+  (:mod:`torchpass.node_verdicts`), :meth:`AgentMesh.node_verdict` counts that node's agent silent at once, and
+  the same rules (the leader declares it lost, or the followers elect a new leader) act without waiting for
+  ``agent_timeout_s``. A verdict about an agent heard after it was made is ignored.
 * **Replication.** After every change the active coordinator hands its state (a few KB: generation,
   members, spares, workers) to :meth:`AgentMesh.publish`; the leader sends it to each follower until that
   follower's heartbeat acknowledges the version. A follower that the leader has declared lost learns it from
@@ -98,6 +102,8 @@ class AgentMesh(SocketThread):
         self._version: tuple[int, int] = (-1, -1)
         self._counter = 0
         self._reported: set[str] = set()  # exits handed to our own coordinator while leading
+        self._verdicts_in: dict[int, tuple[str, float, float]] = {}  # agent -> (why, last heard, judged at): wall
+        self._verdicts: dict[int, tuple[str, float]] = {}  # the mesh thread's: agent -> (why, last heard)
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._router: zmq.Socket[bytes] | None = None
@@ -136,6 +142,15 @@ class AgentMesh(SocketThread):
             self._children[wid] = {"role": role, "code": code}
         if code is not None and self.is_leader():
             self._report_exit(wid, role, code)
+        self._wake()
+
+    def node_verdict(self, agent: int, why: str, last_heard: float, silent_s: float) -> None:
+        """The node daemon judged ``agent``'s node dead (thread-safe): ``why``, and when it was last heard (wall
+        clock) and how long it had been silent at the verdict. The mesh counts the agent silent at once."""
+        if agent == self.me or agent not in self._peers:
+            return
+        with self._lock:
+            self._verdicts_in[agent] = (why, last_heard, last_heard + silent_s)
         self._wake()
 
     def job_state(self) -> JobState:
@@ -209,6 +224,8 @@ class AgentMesh(SocketThread):
                 send_now = True
             if ready.get(self._router):
                 self._drain()
+            if self._take_verdicts():
+                self._evaluate(time.monotonic())
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + self.interval
@@ -282,8 +299,24 @@ class AgentMesh(SocketThread):
 
     # ----- liveness and election -------------------------------------------------------------
 
+    def _take_verdicts(self) -> bool:
+        """Adopt the node verdicts handed in since the last turn; whether any is new."""
+        with self._lock:
+            verdicts, self._verdicts_in = self._verdicts_in, {}
+        new = False
+        for agent, (why, last_heard, judged_at) in verdicts.items():
+            peer = self._peers[agent]
+            if agent in self.dead or agent in self._verdicts:
+                continue
+            if peer.heard_wall is not None and peer.heard_wall > judged_at:
+                log.warning("ignoring a node verdict on agent %d: it was heard after the verdict (%s)", agent, why)
+                continue
+            self._verdicts[agent] = (why, last_heard)
+            new = True
+        return new
+
     def _silent(self, peer: _Peer, now: float) -> bool:
-        if peer.index in self.dead:
+        if peer.index in self.dead or peer.index in self._verdicts:
             return True
         if peer.heard_mono is None:
             return now - self._started > self.startup_timeout
@@ -320,6 +353,10 @@ class AgentMesh(SocketThread):
     def _lose(self, peer: _Peer, now: float) -> None:
         self.dead.add(peer.index)
         why = f"agent {peer.index} ({self.layout.nodes[peer.index]}) silent for {self._silence_ms(peer, now):.0f} ms"
+        at = peer.heard_wall if peer.heard_wall is not None else time.time()
+        verdict = self._verdicts.get(peer.index)
+        if verdict is not None:
+            why, at = f"{why}; {verdict[0]}", verdict[1]
         emit(
             self.event_sink,
             log,
@@ -328,8 +365,8 @@ class AgentMesh(SocketThread):
             node=self.layout.nodes[peer.index],
             silent_ms=self._silence_ms(peer, now),
             by=self.me,
+            verdict=None if verdict is None else verdict[0],
         )
-        at = peer.heard_wall if peer.heard_wall is not None else time.time()
         self.coordinator.agent_lost(peer.index, self._hints(peer.index), why, at)
 
     def _claim(self, old: _Peer, now: float) -> None:
@@ -348,6 +385,9 @@ class AgentMesh(SocketThread):
             f"coordinator leader agent {previous} ({self.layout.nodes[previous]}) silent for "
             f"{self._silence_ms(old, now):.0f} ms; agent {self.me} takes over (term {self.term})"
         )
+        verdict = self._verdicts.get(previous)
+        if verdict is not None:
+            why += f"; {verdict[0]}"
         emit(
             self.event_sink,
             log,
@@ -370,9 +410,12 @@ class AgentMesh(SocketThread):
                 node=self.layout.nodes[agent],
                 silent_ms=self._silence_ms(peer, now),
                 by=self.me,
+                verdict=self._verdicts[agent][0] if agent in self._verdicts else None,
             )
         self.coordinator.leader_hint = self.leader_endpoint()
         at = old.heard_wall if old.heard_wall is not None else time.time()
+        if verdict is not None:
+            at = verdict[1]
         self.coordinator.take_over(snapshot, lost, hints, why, at)
         for peer in self._peers.values():  # exits that the lost leader may not have acted on
             if peer.index not in self.dead:

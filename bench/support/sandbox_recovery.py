@@ -71,12 +71,13 @@ def job_env(box: Sandbox) -> dict[str, str]:
     return env
 
 
-def crash_command(out: Path, args: argparse.Namespace) -> str:
+def crash_command(out: Path, args: argparse.Namespace, settings: tuple[str, ...] = ()) -> str:
     """The batch script: ``torchpass run`` of the workload, events and step logs under ``out``, rank 1 asking for
-    its node's crash at ``--crash-step``."""
+    its node's crash at ``--crash-step``; ``settings`` are TorchPass ``--set KEY=VALUE`` options."""
     workload = f"{WORKLOAD} torchpass --out {out} --steps {args.steps} --warmup 0 --hidden {args.hidden}"
+    sets = "".join(f"--set {setting} " for setting in settings)
     return (
-        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl {workload} "
+        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl {sets}{workload} "
         f"--node-crash-step {args.crash_step}"
     )
 

@@ -34,6 +34,7 @@ from clockworkd.gpuhealth_host import start_health
 from clockworkd.lens_host import start_lens
 from clockworkd.linkpass_host import start_linkpass
 from clockworkd.logging_setup import configure_logging
+from clockworkd.nodewatch_host import start_nodewatch
 from clockworkd.server import Daemon
 
 
@@ -63,6 +64,7 @@ def agent(config_path: Path | None, check_config: bool, foreground: bool) -> Non
     daemon.components["lens"] = start_lens(
         loaded.config.lens, loaded.config.linkpass, paths, daemon, gray=None if isinstance(linkpass, str) else linkpass
     )
+    daemon.components["nodewatch"] = start_nodewatch(loaded.config.nodewatch, cfg, paths, daemon, linkpass)
     daemon.components["health"] = start_health(loaded.config.health, paths, daemon)
     daemon.components["borrow"] = start_borrow(loaded.config.borrow, loaded.config.slurm, daemon)
     daemon.serve()

@@ -19,6 +19,7 @@ from clockworkd.curve_keys import CurveKeys
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import DaemonError, DaemonUnavailableError
 from clockworkd.instance_lock import socket_in_use
+from clockworkd.node_verdict import NodeVerdict, NodeVerdicts, VerdictFormatError
 from clockworkd.protocol import MAX_REPLY_BYTES, ProtocolError, decode_reply, encode_request
 
 
@@ -218,6 +219,25 @@ class DaemonClient:
         if why:
             fields["why"] = why[:256]
         return list(self.request("borrow_release", **fields)["released"])
+
+    def node_verdicts(self, job_id: int, after: int = 0, wait_s: float = 0.0) -> NodeVerdicts:
+        """The node watch's verdicts on ``job_id``'s nodes newer than ``after`` (its owner or root), waiting up to
+        ``wait_s`` for one, with the newest verdict number. The request's deadline is the wait plus this client's
+        timeout. A verdict the daemon sends malformed raises DaemonError."""
+        reply = self._long_request(wait_s, "node_verdicts", job_id=job_id, after=after, wait_ms=int(wait_s * 1000))
+        try:
+            verdicts = [NodeVerdict.from_wire(doc) for doc in reply.get("verdicts", [])]
+        except VerdictFormatError as exc:
+            raise DaemonError(f"unreadable verdict from {self._where()}: {exc}", code="bad_reply") from None
+        return NodeVerdicts(verdicts, int(reply.get("seq", 0)), bool(reply.get("enabled")), str(reply.get("state", "")))
+
+    def _long_request(self, wait_s: float, op: str, **fields: Any) -> dict[str, Any]:
+        saved = self.timeout_s
+        self.timeout_s = saved + wait_s
+        try:
+            return self.request(op, **fields)
+        finally:
+            self.timeout_s = saved
 
     def jobs(self) -> list[dict[str, Any]]:
         """The jobs registered on the node that the caller may see (all for root/SlurmUser)."""

@@ -43,6 +43,7 @@ MAX_OPTION_VALUE = 1024
 MAX_DEPTH = 16  # nesting of event fields
 MAX_EVENTS_PER_REPLY = 10_000
 DEFAULT_EVENTS_PER_REPLY = 1_000
+MAX_WAIT_MS = 60_000  # the longest long poll (node_verdicts)
 _KIND = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _NODE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
 
@@ -194,6 +195,14 @@ SCHEMA: dict[str, dict[str, tuple[Checker, bool]]] = {
     },
     "borrow_status": {"job_id": (_JOB_ID, True), "request": (_int_range(1, 2**31 - 1), False)},
     "borrow_release": {"job_id": (_JOB_ID, True), "why": (_string(MAX_NAME), False)},
+    # A job's agents wait (up to wait_ms) for the node watch's verdicts on the job's nodes newer than ``after``.
+    "node_verdicts": {
+        "job_id": (_JOB_ID, True),
+        "after": (_int_range(0, 2**63 - 1), False),
+        "wait_ms": (_int_range(0, MAX_WAIT_MS), False),
+    },
+    # Another daemon asks what this node hears of ``node`` (the second observer of a node-silent verdict).
+    "node_view": {"node": (_string(MAX_NAME, _NODE, what="a node name"), True)},
     "job_events": {
         "job_id": (_JOB_ID, True),
         "since": (_number, False),  # only events with time > since

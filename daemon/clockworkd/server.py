@@ -11,13 +11,16 @@ Sockets (``RUN_DIR`` = ``[daemon] run_dir`` with ``{node}`` expanded):
   ``b"JOBID."``. A PUB socket cannot tell its subscribers apart, so it is not world-accessible;
   users read their own job's events through ``job_events`` on the control socket.
 - ``tcp://BIND_ADDR:listen_port`` (ROUTER, ZeroMQ CURVE): daemon-to-daemon requests (``ping``,
-  ``post_event`` relays). A ZAP handler accepts only clients presenting one of the admin-installed
-  public keys. Without usable keys the daemon runs without this socket and says why in ``status``.
+  ``post_event`` relays, ``node_view``: what this node hears of a peer another daemon suspects dead). A
+  ZAP handler accepts only clients presenting one of the admin-installed public keys. Without usable keys
+  the daemon runs without this socket and says why in ``status``.
 
 Authorisation on the control socket: root and ``slurm_user`` may do everything. Any other uid may
 ``ping``; ``status`` and ``jobs`` show it only its own jobs (like Slurm's PrivateData=jobs); it may
 ``post_event``, ``job_events`` and ``unregister_job`` only for jobs registered with its uid, and never
-``register_job``. A denial is answered with error ``forbidden`` and logged.
+``register_job``. A denial is answered with error ``forbidden`` and logged. ``node_verdicts`` (a job's agents
+waiting for the node watch's verdicts on its nodes) is a long poll: its request is parked (:mod:`clockworkd.parked`)
+and answered from the loop as soon as a verdict exists, or at its deadline.
 
 One thread, one :class:`zmq.Poller`; no thread per client (the ZAP authenticator runs in its own
 thread, as pyzmq provides it). A malformed, oversized or unauthorised message is answered with an
@@ -37,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -50,6 +53,8 @@ from clockworkd.curve_keys import CurveKeyError, load_daemon_keys
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import DaemonError
 from clockworkd.instance_lock import InstanceLock, socket_in_use
+from clockworkd.node_verdict import NodeVerdict
+from clockworkd.parked import Park, ParkedRequests
 from clockworkd.protocol import (
     BAD_REQUEST,
     DEFAULT_EVENTS_PER_REPLY,
@@ -75,9 +80,11 @@ MAX_FRAMES = 4
 # Messages handled per socket per loop turn, so one busy client cannot starve the other plane.
 BATCH = 64
 # Ops a peer daemon may send over TCP.
-PEER_OPS = frozenset({"ping", "post_event"})
+PEER_OPS = frozenset({"ping", "post_event", "node_view"})
 # Ops that act on one job; a non-privileged caller must own it.
-JOB_OPS = frozenset({"unregister_job", "post_event", "job_events", "borrow", "borrow_status", "borrow_release"})
+JOB_OPS = frozenset(
+    {"unregister_job", "post_event", "job_events", "borrow", "borrow_status", "borrow_release", "node_verdicts"}
+)
 ENDED_JOBS_IN_STATUS = 20
 # A job_events reply stops adding events past this many bytes (``more`` tells the client to page on).
 EVENTS_REPLY_BYTES = 8 * 1024 * 1024
@@ -152,6 +159,15 @@ class Component(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class VerdictSource(Protocol):
+    """The node watch, as the ops ``node_verdicts`` and ``node_view`` see it."""
+
+    def verdicts_about(self, nodes: tuple[str, ...], after: int) -> list[NodeVerdict]: ...
+    def latest_seq(self) -> int: ...
+    def view(self, node: str) -> dict[str, Any]: ...
+
+
 class Daemon:
     """One node's daemon: registry + sockets + the loop. ``start`` → ``serve`` → ``close``."""
 
@@ -177,7 +193,8 @@ class Daemon:
         self.counters = {"requests": 0, "errors": 0, "denied": 0, "malformed": 0}
         #: Hosted components by name (e.g. "linkpass"), or a string saying why one is not running.
         self.components: dict[str, Component | str] = {}
-        self._ops: dict[str, Callable[[dict[str, Any], Caller], dict[str, Any]]] = {
+        self._parked = ParkedRequests()
+        self._ops: dict[str, Callable[[dict[str, Any], Caller], dict[str, Any] | Park]] = {
             "ping": self._op_ping,
             "status": self._op_status,
             "jobs": self._op_jobs,
@@ -190,6 +207,8 @@ class Daemon:
             "borrow": self._op_borrow,
             "borrow_status": self._op_borrow_status,
             "borrow_release": self._op_borrow_release,
+            "node_verdicts": self._op_node_verdicts,
+            "node_view": self._op_node_view,
         }
 
     # ----- life cycle -------------------------------------------------------------------------
@@ -358,7 +377,9 @@ class Daemon:
         try:
             while not self._stopping:
                 now = time.monotonic()
-                wait_ms = min([1000.0, *((c.next_deadline() - now) * 1000 for c in hosted)])
+                parked = self._parked.next_deadline()
+                deadlines = [c.next_deadline() for c in hosted] + ([parked] if parked is not None else [])
+                wait_ms = min([1000.0, *((d - now) * 1000 for d in deadlines)])
                 # Round up: truncating would poll(0) for the last millisecond before every deadline (a spin).
                 ready = dict(poller.poll(max(0, math.ceil(wait_ms))))
                 for fd, component in owner.items():
@@ -368,6 +389,7 @@ class Daemon:
                 for component in hosted:
                     if now >= component.next_deadline():
                         component.tick()
+                self._parked.answer_ready(time.monotonic(), self._send)
                 if wake_r.fileno() in ready:
                     try:
                         wake_r.recv(4096)
@@ -391,6 +413,7 @@ class Daemon:
 
     def close(self) -> None:
         """Close every socket, remove the socket files and the pid file (safe to call twice)."""
+        self._parked.clear()
         for name, component in list(self.components.items()):
             if not isinstance(component, str):
                 component.close()
@@ -486,7 +509,11 @@ class Daemon:
             log.warning("node %s: request without kernel credentials on the control socket refused", self.node)
             self._send(sock, [*envelope, encode_error(FORBIDDEN, "the caller's credentials cannot be determined")])
             return
-        self._send(sock, [*envelope, self.handle(rest[0].bytes, caller)])
+        reply = self.handle(rest[0].bytes, caller)
+        if isinstance(reply, Park):
+            self._parked.add(sock, envelope, reply, time.monotonic(), self._send)
+        else:
+            self._send(sock, [*envelope, reply])
 
     def _send(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         try:
@@ -498,8 +525,8 @@ class Daemon:
 
     # ----- requests -------------------------------------------------------------------------
 
-    def handle(self, data: bytes, caller: Caller) -> bytes:
-        """Decode, authorise and execute one request; always returns a reply frame."""
+    def handle(self, data: bytes, caller: Caller) -> bytes | Park:
+        """Decode, authorise and execute one request; a reply frame, or a :class:`Park` for a long poll."""
         try:
             request = decode_request(data, self.max_bytes)
         except ProtocolError as exc:
@@ -510,7 +537,7 @@ class Daemon:
         try:
             self._authorise(request, caller)
             reply = self._ops[request.op](request.args, caller)
-            return encode_ok(**reply)
+            return reply if isinstance(reply, Park) else encode_ok(**reply)
         except ProtocolError as exc:
             if exc.code == FORBIDDEN:
                 self.counters["denied"] += 1
@@ -678,6 +705,45 @@ class Daemon:
         )
         job = self._registry.get(args["job_id"])
         return {"job": job.to_dict() if job else None, "events": events, "more": more}
+
+    def _verdict_source(self) -> VerdictSource | str:
+        watch = self.components.get("nodewatch")
+        if isinstance(watch, VerdictSource):
+            return watch
+        return watch if isinstance(watch, str) else "not configured"
+
+    def _op_node_verdicts(self, args: dict[str, Any], caller: Caller) -> dict[str, Any] | Park:
+        """The node watch's verdicts about the job's nodes newer than ``after``; waits ``wait_ms`` for one."""
+        job = self._registry.get(args["job_id"])
+        if job is None:
+            raise UnknownJobError(args["job_id"])
+        source = self._verdict_source()
+        if isinstance(source, str):  # a follower learns it once and stops asking
+            return {"enabled": False, "state": source, "verdicts": [], "seq": 0}
+        after, nodes = args.get("after", 0), job.nodes
+
+        def answer(final: bool) -> dict[str, Any] | None:
+            found = source.verdicts_about(nodes, after)
+            if not found and not final:
+                return None
+            return {"enabled": True, "verdicts": [v.to_wire() for v in found], "seq": source.latest_seq()}
+
+        wait_s = args.get("wait_ms", 0) / 1000
+        return answer(False) or (Park(answer, wait_s) if wait_s > 0 else answer(True) or {})
+
+    def _op_node_view(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        """What this node hears of ``node``: asked by another daemon whose node watch suspects it dead."""
+        source = self._verdict_source()
+        if isinstance(source, str):
+            return {
+                "observer": self.node,
+                "node": args["node"],
+                "heard_ms": None,
+                "echo_ms": None,
+                "trusted": False,
+                "why": f"node watch {source}",
+            }
+        return source.view(args["node"])
 
     def _borrower(self) -> BorrowManager:
         manager = self.components.get("borrow")

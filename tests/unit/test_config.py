@@ -186,7 +186,7 @@ def test_unknown_section_in_file(tmp_path: Path) -> None:
     msg = str(err.value)
     assert msg.startswith(f"{path}: ")
     assert "unknown section [sandbx]" in msg
-    assert "known sections: log, slurm, hooks, daemon, linkpass, lens, health, audit, borrow, sandbox" in msg
+    assert "known sections: log, slurm, hooks, daemon, linkpass, lens, nodewatch, health, audit, borrow, sandbox" in msg
 
 
 def test_unknown_key_in_file(tmp_path: Path) -> None:
@@ -341,8 +341,8 @@ def test_parse_assignment_unknown_names() -> None:
         parse_assignment("bogus.x=1")
     assert (
         str(err.value)
-        == "--set: unknown section [bogus] (known sections: log, slurm, hooks, daemon, linkpass, lens, health, audit, "
-        "borrow, sandbox)"
+        == "--set: unknown section [bogus] (known sections: log, slurm, hooks, daemon, linkpass, lens, nodewatch, "
+        "health, audit, borrow, sandbox)"
     )
     with pytest.raises(ConfigError) as err:
         parse_assignment("sandbox.nodez=1")

@@ -207,6 +207,8 @@ out = {
     "unregister_other": attempt(lambda: client.unregister_job(100)),
     "events_other": attempt(lambda: client.job_events(100)),
     "post_other": attempt(lambda: client.post_event(100, "user.note")),
+    "verdicts_other": attempt(lambda: client.node_verdicts(100)),
+    "verdicts_own": attempt(lambda: client.node_verdicts(200, 0, 0.1).enabled),
     "status": attempt(client.status),
     "jobs": attempt(client.jobs),
     "post_own": attempt(lambda: client.post_event(200, "user.note", {"a": 1})),
@@ -249,11 +251,13 @@ def test_a_second_user_acts_only_on_its_own_jobs(scratch: Path, daemons: list[Ru
     out = json.loads(proc.stdout)
 
     assert out["ping"]["ok"]
-    for name in ("register", "unregister_other", "events_other", "post_other", "post_own_as_node"):
+    for name in ("register", "unregister_other", "events_other", "post_other", "post_own_as_node", "verdicts_other"):
         assert out[name] == {"ok": False, "code": "forbidden", "message": out[name]["message"]}, name
     assert f"uid {NOBODY} may not register job 300" in out["register"]["message"]
     assert "may not unregister_job job 100: it belongs to uid 1000" in out["unregister_other"]["message"]
     assert "may not job_events job 100: it belongs to uid 1000" in out["events_other"]["message"]
+    assert "may not node_verdicts job 100: it belongs to uid 1000" in out["verdicts_other"]["message"]
+    assert out["verdicts_own"] == {"ok": True, "result": False}  # no node watch here (no LinkPass)
     # Only its own jobs are listed.
     assert [j["job_id"] for j in out["status"]["result"]["jobs"]] == [200]
     assert out["status"]["result"]["caller"] == {"uid": NOBODY, "privileged": False}
@@ -268,7 +272,7 @@ def test_a_second_user_acts_only_on_its_own_jobs(scratch: Path, daemons: list[Ru
     with daemon.client() as client:
         assert {j["job_id"]: j["state"] for j in client.jobs()} == {100: "running", 200: "ended"}
         assert [e["kind"] for e in client.job_events(100)] == ["job.registered"]  # nothing slipped in
-        assert client.status()["counters"]["denied"] == 5
+        assert client.status()["counters"]["denied"] == 6
     log = daemon.log_text()
     assert f"denied: uid {NOBODY} (pid " in log and "may not unregister_job job 100" in log
 
@@ -453,7 +457,9 @@ def test_curve_peer_plane(scratch: Path, daemons: list[RunningDaemon]) -> None:
         with pytest.raises(DaemonError) as info:
             peer.status()
         assert info.value.code == "forbidden"
-        assert "serves only ping, post_event" in str(info.value)
+        assert "serves only node_view, ping, post_event" in str(info.value)
+        view = peer.request("node_view", node="n2")  # no node watch here: it cannot judge
+        assert view["trusted"] is False and "LinkPass" in view["why"], view
     intruder = _keys(scratch / "intruder")
     with (
         DaemonClient.for_peer(endpoint, intruder, good.public, timeout_s=1) as peer,

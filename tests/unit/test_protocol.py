@@ -66,6 +66,8 @@ VALID = {
     "borrow": {"job_id": 12, "lost_node": "node3"},
     "borrow_status": {"job_id": 12, "request": 1},
     "borrow_release": {"job_id": 12, "why": "job 12 ended"},
+    "node_verdicts": {"job_id": 12, "after": 3, "wait_ms": 10_000},
+    "node_view": {"node": "node3"},
 }
 
 

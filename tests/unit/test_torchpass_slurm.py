@@ -189,13 +189,14 @@ class Node:
 
 
 @pytest.fixture
-def cluster() -> Iterator[list[Node]]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[list[Node]]:
+    """Four simulated nodes; ``agent_timeout_s`` 0.3 s unless a test parametrizes it (indirect)."""
     nodes: list[Node] = []
     addresses = [f"127.0.0.{k + 1}" for k in range(4)]
     port = _free_port_pair(addresses)
     config = TorchPassConfig(
         agent_heartbeat_interval_s=0.02,
-        agent_timeout_s=0.3,
+        agent_timeout_s=getattr(request, "param", 0.3),
         agent_startup_timeout_s=5.0,
         heartbeat_timeout_s=60.0,
         broken_grace_s=0.5,
@@ -381,3 +382,46 @@ def test_batch_launcher_passes_scancel_on(tmp_path: Path) -> None:
         assert steps.run() == 128 + signal.SIGTERM
     finally:
         timer.cancel()
+
+
+# The agents' own lease is one minute here: only a node verdict can count a node lost within the test.
+LONG_LEASE = pytest.mark.parametrize("cluster", [60.0], indirect=True)
+VERDICT = "node 127.0.0.3 silent on every rail for 110 ms and its kernel silent to ICMP echo (seen by n1)"
+
+
+@LONG_LEASE
+def test_a_node_verdict_counts_a_follower_lost_at_once(
+    zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]
+) -> None:
+    ranks = _start_ranks(zctx, cluster)
+    alive_since = time.time()
+    cluster[2].crash()
+    # A verdict about a live agent heard after the verdict was made (a stale one) changes nothing ...
+    cluster[0].mesh.node_verdict(1, "stale", alive_since - 10.0, 0.1)
+    # ... the crashed node's does, long before the one-minute lease.
+    cluster[0].mesh.node_verdict(2, VERDICT, time.time() - 0.11, 0.11)
+    g = ranks[0].await_generation(0, timeout=30.0)
+    assert g.members == {0: "a0.0", 1: "a1.0", 2: "a3.0"}
+    lost = cluster[0].events.of("torchpass.agent_lost")
+    assert [e["agent"] for e in lost] == [2] and lost[0]["verdict"] == VERDICT, lost
+    failed = cluster[0].events.of("torchpass.member_failed")
+    assert failed[0]["slot"] == 2 and "silent on every rail" in failed[0]["why"], failed
+    assert 1 not in cluster[0].mesh.dead
+
+
+@LONG_LEASE
+def test_a_node_verdict_on_the_leaders_node_elects_a_new_leader(
+    zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]
+) -> None:
+    ranks = _start_ranks(zctx, cluster)
+    _wait_for(lambda: all(node.mesh.job_state() == RUNNING for node in cluster[1:]))
+    cluster[0].crash()
+    for node in cluster[1:]:  # every follower's own node daemon judges the leader's node
+        node.mesh.node_verdict(0, VERDICT, time.time() - 0.11, 0.11)
+    g = ranks[1].await_generation(0, timeout=30.0)
+    assert g.members == {0: "a3.0", 1: "a1.0", 2: "a2.0"}
+    assert cluster[1].mesh.is_leader()
+    elected = cluster[1].events.of("torchpass.leader_elected")
+    assert elected and elected[0]["lost"] == [0], elected
+    failed = cluster[1].events.of("torchpass.member_failed")
+    assert "silent on every rail" in failed[0]["why"], failed

@@ -115,6 +115,19 @@ def _health_line(health: dict[str, Any]) -> str:
     return f"on: {health.get('source', '?')}; " + (gpus or "no GPUs")
 
 
+def _nodewatch_line(w: dict[str, Any]) -> str:
+    """One line: the node watch on or off (and why), the nodes judged dead now, the peers under suspicion."""
+    if not w.get("enabled"):
+        return f"off ({w.get('state', 'not reported')})"
+    dead = ", ".join(v["node"] for v in w.get("in_force", [])) or "none"
+    watched = ", ".join(f"{peer} ({s['state']})" for peer, s in w.get("suspects", {}).items()) or "none"
+    fault = f"; cannot judge: {w['local_fault']}" if w.get("local_fault") else ""
+    return (
+        f"on; silent after {w['silent_after_ms']} ms; judged dead now: {dead}; silent now: {watched}; "
+        f"second observer {w['second_observer']}{fault}"
+    )
+
+
 def _borrow_line(b: dict[str, Any]) -> str:
     """One line: whether this daemon borrows nodes, and how many it holds now."""
     if not b.get("enabled"):
@@ -144,6 +157,7 @@ def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
     console.print(f"  peer plane:     {info['peer_plane']}")
     console.print(f"  linkpass:       {_linkpass_line(info.get('linkpass', {}))}")
     console.print(f"  lens:           {_lens_line(info.get('lens', {}))}")
+    console.print(f"  node watch:     {escape(_nodewatch_line(info.get('nodewatch', {})))}")
     console.print(f"  gpu health:     {escape(_health_line(info.get('health', {})))}")
     console.print(f"  borrow:         {_borrow_line(info.get('borrow', {}))}")
     console.print(f"  jobs:           {info['jobs_running']} running, {info['jobs_total']} known")

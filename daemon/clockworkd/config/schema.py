@@ -14,6 +14,7 @@ from clockworkd.borrow.settings import BorrowConfig
 from clockworkd.config_fields import setting
 from clockworkd.gpuhealth.settings import HealthConfig
 from clockworkd.lens.settings import LensConfig
+from clockworkd.nodewatch.settings import NodeWatchConfig
 from linkpass.settings import LinkPassConfig
 
 __all__ = ["ClockworkConfig", "sections", "setting"]
@@ -180,6 +181,7 @@ class ClockworkConfig:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     linkpass: LinkPassConfig = field(default_factory=LinkPassConfig)
     lens: LensConfig = field(default_factory=LensConfig)
+    nodewatch: NodeWatchConfig = field(default_factory=NodeWatchConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     borrow: BorrowConfig = field(default_factory=BorrowConfig)
