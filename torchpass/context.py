@@ -660,8 +660,13 @@ class Context:
         return source_of_me, source_of_me is not None, nbytes
 
     def _fatal(self, message: str) -> NoReturn:
-        self._report("fatal", message=message)
+        self.report_fatal(message)
         raise TorchPassError(message)
+
+    def report_fatal(self, message: str) -> None:
+        """Fail the whole job with ``message`` (a problem every rank, and every spare after it, would hit the
+        same way: replacing this rank could only repeat it)."""
+        self._report("fatal", message=message)
 
     def finish(self) -> bool:
         """Wait until every member committed the last step; False when a new generation needs this rank."""

@@ -72,6 +72,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from torchpass.context import Context, TorchPassError, init
 from torchpass.ddp import TorchPassDDP
+from torchpass.frameworks import FrameworkAdapter, detect, framework_imported
+from torchpass.frameworks.warmup import preimport, rebind_in_loaded_modules
+from torchpass.protocol import LaunchEnv
 from torchpass.rng import step_seed
 
 __all__ = ["Session", "TransparentWarning", "main"]
@@ -139,10 +142,21 @@ class _Pass:
         sampler = loader.sampler
         if not isinstance(sampler, DistributedSampler):  # a batch sampler over the DistributedSampler
             sampler = getattr(loader.batch_sampler, "sampler", sampler)
+        self.sampler = sampler
         self.epoch = int(getattr(sampler, "epoch", 0))
         self.batches: list[Any] = list(iter(loader.batch_sampler))  # type: ignore[arg-type]
         self.inner: Iterator[Any] | None = None
         self.inner_next = -1
+
+    def retarget(self, pass_no: int, epoch: int) -> None:
+        """Become pass ``pass_no``, in the sampler's order of ``epoch`` (a framework adapter's jump)."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        self.pass_no, self.epoch = pass_no, epoch
+        self.batches = list(iter(self.loader.batch_sampler))  # type: ignore[arg-type]
+        self.inner, self.inner_next = None, -1
+        self.session.passes = pass_no + 1
 
     def __iter__(self) -> _Pass:
         return self
@@ -180,6 +194,22 @@ class _Pass:
         return batch
 
 
+class _ReplayOnce:
+    """A closure already evaluated once: its first call returns that result, later calls evaluate it again
+    (an optimizer such as LBFGS calls its closure several times)."""
+
+    def __init__(self, first: Any, closure: Callable[[], Any]) -> None:
+        self.first: Any = first
+        self.closure = closure
+        self.used = False
+
+    def __call__(self) -> Any:
+        if self.used:
+            return self.closure()
+        self.used = True
+        return self.first
+
+
 class _Enumerated:
     """``enumerate`` over the tracked loader: the index is the batch's place in its pass (see
     :meth:`Session.enumerate`)."""
@@ -207,6 +237,7 @@ class Session:
         self.model: TorchPassDDP | None = None
         self.loader: DataLoader[Any] | None = None
         self.other_loaders = 0
+        self.untracked_datasets: list[Any] = []
         self.passes = 0
         self.step_open = False
         self.step_pass = -1
@@ -217,6 +248,8 @@ class Session:
         self.between_seen = 0  # the script's collectives between steps this process reached (once the job started)
         self.moved_between = False  # the script ran on between two steps: the rollback point moves to the next
         self.first_step_checked = False
+        self.framework: FrameworkAdapter | None = None  # Lightning's adapter, once it called init_process_group
+        self.rolled_back = False  # the open step was abandoned and undone already; only the recovery is left
         self.n_schedulers = 0
         self.n_scalers = 0
         self._undo: list[Callable[[], None]] = []
@@ -236,6 +269,8 @@ class Session:
         if self.first_step_checked:
             return
         self.first_step_checked = True
+        if self.framework is not None:
+            self.framework.check_first_step(self.model is not None)
         if self.model is None:
             self.warn(
                 "the first step ran without a DistributedDataParallel model: gradients are not averaged through "
@@ -248,9 +283,8 @@ class Session:
             )
         if self.ctx.lifecycle.optimizer_steps == 0:
             raise TorchPassError(
-                "transparent mode: the first step (one batch of the DistributedSampler loader) ran no optimizer "
-                "step; each batch must end with optimizer.step() (gradient accumulation over several batches "
-                "cannot be protected: use the model-aware API)"
+                "transparent mode: the first pass over the DistributedSampler loader ended without an optimizer "
+                "step; there is no training update to protect"
             )
         if len(self.ctx.parts.optimizers) > 1:
             self.warn(
@@ -304,6 +338,9 @@ class Session:
                 )
             session.group_requested = True
             session.ctx.log.info("init_process_group(%s): TorchPass owns the process group", backend or "default")
+            if session.framework is None:
+                caller = sys._getframe(1)
+                session.framework = detect(str(caller.f_globals.get("__name__", "")), session, lambda: caller)
 
         def destroy_process_group(group: Any = None) -> None:
             if _internal() or (group is not None and group is not dist.GroupMember.WORLD):
@@ -311,6 +348,8 @@ class Session:
 
         def is_initialized() -> bool:
             if _internal():
+                return real_is_initialized()
+            if session.framework is not None and not session.framework.group_visible():
                 return real_is_initialized()
             return bool(real_is_initialized() or session.group_requested)
 
@@ -423,6 +462,8 @@ class Session:
         for owner in (torch.nn.parallel, torch.nn.parallel.distributed, torch.nn):
             if getattr(owner, "DistributedDataParallel", None) is _TorchDDP:
                 self._patch(owner, "DistributedDataParallel", DistributedDataParallel)
+        # Modules imported before the script ran (a spare's warm-up, a zygote's preload) bound torch's class.
+        rebind_in_loaded_modules(_TorchDDP, DistributedDataParallel, self._patch)
 
     def adopt_ddp(self, ddp: TorchPassDDP, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Build TorchPass's DDP in place of the script's, dropping the arguments TorchPass decides itself."""
@@ -453,6 +494,8 @@ class Session:
         )
         self.ctx.adopt_model(ddp)
         self.model = ddp
+        if self.framework is not None:
+            self.framework.adopt_model(module)
 
     def _install_optim(self) -> None:
         session = self
@@ -521,7 +564,14 @@ class Session:
         def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if session.fast_forward:
                 return None
-            return gated(*args, **kwargs)
+            closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[0] if args else None)
+            if closure is None:
+                return gated(*args, **kwargs)
+            # Forward and backward run inside the closure (Lightning's automatic optimization): run it before
+            # the gate decides, so that a gradient all-reduce failing in it keeps the update from happening.
+            with torch.enable_grad():
+                loss = closure()
+            return gated(closure=_ReplayOnce(loss, closure))
 
         # A bound method, as ctx.wrap_optimizer's: an LR scheduler re-wraps it through its __func__.
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
@@ -567,8 +617,10 @@ class Session:
 
         def loader_iter(loader: DataLoader[Any]) -> Any:
             if loader is session.loader:
-                session.passes += 1
-                return _Pass(session, loader, session.passes - 1)
+                counted = session.passes
+                pass_no = counted if session.framework is None else session.framework.pass_number(counted)
+                session.passes = pass_no + 1
+                return _Pass(session, loader, pass_no)
             return real_iter(loader)
 
         self._patch(DataLoader, "__init__", loader_init)
@@ -585,7 +637,8 @@ class Session:
             return  # one of ours (the inner loader of a pass)
         if not distributed:
             self.other_loaders += 1
-            if self.loader is None:
+            self.untracked_datasets.append(loader.dataset)
+            if self.loader is None and not framework_imported():  # a framework may add the sampler itself
                 self.warn(
                     "a DataLoader without a DistributedSampler: transparent mode cannot see or restore its "
                     "position, so it is not tracked (a replacement would start it from the beginning)"
@@ -598,6 +651,10 @@ class Session:
             self.warn("the DistributedSampler loader has batch_size=None: its position is not tracked")
             return
         self.loader = loader
+        # A framework that added the sampler rebuilt the script's loader: the one it replaced is not "another".
+        rebuilt = [d for d in self.untracked_datasets if d is loader.dataset]
+        self.other_loaders -= len(rebuilt)
+        self.untracked_datasets = [d for d in self.untracked_datasets if d is not loader.dataset]
 
     def enumerate(self, iterable: Any, start: int = 0) -> Any:
         """The script's ``enumerate`` (its module's global): over the tracked loader, each batch comes with its
@@ -620,14 +677,18 @@ class Session:
         self.step_open = False
         ctx, step = self.ctx, self.ctx.step
         if ctx.lifecycle.abandoned:
+            if self.rolled_back:  # undone already (roll_back_open_step): what is left is the recovery
+                self.rolled_back = False
+                ctx.recover(ctx.lifecycle.reason, error=True)
+                return
             ctx.end_step()  # rolls back and recovers
             return
         if ctx.lifecycle.optimizer_steps == 0:
             self.steps_without_optimizer += 1
             if self.first_step_checked and self.steps_without_optimizer == 1:
                 self.warn(
-                    f"step {step} ran no optimizer step (gradient accumulation?): a failure while gradients "
-                    "accumulate over several batches is not protected"
+                    f"step {step} ended with its pass and ran no optimizer step: the gradients accumulated in it "
+                    "are not part of the state, so a failure before the next optimizer step is not protected"
                 )
         self.check_first_step()
         self.position.pass_no, self.position.index, self.position.epoch = (
@@ -637,15 +698,54 @@ class Session:
         )
         ctx.end_step()  # commits; recovers after when a collective failed after the update
 
+    def roll_back_open_step(self) -> bool:
+        """For a framework whose loop asks for no batch after the last one (Lightning): close the last step
+        of training right after it. A committed step commits now. An abandoned one is undone now (the
+        framework's counters go back with it, so its loop fetches the same batch again) and the recovery
+        waits for that request. True when the step must be redone."""
+        if not self.step_open:
+            return False
+        lifecycle = self.ctx.lifecycle
+        if lifecycle.abandoned:
+            if not self.rolled_back:
+                lifecycle.roll_back()
+                self.rolled_back = True
+            return True
+        if lifecycle.optimizer_steps == 0:
+            return False  # inside an accumulation window: it closes with its optimizer step
+        self._close_step()
+        return False
+
+    def _window_goes_on(self, it: _Pass) -> bool:
+        """Whether the open step is a gradient-accumulation window still waiting for its optimizer step."""
+        lifecycle = self.ctx.lifecycle
+        return (
+            self.step_open
+            and not lifecycle.abandoned
+            and lifecycle.optimizer_steps == 0
+            and it.pass_no == self.step_pass
+            and self.step_index + 1 < len(it.batches)
+        )
+
     def _boundary(self) -> None:
         """Between two steps: join the first generation, or follow a newer one (as ``ctx.steps`` does)."""
         self.ctx.start()
         self.ctx.follow_generation()
 
     def next_batch(self, it: _Pass) -> Any:
-        """``next()`` on the tracked loader: the step boundary (see the module docstring)."""
+        """``next()`` on the tracked loader: the step boundary (see the module docstring).
+
+        A step spans the batches up to its optimizer step: with gradient accumulation, the whole window is one
+        step, committed after its update and redone from its first batch when it fails."""
+        ctx = self.ctx
+        if self._window_goes_on(it):
+            index = self.step_index + 1 if self.framework is None else self.framework.align(it)
+            return self._serve(it, index, ctx.step)
         self._close_step()
         self._boundary()
+        if self.framework is not None:
+            index = self.framework.align(it)
+            return self._serve(it, index, self._begin_step())
         pos = self.position
         if it.pass_no < pos.pass_no:
             self.fast_forward = True  # a newcomer behind the received position: this pass is done
@@ -664,13 +764,21 @@ class Session:
             pos.pass_no, pos.index, pos.epoch = it.pass_no + 1, 0, -1
             self.moved_between = True
             raise StopIteration
+        return self._serve(it, index, self._begin_step())
+
+    def _begin_step(self) -> int:
         ctx = self.ctx
         if self.moved_between:  # an abandoned step rolls back to here, keeping what the epilogue did
             self.moved_between = False
             ctx.lifecycle.remember()
         step = ctx.committed_step + 1
         ctx.begin(step)
-        batch = it.fetch(index, step, ctx.config.seed, ctx.slot)
+        return step
+
+    def _serve(self, it: _Pass, index: int, step: int) -> Any:
+        if self.framework is not None:
+            self.framework.served(index)
+        batch = it.fetch(index, step, self.ctx.config.seed, self.ctx.slot)
         self.step_open, self.step_pass, self.step_index, self.step_epoch = True, it.pass_no, index, it.epoch
         return batch
 
@@ -717,6 +825,17 @@ def _torchrun_environment(ctx: Context) -> None:
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", ctx.env.host)
     os.environ.setdefault("MASTER_PORT", "29500")
+    # What torchrun adds, so that a framework finds its ranks the torchrun way: Lightning picks its TorchElastic
+    # environment by TORCHELASTIC_RUN_ID (rank = RANK; before its Slurm environment, whose SLURM_PROCID is the
+    # agent's task, not the slot), accelerate reads the same variables.
+    local_world = max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    os.environ.setdefault("TORCHELASTIC_RUN_ID", f"torchpass-{ctx.env.job_id or 'local'}")
+    os.environ["GROUP_RANK"] = os.environ["ROLE_RANK"] = str(ctx.slot // local_world)
+    os.environ.setdefault("ROLE_NAME", "default")
+    os.environ["GROUP_WORLD_SIZE"] = str(max(1, ctx.world_size // local_world))
+    os.environ["ROLE_WORLD_SIZE"] = str(ctx.world_size)
+    os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
+    os.environ.setdefault("TORCHELASTIC_MAX_RESTARTS", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -734,18 +853,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(script: str, script_args: list[str]) -> None:
+    launch = LaunchEnv.from_environ()
+    warmed: tuple[list[str], float] | None = None
+    if launch is not None and launch.role == "spare":
+        warmed = preimport(script)  # off the recovery's critical path (torchpass.frameworks.warmup)
     ctx = init()  # a spare waits here for a slot (and exits 0 if the job ends first)
+    if warmed is not None and warmed[0]:
+        ctx.log.info("spare warm-up imported %d modules of the script in %.2f s", len(warmed[0]), warmed[1])
     session = Session(ctx)
     session.install()
     _torchrun_environment(ctx)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, init_globals={"enumerate": session.enumerate}, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            raise
-    session.finish()
+        try:
+            runpy.run_path(script, init_globals={"enumerate": session.enumerate}, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
+        session.finish()
+    except TorchPassError as exc:
+        # The script is outside what the mode protects: every rank finds it at the same point, and so would
+        # every spare put in its place, so the job fails now instead of burning its spares one by one.
+        ctx.report_fatal(str(exc))
+        raise
 
 
 if __name__ == "__main__":

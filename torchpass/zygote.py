@@ -127,7 +127,13 @@ def serve(fd: int, preload: Sequence[str]) -> None:
     setproctitle.setproctitle(f"torchpass zygote (preloaded: {' '.join(preload) or 'nothing'})")
     sock = socket.socket(fileno=fd)
     for name in preload:
-        importlib.import_module(name)
+        if name in PRELOAD:
+            importlib.import_module(name)
+            continue
+        try:  # a framework the script imports: without it each child imports it itself (and fails there)
+            importlib.import_module(name)
+        except Exception as exc:
+            log.warning("zygote: preloading %s failed (%s); each process imports it itself", name, exc)
     wake_r, wake_w = socket.socketpair()
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)

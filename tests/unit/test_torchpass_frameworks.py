@@ -1,0 +1,107 @@
+"""The framework support of transparent mode that needs no training job: what a spare and the zygote pre-import,
+which framework ``init_process_group`` callers select or refuse, and the names rebound to the DDP interposer.
+The training itself is tested with real jobs (test_torchpass_lightning.py)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchpass.context import TorchPassError
+from torchpass.frameworks import detect
+from torchpass.frameworks.warmup import framework_modules, imported_by, preimport, rebind_in_loaded_modules
+
+SCRIPT = """
+import os, json
+from pathlib import Path
+import lightning as L
+from torch.utils.data import DataLoader
+from . import sibling            # relative: not something a spare can import by name
+
+def main():
+    import transformers.trainer  # nested: still read
+    from accelerate import Accelerator
+"""
+
+
+def test_a_spare_reads_every_absolute_import_of_the_script(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    assert imported_by(str(script)) == [
+        "os",
+        "json",
+        "pathlib",
+        "lightning",
+        "torch.utils.data",
+        "transformers.trainer",
+        "accelerate",
+    ]
+    assert framework_modules(str(script)) == ("lightning", "transformers.trainer", "accelerate")
+
+
+def test_an_unreadable_or_broken_script_imports_nothing(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("import os\ndef (:\n")
+    assert imported_by(str(broken)) == []
+    assert imported_by(str(tmp_path / "missing.py")) == []
+
+
+def test_preimport_skips_what_it_cannot_import(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import json\nimport cw_no_such_module_anywhere\nimport colorsys\n")
+    sys.modules.pop("colorsys", None)
+    done, seconds = preimport(str(script))
+    assert done == ["colorsys"] and "colorsys" in sys.modules  # json was loaded already; the missing one skipped
+    assert seconds >= 0
+
+
+def test_names_bound_before_the_interposer_are_rebound_and_undone() -> None:
+    original, replacement = object(), object()
+    module = types.ModuleType("cw_fake_framework.strategies")
+    module.DDP = original  # type: ignore[attr-defined]
+    module.other = 1  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    undo: list[Any] = []
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    try:
+        assert rebind_in_loaded_modules(original, replacement, patch) == 1
+        assert module.DDP is replacement  # type: ignore[attr-defined]
+        for owner, name, value in undo:
+            setattr(owner, name, value)
+        assert module.DDP is original  # type: ignore[attr-defined]
+    finally:
+        del sys.modules[module.__name__]
+
+
+class _Session:
+    """Only what detect() reads before it picks an adapter."""
+
+    ctx: Any = None
+    step_open = False
+
+    def warn(self, message: str) -> None:
+        raise AssertionError(message)
+
+    def roll_back_open_step(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("caller", ["accelerate.state", "transformers.training_args"])
+def test_hugging_face_is_refused_at_start_with_the_reason_and_the_alternative(caller: str) -> None:
+    with pytest.raises(TorchPassError) as refused:
+        detect(caller, _Session(), lambda: None)
+    message = str(refused.value)
+    assert "not protected in transparent mode" in message and "without --transparent" in message
+
+
+def test_a_plain_script_selects_no_adapter() -> None:
+    assert detect("__main__", _Session(), lambda: None) is None
+    assert detect("mytrainer.loop", _Session(), lambda: None) is None

@@ -1,0 +1,262 @@
+"""An unmodified PyTorch Lightning DDP script in transparent mode: SIGKILLs at random moments and a planned
+migration, each ending bitwise equal, per slot, to the fault-free TorchPass run.
+
+This file is also the rank script (run by ``torchpass run --local --transparent``: 2 ranks, 1 spare, gloo on
+127.0.0.1). It is an ordinary Lightning script: a ``LightningModule`` with Dropout, Adam and a StepLR stepped
+each epoch from ``configure_optimizers``, ``accumulate_grad_batches=2`` (an optimizer step every two batches),
+the default ``ModelCheckpoint`` callback, a loss logged with ``sync_dist=True`` (a collective inside each
+step), and a ``DataLoader`` without a sampler, into which Lightning injects its ``DistributedSampler``;
+``Trainer(accelerator="cpu", devices=LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE,
+strategy="ddp")`` as a torchrun user writes it. It imports nothing from TorchPass.
+
+Faults (``CW_TEST_KILL``, ``slot:batch:phase`` comma separated): SIGKILL in ``training_step`` (forward), late in
+backward (a gradient hook), or before the optimizer step (only at a window's second batch). ``batch`` counts
+batches across epochs from Lightning's own progress (``fit_loop.epoch_loop.total_batch_idx``), which moves with
+the state, so it is right on a replacement too. A marker file makes each kill happen once. ``CW_TEST_STEP_FILE``
+(``slot:batch``) makes that slot write ``at-step`` there, for a test to start ``clockwork migrate``.
+
+The oracle: every tensor of the final model, optimizer and scheduler state of every slot, and Lightning's
+``global_step`` and epoch, equal to the fault-free run's (one shared reference run).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve()
+NPROC = 2
+SAMPLES = 96
+BATCH = 4
+EPOCHS = 2
+ACCUMULATE = 2
+BATCHES_PER_EPOCH = SAMPLES // (BATCH * NPROC)  # 12
+BATCHES = EPOCHS * BATCHES_PER_EPOCH  # 24
+OPTIMIZER_STEPS = BATCHES // ACCUMULATE  # 12
+PHASES = ("forward", "backward", "optimizer")
+RUN_TIMEOUT_S = 240
+
+
+def _rank_main() -> int:
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    out = Path(os.environ["CW_TEST_DIR"])
+    kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
+    step_file = os.environ.get("CW_TEST_STEP_FILE", "")
+    step_sleep = float(os.environ.get("CW_TEST_STEP_SLEEP", "0"))
+    rank = int(os.environ["RANK"])
+    (out / f"pid-slot{rank}-{os.getpid()}").write_text("")
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+            self.net[0].weight.register_hook(lambda grad: self.maybe_kill("backward"))
+
+        def batch_no(self) -> int:
+            return int(self.trainer.fit_loop.epoch_loop.total_batch_idx)
+
+        def maybe_kill(self, phase: str) -> None:
+            when = self.batch_no()
+            if (str(self.global_rank), str(when), phase) not in kills:
+                return
+            try:
+                fd = os.open(out / f"killed-{self.global_rank}-{when}-{phase}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return  # already done once: the replacement must not kill itself too
+            os.close(fd)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if step_file == f"{self.global_rank}:{self.batch_no()}":
+                (out / "at-step").write_text(str(time.time()))
+            if step_sleep:
+                time.sleep(step_sleep)
+            self.maybe_kill("forward")
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.maybe_kill("optimizer")
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.Adam(self.parameters(), lr=0.01)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 8, generator=generator)
+    y = x @ torch.randn(8, 1, generator=generator)
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+    L.seed_everything(1234)
+    model = Net()
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // devices,
+        strategy="ddp",
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUMULATE,
+        default_root_dir=str(out / "lightning"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader)
+    opt = trainer.optimizers[0]
+    final = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "pid": os.getpid(),
+    }
+    torch.save(final, out / f"final-slot{trainer.global_rank}.pt")
+    print(f"slot {trainer.global_rank} done at global step {trainer.global_step}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())
+
+
+# ======================================================================================================
+# The tests (run by pytest in the parent process)
+# ======================================================================================================
+
+# After the rank script: its processes must not need ``tests`` importable.
+from tests.unit.local_jobs import FinishedJob as Run  # noqa: E402
+from tests.unit.local_jobs import assert_bitwise_equal, load_final, local_command  # noqa: E402
+
+
+def _command(out: Path) -> list[str]:
+    options = ["--coordinator-file", str(out / "coordinator")]
+    return local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"], options=options)
+
+
+def _env(out: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CW_TEST_")}
+    env.update(CW_TEST_DIR=str(out), PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def _run(base: Path, name: str, **extra: str) -> Run:
+    out = base / name
+    out.mkdir()
+    proc = subprocess.run(
+        _command(out), env=_env(out, **extra), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
+    )
+    return Run(out, proc.returncode, proc.stdout + proc.stderr)
+
+
+def _final_state(out: Path, slot: int) -> dict[str, Any]:
+    final = load_final(out, slot)
+    return {k: final[k] for k in ("model", "optim", "sched", "global_step", "epoch")}
+
+
+def _assert_like_reference(run: Run, reference: Run, what: str) -> None:
+    run.check_ok()
+    for slot in range(NPROC):
+        assert_bitwise_equal(_final_state(run.out, slot), _final_state(reference.out, slot), f"{what}: slot {slot}")
+    finished = run.of_kind("torchpass.finished")
+    assert finished and finished[-1]["committed"] == [OPTIMIZER_STEPS - 1], finished
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("torchpass-lightning")
+
+
+@pytest.fixture(scope="module")
+def reference(base: Path) -> Run:
+    """The fault-free run every faulted run must match bit for bit."""
+    run = _run(base, "reference")
+    run.check_ok()
+    return run
+
+
+def test_fault_free_lightning_run_trains_every_window_once(reference: Run) -> None:
+    final = load_final(reference.out, 0)
+    assert final["global_step"] == OPTIMIZER_STEPS and final["epoch"] == EPOCHS, final
+    assert {int(s["step"]) for s in final["optim"]["state"].values()} == {OPTIMIZER_STEPS}
+    assert final["sched"]["last_epoch"] == EPOCHS, "StepLR stepped once per epoch"
+    assert_bitwise_equal(_final_state(reference.out, 1), _final_state(reference.out, 0), "slot 1")
+    assert not reference.of_kind("torchpass.recovered")
+    assert "TorchPass owns the process group" in reference.output
+    assert "its loop counters and callbacks' state move with the state" in reference.output
+
+
+def _random_kills(rng: random.Random) -> str:
+    """Two kills at random batches (at least two apart, so the first recovery is over), random phases, on
+    random slots, slot 0 always among them. The optimizer phase exists only on a window's last batch."""
+    first = rng.randrange(1, BATCHES - 8)
+    second = rng.randrange(first + 3, BATCHES - 1)
+    slots = [0, rng.randrange(NPROC)]
+    rng.shuffle(slots)
+    specs = []
+    for slot, batch in zip(slots, (first, second), strict=True):
+        phases = PHASES if batch % ACCUMULATE == ACCUMULATE - 1 else PHASES[:2]
+        specs.append(f"{slot}:{batch}:{rng.choice(phases)}")
+    return ",".join(specs)
+
+
+@pytest.mark.parametrize("draw", range(2))
+def test_sigkills_at_random_moments_end_bitwise_equal(base: Path, reference: Run, draw: int) -> None:
+    """Two SIGKILLs per run, slot 0 among them, at random batches and phases; the seed is printed (and fixed by
+    CW_TEST_SEED) so that a failing draw can be replayed; each CI run draws new ones."""
+    seed = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 << 30)) + draw
+    kill = _random_kills(random.Random(seed))
+    print(f"CW_TEST_SEED={seed - draw} draw {draw}: kills {kill}")
+    run = _run(base, f"random{draw}-" + kill.replace(":", "-").replace(",", "_"), CW_TEST_KILL=kill)
+    _assert_like_reference(run, reference, f"seed {seed}: {kill}")
+    assert len(list(run.out.glob("killed-*"))) == 2, f"seed {seed}: {kill}: the faults were not injected"
+    assert len(run.of_kind("torchpass.member_failed")) == 2, run.of_kind("torchpass.member_failed")
+    assert len(list(run.out.glob("pid-slot0-*"))) >= 2, "slot 0 was not taken over by another process"
+
+
+def test_planned_migration_moves_a_lightning_rank_live(base: Path, reference: Run) -> None:
+    """``clockwork migrate`` while Lightning trains: slot 1 moves to the spare at a step boundary, its
+    counters and callbacks' state with it, and the job ends bitwise equal to the fault-free run."""
+    from clockworkd.cli.main import run as clockwork
+
+    out = base / "migrate"
+    out.mkdir()
+    proc = subprocess.Popen(
+        _command(out),
+        env=_env(out, CW_TEST_STEP_FILE="1:9", CW_TEST_STEP_SLEEP="0.1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (out / "at-step").exists():
+            assert proc.poll() is None, proc.communicate()[0][-6000:]
+            assert time.monotonic() < deadline, "slot 1 never reached batch 9"
+            time.sleep(0.05)
+        assert clockwork(["migrate", "--coordinator", str(out / "coordinator"), "--rank", "1"]) == 0
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    run = Run(out, proc.returncode, output)
+    _assert_like_reference(run, reference, "migration")
+    migrated = run.of_kind("torchpass.migrated")
+    assert migrated and migrated[0]["slots"] == [1] and migrated[0]["handoff_ok"], migrated
+    assert len(list(out.glob("pid-slot1-*"))) == 2, "slot 1 was not taken over by another process"
+    assert not run.of_kind("torchpass.member_failed")
