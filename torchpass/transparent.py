@@ -73,6 +73,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchpass.context import Context, TorchPassError, init
 from torchpass.ddp import TorchPassDDP
 from torchpass.frameworks import FrameworkAdapter, detect, framework_imported
+from torchpass.frameworks.environment import torchrun_environment
 from torchpass.frameworks.warmup import preimport, rebind_in_loaded_modules
 from torchpass.protocol import LaunchEnv
 from torchpass.rng import step_seed
@@ -283,8 +284,8 @@ class Session:
             )
         if self.ctx.lifecycle.optimizer_steps == 0:
             raise TorchPassError(
-                "transparent mode: the first pass over the DistributedSampler loader ended without an optimizer "
-                "step; there is no training update to protect"
+                "transparent mode: a whole pass over the DistributedSampler loader ran no optimizer step; there "
+                "is no training update to protect"
             )
         if len(self.ctx.parts.optimizers) > 1:
             self.warn(
@@ -501,6 +502,7 @@ class Session:
         session = self
         real_optimizer_init = torch.optim.Optimizer.__init__
 
+        @functools.wraps(real_optimizer_init)  # inspect.signature shows the real one (frameworks read it)
         def optimizer_init(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             real_optimizer_init(optimizer, *args, **kwargs)
             session.adopt_optimizer(optimizer)
@@ -523,6 +525,7 @@ class Session:
 
         real_scaler_init = torch.amp.GradScaler.__init__
 
+        @functools.wraps(real_scaler_init)
         def scaler_init(scaler: Any, *args: Any, **kwargs: Any) -> None:
             real_scaler_init(scaler, *args, **kwargs)
             session.adopt("grad_scaler", scaler)
@@ -611,6 +614,9 @@ class Session:
         session = self
         real_init, real_iter = DataLoader.__init__, DataLoader.__iter__
 
+        # Wrapped, so that inspect.signature shows DataLoader's own parameters: Lightning reads them to rebuild
+        # the script's loader with its DistributedSampler.
+        @functools.wraps(real_init)
         def loader_init(loader: DataLoader[Any], *args: Any, **kwargs: Any) -> None:
             real_init(loader, *args, **kwargs)
             session.adopt_loader(loader)
@@ -817,27 +823,6 @@ def _internal() -> bool:
     return str(sys._getframe(2).f_globals.get("__name__", "")).startswith("torchpass.")
 
 
-def _torchrun_environment(ctx: Context) -> None:
-    """What ``torchrun`` would set, so scripts written for it find their rank (init itself is TorchPass's)."""
-    os.environ["RANK"] = str(ctx.slot)
-    os.environ["WORLD_SIZE"] = str(ctx.world_size)
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", ctx.env.host)
-    os.environ.setdefault("MASTER_PORT", "29500")
-    # What torchrun adds, so that a framework finds its ranks the torchrun way: Lightning picks its TorchElastic
-    # environment by TORCHELASTIC_RUN_ID (rank = RANK; before its Slurm environment, whose SLURM_PROCID is the
-    # agent's task, not the slot), accelerate reads the same variables.
-    local_world = max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
-    os.environ.setdefault("TORCHELASTIC_RUN_ID", f"torchpass-{ctx.env.job_id or 'local'}")
-    os.environ["GROUP_RANK"] = os.environ["ROLE_RANK"] = str(ctx.slot // local_world)
-    os.environ.setdefault("ROLE_NAME", "default")
-    os.environ["GROUP_WORLD_SIZE"] = str(max(1, ctx.world_size // local_world))
-    os.environ["ROLE_WORLD_SIZE"] = str(ctx.world_size)
-    os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", "0")
-    os.environ.setdefault("TORCHELASTIC_MAX_RESTARTS", "0")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Join the job, install the interposers and run the script as ``__main__``."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -862,7 +847,8 @@ def _run(script: str, script_args: list[str]) -> None:
         ctx.log.info("spare warm-up imported %d modules of the script in %.2f s", len(warmed[0]), warmed[1])
     session = Session(ctx)
     session.install()
-    _torchrun_environment(ctx)
+    # What torchrun would set, so that scripts and frameworks written for it find their rank (the slot).
+    torchrun_environment(os.environ, slot=ctx.slot, world_size=ctx.world_size, host=ctx.env.host, job_id=ctx.env.job_id)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -876,6 +862,15 @@ def _run(script: str, script_args: list[str]) -> None:
         # The script is outside what the mode protects: every rank finds it at the same point, and so would
         # every spare put in its place, so the job fails now instead of burning its spares one by one.
         ctx.report_fatal(str(exc))
+        raise
+    except Exception as exc:
+        if ctx.generation < 0 and not ctx.is_replacement:
+            # An original rank whose script fails before training ever started: a spare would run the same
+            # script into the same error (a crash loop of spares), so the job fails now, with it.
+            ctx.report_fatal(
+                f"slot {ctx.slot}: the script failed before training started: {type(exc).__name__}: "
+                f"{str(exc)[:500]} (see the rank's traceback)"
+            )
         raise
 
 

@@ -105,3 +105,19 @@ def test_hugging_face_is_refused_at_start_with_the_reason_and_the_alternative(ca
 def test_a_plain_script_selects_no_adapter() -> None:
     assert detect("__main__", _Session(), lambda: None) is None
     assert detect("mytrainer.loop", _Session(), lambda: None) is None
+
+
+def test_the_torchrun_environment_makes_lightning_take_the_slot_as_its_rank() -> None:
+    """Inside a Slurm job Lightning would read SLURM_PROCID (the agent's task); TORCHELASTIC_RUN_ID makes it
+    read RANK, the slot. A local layout the launcher set (LOCAL_WORLD_SIZE) is kept and numbers the groups."""
+    from torchpass.frameworks.environment import torchrun_environment
+
+    env = {"SLURM_PROCID": "0", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    torchrun_environment(env, slot=5, world_size=8, host="10.0.0.7", job_id="42")
+    assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8" and env["LOCAL_RANK"] == "1"
+    assert env["TORCHELASTIC_RUN_ID"] == "torchpass-42"
+    assert env["GROUP_RANK"] == env["ROLE_RANK"] == "2" and env["GROUP_WORLD_SIZE"] == "4"
+    assert env["MASTER_ADDR"] == "10.0.0.7"
+    local: dict[str, str] = {}
+    torchrun_environment(local, slot=1, world_size=2, host="127.0.0.1", job_id="")
+    assert local["TORCHELASTIC_RUN_ID"] == "torchpass-local" and local["GROUP_RANK"] == "1"

@@ -15,8 +15,9 @@ batches across epochs from Lightning's own progress (``fit_loop.epoch_loop.total
 the state, so it is right on a replacement too. A marker file makes each kill happen once. ``CW_TEST_STEP_FILE``
 (``slot:batch``) makes that slot write ``at-step`` there, for a test to start ``clockwork migrate``.
 
-The oracle: every tensor of the final model, optimizer and scheduler state of every slot, and Lightning's
-``global_step`` and epoch, equal to the fault-free run's (one shared reference run).
+The oracle: every tensor of the final model, optimizer and scheduler state of every slot, Lightning's
+``global_step`` and epoch, and the ``ModelCheckpoint`` callback's state (its paths without the run's folder),
+equal to the fault-free run's (one shared reference run).
 """
 
 from __future__ import annotations
@@ -117,12 +118,22 @@ def _rank_main() -> int:
     )
     trainer.fit(model, loader)
     opt = trainer.optimizers[0]
+
+    def placeless(value: Any) -> Any:  # the checkpoint callback's paths, without the run's own folder
+        if isinstance(value, str):
+            return os.path.basename(value)
+        if isinstance(value, dict):
+            return {placeless(k): placeless(v) for k, v in value.items()}
+        return value
+
+    checkpoint = {k: placeless(v) for k, v in trainer.checkpoint_callback.state_dict().items() if k != "dirpath"}
     final = {
         "model": model.state_dict(),
         "optim": opt.state_dict(),
         "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
+        "checkpoint": checkpoint,
         "pid": os.getpid(),
     }
     torch.save(final, out / f"final-slot{trainer.global_rank}.pt")
@@ -165,7 +176,7 @@ def _run(base: Path, name: str, **extra: str) -> Run:
 
 def _final_state(out: Path, slot: int) -> dict[str, Any]:
     final = load_final(out, slot)
-    return {k: final[k] for k in ("model", "optim", "sched", "global_step", "epoch")}
+    return {k: final[k] for k in ("model", "optim", "sched", "global_step", "epoch", "checkpoint")}
 
 
 def _assert_like_reference(run: Run, reference: Run, what: str) -> None:
@@ -194,6 +205,7 @@ def test_fault_free_lightning_run_trains_every_window_once(reference: Run) -> No
     assert final["global_step"] == OPTIMIZER_STEPS and final["epoch"] == EPOCHS, final
     assert {int(s["step"]) for s in final["optim"]["state"].values()} == {OPTIMIZER_STEPS}
     assert final["sched"]["last_epoch"] == EPOCHS, "StepLR stepped once per epoch"
+    assert final["checkpoint"]["best_model_path"] == f"epoch={EPOCHS - 1}-step={OPTIMIZER_STEPS}.ckpt", final
     assert_bitwise_equal(_final_state(reference.out, 1), _final_state(reference.out, 0), "slot 1")
     assert not reference.of_kind("torchpass.recovered")
     assert "TorchPass owns the process group" in reference.output
@@ -260,3 +272,22 @@ def test_planned_migration_moves_a_lightning_rank_live(base: Path, reference: Ru
     assert migrated and migrated[0]["slots"] == [1] and migrated[0]["handoff_ok"], migrated
     assert len(list(out.glob("pid-slot1-*"))) == 2, "slot 1 was not taken over by another process"
     assert not run.of_kind("torchpass.member_failed")
+
+
+HF_SCRIPT = SCRIPT.parent / "data" / "hf_trainer_script.py"
+
+
+def test_hugging_face_trainer_is_refused_at_start_without_burning_spares(base: Path) -> None:
+    """An HF Trainer script (which trains under torchrun) is refused at once with the reason and the alternative:
+    the job fails before any spare is put in a slot, not after every spare died on the same error."""
+    out = base / "hf-refused"
+    out.mkdir()
+    cmd = local_command(out, HF_SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"])
+    proc = subprocess.run(cmd, env=_env(out), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    run = Run(out, proc.returncode, proc.stdout + proc.stderr)
+    assert run.returncode == 1, run.output[-4000:]
+    assert "Hugging Face accelerate (and the transformers Trainer built on it) is not protected" in run.output
+    assert "Run the job without --transparent" in run.output
+    failed = run.of_kind("torchpass.failed")
+    assert failed and "not protected in transparent mode" in failed[0]["reason"], failed
+    assert not [g for g in run.of_kind("torchpass.generation") if g.get("replaced")], "a spare was put in a slot"

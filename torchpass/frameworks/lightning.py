@@ -142,8 +142,10 @@ class LightningAdapter:
 
         def on_advance_end(loop: Any, data_fetcher: Any) -> None:
             original(data_fetcher)
-            if adapter.session.step_open and adapter._training_ends_here():
-                adapter.session.roll_back_open_step()
+            if adapter.session.step_open and adapter._training_ends_here() and adapter.session.roll_back_open_step():
+                # Redo: the counters went back; the fetcher, which counted the batch as its last, must too.
+                data_fetcher.done = False
+                data_fetcher.fetched = int(loop.batch_progress.current.ready)
 
         epoch_loop.on_advance_end = types.MethodType(on_advance_end, epoch_loop)
 
