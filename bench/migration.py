@@ -16,8 +16,11 @@ migrated the same way. A crash recovery is measured for the two transparent form
 at the marker step and the coordinator's ``torchpass.recovered`` record gives ``total_ms`` (first sign of the
 failure to every member resumed) and ``spare_ready_ms`` (failure declared to the spare at the rendezvous: its
 run of the script up to its first batch, which a framework makes longer), side by side with the ratio
-lightning / transparent. The Hugging Face Trainer is refused at start in transparent mode (docs/user-guide.md,
-"Frameworks"), so it has no recovery to time.
+lightning / transparent. Without ``--quick``, the Lightning crash is also timed with a fresh interpreter per
+process (``zygote=false``), once with the spare warm-up (the spare imports what the script imports before it is
+needed) and once without it (``spare_warmup=false``: the replacement imports Lightning after the failure): the
+difference is what the warm-up keeps off the recovery's critical path. The Hugging Face Trainer is refused at
+start in transparent mode (docs/user-guide.md, "Frameworks"), so it has no recovery to time.
 
     .venv/bin/python bench/migration.py [--runs 3] [--hidden 1024] [--layers 4] [--quick]
 """
@@ -40,11 +43,15 @@ WORKLOAD = ROOT / "bench" / "support" / "migration_workload.py"
 MODES = ("aware", "transparent", "lightning")
 FIGURES = ("total_ms", "handoff_ms", "rebuild_ms", "handoff_bytes")
 CRASH_MODES = ("transparent", "lightning")
+# Lightning crash runs without the zygote: (label, settings), with and without the spare warm-up.
+COLD = (("warm spare", ("zygote=false",)), ("cold spare", ("zygote=false", "spare_warmup=false")))
 CRASH_FIGURES = ("total_ms", "spare_ready_ms", "transfer_ms")
 RUN_TIMEOUT_S = 300.0
 
 
-def one_run(mode: str, out: Path, args: argparse.Namespace, *, kill: bool = False) -> dict[str, Any]:
+def one_run(
+    mode: str, out: Path, args: argparse.Namespace, *, kill: bool = False, settings: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Run one job, migrate slot 1 mid-run (or, with ``kill``, let it crash), and return the figures."""
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
@@ -63,6 +70,7 @@ def one_run(mode: str, out: Path, args: argparse.Namespace, *, kill: bool = Fals
         str(out / "events.jsonl"),
         "--coordinator-file",
         str(out / "coordinator"),
+        *(arg for setting in settings for arg in ("--set", setting)),
         str(WORKLOAD),
         mode,
         "--out",
@@ -130,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         args.runs, args.hidden, args.layers = 1, 256, 2
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     crashes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in CRASH_MODES}
+    cold: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in COLD}
     with tempfile.TemporaryDirectory(prefix="bench-migration-") as tmp:
         for run in range(args.runs):
             for mode in MODES:  # alternate, so a slow phase of the machine hits every mode alike
                 results[mode].append(one_run(mode, Path(tmp) / f"{mode}-{run}", args))
             for mode in CRASH_MODES:
                 crashes[mode].append(one_run(mode, Path(tmp) / f"{mode}-kill-{run}", args, kill=True))
+            for label, settings in () if args.quick else COLD:
+                out = Path(tmp) / f"lightning-{label.replace(' ', '-')}-{run}"
+                cold[label].append(one_run("lightning", out, args, kill=True, settings=settings))
     medians = {mode: {k: statistics.median(r[k] for r in results[mode]) for k in FIGURES} for mode in MODES}
 
     def over(a: float, b: float) -> float | None:
@@ -157,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     for key in CRASH_FIGURES:
         t, lt = crash["transparent"][key], crash["lightning"][key]
         print(f"{key:<16}{t:>13.1f}{lt:>11.1f}{crash_ratio[key] or 0:>7.3f}")
+    spare = {
+        label: {k: statistics.median(r[k] for r in runs) for k in CRASH_FIGURES} for label, runs in cold.items() if runs
+    }
+    if spare:
+        print("Lightning crash recovery, a fresh interpreter per process (zygote=false), ratio cold / warm spare")
+        print(f"{'figure':<16}{'warm spare':>12}{'cold spare':>12}{'ratio':>7}")
+        for key in CRASH_FIGURES:
+            warm, cool = spare["warm spare"][key], spare["cold spare"][key]
+            print(f"{key:<16}{warm:>12.1f}{cool:>12.1f}{over(cool, warm) or 0:>7.3f}")
     print("hf_trainer: refused at start in transparent mode, nothing to time")
     print(
         json.dumps(
@@ -169,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_lightning_vs_aware": ratio_lightning,
                 "crash_recovery_median": crash,
                 "ratio_crash_lightning_vs_transparent": crash_ratio,
+                "lightning_crash_without_zygote": spare,
                 "hf_trainer": "refused at start in transparent mode",
             }
         )

@@ -207,7 +207,8 @@ class LocalLauncher:
         env.setdefault("PYTHONUNBUFFERED", "1")  # the children's streams are the zygote's
         try:
             # The frameworks the script imports (lightning, transformers): seconds of CPU per process otherwise.
-            self.zygote = Zygote(self.python, env, preload=(*PRELOAD, *framework_modules(self.script)))
+            frameworks = framework_modules(self.script) if self.config.spare_warmup else ()
+            self.zygote = Zygote(self.python, env, preload=(*PRELOAD, *frameworks))
         except ZygoteError as exc:
             log.warning("%s: every process starts its own interpreter", exc)
 

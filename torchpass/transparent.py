@@ -70,6 +70,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, DistributedSampler
 
+from torchpass.config import TorchPassConfig
 from torchpass.context import Context, TorchPassError, init
 from torchpass.ddp import TorchPassDDP
 from torchpass.frameworks import FrameworkAdapter, detect, framework_imported
@@ -840,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(script: str, script_args: list[str]) -> None:
     launch = LaunchEnv.from_environ()
     warmed: tuple[list[str], float] | None = None
-    if launch is not None and launch.role == "spare":
+    if launch is not None and launch.role == "spare" and TorchPassConfig.from_env().spare_warmup:
         warmed = preimport(script)  # off the recovery's critical path (torchpass.frameworks.warmup)
     ctx = init()  # a spare waits here for a slot (and exits 0 if the job ends first)
     if warmed is not None and warmed[0]:
