@@ -238,8 +238,7 @@ class Session:
         self.group_requested = False
         self.model: TorchPassDDP | None = None
         self.loader: DataLoader[Any] | None = None
-        self.other_loaders = 0
-        self.untracked_datasets: list[Any] = []
+        self.untracked: list[tuple[Any, bool]] = []  # (dataset, over a DistributedSampler) of untracked loaders
         self.passes = 0
         self.step_open = False
         self.step_pass = -1
@@ -452,7 +451,9 @@ class Session:
                 session.adopt_ddp(self, module, args, kwargs)
 
             def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-                if session.loader is None:
+                # A training forward (grad enabled); an evaluation forward, such as Lightning's sanity check
+                # of its validation loop before training, may come before the training loader exists.
+                if session.loader is None and torch.is_grad_enabled():
                     raise TorchPassError(
                         "transparent mode: the model trains on batches from a loader TorchPass cannot see (no "
                         "DataLoader over a DistributedSampler was built before the first forward pass), so it "
@@ -643,25 +644,31 @@ class Session:
         if isinstance(loader.batch_sampler, list):
             return  # one of ours (the inner loader of a pass)
         if not distributed:
-            self.other_loaders += 1
-            self.untracked_datasets.append(loader.dataset)
+            self.untracked.append((loader.dataset, False))
             if self.loader is None and not framework_imported():  # a framework may add the sampler itself
                 self.warn(
                     "a DataLoader without a DistributedSampler: transparent mode cannot see or restore its "
                     "position, so it is not tracked (a replacement would start it from the beginning)"
                 )
             return
-        if self.loader is not None:
-            self.other_loaders += 1
+        # A framework's validation loader (Lightning rebuilds it with a DistributedSampler too) is not the one
+        # training iterates; neither is any loader after the tracked one.
+        training = self.framework is None or self.framework.accepts_loader()
+        if self.loader is not None or not training:
+            self.untracked.append((loader.dataset, True))
             return
         if batch_sampler is None:
             self.warn("the DistributedSampler loader has batch_size=None: its position is not tracked")
             return
         self.loader = loader
-        # A framework that added the sampler rebuilt the script's loader: the one it replaced is not "another".
-        rebuilt = [d for d in self.untracked_datasets if d is loader.dataset]
-        self.other_loaders -= len(rebuilt)
-        self.untracked_datasets = [d for d in self.untracked_datasets if d is not loader.dataset]
+
+    @property
+    def other_loaders(self) -> int:
+        """Loaders not tracked, counted by dataset. A framework that adds the sampler rebuilds the script's
+        loaders: the script's own loader of the training data is not "another" loader, and a validation
+        loader it rebuilt counts once with the script's."""
+        tracked = None if self.loader is None else self.loader.dataset
+        return len({id(d) for d, distributed in self.untracked if distributed or d is not tracked})
 
     def enumerate(self, iterable: Any, start: int = 0) -> Any:
         """The script's ``enumerate`` (its module's global): over the tracked loader, each batch comes with its

@@ -5,7 +5,8 @@ This file is also the rank script (run by ``torchpass run --local --transparent`
 127.0.0.1). It is an ordinary Lightning script: a ``LightningModule`` with Dropout, Adam and a StepLR stepped
 each epoch from ``configure_optimizers``, ``accumulate_grad_batches=2`` (an optimizer step every two batches),
 the default ``ModelCheckpoint`` callback, a loss logged with ``sync_dist=True`` (a collective inside each
-step), and a ``DataLoader`` without a sampler, into which Lightning injects its ``DistributedSampler``;
+step), a validation loader (the sanity check before training, a validation after each epoch), and a
+``DataLoader`` without a sampler, into which Lightning injects its ``DistributedSampler``;
 ``Trainer(accelerator="cpu", devices=LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE,
 strategy="ddp")`` as a torchrun user writes it. It imports nothing from TorchPass.
 
@@ -22,6 +23,7 @@ equal to the fault-free run's (one shared reference run).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -90,6 +92,10 @@ def _rank_main() -> int:
             self.log("train_loss", loss, sync_dist=True)
             return loss
 
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
         def on_before_optimizer_step(self, optimizer: Any) -> None:
             self.maybe_kill("optimizer")
 
@@ -101,6 +107,7 @@ def _rank_main() -> int:
     x = torch.randn(SAMPLES, 8, generator=generator)
     y = x @ torch.randn(8, 1, generator=generator)
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+    validation = DataLoader(TensorDataset(x[:16], y[:16]), batch_size=BATCH)
     L.seed_everything(1234)
     model = Net()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -116,7 +123,7 @@ def _rank_main() -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, validation)
     opt = trainer.optimizers[0]
 
     def placeless(value: Any) -> Any:  # the checkpoint callback's paths, without the run's own folder
@@ -272,6 +279,48 @@ def test_planned_migration_moves_a_lightning_rank_live(base: Path, reference: Ru
     assert migrated and migrated[0]["slots"] == [1] and migrated[0]["handoff_ok"], migrated
     assert len(list(out.glob("pid-slot1-*"))) == 2, "slot 1 was not taken over by another process"
     assert not run.of_kind("torchpass.member_failed")
+
+
+def test_snapshot_then_whole_job_killed_restores_lightning_bitwise(base: Path, reference: Run) -> None:
+    """Snapshots of a Lightning job: one every 4 steps (accumulation windows); once step 7's is complete (in the
+    second epoch) the whole job is SIGKILLed; ``--restore latest`` starts a new job from it, whose ranks jump to
+    the snapshot's epoch and batch with Lightning's counters, and it ends bitwise equal to the fault-free run."""
+    snapdir = base / "snapshots-lightning"
+    out = base / "snapshot-killed"
+    out.mkdir()
+    cmd = _command(out)
+    cmd[-1:-1] = ["--set", f"snapshot_dir={snapdir}", "--set", "snapshot_every_steps=4"]
+    proc = subprocess.Popen(
+        cmd,
+        env=_env(out, CW_TEST_STEP_SLEEP="0.1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: the kill below takes the whole job and only it
+    )
+    manifest = snapdir / "step-0000000007" / "manifest.json"
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not manifest.exists():
+            assert proc.poll() is None, proc.communicate()[0][-6000:]
+            assert time.monotonic() < deadline, "no complete snapshot of step 7"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+    assert not (out / "final-slot0.pt").exists(), "the job ended before it was killed"
+
+    out2 = base / "snapshot-restored"
+    out2.mkdir()
+    cmd = _command(out2)
+    cmd[-1:-1] = ["--set", f"snapshot_dir={snapdir}", "--restore", "latest"]
+    done = subprocess.run(cmd, env=_env(out2), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    run = Run(out2, done.returncode, done.stdout + done.stderr)
+    run.check_ok()
+    restored = [line for line in run.output.splitlines() if " event torchpass.restored " in line]  # rank-side events
+    steps = {json.loads(line.split(" event torchpass.restored ", 1)[1])["step"] for line in restored}
+    assert len(restored) == NPROC and min(steps) >= 7, run.output[-6000:]  # from the snapshot, not the start
+    _assert_like_reference(run, reference, "restored from a snapshot")
 
 
 HF_SCRIPT = SCRIPT.parent / "data" / "hf_trainer_script.py"

@@ -49,6 +49,10 @@ class FrameworkAdapter(Protocol):
         the framework then skips its set-up collectives, as it does when it runs without one)."""
         ...
 
+    def accepts_loader(self) -> bool:
+        """Whether a ``DistributedSampler`` loader built now is the one training iterates (not validation's)."""
+        ...
+
     def adopt_model(self, module: nn.Module) -> None:
         """The script's DDP was built over ``module``."""
         ...

@@ -133,6 +133,11 @@ class LightningAdapter:
     def group_visible(self) -> bool:
         return False
 
+    def accepts_loader(self) -> bool:
+        """Lightning rebuilds every loader with its DistributedSampler; the training one while it trains (not
+        while it runs the sanity check or a validation)."""
+        return bool(self.trainer.training)
+
     def adopt_model(self, module: nn.Module) -> None:
         """Register the loop progress and callbacks' state (before the first step, like every other part)."""
         self.session.ctx.register(STATE_NAME, LightningProgress(self.trainer))
