@@ -40,7 +40,7 @@ from torchpass.coordinator import DONE, Coordinator
 from torchpass.events import EventSink
 from torchpass.frameworks.warmup import framework_modules
 from torchpass.protocol import LaunchEnv, rank_argv
-from torchpass.zygote import PRELOAD, ForkedProcess, Zygote, ZygoteError
+from torchpass.zygote import ForkedProcess, Zygote, ZygoteError
 
 __all__ = ["LocalLauncher", "loopback_interface"]
 
@@ -208,7 +208,7 @@ class LocalLauncher:
         try:
             # The frameworks the script imports (lightning, transformers): seconds of CPU per process otherwise.
             frameworks = framework_modules(self.script) if self.config.spare_warmup else ()
-            self.zygote = Zygote(self.python, env, preload=(*PRELOAD, *frameworks))
+            self.zygote = Zygote(self.python, env, optional=frameworks)
         except ZygoteError as exc:
             log.warning("%s: every process starts its own interpreter", exc)
 

@@ -4,6 +4,7 @@ The training itself is tested with real jobs (test_torchpass_lightning.py)."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from pathlib import Path
@@ -71,14 +72,26 @@ def test_names_bound_before_the_interposer_are_rebound_and_undone() -> None:
         undo.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
+    # ``python -m torchpass.transparent`` is filed as __main__ and, by multiprocessing, as __mp_main__: the
+    # bootstrap's own reference to the real class must stay the real class.
+    bootstrap = types.ModuleType("__mp_main__")
+    bootstrap.__spec__ = importlib.machinery.ModuleSpec("torchpass.transparent", None)
+    bootstrap.REAL = original  # type: ignore[attr-defined]
+    saved_alias = sys.modules.get("__mp_main__")
+    sys.modules["__mp_main__"] = bootstrap
     try:
         assert rebind_in_loaded_modules(original, replacement, patch) == 1
+        assert bootstrap.REAL is original  # type: ignore[attr-defined]
         assert module.DDP is replacement  # type: ignore[attr-defined]
         for owner, name, value in undo:
             setattr(owner, name, value)
         assert module.DDP is original  # type: ignore[attr-defined]
     finally:
         del sys.modules[module.__name__]
+        if saved_alias is None:
+            del sys.modules["__mp_main__"]
+        else:
+            sys.modules["__mp_main__"] = saved_alias
 
 
 class _Session:

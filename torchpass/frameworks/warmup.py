@@ -77,7 +77,11 @@ def rebind_in_loaded_modules(original: Any, replacement: Any, patch: Callable[[A
     ``replacement``, through ``patch``, which records how to undo it; the number of names changed."""
     changed = 0
     for name, module in list(sys.modules.items()):
-        if module is None or name.split(".", 1)[0] in _KEEP or name == "__main__":
+        # By what the module is, not the name it is filed under: ``python -m torchpass.transparent`` runs as
+        # ``__main__``, and multiprocessing files the same module again as ``__mp_main__``.
+        spec = getattr(module, "__spec__", None)
+        origin = spec.name if spec is not None and spec.name else name
+        if module is None or name in ("__main__", "__mp_main__") or origin.split(".", 1)[0] in _KEEP:
             continue
         for attr, value in list(vars(module).items()):
             if value is original:
