@@ -155,6 +155,7 @@ class CommBackend(ABC):
 
 
 _BOUND_GLOO = "torchpass_gloo"
+BOUND_GLOO = _BOUND_GLOO  # the registered name of gloo bound to one address; it is gloo to a training script
 _bound_gloo_host = ""
 
 

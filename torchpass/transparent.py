@@ -70,6 +70,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader, DistributedSampler
 
+from torchpass.backends import BOUND_GLOO
 from torchpass.config import TorchPassConfig
 from torchpass.context import Context, TorchPassError, init
 from torchpass.ddp import TorchPassDDP
@@ -239,6 +240,7 @@ class Session:
         self.model: TorchPassDDP | None = None
         self.loader: DataLoader[Any] | None = None
         self.untracked: list[tuple[Any, bool]] = []  # (dataset, over a DistributedSampler) of untracked loaders
+        self.evaluation_datasets: list[Any] = []  # of the loaders a framework rebuilt for validation
         self.passes = 0
         self.step_open = False
         self.step_pass = -1
@@ -323,6 +325,7 @@ class Session:
         real_is_initialized = dist.is_initialized
         real_get_rank, real_get_world_size = dist.get_rank, dist.get_world_size
         real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+        real_get_backend = dist.get_backend
         session = self
 
         def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, **kw: Any) -> None:
@@ -359,6 +362,12 @@ class Session:
                 return real_get_rank(group)
             return session.ctx.slot
 
+        def get_backend(group: Any = None) -> Any:
+            # TorchPass's gloo bound to the node's address (torchpass.backends) is gloo: a framework that asks
+            # picks gloo's ways (Lightning averages by a sum and a division, gloo having no AVG).
+            name = real_get_backend(group)
+            return "gloo" if not _internal() and name == BOUND_GLOO else name
+
         def get_world_size(group: Any = None) -> int:
             if real_is_initialized() or group is not None or not session.group_requested:
                 return real_get_world_size(group)
@@ -369,6 +378,7 @@ class Session:
         self._patch(dist, "is_initialized", is_initialized)
         self._patch(dist, "get_rank", get_rank)
         self._patch(dist, "get_world_size", get_world_size)
+        self._patch(dist, "get_backend", get_backend)
         for name in _WRAPPED_COLLECTIVES:
             self._patch(dist, name, self._guarded(getattr(dist, name)))
 
@@ -653,8 +663,10 @@ class Session:
             return
         # A framework's validation loader (Lightning rebuilds it with a DistributedSampler too) is not the one
         # training iterates; neither is any loader after the tracked one.
-        training = self.framework is None or self.framework.accepts_loader()
-        if self.loader is not None or not training:
+        if self.framework is not None and not self.framework.accepts_loader():
+            self.evaluation_datasets.append(loader.dataset)  # validation: need not be tracked, not "another"
+            return
+        if self.loader is not None:
             self.untracked.append((loader.dataset, True))
             return
         if batch_sampler is None:
@@ -668,7 +680,14 @@ class Session:
         loaders: the script's own loader of the training data is not "another" loader, and a validation
         loader it rebuilt counts once with the script's."""
         tracked = None if self.loader is None else self.loader.dataset
-        return len({id(d) for d, distributed in self.untracked if distributed or d is not tracked})
+        evaluation = {id(d) for d in self.evaluation_datasets}
+        return len(
+            {
+                id(d)
+                for d, distributed in self.untracked
+                if (distributed or d is not tracked) and id(d) not in evaluation
+            }
+        )
 
     def enumerate(self, iterable: Any, start: int = 0) -> Any:
         """The script's ``enumerate`` (its module's global): over the tracked loader, each batch comes with its

@@ -217,6 +217,7 @@ def test_fault_free_lightning_run_trains_every_window_once(reference: Run) -> No
     assert not reference.of_kind("torchpass.recovered")
     assert "TorchPass owns the process group" in reference.output
     assert "its loop counters and callbacks' state move with the state" in reference.output
+    assert "not tracked" not in reference.output, "the loaders Lightning rebuilt or validates with are not others"
 
 
 def _random_kills(rng: random.Random) -> str:
