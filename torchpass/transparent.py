@@ -41,10 +41,20 @@ LR-scheduler steps and grad-scaler updates suppressed in between (the received s
 them), and pass P is served from batch I. The script's epoch counter lines up because it counts passes
 over the loader exactly as the survivors' did.
 
+Gradient accumulation: a step spans the batches up to its optimizer step, so an accumulation window is one
+step, committed after its update and redone from its first batch when it fails.
+
+Frameworks (:mod:`torchpass.frameworks`): the framework whose code calls ``init_process_group`` picks an
+adapter (Lightning), which the session asks where the framework's loop differs from a plain script's: its
+counters and callbacks are registered state, its replacement jumps to the replicas' epoch instead of
+fast-forwarding, its set-up collectives run before any group exists. Frameworks it cannot protect are refused
+at start (the Hugging Face Trainer), and a script error before training fails the job at once rather than
+every spare in turn.
+
 What it cannot capture is documented in docs/user-guide.md ("Model-transparent mode"): arbitrary Python
 state of the script (locals, lists of losses, counters), iterators it cannot see (a hand-written generator,
-a loader without a DistributedSampler), loops bounded by their own step counters, gradient accumulation,
-collectives before the first batch or after the training loop. The interposers warn while the script builds
+a loader without a DistributedSampler), loops bounded by their own step counters, collectives before the
+first batch or after the training loop. The interposers warn while the script builds
 its objects, and :meth:`Session.check_first_step` when the first step ends, when a script is outside what
 it protects (``transparent_strict`` makes every warning an error).
 """
