@@ -166,6 +166,7 @@ def _member_group(group: Any) -> dist.ProcessGroup | None:
 
 
 _BOUND_GLOO = "torchpass_gloo"
+BOUND_GLOO = _BOUND_GLOO  # the registered name of gloo bound to one address; it is gloo to a training script
 _bound_gloo_host = ""
 
 

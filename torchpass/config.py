@@ -219,6 +219,13 @@ class TorchPassConfig:
         "Model-transparent mode: treat every start-up warning about the script (a loader it cannot track, "
         "several optimizers, gradient accumulation, ...) as an error that stops the job.",
     )
+    spare_warmup: bool = setting(
+        True,
+        "Model-transparent mode: a spare imports the modules its script imports (read from the source, not run) "
+        "before it reports ready, and a local job's zygote preloads the frameworks the script imports "
+        "(lightning, transformers, accelerate); off = a replacement imports them after the failure, on the "
+        "recovery's critical path.",
+    )
     log_level: str = setting(
         "info",
         "Level of TorchPass's own log on the ranks when the script configured no logging itself.",

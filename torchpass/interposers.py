@@ -21,8 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
 
+from torchpass.backends import BOUND_GLOO
 from torchpass.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
+from torchpass.frameworks import detect
+from torchpass.frameworks.warmup import rebind_in_loaded_modules
 from torchpass.transparent_fsdp import FsdpInterposers
 from torchpass.transparent_session import Session
 
@@ -72,6 +75,7 @@ class Interposers:
         real_is_initialized = dist.is_initialized
         real_get_rank, real_get_world_size = dist.get_rank, dist.get_world_size
         real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+        real_get_backend = dist.get_backend
         session = self.session
 
         def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, **kw: Any) -> None:
@@ -88,6 +92,9 @@ class Interposers:
                 )
             session.group_requested = True
             session.ctx.log.info("init_process_group(%s): TorchPass owns the process group", backend or "default")
+            if session.framework is None:  # the framework whose code asks for the group, if any (its adapter)
+                caller = sys._getframe(1)
+                session.framework = detect(str(caller.f_globals.get("__name__", "")), session, lambda: caller)
 
         def destroy_process_group(group: Any = None) -> None:
             if internal() or (group is not None and group is not dist.GroupMember.WORLD):
@@ -96,12 +103,20 @@ class Interposers:
         def is_initialized() -> bool:
             if internal():
                 return real_is_initialized()
+            if session.framework is not None and not session.framework.group_visible():
+                return real_is_initialized()
             return bool(real_is_initialized() or session.group_requested)
 
         def get_rank(group: Any = None) -> int:
             if real_is_initialized() or group is not None or not session.group_requested:
                 return real_get_rank(group)
             return session.ctx.slot
+
+        def get_backend(group: Any = None) -> Any:
+            # TorchPass's gloo bound to the node's address (torchpass.backends) is gloo: a framework that asks
+            # picks gloo's ways (Lightning averages by a sum and a division, gloo having no AVG).
+            name = real_get_backend(group)
+            return "gloo" if not internal() and name == BOUND_GLOO else name
 
         def get_world_size(group: Any = None) -> int:
             if real_is_initialized() or group is not None or not session.group_requested:
@@ -113,6 +128,7 @@ class Interposers:
         self._patch(dist, "is_initialized", is_initialized)
         self._patch(dist, "get_rank", get_rank)
         self._patch(dist, "get_world_size", get_world_size)
+        self._patch(dist, "get_backend", get_backend)
         for name in WRAPPED_COLLECTIVES:
             self._patch(dist, name, self._guarded(getattr(dist, name)))
 
@@ -163,7 +179,9 @@ class Interposers:
                 session.adopt_ddp(self, module, args, kwargs)
 
             def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-                if session.loader is None:
+                # A training forward (grad enabled); an evaluation forward, such as Lightning's sanity check
+                # of its validation loop before training, may come before the training loader exists.
+                if session.loader is None and torch.is_grad_enabled():
                     raise TorchPassError(
                         "transparent mode: the model trains on batches from a loader TorchPass cannot see (no "
                         "DataLoader over a DistributedSampler was built before the first forward pass), so it "
@@ -175,11 +193,14 @@ class Interposers:
         for owner in (torch.nn.parallel, torch.nn.parallel.distributed, torch.nn):
             if getattr(owner, "DistributedDataParallel", None) is _TorchDDP:
                 self._patch(owner, "DistributedDataParallel", DistributedDataParallel)
+        # Modules imported before the script ran (a spare's warm-up, a zygote's preload) bound torch's class.
+        rebind_in_loaded_modules(_TorchDDP, DistributedDataParallel, self._patch)
 
     def _install_optim(self) -> None:
         session = self.session
         real_optimizer_init = torch.optim.Optimizer.__init__
 
+        @functools.wraps(real_optimizer_init)  # inspect.signature shows the real one (frameworks read it)
         def optimizer_init(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             real_optimizer_init(optimizer, *args, **kwargs)
             session.adopt_optimizer(optimizer)
@@ -202,6 +223,7 @@ class Interposers:
 
         real_scaler_init = torch.amp.GradScaler.__init__
 
+        @functools.wraps(real_scaler_init)
         def scaler_init(scaler: Any, *args: Any, **kwargs: Any) -> None:
             real_scaler_init(scaler, *args, **kwargs)
             session.adopt("grad_scaler", scaler)
@@ -233,6 +255,9 @@ class Interposers:
         session = self.session
         real_init, real_iter = DataLoader.__init__, DataLoader.__iter__
 
+        # Wrapped, so that inspect.signature shows DataLoader's own parameters: Lightning reads them to rebuild
+        # the script's loader with its DistributedSampler.
+        @functools.wraps(real_init)
         def loader_init(loader: DataLoader[Any], *args: Any, **kwargs: Any) -> None:
             real_init(loader, *args, **kwargs)
             session.adopt_loader(loader)

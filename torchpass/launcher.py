@@ -38,6 +38,7 @@ from torchpass.auth import ENV_JOB_KEY, JobKey, write_coordinator_file
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import DONE, Coordinator
 from torchpass.events import EventSink
+from torchpass.frameworks.warmup import framework_modules
 from torchpass.protocol import LaunchEnv, rank_argv
 from torchpass.zygote import ForkedProcess, Zygote, ZygoteError
 
@@ -205,7 +206,9 @@ class LocalLauncher:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # the children's streams are the zygote's
         try:
-            self.zygote = Zygote(self.python, env)
+            # The frameworks the script imports (lightning, transformers): seconds of CPU per process otherwise.
+            frameworks = framework_modules(self.script) if self.config.spare_warmup else ()
+            self.zygote = Zygote(self.python, env, optional=frameworks)
         except ZygoteError as exc:
             log.warning("%s: every process starts its own interpreter", exc)
 

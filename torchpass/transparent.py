@@ -41,16 +41,27 @@ LR-scheduler steps and grad-scaler updates suppressed in between (the received s
 them), and pass P is served from batch I. The script's epoch counter lines up because it counts passes
 over the loader exactly as the survivors' did.
 
+Gradient accumulation: a step spans the batches up to its optimizer step, so an accumulation window is one
+step, committed after its update and redone from its first batch when it fails.
+
+Frameworks (:mod:`torchpass.frameworks`): the framework whose code calls ``init_process_group`` picks an
+adapter (Lightning), which the session asks where the framework's loop differs from a plain script's: its
+counters and callbacks are registered state, its replacement jumps to the replicas' epoch instead of
+fast-forwarding, its set-up collectives run before any group exists. Frameworks it cannot protect are refused
+at start (the Hugging Face Trainer), and a script error before training fails the job at once rather than
+every spare in turn.
+
 What it cannot capture is documented in docs/user-guide.md ("Model-transparent mode"): arbitrary Python
 state of the script (locals, lists of losses, counters), iterators it cannot see (a hand-written generator,
-a loader without a DistributedSampler), loops bounded by their own step counters, gradient accumulation,
-collectives before the first batch or after the training loop. The interposers warn while the script builds
-its objects, and :meth:`Session.check_first_step` when the first step ends, when a script is outside what
-it protects (``transparent_strict`` makes every warning an error).
+a loader without a DistributedSampler), loops bounded by their own step counters, collectives before the
+first batch or after the training loop. The interposers warn while the script builds its objects, and
+:meth:`Session.check_first_step` when the first step ends, when a script is outside what it protects
+(``transparent_strict`` makes every warning an error).
 
 Where it lives: this module is the bootstrap (join, install, run the script);
-:mod:`torchpass.interposers` holds the replacements, and :mod:`torchpass.transparent_session` the session
-they feed (what the script built, the data position, the step boundary).
+:mod:`torchpass.interposers` holds the replacements, :mod:`torchpass.transparent_session` the session
+they feed (what the script built, the step boundary), and :mod:`torchpass.transparent_data` the data position
+and the passes over the tracked loader.
 """
 
 from __future__ import annotations
@@ -59,22 +70,16 @@ import os
 import runpy
 import sys
 
-from torchpass.context import Context, init
+from torchpass.config import TorchPassConfig
+from torchpass.context import init
 from torchpass.errors import TorchPassError
+from torchpass.frameworks.environment import torchrun_environment
+from torchpass.frameworks.warmup import preimport
 from torchpass.interposers import Interposers
+from torchpass.protocol import LaunchEnv
 from torchpass.transparent_session import Session, TransparentWarning
 
 __all__ = ["Session", "TransparentWarning", "main"]
-
-
-def _torchrun_environment(ctx: Context) -> None:
-    """What ``torchrun`` would set, so scripts written for it find their rank (init itself is TorchPass's)."""
-    os.environ["RANK"] = str(ctx.slot)
-    os.environ["WORLD_SIZE"] = str(ctx.world_size)
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", ctx.env.host)
-    os.environ.setdefault("MASTER_PORT", "29500")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,18 +97,41 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(script: str, script_args: list[str]) -> None:
+    launch = LaunchEnv.from_environ()
+    warmed: tuple[list[str], float] | None = None
+    if launch is not None and launch.role == "spare" and TorchPassConfig.from_env().spare_warmup:
+        warmed = preimport(script)  # off the recovery's critical path (torchpass.frameworks.warmup)
     ctx = init()  # a spare waits here for a slot (and exits 0 if the job ends first)
+    if warmed is not None and warmed[0]:
+        ctx.log.info("spare warm-up imported %d modules of the script in %.2f s", len(warmed[0]), warmed[1])
     session = Session(ctx)
     Interposers(session).install()
-    _torchrun_environment(ctx)
+    # What torchrun would set, so that scripts and frameworks written for it find their rank (the slot).
+    torchrun_environment(os.environ, slot=ctx.slot, world_size=ctx.world_size, host=ctx.env.host, job_id=ctx.env.job_id)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, init_globals={"enumerate": session.enumerate}, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (0, None):
-            raise
-    session.finish()
+        try:
+            runpy.run_path(script, init_globals={"enumerate": session.enumerate}, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
+        session.finish()
+    except TorchPassError as exc:
+        # The script is outside what the mode protects: every rank finds it at the same point, and so would
+        # every spare put in its place, so the job fails now instead of burning its spares one by one.
+        ctx.link.report("fatal", message=str(exc))
+        raise
+    except Exception as exc:
+        if ctx.generation < 0 and not ctx.is_replacement:
+            # An original rank whose script fails before training ever started: a spare would run the same
+            # script into the same error (a crash loop of spares), so the job fails now, with it.
+            ctx.link.report(
+                "fatal",
+                message=f"slot {ctx.slot}: the script failed before training started: {type(exc).__name__}: "
+                f"{str(exc)[:500]} (see the rank's traceback)",
+            )
+        raise
 
 
 if __name__ == "__main__":

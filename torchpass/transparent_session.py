@@ -12,7 +12,7 @@ import inspect
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +24,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchpass.context import Context
 from torchpass.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
-from torchpass.rng import step_seed
+from torchpass.frameworks import FrameworkAdapter, framework_imported
+from torchpass.transparent_data import DATA_STATE, DataPosition, Enumerated, TrackedPass
 
-__all__ = ["DATA_STATE", "DataPosition", "Session", "TransparentWarning"]
+__all__ = ["Session", "TransparentWarning"]
 
-DATA_STATE = "torchpass.data_position"
 # DDP arguments TorchPass decides itself (torchpass.ddp), dropped from the script's call.
 _DDP_DROPPED = (
     "process_group",
@@ -45,96 +45,20 @@ class TransparentWarning(UserWarning):
     """The script does something transparent mode cannot protect (the message says what and what happens)."""
 
 
-class DataPosition:
-    """Where the replicas are in the script: ``index`` batches of pass ``pass_no`` over the tracked loader are
-    done, and ``collectives`` of the script's collectives between steps have completed.
+class _ReplayOnce:
+    """A closure already evaluated once: its first call returns that result, later calls evaluate it again
+    (an optimizer such as LBFGS calls its closure several times)."""
 
-    Registered with the context like any user state, so it travels with the model and rolls back with an
-    abandoned step. ``epoch`` is the sampler's epoch of that pass (a consistency check for newcomers; -1 when
-    unknown). A pass whose end the replicas have passed is recorded as the next pass at index 0: from there on
-    they ran the script's code after that pass (its epilogue), which a newcomer must then skip, while a pass
-    ended but not yet left (``index`` = its length) means the epilogue is still to run, newcomer included.
-    ``collectives`` tells a newcomer which of the epilogue's collectives the replicas already ran."""
+    def __init__(self, first: Any, closure: Callable[[], Any]) -> None:
+        self.first: Any = first
+        self.closure = closure
+        self.used = False
 
-    def __init__(self) -> None:
-        self.pass_no = 0
-        self.index = 0
-        self.epoch = -1
-        self.collectives = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pass": self.pass_no, "index": self.index, "epoch": self.epoch, "collectives": self.collectives}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pass_no, self.index, self.epoch = int(state["pass"]), int(state["index"]), int(state["epoch"])
-        self.collectives = int(state.get("collectives", 0))  # snapshots written before the field existed
-
-
-class _Pass:
-    """One ``iter(loader)`` of the tracked loader: its batches (index lists) and a streaming inner loader."""
-
-    def __init__(self, session: Session, loader: DataLoader[Any], pass_no: int) -> None:
-        self.session = session
-        self.loader = loader
-        self.pass_no = pass_no
-        sampler = loader.sampler
-        if not isinstance(sampler, DistributedSampler):  # a batch sampler over the DistributedSampler
-            sampler = getattr(loader.batch_sampler, "sampler", sampler)
-        self.epoch = int(getattr(sampler, "epoch", 0))
-        self.batches: list[Any] = list(iter(loader.batch_sampler))  # type: ignore[arg-type]
-        self.inner: Iterator[Any] | None = None
-        self.inner_next = -1
-
-    def __iter__(self) -> _Pass:
-        return self
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __next__(self) -> Any:
-        return self.session.next_batch(self)
-
-    def fetch(self, index: int, step: int, seed: int, slot: int) -> Any:
-        """Batch ``index`` of this pass: streamed, or from a fresh inner loader after a jump (redo, resume).
-
-        The inner loader's private generator keeps its construction from drawing on the global RNG, which
-        was just reseeded for the step (in-process ``__getitem__`` randomness then depends on the step only)."""
-        if self.inner is None or index != self.inner_next:
-            src = self.loader
-            workers = src.num_workers
-            inner_loader: DataLoader[Any] = DataLoader(
-                src.dataset,
-                batch_sampler=self.batches[index:],  # type: ignore[arg-type]
-                num_workers=workers,
-                collate_fn=src.collate_fn,
-                pin_memory=src.pin_memory,
-                timeout=src.timeout,
-                worker_init_fn=src.worker_init_fn,
-                multiprocessing_context=src.multiprocessing_context if workers else None,
-                generator=torch.Generator().manual_seed(step_seed(seed, slot, step)),
-                prefetch_factor=src.prefetch_factor if workers else None,
-                pin_memory_device=src.pin_memory_device,
-            )
-            self.inner = iter(inner_loader)
-        batch = next(self.inner)
-        self.inner_next = index + 1
-        return batch
-
-
-class _Enumerated:
-    """``enumerate`` over the tracked loader: the index is the batch's place in its pass (see
-    :meth:`Session.enumerate`)."""
-
-    def __init__(self, it: _Pass, start: int) -> None:
-        self.it = it
-        self.start = start
-
-    def __iter__(self) -> _Enumerated:
-        return self
-
-    def __next__(self) -> tuple[int, Any]:
-        batch = next(self.it)
-        return self.start + self.it.session.step_index, batch
+    def __call__(self) -> Any:
+        if self.used:
+            return self.closure()
+        self.used = True
+        return self.first
 
 
 class Session:
@@ -147,7 +71,8 @@ class Session:
         self.group_requested = False
         self.model: nn.Module | None = None  # the script's DDP, or the outermost module it fully_shard-ed
         self.loader: DataLoader[Any] | None = None
-        self.other_loaders = 0
+        self.untracked: list[tuple[Any, bool]] = []  # (dataset, over a DistributedSampler) of untracked loaders
+        self.evaluation_datasets: list[Any] = []  # of the loaders a framework rebuilt for validation
         self.passes = 0
         self.step_open = False
         self.step_pass = -1
@@ -158,6 +83,8 @@ class Session:
         self.between_seen = 0  # the script's collectives between steps this process reached (once the job started)
         self.moved_between = False  # the script ran on between two steps: the rollback point moves to the next
         self.first_step_checked = False
+        self.framework: FrameworkAdapter | None = None  # a framework's adapter, once it called init_process_group
+        self.rolled_back = False  # the open step was abandoned and undone already; only the recovery is left
         self.n_schedulers = 0
         self.n_scalers = 0
 
@@ -176,6 +103,8 @@ class Session:
         if self.first_step_checked:
             return
         self.first_step_checked = True
+        if self.framework is not None:
+            self.framework.check_first_step(self.model is not None)
         if self.model is None:
             self.warn(
                 "the first step ran without a DistributedDataParallel model or a fully_shard-ed one: gradients "
@@ -188,9 +117,8 @@ class Session:
             )
         if self.ctx.lifecycle.optimizer_steps == 0:
             raise TorchPassError(
-                "transparent mode: the first step (one batch of the DistributedSampler loader) ran no optimizer "
-                "step; each batch must end with optimizer.step() (gradient accumulation over several batches "
-                "cannot be protected: use the model-aware API)"
+                "transparent mode: a whole pass over the DistributedSampler loader ran no optimizer step; there "
+                "is no training update to protect"
             )
         if len(self.ctx.parts.optimizers) > 1:
             self.warn(
@@ -264,6 +192,8 @@ class Session:
         )
         self.ctx.adopt_model(ddp)
         self.model = ddp
+        if self.framework is not None:
+            self.framework.adopt_model(module)
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Every optimizer built by the script: its state moves; its step skips abandoned and skipped steps."""
@@ -279,7 +209,14 @@ class Session:
         def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if session.fast_forward:
                 return None
-            return gated(*args, **kwargs)
+            closure = kwargs.pop("closure", None) if "closure" in kwargs else (args[0] if args else None)
+            if closure is None:
+                return gated(*args, **kwargs)
+            # Forward and backward run inside the closure (Lightning's automatic optimization): run it before
+            # the gate decides, so that a gradient all-reduce failing in it keeps the update from happening.
+            with torch.enable_grad():
+                loss = closure()
+            return gated(closure=_ReplayOnce(loss, closure))
 
         # A bound method, as ctx.wrap_optimizer's: an LR scheduler re-wraps it through its __func__.
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
@@ -315,10 +252,12 @@ class Session:
             if self.step_open:
                 self.ctx.lifecycle.optimizer_steps += 1
 
-    def start_pass(self, loader: DataLoader[Any]) -> _Pass:
+    def start_pass(self, loader: DataLoader[Any]) -> TrackedPass:
         """``iter()`` on the tracked loader: a new pass over it, whose ``next()`` is the step boundary."""
-        self.passes += 1
-        return _Pass(self, loader, self.passes - 1)
+        counted = self.passes
+        pass_no = counted if self.framework is None else self.framework.pass_number(counted)
+        self.passes = pass_no + 1
+        return TrackedPass(self, loader, pass_no)
 
     def adopt_loader(self, loader: DataLoader[Any]) -> None:
         """The first loader over a DistributedSampler is tracked; say why when one cannot be."""
@@ -330,20 +269,40 @@ class Session:
         if isinstance(loader.batch_sampler, list):
             return  # one of ours (the inner loader of a pass)
         if not distributed:
-            self.other_loaders += 1
-            if self.loader is None:
+            self.untracked.append((loader.dataset, False))
+            if self.loader is None and not framework_imported():  # a framework may add the sampler itself
                 self.warn(
                     "a DataLoader without a DistributedSampler: transparent mode cannot see or restore its "
                     "position, so it is not tracked (a replacement would start it from the beginning)"
                 )
             return
+        # A framework's validation loader (Lightning rebuilds it with a DistributedSampler too) is not the one
+        # training iterates; neither is any loader after the tracked one.
+        if self.framework is not None and not self.framework.accepts_loader():
+            self.evaluation_datasets.append(loader.dataset)  # validation: need not be tracked, not "another"
+            return
         if self.loader is not None:
-            self.other_loaders += 1
+            self.untracked.append((loader.dataset, True))
             return
         if batch_sampler is None:
             self.warn("the DistributedSampler loader has batch_size=None: its position is not tracked")
             return
         self.loader = loader
+
+    @property
+    def other_loaders(self) -> int:
+        """Loaders not tracked, counted by dataset. A framework that adds the sampler rebuilds the script's
+        loaders: the script's own loader of the training data is not "another" loader, and a validation
+        loader it rebuilt counts once with the script's."""
+        tracked = None if self.loader is None else self.loader.dataset
+        evaluation = {id(d) for d in self.evaluation_datasets}
+        return len(
+            {
+                id(d)
+                for d, distributed in self.untracked
+                if (distributed or d is not tracked) and id(d) not in evaluation
+            }
+        )
 
     def enumerate(self, iterable: Any, start: int = 0) -> Any:
         """The script's ``enumerate`` (its module's global): over the tracked loader, each batch comes with its
@@ -353,8 +312,8 @@ class Session:
         across ranks. Anything else is the builtin's ``enumerate``."""
         if self.loader is not None and iterable is self.loader:
             iterable = iter(iterable)
-        if isinstance(iterable, _Pass):
-            return _Enumerated(iterable, start)
+        if isinstance(iterable, TrackedPass):
+            return Enumerated(iterable, start)
         return builtins.enumerate(iterable, start)
 
     # ----- the step boundary ---------------------------------------------------------------
@@ -366,14 +325,18 @@ class Session:
         self.step_open = False
         ctx, step = self.ctx, self.ctx.step
         if ctx.lifecycle.abandoned:
+            if self.rolled_back:  # undone already (roll_back_open_step): what is left is the recovery
+                self.rolled_back = False
+                ctx.recover(ctx.lifecycle.reason, error=True)
+                return
             ctx.end_step()  # rolls back and recovers
             return
         if ctx.lifecycle.optimizer_steps == 0:
             self.steps_without_optimizer += 1
             if self.first_step_checked and self.steps_without_optimizer == 1:
                 self.warn(
-                    f"step {step} ran no optimizer step (gradient accumulation?): a failure while gradients "
-                    "accumulate over several batches is not protected"
+                    f"step {step} ended with its pass and ran no optimizer step: the gradients accumulated in it "
+                    "are not part of the state, so a failure before the next optimizer step is not protected"
                 )
         self.check_first_step()
         self.position.pass_no, self.position.index, self.position.epoch = (
@@ -383,15 +346,53 @@ class Session:
         )
         ctx.end_step()  # commits; recovers after when a collective failed after the update
 
+    def roll_back_open_step(self) -> bool:
+        """For a framework whose loop asks for no batch after the last one (Lightning): close the last step
+        of training right after it. A committed step commits now. An abandoned one is undone now (the
+        framework's counters go back with it, so its loop fetches the same batch again) and the recovery
+        waits for that request. True when the step must be redone."""
+        if not self.step_open:
+            return False
+        lifecycle = self.ctx.lifecycle
+        if lifecycle.abandoned:
+            if not self.rolled_back:
+                lifecycle.roll_back()
+                self.rolled_back = True
+            return True
+        if lifecycle.optimizer_steps == 0:
+            return False  # inside an accumulation window: it closes with its optimizer step
+        self._close_step()
+        return False
+
+    def _window_goes_on(self, it: TrackedPass) -> bool:
+        """Whether the open step is a gradient-accumulation window still waiting for its optimizer step."""
+        lifecycle = self.ctx.lifecycle
+        return (
+            self.step_open
+            and not lifecycle.abandoned
+            and lifecycle.optimizer_steps == 0
+            and it.pass_no == self.step_pass
+            and self.step_index + 1 < len(it.batches)
+        )
+
     def _boundary(self) -> None:
         """Between two steps: join the first generation, or follow a newer one (as ``ctx.steps`` does)."""
         self.ctx.start()
         self.ctx.follow_generation()
 
-    def next_batch(self, it: _Pass) -> Any:
-        """``next()`` on the tracked loader: the step boundary (see the module docstring)."""
+    def next_batch(self, it: TrackedPass) -> Any:
+        """``next()`` on the tracked loader: the step boundary (see :mod:`torchpass.transparent`).
+
+        A step spans the batches up to its optimizer step: with gradient accumulation, the whole window is one
+        step, committed after its update and redone from its first batch when it fails."""
+        if self._window_goes_on(it):
+            index = self.step_index + 1 if self.framework is None else self.framework.align(it)
+            return self._serve(it, index, self.ctx.step)
         self._close_step()
         self._boundary()
+        if self.framework is not None:
+            index = self.framework.align(it)
+            return self._serve(it, index, self._begin_step())
         pos = self.position
         if it.pass_no < pos.pass_no:
             self.fast_forward = True  # a newcomer behind the received position: this pass is done
@@ -410,13 +411,21 @@ class Session:
             pos.pass_no, pos.index, pos.epoch = it.pass_no + 1, 0, -1
             self.moved_between = True
             raise StopIteration
+        return self._serve(it, index, self._begin_step())
+
+    def _begin_step(self) -> int:
         ctx = self.ctx
         if self.moved_between:  # an abandoned step rolls back to here, keeping what the epilogue did
             self.moved_between = False
             ctx.lifecycle.remember()
         step = ctx.committed_step + 1
         ctx.begin(step)
-        batch = it.fetch(index, step, ctx.config.seed, ctx.slot)
+        return step
+
+    def _serve(self, it: TrackedPass, index: int, step: int) -> Any:
+        if self.framework is not None:
+            self.framework.served(index)
+        batch = it.fetch(index, step, self.ctx.config.seed, self.ctx.slot)
         self.step_open, self.step_pass, self.step_index, self.step_epoch = True, it.pass_no, index, it.epoch
         return batch
 

@@ -47,6 +47,7 @@ __all__ = ["PRELOAD", "ForkedProcess", "Zygote", "ZygoteError"]
 log = logging.getLogger("clockwork.torchpass.zygote")
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo")  # what every rank imports anyway
+OPTIONAL = "--optional"  # on the zygote's command line: the modules after it may fail to import
 READY = "ready"
 START_TIMEOUT_S = 120.0  # the zygote's own import of torch on a loaded node
 
@@ -124,10 +125,20 @@ def serve(fd: int, preload: Sequence[str]) -> None:
     """The zygote's loop (``python -m torchpass.zygote FD MODULE...``)."""
     die_with_parent()
     # Before any child clears its environment: setproctitle finds its room (argv and environ) the first time.
-    setproctitle.setproctitle(f"torchpass zygote (preloaded: {' '.join(preload) or 'nothing'})")
+    named = " ".join(name for name in preload if name != OPTIONAL)
+    setproctitle.setproctitle(f"torchpass zygote (preloaded: {named or 'nothing'})")
     sock = socket.socket(fileno=fd)
+    optional = False
     for name in preload:
-        importlib.import_module(name)
+        if name == OPTIONAL:
+            optional = True
+        elif not optional:
+            importlib.import_module(name)
+        else:
+            try:  # a framework the script imports: without it each child imports it itself (and fails there)
+                importlib.import_module(name)
+            except Exception as exc:
+                log.warning("zygote: preloading %s failed (%s); each process imports it itself", name, exc)
     wake_r, wake_w = socket.socketpair()
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
@@ -201,11 +212,13 @@ class ForkedProcess:
 class Zygote:
     """Starts ``python -m torchpass.zygote`` and asks it for processes (from one thread only)."""
 
-    def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD) -> None:
+    def __init__(
+        self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD, optional: Sequence[str] = ()
+    ) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
         self.proc = subprocess.Popen(
-            [python, "-m", "torchpass.zygote", str(theirs.fileno()), *preload],
+            [python, "-m", "torchpass.zygote", str(theirs.fileno()), *preload, OPTIONAL, *optional],
             env=dict(env),
             pass_fds=(theirs.fileno(),),
         )

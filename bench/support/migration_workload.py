@@ -4,17 +4,23 @@
 * ``aware``: the TorchPass API (``tp.init``, ``wrap_model``, ``wrap_optimizer``, ``ctx.steps`` over a
   ``StepLoader``), run by ``torchpass run --local``;
 * ``transparent``: an unmodified DDP script (``init_process_group``, ``DistributedDataParallel``, AdamW, a
-  DataLoader over a ``DistributedSampler``), run by ``torchpass run --local --transparent``.
+  DataLoader over a ``DistributedSampler``), run by ``torchpass run --local --transparent``;
+* ``lightning``: an unmodified PyTorch Lightning script (a ``LightningModule``, ``Trainer(strategy="ddp")``, a
+  DataLoader without a sampler), run by ``torchpass run --local --transparent``.
 
 Both train the same MLP (``--layers`` x ``--hidden``, AdamW) on the same synthetic dataset, so the state a
 migration moves is the same size (transparent mode adds its data position: three integers). Slot 0 writes
 ``at-step`` under ``--out`` when it starts step ``--mark-step``, so the benchmark knows training is under
-way; every step sleeps ``--step-sleep`` seconds so the migration lands mid-run. One intra-op thread.
+way; every step sleeps ``--step-sleep`` seconds so the migration lands mid-run. With ``--kill`` slot 1 SIGKILLs
+itself at that step instead (once: a marker file keeps its replacement alive), for a crash recovery's figures.
+One intra-op thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,6 +51,13 @@ def _dataset() -> TensorDataset:
 def _mark(args: argparse.Namespace, slot: int, step: int) -> None:
     if slot == 0 and step == args.mark_step:
         (Path(args.out) / "at-step").write_text(str(time.time()))
+    if args.kill and slot == 1 and step == args.mark_step:
+        try:
+            os.close(os.open(Path(args.out) / "killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass  # the replacement, at the same step
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
     if args.step_sleep:
         time.sleep(args.step_sleep)
 
@@ -92,9 +105,43 @@ def transparent(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def lightning(args: argparse.Namespace) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model(args.layers, args.hidden)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            _mark(args, self.global_rank, self.global_step)  # Lightning's counter: right on a newcomer too
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    loader = DataLoader(_dataset(), batch_size=args.batch, shuffle=True, drop_last=True)
+    world = int(os.environ["WORLD_SIZE"])
+    per_epoch = len(loader) // world
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=world,
+        strategy="ddp",
+        max_epochs=-(-args.steps // per_epoch),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Module(), loader)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("aware", "transparent"))
+    parser.add_argument("mode", choices=("aware", "transparent", "lightning"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=64, help="steps, rounded up to whole epochs")
     parser.add_argument("--layers", type=int, default=4)
@@ -102,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--mark-step", type=int, default=5)
     parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--kill", action="store_true", help="slot 1 SIGKILLs itself at --mark-step (once)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    (aware if args.mode == "aware" else transparent)(args)
+    {"aware": aware, "transparent": transparent, "lightning": lightning}[args.mode](args)
     return 0
 
 

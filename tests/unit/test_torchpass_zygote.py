@@ -143,3 +143,16 @@ def _start_time(pid: int) -> int | None:
 def test_a_zygote_that_cannot_preload_says_so() -> None:
     with pytest.raises(ZygoteError, match="did not start"):
         Zygote(sys.executable, dict(os.environ), preload=("no_such_module_cw",))
+
+
+def test_a_framework_the_zygote_cannot_preload_is_left_to_each_process(tmp_path: Path) -> None:
+    """The script's frameworks are preloaded as optional: one that fails to import leaves the zygote running
+    (each forked process then imports it itself, and fails where the user expects it)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nsys.exit(0 if 'colorsys' in sys.modules else 3)\n")
+    zygote = Zygote(sys.executable, dict(os.environ), preload=("json",), optional=("no_such_framework_cw", "colorsys"))
+    try:
+        child = zygote.spawn([str(probe)], dict(os.environ))
+        assert child.wait(timeout=60) == 0, "the optional module that imports was not preloaded"
+    finally:
+        zygote.close()

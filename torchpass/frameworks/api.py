@@ -1,0 +1,74 @@
+"""What transparent mode and a framework adapter ask of each other (see :mod:`torchpass.frameworks`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from torchpass.context import Context
+
+__all__ = ["FrameworkAdapter", "PassView", "SessionView"]
+
+
+class PassView(Protocol):
+    """One pass over the tracked loader, as an adapter sees it (:class:`torchpass.transparent_data.TrackedPass`)."""
+
+    pass_no: int
+    epoch: int
+
+    def __len__(self) -> int: ...
+
+    def retarget(self, pass_no: int, epoch: int) -> None:
+        """Become pass ``pass_no`` with the sampler's order of ``epoch`` (a jump to another pass)."""
+        ...
+
+
+class SessionView(Protocol):
+    """What an adapter needs from the transparent-mode session."""
+
+    ctx: Context
+    step_open: bool
+
+    def warn(self, message: str) -> None: ...
+
+    def roll_back_open_step(self) -> bool:
+        """Close the step in progress now if it committed cleanly; if it was abandoned, undo it but leave the
+        recovery to the next batch request (True: the step must be redone)."""
+        ...
+
+
+class FrameworkAdapter(Protocol):
+    """The points where a framework's training differs from a plain DDP script's (see the module docstring)."""
+
+    name: str
+
+    def group_visible(self) -> bool:
+        """Whether ``torch.distributed.is_initialized()`` should report a group before the first step (False:
+        the framework then skips its set-up collectives, as it does when it runs without one)."""
+        ...
+
+    def accepts_loader(self) -> bool:
+        """Whether a ``DistributedSampler`` loader built now is the one training iterates (not validation's)."""
+        ...
+
+    def adopt_model(self, module: nn.Module) -> None:
+        """The script's DDP was built over ``module``."""
+        ...
+
+    def pass_number(self, counted: int) -> int:
+        """The pass a new ``iter(loader)`` starts (``counted``: how many iterations came before it)."""
+        ...
+
+    def align(self, it: PassView) -> int:
+        """The batch of ``it`` to serve now, after any jump (raise StopIteration to end the pass)."""
+        ...
+
+    def served(self, index: int) -> None:
+        """Batch ``index`` of the current pass is being handed to the framework."""
+        ...
+
+    def check_first_step(self, has_model: bool) -> None:
+        """At the end of the first step: refuse what this framework's mode cannot protect."""
+        ...
