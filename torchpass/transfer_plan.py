@@ -114,10 +114,12 @@ class Replicated:
 class ShardedReplicas:
     """HSDP: ``replicas`` copies of a model cut into ``shards`` shards; slot ``r * shards + s`` holds shard s.
 
-    ``replicas=1`` is pure FSDP: each shard lives in one slot only (plus whatever peer copies members report)."""
+    ``replicas=1`` is pure FSDP: each shard lives in one slot only (plus whatever peer copies members report;
+    ``peer_copies``: how many ring successors keep one, for the message when a shard is lost anyway)."""
 
     replicas: int
     shards: int
+    peer_copies: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.shards < 1:
@@ -165,8 +167,16 @@ class ShardedReplicas:
         return f"shard {part} of the {self.replicas}x{self.shards} mesh"
 
     def lost_hint(self, part: int) -> str:
-        """Every holder of the shard is gone: nothing to add."""
-        return ""
+        """Pure FSDP with peer copies: where the copies were, and why that was not enough."""
+        if self.replicas > 1 or not self.peer_copies:
+            return ""
+        holders = [(part + i) % self.shards for i in range(1, min(self.peer_copies, self.shards - 1) + 1)]
+        return (
+            f"its peer copies (peer_copies={self.peer_copies}: slot{'s' if len(holders) > 1 else ''} "
+            f"{', '.join(map(str, holders))}) were lost with it, or hold no step every other shard is still held "
+            "at; losing more adjacent ranks than peer_copies covers needs a snapshot, and snapshots of sharded "
+            "models are not supported yet"
+        )
 
 
 @dataclass(frozen=True)

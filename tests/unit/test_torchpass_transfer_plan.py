@@ -235,3 +235,15 @@ def test_a_table_that_does_not_fit_the_layout_is_refused() -> None:
         ShardedReplicas(0, 2)
     assert [HSDP.slot(r, s) for r in range(2) for s in range(2)] == [0, 1, 2, 3]
     assert [HSDP.parts_of(slot) for slot in range(4)] == [(0,), (1,), (0,), (1,)]
+
+
+def test_a_shard_lost_with_its_peer_copies_says_why() -> None:
+    """Slots 1 and 2 of a 1 x 4 job with one copy each (slot 1's in slot 2) die together: the reason names
+    the copies' slot and the fallback."""
+    layout = ShardedReplicas(1, 4, peer_copies=1)
+    table = [Holdings((5, None, None, 5)), _held(None, None, None, None), _held(None, None, None, None)]
+    table.append(Holdings((None, None, 5, 5)))
+    with pytest.raises(StateLost, match=r"shard 1 of the 1x4 mesh any more \(at step 5\): its peer copies "):
+        plan_transfers(table, layout, expect_state=True)
+    with pytest.raises(StateLost, match=r"peer_copies=1: slot 2\) were lost with it.*snapshot"):
+        plan_transfers(table, layout, expect_state=True)
