@@ -18,6 +18,7 @@ scheduler, a parameter that does not split evenly); its kill points are describe
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,8 @@ import pytest
 from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final
 from tests.unit.test_torchpass_fsdp import LAYERS, NPROC, STEPS, _journal, _run
 
-SEED = random.SystemRandom().randrange(1 << 30)
-print(f"test_torchpass_fsdp_peercopy: seed {SEED}")
+SEED = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
+print(f"test_torchpass_fsdp_peercopy: CW_TEST_SEED={SEED}")
 _draw = random.Random(SEED)
 
 
