@@ -131,6 +131,8 @@ def build_story(
                     f"(detect {float(f.get('detect_ms', 0)) / 1000:.2f} s, transfer {f.get('transfer_ms', '?')} ms, "
                     f"rebuild {f.get('rebuild_ms', '?')} ms), resumed at step {f.get('step', '?')}"
                 )
+                if int(f.get("recomputed_steps") or 0):  # pure FSDP: a peer copy older than the committed step
+                    incident.resolution += f"; rolled back in memory, {f['recomputed_steps']} step(s) computed again"
                 incident.fields = {**incident.fields, **f}
         elif kind == "torchpass.migrated":
             ms = float(f.get("total_ms", 0))
