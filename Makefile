@@ -60,12 +60,11 @@ lint: venv
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, a module at a time each (--dist loadfile): a module's
 # tests share its worker's sandbox in the shape they ask for, and every worker has a sandbox of its own (its own
-# namespaces, subnet and ports: tests/integration/conftest.py). One by default: two take about 21 min of pytest
-# against 45 for one on a 2-core machine, but beside another module test_report's failover-and-migration
-# case has run past pytest's 300 s timeout (twice; it passes alone in 2 min), so CI stays on one until it
-# does not. TEST_WORKERS=2 make test runs two. --no-loadscope-reorder: modules go out in collection order
+# namespaces, subnet and ports: tests/integration/conftest.py). Two by default: on a 2-core machine most
+# integration tests wait on jobs, so two workers take ~15 min of pytest where one takes ~25. TEST_WORKERS=1 make
+# test runs one. --no-loadscope-reorder: modules go out in collection order
 # (integration, the long ones, first: tests/conftest.py), not by their number of tests.
-TEST_WORKERS ?= 1
+TEST_WORKERS ?= 2
 
 test: lint typecheck slurm-24.11
 	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25

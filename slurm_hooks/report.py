@@ -15,11 +15,12 @@ from typing import Any
 
 from slurm_hooks.context import HookContext
 
-#: Event kinds counted in the summary, and how the summary names them.
+#: Event kinds counted in the summary, and how the summary names them: LinkPass's failovers, TorchPass's live
+#: migrations (planned or health-driven) and its restores from a disk snapshot (the only rollback it makes).
 COUNTED = {
     "link.failover": "link failovers",
-    "rank.migrated": "migrations",
-    "job.rollback": "rollbacks",
+    "torchpass.migrated": "migrations",
+    "torchpass.restored": "rollbacks",
 }
 
 
@@ -36,7 +37,10 @@ def _redacted(event: dict[str, Any]) -> dict[str, Any]:
 
 def build(ctx: HookContext, events: list[dict[str, Any]], daemon: str) -> dict[str, Any]:
     events = [_redacted(e) for e in events]
-    kinds = Counter(str(e.get("kind", "")) for e in events)
+    # A restore is reported by every rank that loads the snapshot: count each restored step once.
+    restores = {(e.get("fields") or {}).get("step") for e in events if e.get("kind") == "torchpass.restored"}
+    kinds = Counter(str(e.get("kind", "")) for e in events if e.get("kind") != "torchpass.restored")
+    kinds["torchpass.restored"] = len(restores)
     return {
         "job_id": ctx.job_id,
         "node": ctx.node,

@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 
 from clockworkd.coordinator_wire import JobState
@@ -58,6 +59,8 @@ from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank
 from torchpass.proxy import CoordinatorProxy
 from torchpass.slurm_layout import (
     ENV_AGENT_INDEX,
+    ENV_LOST_NODES_FILE,
+    ENV_NODES,
     SlurmLayout,
     SlurmLayoutError,
 )
@@ -386,10 +389,24 @@ class SlurmAgent:
                 time.sleep(self.config.agent_heartbeat_interval_s)
         else:
             time.sleep(3 * self.config.agent_heartbeat_interval_s)
+        self._tell_launcher_the_lost_nodes()
         if state == JobState.DONE:
             return AGENT_EXIT_DONE
         print(f"torchpass: job failed: {self.mesh.failure_reason() or 'see the leader agent log'}", file=sys.stderr)
         return AGENT_EXIT_FAILED
+
+    def _tell_launcher_the_lost_nodes(self) -> None:
+        """On the batch launcher's node: which nodes the job counted lost, so that it cancels their steps at once
+        (a step on a dead node would hold the job until Slurm declares the node down)."""
+        target = self.environ.get(ENV_LOST_NODES_FILE)
+        if not target:
+            return
+        nodes = self.environ.get(ENV_NODES, "").split(",")
+        lost = [nodes[k] for k in sorted(self.mesh.lost_agents()) if k < len(nodes)]
+        try:
+            Path(target).write_text("".join(f"{node}\n" for node in lost))
+        except OSError as error:
+            log.warning("cannot tell the launcher the lost nodes (%s): it waits for their steps instead", error)
 
     def _terminate_child(self, grace_s: float) -> None:
         if not self._child_alive():

@@ -186,6 +186,22 @@ class TorchPassConfig:
         "Keep a copy of the model's buffers (e.g. BatchNorm statistics) at each committed step, so a step "
         "abandoned after its forward pass can be undone. Costs one buffer copy per step; free without buffers.",
     )
+    peer_copies: int = setting(
+        1,
+        "Pure FSDP (a 1 x S mesh, no replica): how many ring neighbours keep a copy of each rank's shard "
+        "(parameters, optimizer state and everything else that moves) in host memory, so that a sudden crash is "
+        "rebuilt from a neighbour instead of stopping the job: 1 survives any crash that spares the next slot, "
+        "2 any two adjacent ones. 0 = off. Costs host memory (per rank: 3 own copies + 2 x this many neighbour "
+        "copies of a shard) and a stream of one shard per neighbour every peer_copy_every_steps steps.",
+        min=0,
+    )
+    peer_copy_every_steps: int = setting(
+        1,
+        "Refresh the peer copies after every K-th committed step (K = 1: after every step). A crash then rolls "
+        "the job back in memory to the last complete copy, at most about K steps; the job's report says how many "
+        "steps were computed again.",
+        min=1,
+    )
     snapshot_dir: str = setting(
         "clockwork-snapshots/{job}",
         "Where snapshots go ({job}: the Slurm job id, or 'local'); relative to the launcher's working directory. "
@@ -239,6 +255,8 @@ class TorchPassConfig:
                 object.__setattr__(self, f.name, coerce(f, getattr(self, f.name), text_ok=False))
             except FieldValueError as exc:
                 raise ConfigError(f"torchpass config: {f.name}: {exc}") from None
+        if self.peer_copies > 2:
+            raise ConfigError(f"torchpass config: peer_copies: 0, 1 or 2 neighbours, got {self.peer_copies}")
 
     # ----- construction ---------------------------------------------------------------------
 

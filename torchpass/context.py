@@ -118,6 +118,7 @@ class Context:
         self._sharded: ShardedState | None = None  # its state: what moves, how
         self._closed = False
         self._snapshotter = Snapshotter(config, self.log, event_sink)
+        self.lifecycle.before_update_hooks.append(self._snapshotter.before_update)
         self._restore_from = restore_target(config) if env.initial_slot is not None else (None, False)
         channel.on_generation = self._on_generation
 
@@ -194,7 +195,7 @@ class Context:
             raise TorchPassError("the job's model is already wrapped (one model, one mesh per job)")
         self._sharded = sharded = ShardedState(shape, self, self._parts, names)
         self.rejoiner.transport = sharded.transport(self._backend, int(self.config.transfer_chunk_mb * (1 << 20)))
-        self.rejoiner.layout, self.mesh = shape, sharded.groups.mesh
+        self.rejoiner.layout, self.mesh = sharded.part_layout, sharded.groups.mesh
         return sharded
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -212,7 +213,7 @@ class Context:
             if lifecycle.abandoned:
                 ctx.log.debug("optimizer step skipped (step abandoned: %s)", lifecycle.reason)
                 return None
-            ctx._snapshotter.before_update()  # snapshot copies still reading the parameters come first
+            lifecycle.before_update()  # snapshot and peer copies still reading the parameters come first
             result = inner(*args, **kwargs)
             lifecycle.optimizer_steps += 1
             return result

@@ -314,6 +314,8 @@ def completion_fields(
         "rebuild_ms": worst([r.rebuild_ms or 0.0 for r in joined]),
         "transfer_ms": worst([r.transfer_ms or 0.0 for r in joined]),
         "transfer_bytes": max((r.transfer_bytes or 0) for r in joined),
+        # Steps some member had committed and the job computes again (rolled back to an older peer copy).
+        "recomputed_steps": max((r.rolled_back for r in joined), default=0),
     }
     moves = sorted((m for r in joined for m in r.moves), key=lambda m: (m.target, m.part))
     if moves:  # which part of the state (a shard, under FSDP) went from whom to whom: bytes, time

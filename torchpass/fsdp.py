@@ -16,8 +16,11 @@ again (:meth:`torchpass.shard_mesh.MeshGroups.bind`, from :meth:`ShardTransport.
 What moves (:class:`ShardTransport`): the state of slot (r, s) is *part* ``s``: its local shards of every
 parameter and of every piece of optimizer state, plus what is not sharded (the step, LR schedulers, grad
 scalers, registered objects, buffers). A newcomer in (r, s) receives part ``s`` from a live holder (r', s) of
-the most advanced step; when no member holds part ``s`` at that step (pure FSDP, or both holders lost), nothing
-is invented: the job stops with that reason (:class:`torchpass.transfer_plan.StateLost`).
+the most advanced step. Pure FSDP keeps a copy of every shard in its ring neighbours' host memory
+(:mod:`torchpass.peer_copy`; ``peer_copies``, ``peer_copy_every_steps``): a newcomer gets its shard from one,
+and when that copy is older than the committed step every rank rolls back to it in memory. When no member holds
+part ``s`` at any step every other part is held at (both holders lost, or a shard and its copies), nothing is
+invented: the job stops with that reason (:class:`torchpass.transfer_plan.StateLost`).
 
 Buffers are not synchronised by FSDP2: a buffer a forward pass updates (BatchNorm's running statistics) then
 differs per rank, and a replica's copy is not the dead rank's. ``wrap_fsdp`` warns about such modules.
@@ -25,6 +28,7 @@ differs per rank, and a replica's copy is not the dead rank's. ``wrap_fsdp`` war
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterable
@@ -38,6 +42,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torchpass.backends import CommBackend
 from torchpass.config import TorchPassConfig
 from torchpass.errors import TorchPassError
+from torchpass.events import EventSink
+from torchpass.peer_copy import PeerCopies
+from torchpass.protocol import LaunchEnv
 from torchpass.rejoin import ProcessGroupTransport
 from torchpass.shard_mesh import MeshGroups
 from torchpass.state import StateError, StateParts
@@ -141,7 +148,26 @@ class ShardHost(Protocol):
 
     @property
     def config(self) -> TorchPassConfig:
-        """The job's settings (snapshots, buffer copies)."""
+        """The job's settings (snapshots, buffer copies, peer copies)."""
+        ...
+
+    @property
+    def env(self) -> LaunchEnv:
+        """How the launcher started this rank (its address: where peer copies are sent to it)."""
+        ...
+
+    @property
+    def log(self) -> logging.LoggerAdapter:  # type: ignore[type-arg]
+        """The rank's logger."""
+        ...
+
+    @property
+    def event_sink(self) -> EventSink | None:
+        """Where the rank's events go."""
+        ...
+
+    def on_commit(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(step)`` after each committed step."""
         ...
 
 
@@ -165,6 +191,18 @@ class ShardedState:
         self.parts = parts
         parts.mesh = self.groups.mesh
         parts.label = shape.part_name(shape.coordinate(host.slot)[1])
+        self.peers: PeerCopies | None = None
+        copies = host.config.peer_copies if shape.replicas == 1 and shape.shards > 1 else 0
+        self.part_layout = dataclasses.replace(shape, peer_copies=copies)  # what the generations' plan sees
+        if copies:
+            self.peers = PeerCopies(host.config, host.slot, shape.shards, host.env.host, host.log, host.event_sink)
+            host.lifecycle.before_update_hooks.append(self.peers.before_update)
+            host.on_commit(self._after_commit)
+
+    def _after_commit(self, step: int) -> None:
+        """A round of peer copies after every K-th commit (a snapshot's rule: step + 1 divisible by K)."""
+        if self.peers is not None and self.peers.due(step):
+            self.peers.capture(self.parts, step)
 
     def adopt(self, model: nn.Module) -> None:
         """``model`` (sharded over this mesh: the outermost ``fully_shard``-ed module) is the job's model: its
@@ -175,7 +213,7 @@ class ShardedState:
 
     def transport(self, backend: CommBackend, chunk_bytes: int) -> ShardTransport:
         """How this rank's shard moves (:class:`ShardTransport`), over ``backend``'s generations."""
-        return ShardTransport(backend, self.groups, self.parts, chunk_bytes)
+        return ShardTransport(backend, self.groups, self.parts, chunk_bytes, self.peers)
 
 
 def sharded_modules(model: nn.Module, shard: ShardSpec | None) -> list[tuple[str, nn.Module]]:
@@ -217,10 +255,20 @@ class ShardTransport(ProcessGroupTransport):
     part (part ``s`` for slot (r, s)). Same wire as DDP's (:func:`torchpass.state.send_state`): each DTensor
     travels as its local shard and lands straight in the live parameters."""
 
-    def __init__(self, backend: CommBackend, groups: MeshGroups, parts: StateParts, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        backend: CommBackend,
+        groups: MeshGroups,
+        parts: StateParts,
+        chunk_bytes: int,
+        peers: PeerCopies | None = None,
+    ) -> None:
         self.shard = groups.shape.coordinate(groups.slot)[1]
         super().__init__(backend, {self.shard: parts}, chunk_bytes)
         self.groups = groups
+        self.peers = peers
+        self.live: int | None = None  # the step of this rank's live shard, as last reported
+        self.depth = peers.depth if peers is not None else 0
 
     def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
         """The generation's default group, then its mesh groups, which the proxies forward to from now on. (A
@@ -229,26 +277,63 @@ class ShardTransport(ProcessGroupTransport):
         super().form(store, rank, world_size, generation, skip_ports)
         if world_size == self.groups.shape.world_size:
             self.groups.bind(generation, self.backend.new_subgroup)
+            if self.peers is not None:  # where each slot's peer copies go in this generation
+                host, port = self.peers.address
+                store.set(f"peercopy/{rank}", f"{host} {port}")
+                listeners = {}
+                for slot in range(world_size):
+                    peer_host, peer_port = store.get(f"peercopy/{slot}").decode().split()
+                    listeners[slot] = (peer_host, int(peer_port))
+                self.peers.set_peers(listeners)
 
     def held(self, has_state: bool, committed: int) -> Holdings:
         """This rank's shard at ``committed`` (or nothing); no other part."""
+        self.live = committed if has_state else None
+        if self.peers is not None:  # and the peer copies it keeps (frozen until the transfers are done)
+            self.peers.freeze()
+            return self.peers.holdings(has_state, committed)
         steps: list[int | None] = [None] * self.groups.shape.shards
         steps[self.shard] = committed if has_state else None
         return Holdings(tuple(steps))
 
     def send_part(self, part: int, committed: int, peer: int) -> int:
         """This rank's shard (at ``committed``) to ``peer``; the bytes sent."""
-        if part != self.shard:
-            raise StateError(f"asked to send shard {part}; this rank holds shard {self.shard}")
-        return super().send_part(part, committed, peer)
+        copy = self.peers.copy_of(part, committed) if self.peers is not None else None
+        if part == self.shard and (self.live == committed or copy is None):  # live (a fresh start's too)
+            return super().send_part(part, committed, peer)
+        if self.peers is not None and copy is not None:
+            return self.peers.send_copy(part, committed, peer, self.backend.device, self.chunk_bytes)
+        raise StateError(f"asked to send shard {part} at step {committed}; this rank holds no such copy")
 
     def recv_part(self, part: int, peer: int) -> tuple[int, int]:
         """This rank's shard from ``peer``, into the live parameters; (committed step, bytes)."""
         if part != self.shard:
             raise StateError(f"asked to receive shard {part}; this rank holds shard {self.shard}")
-        return super().recv_part(part, peer)
+        received = super().recv_part(part, peer)
+        self.live = received[0]
+        return received
+
+    def restore_part(self, part: int, step: int) -> int:
+        """Roll this rank's shard back to its own peer copy of ``step`` (in place)."""
+        if self.peers is None or part != self.shard:
+            raise StateError(f"no copy of shard {part} at step {step} is kept here")
+        with torch.no_grad():
+            loaded = self.peers.restore(self.parts[part], step, self.backend.device)
+        self.live = step
+        return loaded
+
+    def done(self, step: int) -> None:
+        """Keep neighbours' copies again (dropping any of steps after ``step``: a future computed again), and
+        capture this rank's shard at once when it has no copy of it yet (a fresh start, a newcomer)."""
+        if self.peers is None:
+            return
+        self.peers.thaw(step)
+        if not self.peers.has_own_copy():
+            self.peers.capture(self.parts[self.shard], step)
 
     def leave(self) -> None:
         """Destroy the generation's groups (the mesh's with them)."""
         self.groups.unbind()
+        if self.peers is not None:
+            self.peers.thaw()
         super().leave()

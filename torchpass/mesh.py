@@ -171,6 +171,10 @@ class AgentMesh(SocketThread):
             worker = self._snapshot["workers"].get(wid)
         return None if worker is None else bool(worker["alive"])
 
+    def lost_agents(self) -> frozenset[int]:
+        """The agents counted lost so far (a copy: one C-level call, safe beside the mesh thread's updates)."""
+        return frozenset(self.dead)
+
     def live_peers_finished(self) -> bool:
         """Whether every agent not counted lost has said its processes exited after the job ended."""
         with self._lock:

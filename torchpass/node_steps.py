@@ -16,8 +16,11 @@ the batch host out of the training slots at the start keeps that one Slurm-impos
 
 The job is over when an agent ends with its verdict (0: training finished, 1: the job failed). The steps that
 are still running then get ``finish_grace_s`` to end by themselves; a step whose node died can only end when
-Slurm declares the node down, so it is cancelled instead of holding the job for SlurmdTimeout. The launcher
-exits with the verdict; SIGINT/SIGTERM (``scancel``) are passed to every step.
+Slurm declares the node down, so it is cancelled instead of holding the job for SlurmdTimeout. The agent on
+the launcher's own node writes, once the job ended, which nodes the job counted lost (``TORCHPASS_LOST_NODES_FILE``,
+a file on this node); their steps are cancelled after ``lost_grace_s`` instead: a job that lost a node ends a
+moment after its last live step. The launcher exits with the verdict; SIGINT/SIGTERM (``scancel``) are passed to
+every step.
 This module imports no torch.
 """
 
@@ -29,13 +32,15 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from torchpass.auth import ENV_JOB_KEY, JobKey
-from torchpass.slurm_layout import ENV_AGENT_INDEX, ENV_NODES, SlurmLayoutError, expand_hostlist
+from torchpass.slurm_layout import ENV_AGENT_INDEX, ENV_LOST_NODES_FILE, ENV_NODES, SlurmLayoutError, expand_hostlist
 
 __all__ = [
     "AGENT_EXIT_DONE",
@@ -89,6 +94,7 @@ class NodeSteps:
     srun: str = "srun"
     python: str = sys.executable
     finish_grace_s: float = 15.0
+    lost_grace_s: float = 1.0  # for the steps on nodes the job counted lost
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     _signal: int | None = None
 
@@ -108,6 +114,8 @@ class NodeSteps:
         out = []
         for index, node in enumerate(nodes):
             env = dict(self.environ, **{ENV_NODES: ",".join(nodes), ENV_AGENT_INDEX: str(index), ENV_JOB_KEY: key.hex})
+            if node == batch_host:
+                env[ENV_LOST_NODES_FILE] = str(self._lost_nodes_file)
             cmd = [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=0"]
             cmd += [f"--cpus-per-task={cpus[node]}"] if cpus[node] else []
             cmd += ["--job-name=torchpass-agent", self.python, "-m", "torchpass", *self.argv]
@@ -131,9 +139,20 @@ class NodeSteps:
         try:
             return self._wait(steps)
         finally:
+            self._lost_nodes_file.unlink(missing_ok=True)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self._cancel([s for s in steps if s.code is None], why="the launcher is stopping")
+
+    @property
+    def _lost_nodes_file(self) -> Path:
+        return Path(tempfile.gettempdir()) / f"torchpass-{self.environ.get('SLURM_JOB_ID', '0')}-{os.getpid()}.lost"
+
+    def _lost_nodes(self) -> set[str]:
+        try:
+            return set(self._lost_nodes_file.read_text().split())
+        except OSError:
+            return set()
 
     def _wait(self, steps: list[_Step]) -> int:
         verdict: int | None = None
@@ -153,20 +172,28 @@ class NodeSteps:
             if verdict is not None and (not running or time.monotonic() - verdict_at > self.finish_grace_s):
                 self._cancel(running, why=f"the job ended {self.finish_grace_s:.0f} s ago (their node is lost)")
                 return verdict
+            if verdict is not None and time.monotonic() - verdict_at > self.lost_grace_s:
+                lost = self._lost_nodes()
+                on_lost = [s for s in running if s.node in lost]
+                self._cancel(on_lost, why="the job ended and counted their node lost", at_once=True)
             if verdict is None and not running:
                 codes = {s.node: s.code for s in steps}
                 print(f"torchpass: every agent step ended without the job's verdict: {codes}", file=sys.stderr)
                 return AGENT_EXIT_FAILED
             time.sleep(0.1)
 
-    def _cancel(self, steps: list[_Step], *, why: str) -> None:
-        """End these steps: SIGTERM to srun (passed to the task), SIGKILL if it does not end within 5 s."""
+    def _cancel(self, steps: list[_Step], *, why: str, at_once: bool = False) -> None:
+        """End these steps: SIGTERM to srun (passed to the task), SIGKILL if it does not end within 5 s; SIGKILL
+        ``at_once`` for steps on a lost node (nobody there to pass SIGTERM to: srun would only wait)."""
         if not steps:
             return
         print(f"torchpass: cancelling the agent steps on {', '.join(s.node for s in steps)}: {why}", file=sys.stderr)
         for step in steps:
             step.cancelled = True
-            step.proc.terminate()
+            if at_once:
+                step.proc.kill()
+            else:
+                step.proc.terminate()
         deadline = time.monotonic() + 5.0
         for step in steps:
             try:

@@ -107,6 +107,14 @@ class StateTransport(Protocol):
         """Receive ``part`` from ``peer`` into this member's state; (its committed step, bytes received)."""
         ...
 
+    def restore_part(self, part: int, step: int) -> int:
+        """Roll this member's ``part`` back to the copy of ``step`` it keeps itself; the bytes loaded."""
+        ...
+
+    def done(self, step: int) -> None:
+        """The generation's transfers are over: every member holds its parts at ``step`` and resumes after it."""
+        ...
+
     def leave(self) -> None:
         """Tear the group down (safe on a broken one, and when none is formed)."""
         ...
@@ -121,6 +129,7 @@ class ProcessGroupTransport:
         self.backend = backend
         self.parts = parts
         self.chunk_bytes = chunk_bytes
+        self.depth = 0  # older copies per part in the agreement's rows (a transport that keeps copies sets it)
 
     def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
         """The generation's default process group (and the script's group beside it)."""
@@ -133,10 +142,10 @@ class ProcessGroupTransport:
     def exchange(self, mine: Holdings) -> list[Holdings]:
         """``all_gather`` of each member's holdings (two int64 per part)."""
         device = self.backend.device
-        row = torch.tensor(mine.encode(), dtype=torch.int64, device=device)
+        row = torch.tensor(mine.encode(self.depth), dtype=torch.int64, device=device)
         rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, row)
-        return [Holdings.decode([int(v) for v in r.tolist()]) for r in rows]
+        return [Holdings.decode([int(v) for v in r.tolist()], self.depth) for r in rows]
 
     def send_part(self, part: int, committed: int, peer: int) -> int:
         """The part's state as one stream to ``peer``."""
@@ -146,6 +155,13 @@ class ProcessGroupTransport:
         """Receive straight into the live parameters (and fresh tensors for the rest)."""
         with torch.no_grad():
             return recv_state(self.parts[part], peer, self.backend.device, self.chunk_bytes)
+
+    def restore_part(self, part: int, step: int) -> int:
+        """DDP keeps no copies: the plan never asks for this."""
+        raise StateError(f"no copy of {part} at step {step} is kept by this transport")
+
+    def done(self, step: int) -> None:
+        """Nothing to settle."""
 
     def leave(self) -> None:
         """Destroy the generation's groups."""
@@ -238,6 +254,7 @@ class Rejoiner:
         self.own_store_port = own_store_port
         self.log = log
         self.event_sink = event_sink
+        self.rolled_back = 0  # committed steps the last generation joined made this member undo
 
     def await_generation(self, after: int) -> GenerationInfo:
         """The next generation after ``after`` that includes this process (or its end)."""
@@ -311,6 +328,7 @@ class Rejoiner:
             "received": received,
             "transfer_bytes": nbytes,
             "moves": handed + moves,
+            "rolled_back": self.rolled_back,
         }
         emit(self.event_sink, self.log, "torchpass.joined", generation=info.gen, **outcome, **timings)
         self.link.report(
@@ -337,7 +355,18 @@ class Rejoiner:
         except StateLost as exc:
             self.link.fatal(f"generation {info.gen}: {exc}")
         me, nbytes, moves = m.slot, 0, []
+        before = m.committed if m.has_state else plan.step
         for transfer in plan.involving(me):
+            if transfer.source == transfer.target:  # a rollback: this member's own copy of the plan's step
+                began = time.time()
+                try:
+                    m.has_state = False
+                    got = self.transport.restore_part(transfer.part, plan.step)
+                except Exception as exc:
+                    self.link.fatal(f"generation {info.gen}: rolling back to step {plan.step} failed: {exc}")
+                nbytes += got
+                moves.append(self._move(transfer.part, me, got, began))
+                continue
             sending = transfer.source == me
             peer = transfer.target if sending else transfer.source
             emit(
@@ -357,23 +386,31 @@ class Rejoiner:
                     began = time.time()
                     got = self.transport.recv_part(transfer.part, peer)[1]
                     nbytes += got
-                    moves.append(
-                        {
-                            "part": transfer.part,
-                            "what": self.layout.part_name(transfer.part),
-                            "source": peer,
-                            "target": me,
-                            "bytes": got,
-                            "ms": round(1000 * (time.time() - began), 1),
-                        }
-                    )
+                    moves.append(self._move(transfer.part, peer, got, began))
             except StateError as exc:
                 self.link.fatal(str(exc))
             except Exception as exc:
                 raise GenerationBroken(f"state transfer {transfer.source}->{transfer.target} failed: {exc}") from None
         m.committed, m.has_state = plan.step, True  # every member now holds its parts at the plan's step
+        self.rolled_back = max(0, before - plan.step)
+        if self.rolled_back:
+            self.log.warning(
+                "rolled back %d step(s) to step %d (the newest every shard is held at)", before - plan.step, plan.step
+            )
+        self.transport.done(plan.step)
         source = plan.source_of(me)
         return source, source is not None, nbytes, moves
+
+    def _move(self, part: int, source: int, nbytes: int, began: float) -> dict[str, Any]:
+        """The record of one part received (or restored from this member's own copy: source = target)."""
+        return {
+            "part": part,
+            "what": self.layout.part_name(part),
+            "source": source,
+            "target": self.membership.slot,
+            "bytes": nbytes,
+            "ms": round(1000 * (time.time() - began), 1),
+        }
 
     # ----- meeting --------------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from clockworkd.job_options import JobOptions, JobOptionsError, SpareMode
 
 __all__ = [
     "ENV_AGENT_INDEX",
+    "ENV_LOST_NODES_FILE",
     "ENV_NODES",
     "PORT_BASE",
     "PORT_SPAN",
@@ -63,6 +64,9 @@ STANDBY_SPARES_DEFAULT = 1
 # Set by the batch-script launcher (:mod:`torchpass.node_steps`) for its one-task-per-node steps:
 ENV_NODES = "TORCHPASS_NODES"  # the job's nodes, comma separated: agent K runs on the K-th
 ENV_AGENT_INDEX = "TORCHPASS_AGENT_INDEX"  # this step's agent index
+#: Given by the batch launcher to the agent on its own node only: where that agent writes, once the job ended, the
+#: nodes whose agents the job counted lost (one per line), so that the launcher need not wait for their steps.
+ENV_LOST_NODES_FILE = "TORCHPASS_LOST_NODES_FILE"
 
 
 class SlurmLayoutError(ValueError):

@@ -48,7 +48,10 @@ __all__ = [
     "as_bytes",
     "describe",
     "destinations_for",
+    "load_payload",
+    "payload_offsets",
     "recv_state",
+    "send_payload",
     "send_state",
 ]
 
@@ -141,7 +144,7 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return count * torch.empty((), dtype=dtype).element_size()
 
 
-def _offsets(layout: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[list[int], int]:
+def payload_offsets(layout: Sequence[tuple[str, tuple[int, ...]]]) -> tuple[list[int], int]:
     """Aligned byte offset of each tensor in the payload, and the payload's length."""
     offsets, position = [], 0
     for dtype_name, shape in layout:
@@ -205,7 +208,7 @@ def send_state(parts: StateParts, committed: int, dst: int, device: torch.device
     """Send this rank's state to rank ``dst`` of the current group; returns the payload bytes sent."""
     meta, tensors = describe(parts, committed)
     blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-    offsets, total = _offsets(meta["layout"])
+    offsets, total = payload_offsets(meta["layout"])
     dist.send(torch.tensor([len(blob), total], dtype=torch.int64, device=device), dst)
     dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst)
     sources = [as_bytes(t.contiguous()) for t in tensors]
@@ -215,6 +218,33 @@ def send_state(parts: StateParts, committed: int, dst: int, device: torch.device
         for i, a, b in _overlaps(offsets, sizes, lo, hi):
             buf[a - lo : b - lo].copy_(sources[i][a - offsets[i] : b - offsets[i]])
         dist.send(buf, dst)
+    return total
+
+
+def send_payload(blob: bytes, payload: torch.Tensor, dst: int, device: torch.device, chunk_bytes: int) -> int:
+    """Send a state captured earlier (its pickled metadata and its payload, laid out as :func:`send_state` lays
+    it out, e.g. a peer copy in host memory) to rank ``dst``, on the same wire; returns the payload bytes."""
+    total = int(payload.numel())
+    dist.send(torch.tensor([len(blob), total], dtype=torch.int64, device=device), dst)
+    dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst)
+    for lo, hi in _chunks(total, chunk_bytes):
+        dist.send(payload[lo:hi].to(device) if payload.device != device else payload[lo:hi].contiguous(), dst)
+    return total
+
+
+def load_payload(parts: StateParts, meta: dict[str, Any], payload: torch.Tensor, device: torch.device) -> int:
+    """Load a state captured earlier (``meta`` and its payload) into ``parts``: model tensors in place, the rest
+    as fresh tensors (never views of ``payload``, which is reused); returns the payload bytes."""
+    layout = [(name, tuple(shape)) for name, shape in meta["layout"]]
+    offsets, total = payload_offsets(layout)
+    if total != payload.numel():
+        raise StateError(f"a captured payload of {payload.numel()} bytes does not match its layout ({total})")
+    destinations = destinations_for(parts, meta, layout, device)
+    with torch.no_grad():
+        for offset, target in zip(offsets, destinations, strict=True):
+            flat = as_bytes(target)
+            flat.copy_(payload[offset : offset + flat.numel()])
+    apply_state(parts, meta, destinations)
     return total
 
 
@@ -233,7 +263,7 @@ def recv_state(parts: StateParts, src: int, device: torch.device, chunk_bytes: i
     if meta.get("version") != FORMAT_VERSION:
         raise StateError(f"state format {meta.get('version')} from rank {src}, expected {FORMAT_VERSION}")
     layout = [(name, tuple(shape)) for name, shape in meta["layout"]]
-    offsets, expected_total = _offsets(layout)
+    offsets, expected_total = payload_offsets(layout)
     if expected_total != total:
         raise StateError(f"payload of {total} bytes does not match its layout ({expected_total})")
     destinations = destinations_for(parts, meta, layout, device)

@@ -74,6 +74,8 @@ class StepLifecycle:
         self._group_shadow: list[list[dict[str, Any]]] = []  # optimizer hyper-parameters at the last commit
         self._registered: dict[str, Any] = {}  # generic registered state at the last commit
         self._staged: StagedBuffers | None = None  # slot 0's buffers, broadcast after a forward (buffers.py)
+        # Copies of the committed state still reading the parameters (snapshots, peer copies): an update waits.
+        self.before_update_hooks: list[Callable[[], None]] = []
 
     # ----- what it protects ---------------------------------------------------------------------
 
@@ -155,6 +157,11 @@ class StepLifecycle:
         except Exception as exc:
             staged.drop()
             self.abandon(exc)
+
+    def before_update(self) -> None:
+        """Right before an optimizer step changes the parameters: every copy still reading them finishes."""
+        for hook in self.before_update_hooks:
+            hook()
 
     def settle_staged_buffers(self) -> None:
         """Wait for a staged broadcast of slot 0's buffers; its failure abandons the step."""

@@ -17,16 +17,22 @@ Words used here:
 
 The rules (for one part they are exactly DDP's: the most advanced replicas send to everyone behind):
 
-1. The generation resumes after the newest committed step any member holds a copy of (``step``); a survivor
-   that committed it keeps it, one that had not finished it receives its result instead of recomputing it.
+1. The generation resumes after the newest committed step at which every part some slot needs is held by a
+   member (``step``); a survivor that committed it keeps it, one that had not finished it receives its result
+   instead of recomputing it. Without copies that is the newest step held anywhere, as it always was.
 2. For each part, the sources are the members holding it at that step. Every slot that needs the part and is
    not a source receives it, the sources taking the receivers in turn (so several receivers are fed in
    parallel); across parts, the least busy *domain* (:meth:`PartLayout.domain_of`: an HSDP replica) serves
    next, so several shards rebuilt at once are sent by different replicas where each has a holder.
-3. Nobody holds anything and training has not progressed: a fresh start. Each part's lowest slot needing it
+3. **Rolling back.** Peer copies are refreshed every K steps, so the copy of a lost shard may be older than
+   the step the survivors committed. The generation then resumes after the copy's step: a slot whose live
+   state is newer restores its own part from the copy it keeps of that step (:attr:`Holdings.older`; a
+   *local* transfer, source = target), and the steps after it are computed again.
+4. Nobody holds anything and training has not progressed: a fresh start. Each part's lowest slot needing it
    sends its initial values to the others, as DDP broadcasts rank 0's weights at construction.
-4. A part some slot needs that no member holds at that step (training has progressed, or another part was
-   already past the start): :class:`StateLost`. Retrying cannot help; the job fails with the reason.
+5. No step at which every needed part is held (training has progressed, or another part was already past the
+   start): :class:`StateLost`, naming a part missing at the newest step. Retrying cannot help; the job fails
+   with the reason (and the layout's :meth:`PartLayout.lost_hint`, e.g. which peer copies were lost too).
 
 Transfers are listed by part, then receiver. Every member walks the plan in that order, sending or receiving
 the transfers it takes part in, so the point-to-point sends pair up on every member alike.
@@ -73,6 +79,10 @@ class PartLayout(Protocol):
         """How a message names ``part``."""
         ...
 
+    def lost_hint(self, part: int) -> str:
+        """Why no member holds ``part`` any more, beyond its holders being gone ("" when that says it all)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Replicated:
@@ -95,15 +105,21 @@ class Replicated:
         """The state is one part."""
         return "the training state"
 
+    def lost_hint(self, part: int) -> str:
+        """Every replica is gone: nothing to add."""
+        return ""
+
 
 @dataclass(frozen=True)
 class ShardedReplicas:
     """HSDP: ``replicas`` copies of a model cut into ``shards`` shards; slot ``r * shards + s`` holds shard s.
 
-    ``replicas=1`` is pure FSDP: each shard lives in one slot only (plus whatever peer copies members report)."""
+    ``replicas=1`` is pure FSDP: each shard lives in one slot only (plus whatever peer copies members report;
+    ``peer_copies``: how many ring successors keep one, for the message when a shard is lost anyway)."""
 
     replicas: int
     shards: int
+    peer_copies: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.shards < 1:
@@ -150,34 +166,75 @@ class ShardedReplicas:
         """``shard S of the RxS mesh``."""
         return f"shard {part} of the {self.replicas}x{self.shards} mesh"
 
+    def lost_hint(self, part: int) -> str:
+        """Pure FSDP with peer copies: where the copies were, and why that was not enough."""
+        if self.replicas > 1 or not self.peer_copies:
+            return ""
+        holders = [(part + i) % self.shards for i in range(1, min(self.peer_copies, self.shards - 1) + 1)]
+        return (
+            f"its peer copies (peer_copies={self.peer_copies}: slot{'s' if len(holders) > 1 else ''} "
+            f"{', '.join(map(str, holders))}) were lost with it, or hold no step every other shard is still held "
+            "at; losing more adjacent ranks than peer_copies covers needs a snapshot, and snapshots of sharded "
+            "models are not supported yet"
+        )
+
 
 @dataclass(frozen=True)
 class Holdings:
     """What one member holds at the agreement: per part, the committed step of its copy (None: no copy).
 
+    For a part the member's slot needs, ``steps`` is its live state; for any other part, the newest copy it
+    keeps. ``older`` (per part, or empty) lists further copies: the steps of the copies a rank keeps of its
+    own part to roll back to, and of older copies of a neighbour's.
+
     On the wire (:meth:`encode`) two integers per part, (1, step) or (0, -1): for one part that is the
-    (has state, committed step) pair every rank has always sent."""
+    (has state, committed step) pair every rank has always sent; then, with ``depth``, that many pairs of
+    older copies per part."""
 
     steps: tuple[int | None, ...]
+    older: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def whole(cls, has_state: bool, committed: int, parts: int = 1) -> Holdings:
         """A member holding all ``parts`` at ``committed`` (or nothing)."""
         return cls(tuple(committed if has_state else None for _ in range(parts)))
 
-    def encode(self) -> list[int]:
-        """Two integers per part, for a fixed-size collective."""
+    def older_of(self, part: int) -> tuple[int, ...]:
+        """The steps of the further copies of ``part`` this member keeps."""
+        return self.older[part] if self.older else ()
+
+    def holds(self, part: int, step: int) -> bool:
+        """Whether this member can serve ``part`` at ``step`` (live or from a copy)."""
+        return self.steps[part] == step or step in self.older_of(part)
+
+    def encode(self, depth: int = 0) -> list[int]:
+        """Two integers per part, then ``depth`` pairs per part of older copies, for a fixed-size collective."""
         out: list[int] = []
         for step in self.steps:
             out += [0, -1] if step is None else [1, step]
+        for part in range(len(self.steps) if depth else 0):
+            extra = self.older_of(part)
+            if len(extra) > depth:
+                raise ValueError(f"{len(extra)} older copies of part {part}; the wire carries {depth}")
+            for step in extra:
+                out += [1, step]
+            out += [0, -1] * (depth - len(extra))
         return out
 
     @classmethod
-    def decode(cls, values: Sequence[int]) -> Holdings:
+    def decode(cls, values: Sequence[int], depth: int = 0) -> Holdings:
         """Inverse of :meth:`encode`."""
-        if len(values) % 2:
-            raise ValueError(f"holdings are pairs of integers, got {len(values)} values")
-        return cls(tuple(int(values[i + 1]) if values[i] else None for i in range(0, len(values), 2)))
+        width = 2 * (1 + depth)
+        if len(values) % width:
+            raise ValueError(f"holdings are pairs of integers ({depth} older per part), got {len(values)} values")
+        parts = len(values) // width
+        pairs = [(int(values[i]), int(values[i + 1])) for i in range(0, len(values), 2)]
+        steps = tuple(step if has else None for has, step in pairs[:parts])
+        if not depth:
+            return cls(steps)
+        rest = pairs[parts:]
+        older = tuple(tuple(step for has, step in rest[p * depth : (p + 1) * depth] if has) for p in range(parts))
+        return cls(steps, older)
 
 
 @dataclass(frozen=True)
@@ -192,8 +249,9 @@ class Transfer:
 class StateLost(Exception):
     """A part some slot needs is held by no member at the step the generation resumes from."""
 
-    def __init__(self, part: int, step: int, name: str) -> None:
-        super().__init__(f"no member holds {name} any more" + (f" (at step {step})" if step >= 0 else ""))
+    def __init__(self, part: int, step: int, name: str, hint: str = "") -> None:
+        where = f" (at step {step})" if step >= 0 else ""
+        super().__init__(f"no member holds {name} any more{where}" + (f": {hint}" if hint else ""))
         self.part = part
         self.step = step
 
@@ -227,20 +285,40 @@ def plan_transfers(table: Sequence[Holdings], layout: PartLayout, *, expect_stat
     for slot, held in enumerate(table):
         if len(held.steps) != layout.parts:
             raise ValueError(f"slot {slot} reports {len(held.steps)} part(s), the layout has {layout.parts}")
-    steps = [step for held in table for step in held.steps if step is not None]
-    best = max(steps, default=-1)
+    steps = {step for held in table for step in held.steps if step is not None}
+    steps |= {step for held in table for part in range(layout.parts) for step in held.older_of(part)}
     fresh = not steps
+    needed = [p for p in range(layout.parts) if any(p in layout.parts_of(slot) for slot in range(len(table)))]
+
+    def missing_at(step: int) -> int | None:
+        return next((p for p in needed if not any(held.holds(p, step) for held in table)), None)
+
+    best = -1
+    for candidate in sorted(steps, reverse=True):
+        if missing_at(candidate) is None:
+            best = candidate
+            break
+    else:
+        if steps:
+            newest = max(steps)
+            part = missing_at(newest)
+            assert part is not None
+            raise StateLost(part, newest, layout.part_name(part), layout.lost_hint(part))
     transfers: list[Transfer] = []
     sends: dict[int, int] = {}  # transfers given so far, per source slot and per domain (negative keys)
     for part in range(layout.parts):
         needing = [slot for slot in range(len(table)) if part in layout.parts_of(slot)]
-        sources = [slot for slot, held in enumerate(table) if held.steps[part] == best and held.steps[part] is not None]
+        sources = [slot for slot, held in enumerate(table) if not fresh and held.holds(part, best)]
         if not sources and fresh and not expect_state and needing:
             sources = [needing[0]]
-        receivers = [slot for slot in needing if slot not in sources]
+        live = [slot for slot in sources if table[slot].steps[part] == best or fresh]
+        receivers = [slot for slot in needing if slot not in live]
         if receivers and not sources:
-            raise StateLost(part, best, layout.part_name(part))
+            raise StateLost(part, best, layout.part_name(part), layout.lost_hint(part))
         for dst in receivers:
+            if dst in sources:  # its own copy of the step: restored in place, nothing sent
+                transfers.append(Transfer(part, dst, dst))
+                continue
             # The least busy domain, then the least busy slot in it, then the lowest: for one part that is
             # round-robin over its sources; over several parts it spreads them over the replicas.
             src = min(sources, key=lambda s: (sends.get(-1 - layout.domain_of(s), 0), sends.get(s, 0), s))

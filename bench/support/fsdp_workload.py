@@ -218,9 +218,7 @@ def train_torchft(args: argparse.Namespace) -> None:
         group_rank == 0,
         timeout=datetime.timedelta(seconds=60),
     )
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore("fsdp", store), rank=group_rank, world_size=group_size
-    )
+    dist.init_process_group("gloo", store=dist.PrefixStore("fsdp", store), rank=group_rank, world_size=group_size)
     mesh = init_device_mesh("cpu", (group_size,), mesh_dim_names=("shard",))
     model = shard(make_model(args.hidden, args.layers), mesh)
     opt_inner = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -312,6 +312,7 @@ class Joined:
     rebuild_ms: float = 0.0
     transfer_ms: float = 0.0
     moves: tuple[PartMove, ...] = ()  # what it received, part by part
+    rolled_back: int = 0  # committed steps it undid: the generation resumed from an older peer copy
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,11 @@ class JobOptions:
             spares=_parse(SpareMode, "SPARES", spares) if spares else None,
         )
 
+    @classmethod
+    def from_registered(cls, options: Mapping[str, str]) -> JobOptions:
+        """The options as the Prolog registered them with the daemon (``{"ft": "aware", "spares": "borrow"}``)."""
+        return cls.from_environ({f"CLOCKWORK_{name.upper()}": value for name, value in options.items()})
+
 
 def _lookup(env: Mapping[str, str], name: str) -> str:
     return next((env[p + name].strip() for p in PREFIXES if env.get(p + name, "").strip()), "")

@@ -11,7 +11,7 @@ Incidents, one per fault the product handled:
 * ``rank migrated``: ``torchpass.migrated`` (planned or health-driven live migration);
 * ``link failover`` / ``link failback``: LinkPass moved a NIC's traffic (``route_ms``);
 * ``gray failure``: Fleet Lens raised ``lens.suspect`` (resolved when ``lens.clear`` names the same target);
-* ``rollback``: ``job.rollback`` (the job went back to a checkpoint: nothing saved);
+* ``rollback``: ``torchpass.restored`` (the job went back to a disk snapshot: nothing saved; once per step);
 * ``node borrowed`` / ``borrow failed``: ``borrow.acquired`` (which node, from which job, how long Slurm
   took) or a borrow request that ended without a node (``borrow.failed``/``borrow.refused``); part of how a
   ``rank replaced`` was resolved, not a fault of its own.
@@ -108,6 +108,7 @@ def build_story(
     incidents: list[Incident] = []
     open_failures: dict[int, Incident] = {}  # slot -> its rank-replaced incident, until recovered
     open_suspects: dict[str, Incident] = {}
+    restored_steps: set[Any] = set()
     incident: Incident | None
     for event in ordered:
         kind, f = str(event.get("kind", "")), event.get("fields") or {}
@@ -130,6 +131,8 @@ def build_story(
                     f"(detect {float(f.get('detect_ms', 0)) / 1000:.2f} s, transfer {f.get('transfer_ms', '?')} ms, "
                     f"rebuild {f.get('rebuild_ms', '?')} ms), resumed at step {f.get('step', '?')}"
                 )
+                if int(f.get("recomputed_steps") or 0):  # pure FSDP: a peer copy older than the committed step
+                    incident.resolution += f"; rolled back in memory, {f['recomputed_steps']} step(s) computed again"
                 incident.fields = {**incident.fields, **f}
         elif kind == "torchpass.migrated":
             ms = float(f.get("total_ms", 0))
@@ -176,8 +179,10 @@ def build_story(
             if incident is not None:
                 incident.duration_s = at - incident.time
                 incident.resolution = f"path healthy again after {incident.duration_s:.1f} s"
-        elif kind == "job.rollback":
-            incidents.append(Incident(at, node, "rollback", str(f.get("reason", "")), "restarted from a checkpoint"))
+        elif kind == "torchpass.restored" and f.get("step") not in restored_steps:  # every rank says so: once
+            restored_steps.add(f.get("step"))
+            detail = f"restored the snapshot of step {f.get('step')} ({f.get('folder', '?')})"
+            incidents.append(Incident(at, node, "rollback", detail, "restarted from a snapshot"))
     for incident in incidents:
         if incident.what in FAULTS and incident.resolution != "open":
             incident.saved_node_h = _saved(incident.duration_s, nodes, checkpoint_interval_s, restart_cost_s)

@@ -236,8 +236,10 @@ def test_health_check_drains_a_node_whose_link_is_suspect_only_when_enabled(
         # health check every HealthCheckInterval, run it again until it drains (it must, within the bound).
         until(
             "the health check to drain node3 for its suspect link",
-            lambda: health_check("CLOCKWORK_LENS_DRAIN_SUSPECT_NODES=true")
-            or reason().startswith("clockwork: lens suspects node3/nic1 link (loss"),
+            lambda: (
+                health_check("CLOCKWORK_LENS_DRAIN_SUSPECT_NODES=true")
+                or reason().startswith("clockwork: lens suspects node3/nic1 link (loss")
+            ),
             15,
         )
     finally:

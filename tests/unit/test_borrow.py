@@ -283,7 +283,7 @@ def _training(options: dict[str, str] | None = None, uid: int | None = None) -> 
         os.getuid() if uid is None else uid,
         ME,
         ("node1", "node2", "node3", "node4"),
-        {"ft": "on", "spares": "borrow"} if options is None else options,
+        {"ft": "aware", "spares": "borrow"} if options is None else options,
         registered_at=time.time(),
     )
 
@@ -392,9 +392,25 @@ def test_a_job_that_did_not_ask_for_borrow_is_refused(fake: FakeSlurm, caplog: p
     manager, events = _manager(fake)
     with caplog.at_level(logging.WARNING, "clockwork.daemon.borrow"):
         with pytest.raises(BorrowRefused, match=r"not submitted with --clockwork-spares=borrow.*standby"):
-            manager.request(_training({"ft": "on", "spares": "standby"}), by="uid 1000 pid 7")
+            manager.request(_training({"ft": "aware", "spares": "standby"}), by="uid 1000 pid 7")
     assert "borrow refused for uid 1000 pid 7" in caplog.text
     assert fake.calls() == [] and [k for _, k, _ in (manager.drain() or events)] == ["borrow.refused"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"ft": "off", "spares": "borrow"}, "not submitted with --clockwork-ft"),
+        ({"ft": "OFF", "spares": "borrow"}, "not submitted with --clockwork-ft"),  # off is off in any spelling
+        ({"ft": "sometimes", "spares": "borrow"}, "CLOCKWORK_FT='sometimes': expected one of"),
+    ],
+)
+def test_a_job_without_fault_tolerance_is_refused(fake: FakeSlurm, options: dict[str, str], message: str) -> None:
+    fake.set_queue(BEFORE, AFTER)
+    manager, _ = _manager(fake)
+    with pytest.raises(BorrowRefused, match=message):
+        manager.request(_training(options), by="uid 1000 pid 7")
+    assert fake.calls() == []
 
 
 def test_disabled_borrowing_refuses_everyone(fake: FakeSlurm) -> None:
@@ -466,9 +482,9 @@ def daemon(tmp_path: Path, fake: FakeSlurm) -> Daemon:
     d.registry = Registry(tmp_path / "state", "node1")
     d.registry.load()
     d.registry.register(
-        TRAIN, OWNER.pw_uid, OWNER.pw_name, ["node1", "node2"], {"ft": "on", "spares": "borrow"}, by="t"
+        TRAIN, OWNER.pw_uid, OWNER.pw_name, ["node1", "node2"], {"ft": "aware", "spares": "borrow"}, by="t"
     )
-    d.registry.register(101, OTHER_UID, "carol", ["node6"], {"ft": "on", "spares": "standby"}, by="test")
+    d.registry.register(101, OTHER_UID, "carol", ["node6"], {"ft": "aware", "spares": "standby"}, by="test")
     d.components["borrow"] = BorrowManager(POLICY, fake.slurm(), "node1", d.record_event, threaded=False)
     return d
 

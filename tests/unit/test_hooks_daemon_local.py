@@ -92,10 +92,13 @@ def test_epilog_writes_the_report_and_unregisters_even_without_slurm(site: dict[
     with DaemonClient(paths(site)) as client:
         client.post_event(77, "link.failover", {"nic": "nic0"})
         client.post_event(77, "torchpass.coordinator", {"leader": "tcp://n1:21000", "key": "ab" * 32})
+        client.post_event(77, "torchpass.migrated", {"slot": 1})
+        for rank in (0, 1):  # a restore is reported by every rank that loads the snapshot: one rollback
+            client.post_event(77, "torchpass.restored", {"step": 40, "rank": rank})
     assert runner.main(["epilog"], env) == 0  # the AdminComment fails (no Slurm here): logged, not fatal
     text = (paths(site).reports_dir / "77.json").read_text()
     report = json.loads(text)
-    assert report["counts"] == {"link failovers": 1, "migrations": 0, "rollbacks": 0}
+    assert report["counts"] == {"link failovers": 1, "migrations": 1, "rollbacks": 1}
     assert [e["kind"] for e in report["events"]][:3] == ["job.registered", "link.failover", "torchpass.coordinator"]
     assert report["events"][2]["fields"] == {"leader": "tcp://n1:21000", "key": "(redacted)"}  # no job key
     assert "ab" * 32 not in text

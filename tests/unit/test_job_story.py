@@ -83,11 +83,13 @@ def test_a_repair_slower_than_a_restart_saves_nothing_and_a_rollback_is_shown() 
     events = [
         _event(1, 1.0, "n1", "torchpass.member_failed", slot=0, why="x"),
         _event(2, 2.0, "n1", "torchpass.recovered", slots=[0], total_ms=5_000_000.0),
-        _event(3, 3.0, "n1", "job.rollback", reason="no replica left"),
+        _event(3, 3.0, "n1", "torchpass.restored", step=40, folder="/snap/step-40"),
+        _event(4, 3.1, "n2", "torchpass.restored", step=40, folder="/snap/step-40"),  # every rank says so
     ]
     story = build_story(1, events, {}, nodes=2, checkpoint_interval_s=60, restart_cost_s=10)
     assert story.incidents[0].saved_node_h == 0
-    assert story.incidents[1].what == "rollback" and "checkpoint" in story.incidents[1].resolution
+    assert [i.what for i in story.incidents] == ["rank replaced", "rollback"]
+    assert "snapshot" in story.incidents[1].resolution and "step 40" in story.incidents[1].detail
 
 
 def test_fleet_summary_counts_faults_by_kind_node_and_link() -> None:
@@ -98,7 +100,7 @@ def test_fleet_summary_counts_faults_by_kind_node_and_link() -> None:
         10,
         [
             _event(1, 500.0, "node2", "link.failover", nic="nic1", via="nic2", peers=["node1"], route_ms=30.0),
-            _event(2, 600.0, "node4", "job.rollback", reason="whole job lost"),
+            _event(2, 600.0, "node4", "torchpass.restored", step=7, folder="/snap/step-7"),
             _event(3, 5000.0, "node4", "link.failover", nic="nic2", via="nic1", route_ms=30.0),  # after the window
         ],
         {},
@@ -157,3 +159,17 @@ def test_a_sharded_job_says_which_shard_moved_from_whom() -> None:
     replaced, migrated = build_story(9, events, {}, nodes=4, checkpoint_interval_s=1800, restart_cost_s=600).incidents
     assert "with shard 1 of the 2x2 mesh from rank 3 (1.2 MB in 15.2 ms)" in replaced.resolution
     assert "shard 0 of the 2x2 mesh handed over by the departing rank" in migrated.resolution
+
+
+def test_a_rollback_to_a_peer_copy_is_told_with_the_steps_computed_again() -> None:
+    """Pure FSDP: rank 2's shard from rank 3's peer copy, rank 0's from its own copy, 2 steps done again."""
+    from_copy = {"part": 2, "what": "shard 2 of the 1x4 mesh", "source": 3, "target": 2, "bytes": 12_000, "ms": 4.0}
+    own = {**from_copy, "part": 0, "what": "shard 0 of the 1x4 mesh", "source": 0, "target": 0}
+    events = [
+        _event(1, 10.0, "node1", "torchpass.member_failed", slot=2, why="exited with code -9"),
+        _event(2, 11.0, "node1", "torchpass.recovered", slots=[2], total_ms=80.0, step=4, recomputed_steps=2,
+               moves=[own, from_copy]),
+    ]  # fmt: skip
+    (replaced,) = build_story(9, events, {}, nodes=4).incidents
+    assert "with shard 2 of the 1x4 mesh from rank 3" in replaced.resolution
+    assert replaced.resolution.endswith("resumed at step 4; rolled back in memory, 2 step(s) computed again")

@@ -55,6 +55,7 @@ def _rank_main() -> int:
     from torch.utils.data import TensorDataset
 
     import torchpass as tp
+    from torchpass.transfer_plan import ShardedReplicas
 
     out = Path(os.environ["CW_TEST_DIR"])
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))
@@ -71,6 +72,9 @@ def _rank_main() -> int:
         for spec in [(str(ctx.slot), str(ctx.step), p, str(layer)) for p in (phase, f"crashnode-{phase}")]:
             if spec not in kills:
                 continue
+            if os.environ.get("CW_TEST_AFTER_COPY") == "1":  # first the neighbours acknowledge the last commit's copy
+                peers = ctx.shard_state(ShardedReplicas(*mesh_shape)).peers
+                assert peers is not None and peers.wait_sent(30.0) >= ctx.committed_step, "no acknowledged copy"
             try:
                 fd = os.open(out / ("killed-" + "-".join(spec)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
@@ -199,13 +203,23 @@ def _point() -> tuple[int, int]:
 
 
 def _run(
-    base: Path, name: str, *, mesh: str = "2x2", kill: str = "", migrate: str = "", spares: int = 1, mp: bool = False
+    base: Path,
+    name: str,
+    *,
+    mesh: str = "2x2",
+    kill: str = "",
+    migrate: str = "",
+    spares: int = 1,
+    mp: bool = False,
+    settings: tuple[str, ...] = (),
+    after_copy: bool = False,
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MIGRATE=migrate, CW_TEST_MESH=mesh)
     env["CW_TEST_MP"] = "1" if mp else ""
-    cmd = local_command(out, SCRIPT, nproc=NPROC, spares=spares)
+    env["CW_TEST_AFTER_COPY"] = "1" if after_copy else ""
+    cmd = local_command(out, SCRIPT, nproc=NPROC, spares=spares, settings=settings)
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -359,9 +373,10 @@ def test_planned_migration_in_pure_fsdp(base: Path, reference_fsdp: FinishedJob)
 
 
 def test_pure_fsdp_sudden_loss_stops_with_the_reason(base: Path) -> None:
-    """Without a replica, a crashed rank's shard exists nowhere: the job stops and says so (no invented state)."""
+    """Without a replica and with peer copies off, a crashed rank's shard exists nowhere: the job stops and says
+    so (no invented state). With them (the default), tests/unit/test_torchpass_fsdp_peercopy.py."""
     step, layer = _point()
-    run = _run(base, "1x4_lost", mesh="1x4", kill=f"1:{step}:allgather:{layer}")
+    run = _run(base, "1x4_lost", mesh="1x4", kill=f"1:{step}:allgather:{layer}", settings=("peer_copies=0",))
     assert run.returncode != 0
     failed = run.of_kind("torchpass.failed")
     assert failed and "shard 1" in failed[0]["reason"] and "no member holds" in failed[0]["reason"], failed

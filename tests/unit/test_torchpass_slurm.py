@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -367,6 +368,16 @@ def _steps(tmp_path: Path, behaviour: dict[str, str], grace: float = 1.0) -> Nod
 def test_batch_launcher_returns_the_verdict_and_cancels_a_step_whose_node_is_gone(tmp_path: Path) -> None:
     steps = _steps(tmp_path, {"n1": "sleep 0.2; exit 0", "n2": "sleep 0.3; exit 0", "n3": "sleep 600 & wait"})
     assert steps.run() == 0  # n3's step hangs like one on a crashed node: cancelled after the grace
+
+
+def test_batch_launcher_cancels_the_steps_of_nodes_the_job_counted_lost_soon(tmp_path: Path) -> None:
+    # n1 is the batch host: its agent writes the lost nodes where the launcher told it to, then ends the job.
+    tell = 'printf "n3\\n" > "$TORCHPASS_LOST_NODES_FILE"; exit 0'
+    behaviour = {"n1": tell, "n2": "sleep 0.3; exit 0", "n3": "sleep 600 & wait"}
+    steps = _steps(tmp_path, behaviour, grace=600.0)  # without the word n3's step would hold the job 600 s
+    steps.lost_grace_s = 0.2
+    assert steps.run() == 0
+    assert not list(Path(tempfile.gettempdir()).glob(f"torchpass-5-{os.getpid()}.lost"))  # the launcher's file is gone
 
 
 def test_batch_launcher_reports_a_failed_job_and_ignores_a_left_agent(tmp_path: Path) -> None:

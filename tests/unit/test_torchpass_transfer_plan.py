@@ -125,6 +125,36 @@ PLANS: list[tuple[str, PartLayout, list[Holdings], bool, TransferPlan]] = [
         True,
         TransferPlan(5, (_t(1, 2, 1),)),
     ),
+    (
+        "FSDP, copies every 4 steps: the lost shard's copy is of step 3, so everyone rolls back to 3, each from the "
+        "copy of its own shard it keeps; slot 2 also serves the copy it holds of slot 1's",
+        FSDP,
+        [
+            Holdings((6, None, 3), ((3,), (), ())),
+            Holdings((None, None, None)),
+            Holdings((None, 3, 6), ((), (), (3,))),
+        ],
+        True,
+        TransferPlan(3, (_t(0, 0, 0), _t(1, 2, 1), _t(2, 2, 2))),
+    ),
+    (
+        "FSDP: a survivor one step behind, whose copies still hold the step everyone else rolls back to",
+        FSDP,
+        [
+            Holdings((7, None, 4), ((4, 5), (), ())),
+            Holdings((None, None, None)),
+            Holdings((None, 4, 6), ((), (), (4, 5))),
+        ],
+        True,
+        TransferPlan(4, (_t(0, 0, 0), _t(1, 2, 1), _t(2, 2, 2))),
+    ),
+    (
+        "HSDP: the survivor that committed the step a dead holder did not finish rolls back from the replica",
+        HSDP,
+        [_held(5, None), _held(None, 4), _held(4, None), _held(None, None)],
+        True,
+        TransferPlan(4, (_t(0, 2, 0), _t(1, 1, 3))),
+    ),
 ]
 
 
@@ -154,6 +184,12 @@ LOST: list[tuple[str, PartLayout, list[Holdings], str]] = [
         [_held(5, None, 5), _held(None, None, None), _held(None, 4, 5)],
         "shard 1 of the 1x3 mesh any more (at step 5)",
     ),
+    (
+        "FSDP: the copy of the lost shard is older than every copy the others kept of their own",
+        FSDP,
+        [Holdings((9, None, 8), ((8,), (), ())), _held(None, None, None), Holdings((None, 4, 9), ((), (), (8,)))],
+        "shard 1 of the 1x3 mesh any more (at step 9)",
+    ),
 ]
 
 
@@ -181,6 +217,17 @@ def test_holdings_on_the_wire_are_the_pair_every_rank_sent() -> None:
         Holdings.decode([1, 2, 3])
 
 
+def test_older_copies_travel_in_a_fixed_width() -> None:
+    """With ``depth``, every member sends the same number of integers, padded, whatever copies it keeps."""
+    held = Holdings((6, None, 3), ((3, 2), (), ()))
+    assert held.encode(2) == [1, 6, 0, -1, 1, 3, 1, 3, 1, 2, 0, -1, 0, -1, 0, -1, 0, -1]
+    assert Holdings.decode(held.encode(2), 2) == held
+    assert len(Holdings((None, None, None)).encode(2)) == len(held.encode(2))
+    assert held.holds(0, 3) and held.holds(0, 6) and not held.holds(1, 3)
+    with pytest.raises(ValueError, match="2 older copies of part 0"):
+        held.encode(1)
+
+
 def test_a_table_that_does_not_fit_the_layout_is_refused() -> None:
     with pytest.raises(ValueError, match="slot 1 reports 1 part"):
         plan_transfers([_held(1, 1), _held(1)], HSDP, expect_state=True)
@@ -188,3 +235,15 @@ def test_a_table_that_does_not_fit_the_layout_is_refused() -> None:
         ShardedReplicas(0, 2)
     assert [HSDP.slot(r, s) for r in range(2) for s in range(2)] == [0, 1, 2, 3]
     assert [HSDP.parts_of(slot) for slot in range(4)] == [(0,), (1,), (0,), (1,)]
+
+
+def test_a_shard_lost_with_its_peer_copies_says_why() -> None:
+    """Slots 1 and 2 of a 1 x 4 job with one copy each (slot 1's in slot 2) die together: the reason names
+    the copies' slot and the fallback."""
+    layout = ShardedReplicas(1, 4, peer_copies=1)
+    table = [Holdings((5, None, None, 5)), _held(None, None, None, None), _held(None, None, None, None)]
+    table.append(Holdings((None, None, 5, 5)))
+    with pytest.raises(StateLost, match=r"shard 1 of the 1x4 mesh any more \(at step 5\): its peer copies "):
+        plan_transfers(table, layout, expect_state=True)
+    with pytest.raises(StateLost, match=r"peer_copies=1: slot 2\) were lost with it.*snapshot"):
+        plan_transfers(table, layout, expect_state=True)

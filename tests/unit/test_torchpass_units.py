@@ -27,7 +27,7 @@ import torchpass as tp
 from torchpass.data import StepLoader, batch_source
 from torchpass.protocol import ENV_COORDINATOR, LaunchEnv
 from torchpass.rng import reseed, step_seed
-from torchpass.state import StateParts, TensorRef, _chunks, _fill, _offsets, _overlaps, _strip, describe
+from torchpass.state import StateParts, TensorRef, _chunks, _fill, _overlaps, _strip, describe, payload_offsets
 
 # ----- RNG and data position --------------------------------------------------------------------
 
@@ -92,7 +92,7 @@ def test_strip_and_fill_round_trip_nested_state() -> None:
 
 def test_payload_layout_is_aligned_and_chunks_cover_it() -> None:
     layout = [("torch.float32", (3,)), ("torch.int64", ()), ("torch.bool", (5,)), ("torch.float16", (7, 2))]
-    offsets, total = _offsets(layout)
+    offsets, total = payload_offsets(layout)
     assert offsets == [0, 64, 128, 192] and total == 256
     sizes = [12, 8, 5, 28]
     covered: dict[int, int] = {}

@@ -44,6 +44,7 @@ from clockworkd.borrow.comments import add_borrowed, preempted_comment
 from clockworkd.borrow.settings import BorrowConfig, names
 from clockworkd.borrow.slurm_ops import BorrowSlurm, HolderSpec
 from clockworkd.errors import SlurmError
+from clockworkd.job_options import JobOptions, JobOptionsError, SpareMode
 from clockworkd.registry import RUNNING, JobRecord
 
 __all__ = ["BorrowManager", "BorrowRefused", "BorrowRequest"]
@@ -165,12 +166,14 @@ class BorrowManager:
             return "borrowing is disabled on this cluster ([borrow] enabled = false)"
         if job.state != RUNNING:
             return f"job {job.job_id} has ended"
-        if job.options.get("spares", "") != "borrow":
-            return (
-                f"job {job.job_id} was not submitted with --clockwork-spares=borrow "
-                f"(its spares mode is {job.options.get('spares') or 'none'})"
-            )
-        if job.options.get("ft", "off") == "off":
+        try:
+            options = JobOptions.from_registered(job.options)
+        except JobOptionsError as error:
+            return f"job {job.job_id}: {error}"
+        if options.spares is not SpareMode.BORROW:
+            spares = options.spares.value if options.spares else "none"
+            return f"job {job.job_id} was not submitted with --clockwork-spares=borrow (its spares mode is {spares})"
+        if not options.enabled:
             return f"job {job.job_id} was not submitted with --clockwork-ft"
         allowed = names(cfg.allow_users)
         if allowed and job.user not in allowed:

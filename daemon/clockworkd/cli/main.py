@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "lens": ("clockworkd.cli.lens_cmd", "lens"),
     "migrate": ("clockworkd.cli.migrate_cmd", "migrate"),
     "simulate": ("clockworkd.cli.simulate_cmd", "simulate_cmd"),
+    "simulate-peer-copy": ("clockworkd.cli.peer_copy_sim_cmd", "peer_copy_sim_cmd"),
     "report": ("clockworkd.cli.report_cmd", "report"),
     "audit": ("clockworkd.cli.audit_cmd", "audit"),
     "snapshot": ("clockworkd.cli.snapshot_cmd", "snapshot"),
