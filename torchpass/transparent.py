@@ -45,11 +45,11 @@ Gradient accumulation: a step spans the batches up to its optimizer step, so an 
 step, committed after its update and redone from its first batch when it fails.
 
 Frameworks (:mod:`torchpass.frameworks`): the framework whose code calls ``init_process_group`` picks an
-adapter (Lightning), which the session asks where the framework's loop differs from a plain script's: its
-counters and callbacks are registered state, its replacement jumps to the replicas' epoch instead of
-fast-forwarding, its set-up collectives run before any group exists. Frameworks it cannot protect are refused
-at start (the Hugging Face Trainer), and a script error before training fails the job at once rather than
-every spare in turn.
+adapter (Lightning, the Hugging Face Trainer), which the session asks where the framework's loop differs from a
+plain script's: its counters and callbacks are registered state, its replacement jumps to the replicas' epoch
+instead of fast-forwarding, its set-up collectives run before any group exists. What an adapter cannot protect
+is refused at start (a hand-written accelerate loop), and a script error before training fails the job at once
+rather than every spare in turn.
 
 What it cannot capture is documented in docs/user-guide.md ("Model-transparent mode"): arbitrary Python
 state of the script (locals, lists of losses, counters), iterators it cannot see (a hand-written generator,

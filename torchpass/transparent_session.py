@@ -266,6 +266,8 @@ class Session:
         distributed = isinstance(sampler, DistributedSampler) or isinstance(
             getattr(batch_sampler, "sampler", None), DistributedSampler
         )
+        if not distributed and self.framework is not None:
+            distributed = self.framework.tracks(loader)  # e.g. accelerate's loader over its BatchSamplerShard
         if isinstance(loader.batch_sampler, list):
             return  # one of ours (the inner loader of a pass)
         if not distributed:

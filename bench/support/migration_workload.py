@@ -6,7 +6,9 @@
 * ``transparent``: an unmodified DDP script (``init_process_group``, ``DistributedDataParallel``, AdamW, a
   DataLoader over a ``DistributedSampler``), run by ``torchpass run --local --transparent``;
 * ``lightning``: an unmodified PyTorch Lightning script (a ``LightningModule``, ``Trainer(strategy="ddp")``, a
-  DataLoader without a sampler), run by ``torchpass run --local --transparent``.
+  DataLoader without a sampler), run by ``torchpass run --local --transparent``;
+* ``hf_trainer``: an unmodified Hugging Face ``Trainer`` script (``TrainingArguments(use_cpu=True,
+  ddp_backend="gloo")``, the MLP behind a module that returns the loss), run the same way.
 
 Both train the same MLP (``--layers`` x ``--hidden``, AdamW) on the same synthetic dataset, so the state a
 migration moves is the same size (transparent mode adds its data position: three integers). Slot 0 writes
@@ -24,6 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -139,9 +142,52 @@ def lightning(args: argparse.Namespace) -> None:
     trainer.fit(Module(), loader)
 
 
+def hf_trainer(args: argparse.Namespace) -> None:
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Regression(nn.Module):  # the Trainer wants the loss from the model
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model(args.layers, args.hidden)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": nn.functional.mse_loss(self.net(x), labels)}
+
+    class Rows(Dataset):  # type: ignore[type-arg]
+        def __init__(self) -> None:
+            self.x, self.y = _dataset().tensors
+
+        def __len__(self) -> int:
+            return len(self.x)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": self.x[i], "labels": self.y[i]}
+
+    class Mark(TrainerCallback):
+        def on_step_begin(self, targs: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            _mark(args, int(os.environ["RANK"]), state.global_step)  # the Trainer's counter: right on a newcomer
+
+    world = int(os.environ["WORLD_SIZE"])
+    per_epoch = len(Rows()) // (args.batch * world)
+    targs = TrainingArguments(
+        output_dir=str(Path(args.out) / "hf-out"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=args.batch,
+        num_train_epochs=-(-args.steps // per_epoch),
+        learning_rate=1e-3,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
+    Trainer(model=Regression(), args=targs, train_dataset=Rows(), callbacks=[Mark()]).train()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("aware", "transparent", "lightning"))
+    parser.add_argument("mode", choices=("aware", "transparent", "lightning", "hf_trainer"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=64, help="steps, rounded up to whole epochs")
     parser.add_argument("--layers", type=int, default=4)
@@ -152,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill", action="store_true", help="slot 1 SIGKILLs itself at --mark-step (once)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    {"aware": aware, "transparent": transparent, "lightning": lightning}[args.mode](args)
+    {"aware": aware, "transparent": transparent, "lightning": lightning, "hf_trainer": hf_trainer}[args.mode](args)
     return 0
 
 

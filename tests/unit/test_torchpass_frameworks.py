@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from torchpass.errors import TorchPassError
 from torchpass.frameworks import detect
+from torchpass.frameworks.hf_trainer import HFTrainerAdapter
 from torchpass.frameworks.warmup import framework_modules, imported_by, preimport, rebind_in_loaded_modules
 
 SCRIPT = """
@@ -108,11 +108,9 @@ class _Session:
 
 
 @pytest.mark.parametrize("caller", ["accelerate.state", "transformers.training_args"])
-def test_hugging_face_is_refused_at_start_with_the_reason_and_the_alternative(caller: str) -> None:
-    with pytest.raises(TorchPassError) as refused:
-        detect(caller, _Session(), lambda: None)
-    message = str(refused.value)
-    assert "not protected in transparent mode" in message and "without --transparent" in message
+def test_hugging_face_selects_the_trainer_adapter_which_finds_its_trainer_later(caller: str) -> None:
+    adapter = detect(caller, _Session(), lambda: None)
+    assert isinstance(adapter, HFTrainerAdapter) and adapter.trainer is None
 
 
 def test_a_plain_script_selects_no_adapter() -> None:

@@ -322,22 +322,3 @@ def test_snapshot_then_whole_job_killed_restores_lightning_bitwise(base: Path, r
     steps = {json.loads(line.split(" event torchpass.restored ", 1)[1])["step"] for line in restored}
     assert len(restored) == NPROC and min(steps) >= 7, run.output[-6000:]  # from the snapshot, not the start
     _assert_like_reference(run, reference, "restored from a snapshot")
-
-
-HF_SCRIPT = SCRIPT.parent / "data" / "hf_trainer_script.py"
-
-
-def test_hugging_face_trainer_is_refused_at_start_without_burning_spares(base: Path) -> None:
-    """An HF Trainer script (which trains under torchrun) is refused at once with the reason and the alternative:
-    the job fails before any spare is put in a slot, not after every spare died on the same error."""
-    out = base / "hf-refused"
-    out.mkdir()
-    cmd = local_command(out, HF_SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"])
-    proc = subprocess.run(cmd, env=_env(out), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
-    run = Run(out, proc.returncode, proc.stdout + proc.stderr)
-    assert run.returncode == 1, run.output[-4000:]
-    assert "Hugging Face accelerate (and the transformers Trainer built on it) is not protected" in run.output
-    assert "Run the job without --transparent" in run.output
-    failed = run.of_kind("torchpass.failed")
-    assert failed and "not protected in transparent mode" in failed[0]["reason"], failed
-    assert not [g for g in run.of_kind("torchpass.generation") if g.get("replaced")], "a spare was put in a slot"

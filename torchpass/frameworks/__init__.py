@@ -8,15 +8,16 @@ works unchanged under it, but a framework also keeps state of its own and drives
 * its step counters, epoch counter and callbacks' state are Python objects of the framework (Lightning's loop
   progress, ``trainer.global_step``, a ``ModelCheckpoint``'s best score), which must move to a replacement and
   roll back with an abandoned step like the model does;
-* its loop is a state machine over those counters, not a ``for`` over the loader: a replacement does not
-  replay earlier epochs, it *jumps* there once the counters arrive;
+* its loop is a state machine over those counters (Lightning), or keeps them in locals of its own loop (the
+  Hugging Face Trainer), not a ``for`` over the loader: a replacement does not replay earlier epochs, it *jumps*
+  there once the counters arrive, and a redone step re-enters the loop where it was;
 * it talks to its peers while it sets up (a barrier, the checkpoint directory broadcast from rank 0), before
   TorchPass has formed any process group.
 
-An adapter for each framework (:mod:`torchpass.frameworks.lightning`) is picked when the framework itself calls
-``init_process_group`` (:func:`detect`), and the session asks it at the few points where the framework differs
-from a plain script (:class:`FrameworkAdapter`). Nothing here imports a framework: a job that does not use one
-never loads it.
+An adapter for each framework (:mod:`torchpass.frameworks.lightning`, :mod:`torchpass.frameworks.hf_trainer`)
+is picked when the framework itself calls ``init_process_group`` (:func:`detect`), and the session asks it at
+the few points where the framework differs from a plain script (:class:`FrameworkAdapter`). Nothing here
+imports a framework: a job that does not use one never loads it.
 """
 
 from __future__ import annotations
@@ -25,29 +26,22 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from torchpass.errors import TorchPassError
 from torchpass.frameworks.api import FrameworkAdapter, PassView, SessionView
 
 __all__ = ["FrameworkAdapter", "PassView", "SessionView", "detect", "framework_imported"]
 
 # Top-level packages whose ``init_process_group`` call selects an adapter, and the adapter's module.
-_ADAPTERS = {"lightning": "lightning", "pytorch_lightning": "lightning"}
-# Frameworks recognised and refused at start (the message says why and what to do instead).
-_REFUSED = {
-    "accelerate": (
-        "Hugging Face accelerate (and the transformers Trainer built on it) is not protected in transparent mode "
-        "yet: its training loop counts its own update steps and fetches each accumulation window ahead "
-        "(Trainer._run_epoch), so a rank that redoes a failed step, or a replacement, cannot rejoin it at the "
-        "same step, and recovery would not be exact. Run the job without --transparent (--clockwork-ft=aware "
-        "with the model-aware API: see 'The API' in docs/user-guide.md), or with Lightning or a plain DDP loop"
-    ),
+_ADAPTERS = {
+    "lightning": "lightning",
+    "pytorch_lightning": "lightning",
+    "accelerate": "hf_trainer",  # accelerate's PartialState, built by the Trainer's TrainingArguments
+    "transformers": "hf_trainer",
 }
-_REFUSED["transformers"] = _REFUSED["accelerate"]
 
 
 def framework_imported() -> bool:
     """Whether a framework the adapters know was imported (it may still rebuild the script's loaders)."""
-    return any(name in sys.modules for name in (*_ADAPTERS, *_REFUSED))
+    return any(name in sys.modules for name in _ADAPTERS)
 
 
 def detect(caller_module: str, session: SessionView, frames: Callable[[], Any]) -> FrameworkAdapter | None:
@@ -55,9 +49,11 @@ def detect(caller_module: str, session: SessionView, frames: Callable[[], Any]) 
 
     ``frames`` gives the interposer's caller frame: an adapter finds the framework's trainer object there."""
     package = caller_module.split(".", 1)[0]
-    if package in _REFUSED:
-        raise TorchPassError(f"transparent mode: {_REFUSED[package]}")
     kind = _ADAPTERS.get(package)
+    if kind == "hf_trainer":
+        from torchpass.frameworks.hf_trainer import HFTrainerAdapter
+
+        return HFTrainerAdapter(session)  # it finds the Trainer later, when accelerate prepares its model
     if kind is None:
         return None
     from torchpass.frameworks.lightning import LightningAdapter

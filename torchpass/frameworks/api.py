@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.utils.data import DataLoader
 
     from torchpass.context import Context
+    from torchpass.transparent_data import DataPosition
 
 __all__ = ["FrameworkAdapter", "PassView", "SessionView"]
 
@@ -20,6 +22,8 @@ class PassView(Protocol):
 
     def __len__(self) -> int: ...
 
+    def __next__(self) -> Any: ...
+
     def retarget(self, pass_no: int, epoch: int) -> None:
         """Become pass ``pass_no`` with the sampler's order of ``epoch`` (a jump to another pass)."""
         ...
@@ -30,8 +34,14 @@ class SessionView(Protocol):
 
     ctx: Context
     step_open: bool
+    position: DataPosition  # where the replicas are (received with the state, rolled back with a step)
+    loader: DataLoader[Any] | None  # the tracked loader
 
     def warn(self, message: str) -> None: ...
+
+    def start_pass(self, loader: DataLoader[Any]) -> PassView:
+        """A new pass over the tracked loader (what ``iter(loader)`` returns)."""
+        ...
 
     def roll_back_open_step(self) -> bool:
         """Close the step in progress now if it committed cleanly; if it was abandoned, undo it but leave the
@@ -47,6 +57,11 @@ class FrameworkAdapter(Protocol):
     def group_visible(self) -> bool:
         """Whether ``torch.distributed.is_initialized()`` should report a group before the first step (False:
         the framework then skips its set-up collectives, as it does when it runs without one)."""
+        ...
+
+    def tracks(self, loader: Any) -> bool:
+        """Whether ``loader``, which has no ``DistributedSampler``, is sharded by the framework itself (each
+        rank's batches its own) and may be the tracked one."""
         ...
 
     def accepts_loader(self) -> bool:

@@ -133,6 +133,9 @@ class LightningAdapter:
     def group_visible(self) -> bool:
         return False
 
+    def tracks(self, loader: Any) -> bool:
+        return False  # Lightning injects a DistributedSampler
+
     def accepts_loader(self) -> bool:
         """Lightning rebuilds every loader with its DistributedSampler; the training one while it trains (not
         while it runs the sanity check or a validation)."""
