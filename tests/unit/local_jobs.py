@@ -1,12 +1,14 @@
 """A local TorchPass job (``torchpass run --local``) as the oracle tests launch and check it.
 
-Shared by test_torchpass_oracle.py (the model-aware training) and test_torchpass_transparent.py (the unmodified
-DDP script), so that both launch their job with the same options and hold its final state to the same bitwise
+Shared by the oracle tests (the model-aware training, the unmodified DDP, FSDP, Lightning and Hugging Face
+scripts), so that all launch their job with the same options and hold its final state to the same bitwise
 standard. Their rank scripts do not import this module: a rank process need not find ``tests`` on its path.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -102,3 +104,39 @@ def assert_bitwise_equal(a: Any, b: Any, where: str) -> None:
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def framework_command(out: Path, script: Path, *, nproc: int) -> list[str]:
+    """``torchpass run --local --transparent`` of a framework's rank script: one spare, the coordinator's address
+    in ``out/coordinator`` (for ``clockwork migrate``)."""
+    options = ["--coordinator-file", str(out / "coordinator")]
+    return local_command(out, script, nproc=nproc, spares=1, flags=["--transparent"], options=options)
+
+
+def framework_env(out: Path, **env: str) -> dict[str, str]:
+    """This environment without the caller's own ``CW_TEST_*``, plus the rank script's folder and ``env``."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("CW_TEST_")}
+    environ.update(CW_TEST_DIR=str(out), PYTHONWARNINGS="ignore", **env)
+    return environ
+
+
+def run_framework_job(base: Path, name: str, script: Path, *, nproc: int, timeout_s: float, **env: str) -> FinishedJob:
+    """:func:`framework_command` run to its end in the new folder ``base/name``, with :func:`framework_env`."""
+    out = base / name
+    out.mkdir()
+    cmd, environ = framework_command(out, script, nproc=nproc), framework_env(out, **env)
+    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout_s, check=False)
+    return FinishedJob(out, proc.returncode, proc.stdout + proc.stderr)
+
+
+def assert_slots_like_reference(
+    run: FinishedJob, reference: FinishedJob, *, nproc: int, keys: Sequence[str], last_step: int, what: str
+) -> None:
+    """``run`` finished at ``last_step`` and every slot's final state (its ``keys``) equals the reference's to
+    the bit."""
+    run.check_ok()
+    for slot in range(nproc):
+        mine, theirs = load_final(run.out, slot), load_final(reference.out, slot)
+        assert_bitwise_equal({k: mine[k] for k in keys}, {k: theirs[k] for k in keys}, f"{what}: slot {slot}")
+    finished = run.of_kind("torchpass.finished")
+    assert finished and finished[-1]["committed"] == [last_step], finished
