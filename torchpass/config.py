@@ -188,12 +188,21 @@ class TorchPassConfig:
     )
     peer_copies: int = setting(
         1,
-        "Pure FSDP (a 1 x S mesh, no replica): how many ring neighbours keep a copy of each rank's shard "
+        "Pure FSDP (a 1 x S mesh, no replica; HSDP too with peer_copies_in_hsdp): how many ring neighbours keep a "
+        "copy of each rank's shard "
         "(parameters, optimizer state and everything else that moves) in host memory, so that a sudden crash is "
         "rebuilt from a neighbour instead of stopping the job: 1 survives any crash that spares the next slot, "
         "2 any two adjacent ones. 0 = off. Costs host memory (per rank: 3 own copies + 2 x this many neighbour "
         "copies of a shard) and a stream of one shard per neighbour every peer_copy_every_steps steps.",
         min=0,
+    )
+    peer_copies_in_hsdp: bool = setting(
+        False,
+        "HSDP (an R x S mesh, R > 1): keep peer copies too (peer_copies neighbours in each replica's row), a second "
+        "line of defence for when every replica's holder of a shard dies at once; while one is left the copies are "
+        "not used. Off by default: the replicas already cover any loss that leaves one holder per shard, and an "
+        "HSDP shard is R times larger than a pure FSDP one over the same ranks, so the copies' host memory "
+        "(per rank: (3 + 2 x peer_copies) shards) is R times dearer too.",
     )
     peer_copy_every_steps: int = setting(
         1,

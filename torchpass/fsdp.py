@@ -18,9 +18,11 @@ parameter and of every piece of optimizer state, plus what is not sharded (the s
 scalers, registered objects, buffers). A newcomer in (r, s) receives part ``s`` from a live holder (r', s) of
 the most advanced step. Pure FSDP keeps a copy of every shard in its ring neighbours' host memory
 (:mod:`torchpass.peer_copy`; ``peer_copies``, ``peer_copy_every_steps``): a newcomer gets its shard from one,
-and when that copy is older than the committed step every rank rolls back to it in memory. When no member holds
-part ``s`` at any step every other part is held at (both holders lost, or a shard and its copies), nothing is
-invented: the job stops with that reason (:class:`torchpass.transfer_plan.StateLost`).
+and when that copy is older than the committed step every rank rolls back to it in memory. HSDP keeps such copies
+too with ``peer_copies_in_hsdp`` (each replica's row is its ring): the plan still takes a shard from a live replica
+while one is left, and from a copy, rolling back the same way, once every holder of it died at once. When no
+member holds part ``s`` at any step every other part is held at (every holder lost without copies, or a shard and
+its copies), nothing is invented: the job stops with that reason (:class:`torchpass.transfer_plan.StateLost`).
 
 Buffers are not synchronised by FSDP2: a buffer a forward pass updates (BatchNorm's running statistics) then
 differs per rank, and a replica's copy is not the dead rank's. ``wrap_fsdp`` warns about such modules.
@@ -192,7 +194,9 @@ class ShardedState:
         parts.mesh = self.groups.mesh
         parts.label = shape.part_name(shape.coordinate(host.slot)[1])
         self.peers: PeerCopies | None = None
-        copies = host.config.peer_copies if shape.replicas == 1 and shape.shards > 1 else 0
+        # Pure FSDP keeps peer copies unless peer_copies = 0; HSDP only on request (its replicas hold every shard)
+        wanted = shape.replicas == 1 or host.config.peer_copies_in_hsdp
+        copies = host.config.peer_copies if wanted and shape.shards > 1 else 0
         self.part_layout = dataclasses.replace(shape, peer_copies=copies)  # what the generations' plan sees
         if copies:
             self.peers = PeerCopies(host.config, host.slot, shape.shards, host.env.host, host.log, host.event_sink)

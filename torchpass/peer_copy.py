@@ -1,4 +1,4 @@
-"""Peer copies: pure FSDP without a replica, every shard also kept in its ring neighbours' host memory.
+"""Peer copies: every shard also kept in its ring neighbours' host memory (pure FSDP, and HSDP on request).
 
 Without a replicate dimension a rank's shard exists nowhere else, so a sudden crash would stop the job. Here,
 after every K-th committed step (``peer_copy_every_steps``), each rank in slot s captures its state (what
@@ -6,6 +6,12 @@ moves: its shard of the parameters and optimizer state, the step, schedulers, re
 memory and streams it to slots s+1 .. s+r of the ring (``peer_copies`` = r), on a side thread, while the next
 step's forward and backward pass run (:mod:`torchpass.peer_wire`). A spare taking slot s after a crash gets the
 shard from a neighbour's copy, through the plan every generation makes (:mod:`torchpass.transfer_plan`).
+
+Under HSDP (R x S, ``peer_copies_in_hsdp``) the ring is the rank's own replica: slot (r, s) sends to (r, s+1)
+.. (r, s+r), so every replica keeps copies of every shard, and the copies are what is left when all R holders
+of a shard die at once. The plan prefers a live holder, so with one of them left the copies change nothing.
+Copies are keyed by shard, not slot: a rank receives from predecessors of its own replica only, so the shard
+names the sender, and it is the part the agreement reports them as.
 
 Why it is correct, and what the buffers are for:
 
@@ -68,9 +74,10 @@ def update_only_tensors(parts: StateParts) -> set[int]:
     return ptrs
 
 
-def ring_holders(slot: int, shards: int, copies: int) -> list[int]:
-    """The slots that keep copies of ``slot``'s shard: the next ``copies`` slots of the ring (never itself)."""
-    return [(slot + i) % shards for i in range(1, min(copies, shards - 1) + 1)]
+def ring_holders(shard: int, shards: int, copies: int) -> list[int]:
+    """The shards whose ranks keep copies of ``shard``: the next ``copies`` of the ring (never itself). Under
+    pure FSDP these are slots; under HSDP, shards of the same replica (a copy stays in its replica's row)."""
+    return [(shard + i) % shards for i in range(1, min(copies, shards - 1) + 1)]
 
 
 @dataclass
@@ -101,8 +108,9 @@ class PeerCopies:
         self.copies = config.peer_copies
         self.every = config.peer_copy_every_steps
         self.timeout_s = config.collective_timeout_s
-        self.slot = slot
+        self.slot = slot  # the global slot (r * shards + s, as :class:`ShardedReplicas` numbers them)
         self.shards = shards
+        self.replica, self.shard = divmod(slot, shards)  # the part this rank holds is its shard
         self.log = log
         self.event_sink = event_sink
         self._secret = job_key().secret
@@ -141,8 +149,10 @@ class PeerCopies:
     # ----- the generation ---------------------------------------------------------------------
 
     def set_peers(self, addresses: dict[int, tuple[str, int]]) -> None:
-        """The listeners of every slot in the generation just formed; this rank sends to its ring successors."""
-        wanted = {n: addresses[n] for n in ring_holders(self.slot, self.shards, self.copies)}
+        """The listeners of every slot in the generation just formed; this rank sends to its ring successors
+        (in its own replica: the slots of the shards after its own)."""
+        row = self.replica * self.shards
+        wanted = {row + n: addresses[row + n] for n in ring_holders(self.shard, self.shards, self.copies)}
         with self._lock:
             self._targets = wanted
 
@@ -274,7 +284,7 @@ class PeerCopies:
                         link.close()
                     self._links.pop(neighbour, None)
                     link = self._links[neighbour] = CopyLink(address, self._secret, self.timeout_s)
-                link.send(self.slot, job.step, job.buffer.blob, job.buffer.data)
+                link.send(self.shard, job.step, job.buffer.blob, job.buffer.data)
                 self.bytes_sent += job.buffer.size
             except (OSError, WireError) as exc:
                 ok = False
@@ -299,11 +309,11 @@ class PeerCopies:
         copies it keeps of its ring predecessors' shards."""
         steps: list[int | None] = [None] * self.shards
         older: list[tuple[int, ...]] = [()] * self.shards
-        steps[self.slot] = committed if has_state else None
+        steps[self.shard] = committed if has_state else None
         own = sorted({b.step for b in self.own if b.complete}, reverse=True)
-        older[self.slot] = tuple(own[: self.depth])
+        older[self.shard] = tuple(own[: self.depth])
         for source in range(self.shards):
-            if source != self.slot:
+            if source != self.shard:
                 kept = self.received.steps(source)
                 if kept:
                     steps[source], older[source] = kept[0], tuple(kept[1 : 1 + self.depth])
@@ -311,7 +321,7 @@ class PeerCopies:
 
     def copy_of(self, part: int, step: int) -> CopyBuffer | None:
         """The complete copy of ``part`` at ``step`` this rank keeps (its own, or a neighbour's)."""
-        if part == self.slot:
+        if part == self.shard:
             return next((b for b in self.own if b.complete and b.step == step), None)
         return self.received.get(part, step)
 
@@ -324,7 +334,7 @@ class PeerCopies:
 
     def restore(self, parts: StateParts, step: int, device: torch.device) -> int:
         """Roll this rank's live state back to its own copy of ``step``; the bytes loaded."""
-        copy = self.copy_of(self.slot, step)
+        copy = self.copy_of(self.shard, step)
         if copy is None:
             raise WireError(f"no copy of this rank's shard at step {step}")
         meta = copy.meta if copy.meta is not None else pickle.loads(copy.blob)

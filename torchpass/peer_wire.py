@@ -9,14 +9,18 @@ The wire, per connection (the sender connects to the receiver's :class:`CopyList
 
 1. the receiver sends a 32-byte nonce; the sender answers HMAC-SHA256(job key, tag + nonce): only processes of
    the job (which hold ``TORCHPASS_JOB_KEY``) may place a copy, whose metadata is unpickled later;
-2. frames: a header (magic, source slot, step, metadata length, payload length), the pickled metadata, the
+2. frames: a header (magic, source shard, step, metadata length, payload length), the pickled metadata, the
    payload (laid out as :func:`torchpass.state.send_state` lays it out), then the receiver's ack (the step it
    stored, or -1 when it did not keep the frame).
 
-What the receiver keeps (:class:`ReceivedCopies`): per source slot two buffers, double-buffered: a frame
+What the receiver keeps (:class:`ReceivedCopies`): per source shard two buffers, double-buffered: a frame
 is written into the older one, so the last complete copy is never the one being overwritten, and both are
 served once complete. While a generation forms the copies are *frozen* (what a member reported holding must
 not change under the transfers): a frame arriving then is read and dropped, and its sender told so.
+
+Frames name the sender's *shard* (the part it holds), not its slot: under pure FSDP the two are the same, and
+under HSDP a rank receives from ring predecessors of its own replica only, so the shard names the sender too,
+and it is what the agreement reports copies by.
 
 This module imports torch only for the buffers' memory (host tensors, so a GPU copy can be pinned).
 """
@@ -41,7 +45,7 @@ log = logging.getLogger("clockwork.torchpass.peer_wire")
 
 MAGIC = b"TPC1"
 TAG = b"torchpass-peer-copy"
-HEADER = struct.Struct("!4sqqQQ")  # magic, source slot, step, metadata bytes, payload bytes
+HEADER = struct.Struct("!4sqqQQ")  # magic, source shard, step, metadata bytes, payload bytes
 ACK = struct.Struct("!q")
 MAX_META = 1 << 30
 DRAIN_CHUNK = 1 << 20
@@ -96,7 +100,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 
 
 class ReceivedCopies:
-    """The copies of neighbours' shards this rank keeps: two buffers per source slot (see the module doc)."""
+    """The copies of neighbours' shards this rank keeps: two buffers per source shard (see the module doc)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -113,18 +117,18 @@ class ReceivedCopies:
         with self._lock:
             self._frozen = False
 
-    def begin(self, slot: int) -> CopyBuffer | None:
-        """The buffer a frame from ``slot`` goes into (the older one, marked incomplete), or None when frozen."""
+    def begin(self, shard: int) -> CopyBuffer | None:
+        """The buffer a frame of ``shard`` goes into (the older one, marked incomplete), or None when frozen."""
         with self._lock:
             if self._frozen:
                 return None
-            pair = self._buffers.setdefault(slot, [CopyBuffer(), CopyBuffer()])
+            pair = self._buffers.setdefault(shard, [CopyBuffer(), CopyBuffer()])
             target = min(pair, key=lambda b: (b.complete, b.step))
             target.complete, target.step, target.meta = False, -1, None
             return target
 
     def finish(self, buffer: CopyBuffer, step: int, blob: bytes) -> None:
-        """``buffer`` now holds ``slot``'s state at ``step``, every byte."""
+        """``buffer`` now holds its shard's state at ``step``, every byte."""
         with self._lock:
             buffer.step, buffer.blob, buffer.complete = step, blob, True
 
@@ -136,15 +140,15 @@ class ReceivedCopies:
                     if buffer.complete and buffer.step > step:
                         buffer.complete, buffer.step = False, -1
 
-    def steps(self, slot: int) -> list[int]:
-        """The steps of ``slot``'s complete copies, newest first."""
+    def steps(self, shard: int) -> list[int]:
+        """The steps of ``shard``'s complete copies, newest first."""
         with self._lock:
-            return sorted((b.step for b in self._buffers.get(slot, ()) if b.complete), reverse=True)
+            return sorted((b.step for b in self._buffers.get(shard, ()) if b.complete), reverse=True)
 
-    def get(self, slot: int, step: int) -> CopyBuffer | None:
-        """``slot``'s complete copy of ``step``, if kept."""
+    def get(self, shard: int, step: int) -> CopyBuffer | None:
+        """``shard``'s complete copy of ``step``, if kept."""
         with self._lock:
-            return next((b for b in self._buffers.get(slot, ()) if b.complete and b.step == step), None)
+            return next((b for b in self._buffers.get(shard, ()) if b.complete and b.step == step), None)
 
     def nbytes(self) -> int:
         """Host memory held by the buffers."""
@@ -190,12 +194,12 @@ class CopyListener:
                 return  # the sender is gone (or broke the protocol): what it was sending is not kept
 
     def _frame(self, conn: socket.socket) -> None:
-        magic, slot, step, meta_len, total = HEADER.unpack(_recv_exact(conn, HEADER.size))
+        magic, shard, step, meta_len, total = HEADER.unpack(_recv_exact(conn, HEADER.size))
         if magic != MAGIC or meta_len > MAX_META:
             raise ValueError("not a peer-copy frame")
         conn.settimeout(self.timeout_s)  # inside a frame, bytes keep coming
         blob = _recv_exact(conn, meta_len)
-        buffer = self.copies.begin(slot)
+        buffer = self.copies.begin(shard)
         if buffer is None:
             self._drain(conn, total)
             self.dropped += 1
@@ -237,11 +241,11 @@ class CopyLink:
             self._sock.close()
             raise
 
-    def send(self, slot: int, step: int, blob: bytes, payload: torch.Tensor) -> None:
-        """One copy of ``slot``'s state at ``step``; WireError when the neighbour did not keep it."""
+    def send(self, shard: int, step: int, blob: bytes, payload: torch.Tensor) -> None:
+        """One copy of ``shard``'s state at ``step``; WireError when the neighbour did not keep it."""
         view = payload.numpy().data
         try:
-            self._sock.sendall(HEADER.pack(MAGIC, slot, step, len(blob), len(view)))
+            self._sock.sendall(HEADER.pack(MAGIC, shard, step, len(blob), len(view)))
             self._sock.sendall(blob)
             self._sock.sendall(view)
             (kept,) = ACK.unpack(_recv_exact(self._sock, ACK.size))

@@ -23,7 +23,11 @@ The rules (for one part they are exactly DDP's: the most advanced replicas send 
 2. For each part, the sources are the members holding it at that step. Every slot that needs the part and is
    not a source receives it, the sources taking the receivers in turn (so several receivers are fed in
    parallel); across parts, the least busy *domain* (:meth:`PartLayout.domain_of`: an HSDP replica) serves
-   next, so several shards rebuilt at once are sent by different replicas where each has a holder.
+   next, so several shards rebuilt at once are sent by different replicas where each has a holder. A live
+   holder (a slot that needs the part and holds it as its own state: an HSDP replica) is preferred to a peer
+   copy of the same step. An HSDP job's copies are a second line of defence: while a holder of the shard is
+   left, the job recovers exactly as it would without copies (same sources, same transfers), and the live
+   state is already where the transfer starts (on the GPU), where a copy is in host memory.
 3. **Rolling back.** Peer copies are refreshed every K steps, so the copy of a lost shard may be older than
    the step the survivors committed. The generation then resumes after the copy's step: a slot whose live
    state is newer restores its own part from the copy it keeps of that step (:attr:`Holdings.older`; a
@@ -114,8 +118,9 @@ class Replicated:
 class ShardedReplicas:
     """HSDP: ``replicas`` copies of a model cut into ``shards`` shards; slot ``r * shards + s`` holds shard s.
 
-    ``replicas=1`` is pure FSDP: each shard lives in one slot only (plus whatever peer copies members report;
-    ``peer_copies``: how many ring successors keep one, for the message when a shard is lost anyway)."""
+    ``replicas=1`` is pure FSDP: each shard lives in one slot only, plus whatever peer copies members report.
+    ``peer_copies``: how many ring successors in each replica keep one (0: none), for the message when a shard
+    is lost anyway."""
 
     replicas: int
     shards: int
@@ -166,17 +171,36 @@ class ShardedReplicas:
         """``shard S of the RxS mesh``."""
         return f"shard {part} of the {self.replicas}x{self.shards} mesh"
 
+    def copy_holders(self, part: int) -> list[int]:
+        """The slots keeping peer copies of shard ``part``: in each replica, the next ``peer_copies`` slots of
+        its row (:func:`torchpass.peer_copy.ring_holders`; a copy stays in its replica)."""
+        ring = [(part + i) % self.shards for i in range(1, min(self.peer_copies, self.shards - 1) + 1)]
+        return [self.slot(r, s) for r in range(self.replicas) for s in ring]
+
     def lost_hint(self, part: int) -> str:
-        """Pure FSDP with peer copies: where the copies were, and why that was not enough."""
-        if self.replicas > 1 or not self.peer_copies:
-            return ""
-        holders = [(part + i) % self.shards for i in range(1, min(self.peer_copies, self.shards - 1) + 1)]
+        """Why no member holds shard ``part``: which slots held it and its copies, and why that was not enough."""
+        copies = self.copy_holders(part)
+        if not copies:
+            if self.replicas == 1:
+                return ""
+            return (
+                f"its holders ({_slots(self.column(part))}) were all lost, and this HSDP job keeps no peer copies "
+                "(peer_copies_in_hsdp, a second line of defence for that case, is off)"
+            )
+        kept = f"its peer copies (peer_copies={self.peer_copies}: {_slots(copies)})"
+        if self.replicas == 1:
+            lost = f"{kept} were lost with it"
+        else:
+            lost = f"its holders ({_slots(self.column(part))}) and {kept} were all lost"
         return (
-            f"its peer copies (peer_copies={self.peer_copies}: slot{'s' if len(holders) > 1 else ''} "
-            f"{', '.join(map(str, holders))}) were lost with it, or hold no step every other shard is still held "
-            "at; losing more adjacent ranks than peer_copies covers needs a snapshot, and snapshots of sharded "
-            "models are not supported yet"
+            f"{lost}, or hold no step every other shard is still held at; losing more adjacent ranks than "
+            "peer_copies covers needs a snapshot, and snapshots of sharded models are not supported yet"
         )
+
+
+def _slots(slots: list[int]) -> str:
+    """``slot 2`` or ``slots 0, 2``."""
+    return f"slot{'s' if len(slots) > 1 else ''} {', '.join(map(str, slots))}"
 
 
 @dataclass(frozen=True)
@@ -313,6 +337,7 @@ def plan_transfers(table: Sequence[Holdings], layout: PartLayout, *, expect_stat
             sources = [needing[0]]
         live = [slot for slot in sources if table[slot].steps[part] == best or fresh]
         receivers = [slot for slot in needing if slot not in live]
+        senders = [slot for slot in live if part in layout.parts_of(slot)] or sources  # holders before copies
         if receivers and not sources:
             raise StateLost(part, best, layout.part_name(part), layout.lost_hint(part))
         for dst in receivers:
@@ -321,7 +346,7 @@ def plan_transfers(table: Sequence[Holdings], layout: PartLayout, *, expect_stat
                 continue
             # The least busy domain, then the least busy slot in it, then the lowest: for one part that is
             # round-robin over its sources; over several parts it spreads them over the replicas.
-            src = min(sources, key=lambda s: (sends.get(-1 - layout.domain_of(s), 0), sends.get(s, 0), s))
+            src = min(senders, key=lambda s: (sends.get(-1 - layout.domain_of(s), 0), sends.get(s, 0), s))
             sends[src] = sends.get(src, 0) + 1
             sends[-1 - layout.domain_of(src)] = sends.get(-1 - layout.domain_of(src), 0) + 1
             transfers.append(Transfer(part, src, dst))

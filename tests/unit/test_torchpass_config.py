@@ -74,6 +74,8 @@ def test_files_and_environment_round_trip(tmp_path: Path) -> None:
 def test_peer_copy_settings_are_bounded() -> None:
     """Redundancy is 0 (off), 1 or 2 neighbours; the refresh period is at least every step."""
     assert (TorchPassConfig().peer_copies, TorchPassConfig().peer_copy_every_steps) == (1, 1)
+    assert TorchPassConfig().peer_copies_in_hsdp is False  # HSDP's replicas are its first line: copies on request
+    assert TorchPassConfig().with_assignment("peer_copies_in_hsdp=true").peer_copies_in_hsdp is True
     assert TorchPassConfig().with_assignment("peer_copies=2").peer_copies == 2
     with pytest.raises(ConfigError, match=r"peer_copies: 0, 1 or 2 neighbours, got 3"):
         TorchPassConfig().with_assignment("peer_copies=3")

@@ -18,6 +18,10 @@ SIGKILLs the rank deals itself at a point of the step:
 * ``crashnode-PHASE`` (the sandbox test, tests/integration/test_torchpass_fsdp_sandbox.py): at that point the rank
   writes ``crash-request-SLOT-STEP`` naming its Slurm node and waits there for the test to crash the whole node.
 
+With ``CW_TEST_KILL_TOGETHER=1`` the victims die as one crash: each, at its point (all at the same point of the
+same step), waits until every victim has reached its own before it kills itself, so that no recovery can run
+between two of the deaths (one victim's loss noticed, and the other rebuilt from it, before it dies too).
+
 The step and the layer are drawn at random per run (the seed is printed; ``CW_TEST_SEED`` replays it).
 
 The oracle: the gathered (``full_tensor``) model, optimizer state and scheduler state of every slot are
@@ -81,6 +85,11 @@ def _rank_main() -> int:
                 return  # done once: the replacement must not kill itself too
             os.write(fd, f"{time.time()}\n".encode())
             os.close(fd)
+            if os.environ.get("CW_TEST_KILL_TOGETHER") == "1":  # one crash of all victims: each waits for the rest
+                markers = [out / ("killed-" + "-".join(k)) for k in kills if not k[2].startswith("crashnode")]
+                deadline = time.monotonic() + 60.0
+                while not all(m.exists() for m in markers) and time.monotonic() < deadline:
+                    time.sleep(0.001)
             if spec[2].startswith("crashnode"):  # the sandbox test crashes this whole node; wait here until then
                 node = os.environ.get("SLURMD_NODENAME", "")
                 (out / f"crash-request-{ctx.slot}-{ctx.step}").write_text(f"{node} {time.time()}\n")
@@ -213,12 +222,14 @@ def _run(
     mp: bool = False,
     settings: tuple[str, ...] = (),
     after_copy: bool = False,
+    together: bool = False,
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MIGRATE=migrate, CW_TEST_MESH=mesh)
     env["CW_TEST_MP"] = "1" if mp else ""
     env["CW_TEST_AFTER_COPY"] = "1" if after_copy else ""
+    env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     cmd = local_command(out, SCRIPT, nproc=NPROC, spares=spares, settings=settings)
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -14,6 +14,10 @@ scheduler, a parameter that does not split evenly); its kill points are describe
 * Two adjacent ranks (slots 1 and 2) killed in the same step: with ``peer_copies=1`` slot 1's only copy died with
   slot 2, so the job stops and the reason names the copies; with ``peer_copies=2`` slot 3 holds it too and the
   job ends bitwise equal.
+* HSDP 2 x 2 with ``peer_copies_in_hsdp``: both holders of shard 1 (slots 1 and 3) killed in one crash at a random
+  step, phase and layer, two spares: the newcomers get shard 1 from the copies in slots 0 and 2 (each replica's
+  row is its ring), rolling back in memory when those are older than the committed step, and every slot ends
+  bitwise equal to the same job without a fault and without copies (HSDP's default).
 """
 
 from __future__ import annotations
@@ -139,3 +143,31 @@ def test_two_adjacent_losses_with_two_copies_recover(base: Path, reference: Fini
     sources = {m["target"]: m["source"] for r in run.of_kind("torchpass.recovered") for m in r["moves"]}
     assert sources.get(1) == 3, fields  # slot 1's second copy, in slot 3
     assert sources.get(2) in (3, 0), fields  # slot 2's copies: slots 3 and 0
+
+
+@pytest.fixture(scope="module")
+def reference_hsdp(base: Path) -> FinishedJob:
+    """HSDP 2 x 2 without a fault, and without peer copies (off by default under HSDP)."""
+    run = _run(base, "hsdp_reference", mesh="2x2")
+    run.check_ok()
+    return run
+
+
+def test_hsdp_both_holders_of_a_shard_lost_at_once_rebuilt_from_the_copies(
+    base: Path, reference_hsdp: FinishedJob
+) -> None:
+    step, layer = _draw.randrange(2, STEPS - 2), _draw.randrange(LAYERS)
+    phase = _draw.choice(["allgather", "reducescatter", "allreduce", "optimizer"])
+    kill = ",".join(f"{v}:{step}:{phase}:{-1 if phase == 'optimizer' else layer}" for v in (1, 3))
+    print(f"kill {kill}")
+    run = _run(
+        base, "hsdp_both", mesh="2x2", kill=kill, spares=2, together=True, settings=("peer_copies_in_hsdp=true",)
+    )
+    fields = _check(run, reference_hsdp, kill)  # bitwise per slot; recomputed_steps true to the journals
+    both = [r for r in run.of_kind("torchpass.recovered") if {1, 3} <= set(r["slots"])]
+    assert both, f"slots 1 and 3 were not rebuilt in one recovery: {run.of_kind('torchpass.recovered')}"
+    moves = {m["target"]: m for m in both[0]["moves"] if m["target"] in (1, 3)}
+    assert set(moves) == {1, 3}, both[0]
+    for move in moves.values():  # shard 1 from a copy in a survivor of shard 0: no live holder was left
+        assert move["part"] == 1 and move["source"] in (0, 2) and move["bytes"] > 0, both[0]
+    print(f"recovered at step {fields['step']}, recomputed_steps {both[0]['recomputed_steps']}")

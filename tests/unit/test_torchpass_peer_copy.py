@@ -95,3 +95,27 @@ def test_a_dead_successor_fails_the_copy_not_the_step(ring: tuple[PeerCopies, Pe
     a.before_update()  # returns: the copy failed at once (connection refused)
     assert a.failed == 1 and a.acknowledged == -2
     assert a.copy_of(0, 1) is not None  # its own copy still serves a rollback
+
+
+def test_under_hsdp_a_copy_stays_in_its_replica_and_is_reported_by_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 x 2: slot 3 (replica 1, shard 1) sends to slot 2 (replica 1, shard 0), its row's ring successor, not to
+    slot 0 (its successor in a ring of all slots); slot 2 reports the copy as shard 1's, beside its live shard 0."""
+    monkeypatch.setenv(ENV_JOB_KEY, JobKey.new().hex)
+    config = TorchPassConfig(peer_copies=1, collective_timeout_s=10.0)
+    two = PeerCopies(config, 2, 2, "127.0.0.1", LOG, None)
+    three = PeerCopies(config, 3, 2, "127.0.0.1", LOG, None)
+    elsewhere = PeerCopies(config, 0, 2, "127.0.0.1", LOG, None)  # replica 0's shard 0: must receive nothing
+    try:
+        addresses = {0: elsewhere.address, 1: elsewhere.address, 2: two.address, 3: three.address}
+        for peers in (two, three):
+            peers.set_peers(addresses)
+        parts = _parts(3)
+        three.capture(parts, 0)
+        assert three.wait_sent(10.0) == 0 and three.failed == 0
+        assert two.received.steps(1) == [0] and elsewhere.received.steps(1) == []
+        assert two.holdings(True, 0).steps == (0, 0) and three.holdings(True, 0).steps == (None, 0)
+        sent, mine = two.copy_of(1, 0), three.copy_of(1, 0)
+        assert sent is not None and mine is not None and torch.equal(sent.data, mine.data)
+    finally:
+        for peers in (two, three, elsewhere):
+            peers.close()

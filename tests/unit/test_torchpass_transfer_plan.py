@@ -22,6 +22,9 @@ DDP = Replicated()
 HSDP = ShardedReplicas(replicas=2, shards=2)  # slots 0,1 = replica 0 shards 0,1; slots 2,3 = replica 1
 FSDP = ShardedReplicas(replicas=1, shards=3)
 HSDP3 = ShardedReplicas(replicas=3, shards=2)  # slots (0,1), (2,3), (4,5): replicas 0, 1, 2
+# HSDP with peer copies: slot (r, s) keeps the copy of (r, s - 1)'s shard, so in 2 x 2 slot 0 holds slot 1's
+# shard 1, slot 1 slot 0's shard 0, slot 2 slot 3's shard 1 and slot 3 slot 2's shard 0.
+HSDPC = ShardedReplicas(replicas=2, shards=2, peer_copies=1)
 
 
 def _held(*steps: int | None) -> Holdings:
@@ -155,6 +158,47 @@ PLANS: list[tuple[str, PartLayout, list[Holdings], bool, TransferPlan]] = [
         True,
         TransferPlan(4, (_t(0, 2, 0), _t(1, 1, 3))),
     ),
+    (
+        "HSDP with peer copies: a lost rank's shard comes from the live replica (slot 1), not from the copy in slot "
+        "0 or 2, though both hold the same step and slot 0 comes first",
+        HSDPC,
+        [
+            Holdings((5, 5), ((5, 4), (4,))),
+            Holdings((5, 5), ((4,), (5, 4))),
+            Holdings((5, 5), ((5, 4), (4,))),
+            Holdings((None, None)),
+        ],
+        True,
+        TransferPlan(5, (_t(1, 1, 3),)),
+    ),
+    (
+        "HSDP with peer copies: no rollback while a replica holds the committed step, though every copy is older",
+        HSDPC,
+        [
+            Holdings((6, 5), ((5, 4), (4,))),
+            Holdings((5, 6), ((4,), (5, 4))),
+            Holdings((6, 5), ((5, 4), (4,))),
+            Holdings((None, None)),
+        ],
+        True,
+        TransferPlan(6, (_t(1, 1, 3),)),
+    ),
+    (
+        "HSDP with peer copies: both holders of shard 1 died at once; each newcomer gets it from the copy kept in "
+        "a survivor's host memory, one per replica",
+        HSDPC,
+        [Holdings((6, 6), ((6, 5), (5,))), Holdings((None, None)), Holdings((6, 6), ((6, 5), (5,))), _held(None, None)],
+        True,
+        TransferPlan(6, (_t(1, 0, 1), _t(1, 2, 3))),
+    ),
+    (
+        "HSDP with peer copies: both holders of shard 1 died and its copies are of step 5: the job rolls back to 5, "
+        "each survivor from its own copy of shard 0",
+        HSDPC,
+        [Holdings((6, 5), ((6, 5), (4,))), Holdings((None, None)), Holdings((6, 5), ((6, 5), (4,))), _held(None, None)],
+        True,
+        TransferPlan(5, (_t(0, 0, 0), _t(0, 2, 2), _t(1, 0, 1), _t(1, 2, 3))),
+    ),
 ]
 
 
@@ -176,7 +220,15 @@ LOST: list[tuple[str, PartLayout, list[Holdings], str]] = [
         "HSDP: both holders of shard 1 lost",
         HSDP,
         [_held(5, None), _held(None, None), _held(5, None), _held(None, None)],
-        "no member holds shard 1 of the 2x2 mesh any more (at step 5)",
+        "no member holds shard 1 of the 2x2 mesh any more (at step 5): its holders (slots 1, 3) were all lost, and "
+        "this HSDP job keeps no peer copies (peer_copies_in_hsdp",
+    ),
+    (
+        "HSDP with peer copies: both holders of shard 1 lost, and its copies older than any step the survivors kept",
+        HSDPC,
+        [Holdings((9, 4), ((9, 8, 7), ())), _held(None, None), Holdings((9, 4), ((9, 8, 7), ())), _held(None, None)],
+        "shard 1 of the 2x2 mesh any more (at step 9): its holders (slots 1, 3) and its peer copies (peer_copies=1: "
+        "slots 0, 2) were all lost, or hold no step",
     ),
     (
         "FSDP: the only peer copy is a step behind the other shards",
