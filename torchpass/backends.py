@@ -113,7 +113,7 @@ class CommBackend(ABC):
         if self._hooked:
             sys.excepthook = hook
         self._hooked = True
-        self.user_group = dist.new_group()
+        self.user_group = dist.new_group(timeout=self.timeout)  # not gloo's 30 min default
 
     def new_subgroup(self, ranks: list[int]) -> dist.ProcessGroup | None:
         """A group of ``ranks`` of the current generation (a sharded model's mesh: :mod:`torchpass.shard_mesh`),
