@@ -301,6 +301,12 @@ def test_sigkills_at_random_moments_rebuild_the_shard_bitwise(base: Path, refere
     assert len(list(run.out.glob("killed-*"))) == 2, f"seed {seed}: {kill}: the faults were not injected"
     assert len(run.of_kind("torchpass.member_failed")) == 2, run.of_kind("torchpass.member_failed")
     assert len(list(run.out.glob("pid-slot0-*"))) >= 2, "slot 0 was not taken over by another process"
+    recoveries = [r for r in run.of_kind("torchpass.recovered") if r["slots"]]  # not a rebuild without a loss
+    assert len(recoveries) == 2, recoveries
+    for recovered in recoveries:  # each lost shard came from the other slot: the peer copy it kept
+        (slot,) = recovered["slots"]
+        (move,) = [m for m in recovered["moves"] if m["target"] == slot]
+        assert move["source"] == 1 - slot and move["what"] == f"shard {slot} of the 1x2 mesh", recovered
 
 
 def test_planned_migration_moves_a_lightning_fsdp_rank_with_its_shard(base: Path, reference: Run) -> None:
