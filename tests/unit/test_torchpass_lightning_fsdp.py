@@ -200,40 +200,36 @@ if __name__ == "__main__":
 
 # After the rank script: its processes must not need ``tests`` importable.
 from tests.unit.local_jobs import FinishedJob as Run  # noqa: E402
-from tests.unit.local_jobs import assert_bitwise_equal, load_final, local_command  # noqa: E402
+from tests.unit.local_jobs import (  # noqa: E402
+    assert_slots_like_reference,
+    framework_command,
+    framework_env,
+    load_final,
+    run_framework_job,
+)
+
+FINAL_KEYS = ("model", "optim", "sched", "global_step", "epoch", "tally")
 
 
 def _command(out: Path) -> list[str]:
-    options = ["--coordinator-file", str(out / "coordinator")]
-    return local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"], options=options)
+    return framework_command(out, SCRIPT, nproc=NPROC)
 
 
-def _env(out: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CW_TEST_")}
-    env.update(CW_TEST_DIR=str(out), PYTHONWARNINGS="ignore", **extra)
-    return env
+_env = framework_env
 
 
-def _run(base: Path, name: str, **extra: str) -> Run:
-    out = base / name
-    out.mkdir()
-    proc = subprocess.run(
-        _command(out), env=_env(out, **extra), capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
-    )
-    return Run(out, proc.returncode, proc.stdout + proc.stderr)
+def _run(base: Path, name: str, **env: str) -> Run:
+    return run_framework_job(base, name, SCRIPT, nproc=NPROC, timeout_s=RUN_TIMEOUT_S, **env)
 
 
 def _final_state(out: Path, slot: int) -> dict[str, Any]:
     final = load_final(out, slot)
-    return {k: final[k] for k in ("model", "optim", "sched", "global_step", "epoch", "tally")}
+    return {k: final[k] for k in FINAL_KEYS}
 
 
 def _assert_like_reference(run: Run, reference: Run, what: str) -> None:
-    run.check_ok()
-    for slot in range(NPROC):
-        assert_bitwise_equal(_final_state(run.out, slot), _final_state(reference.out, slot), f"{what}: slot {slot}")
-    finished = run.of_kind("torchpass.finished")
-    assert finished and finished[-1]["committed"] == [OPTIMIZER_STEPS - 1], finished
+    last = OPTIMIZER_STEPS - 1
+    assert_slots_like_reference(run, reference, nproc=NPROC, keys=FINAL_KEYS, last_step=last, what=what)
 
 
 @pytest.fixture(scope="module")
