@@ -12,6 +12,9 @@ transparent mode (:mod:`torchpass.transparent`):
   answers with the slot); without ``mesh=`` it uses the job's mesh, or makes a pure-FSDP one as FSDP2 would. The
   outermost module sharded (the model, sharded last) is the job's model: its state moves, its buffers roll back,
   and its first forward pass checks that a loader is tracked, as transparent DDP's does.
+* A framework that builds the mesh and calls ``fully_shard`` itself (Lightning's ``ModelParallelStrategy``) is
+  asked, through its adapter, which data-parallel mesh its request stands for and, as the model grows, to
+  register its own state (:mod:`torchpass.frameworks.lightning`).
 
 Everything else (the optimizer over the DTensor parameters, LR schedulers, the DistributedSampler loader, the
 script's own collectives) is transparent mode's as for DDP: the session sees the optimizers and the loader, and
@@ -25,8 +28,10 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.device_mesh as device_mesh
+import torch.distributed.distributed_c10d as c10d
 import torch.distributed.fsdp as fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -58,6 +63,7 @@ class FsdpInterposers:
         for owner in (device_mesh, dist, _module("torch.distributed.tensor")):
             if owner is not None and getattr(owner, "init_device_mesh", None) is real_mesh:
                 patch(owner, "init_device_mesh", mesh_stand_in)
+        patch(device_mesh, "get_rank", self._mesh_rank(device_mesh.get_rank))
         for name in (
             "torch.distributed.fsdp",
             "torch.distributed.fsdp._fully_shard",
@@ -74,6 +80,9 @@ class FsdpInterposers:
             if self.internal():
                 return real(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kw)
             shape = tuple(int(n) for n in mesh_shape)
+            names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+            if self.session.framework is not None:  # a framework's mesh may carry dimensions only sliced away
+                shape, names = self.session.framework.mesh_shape(shape, names)
             if len(shape) not in (1, 2) or kw:
                 raise TorchPassError(
                     f"transparent mode: init_device_mesh({shape}{', ' + ', '.join(kw) if kw else ''}) is not a "
@@ -87,11 +96,25 @@ class FsdpInterposers:
                     f"{ctx.device.type} (backend {ctx.config.backend})"
                 )
             layout = ShardedReplicas(1, shape[0]) if len(shape) == 1 else ShardedReplicas(*shape)
-            names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
             self.sharded = ctx.shard_state(layout, names)
             return self.sharded.groups.mesh
 
         return init_device_mesh
+
+    def _mesh_rank(self, real: Callable[..., int]) -> Callable[..., int]:
+        """c10d's rank query as DeviceMesh makes it (``mesh.get_local_rank()``). Before TorchPass forms the first
+        generation there is no default group to ask, yet a script or a framework may size its sampler from the
+        mesh then (Lightning's ``distributed_sampler_kwargs``): the mesh's own groups know their rank, the
+        slot's place in that dimension, which no generation changes."""
+
+        def get_rank(group: Any = None) -> int:
+            sharded = self.sharded
+            if group is not None and sharded is not None and not c10d.is_initialized():
+                if any(group is proxy for proxy in sharded.groups.proxies.values()):
+                    return int(group.rank())
+            return real(group)
+
+        return get_rank
 
     def _fully_shard(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def fully_shard(module: Any, *, mesh: DeviceMesh | None = None, **kw: Any) -> Any:
@@ -128,6 +151,8 @@ class FsdpInterposers:
             self.sharded.adopt(module)
             self.session.model = module
             module.register_forward_pre_hook(self._first_forward_check)
+            if self.session.framework is not None:  # its counters and callbacks move with the shard
+                self.session.framework.adopt_sharded(module)
 
     def _first_forward_check(self, _module: nn.Module, _args: Any) -> None:
         if len(self.tops) > 1:
@@ -135,7 +160,9 @@ class FsdpInterposers:
                 "transparent mode protects one model; this script fully_shard-ed modules that no one module holds "
                 "(shard the model itself too, or one module holding them all, or use the model-aware API)"
             )
-        if self.session.loader is None:
+        # A training forward (grad enabled); an evaluation forward, such as Lightning's sanity check of its
+        # validation loop before training, may come before the training loader exists.
+        if self.session.loader is None and torch.is_grad_enabled():
             raise TorchPassError(
                 "transparent mode: the sharded model trains on batches from a loader TorchPass cannot see (no "
                 "DataLoader over a DistributedSampler was built before the first forward pass); use a "

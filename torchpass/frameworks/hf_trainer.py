@@ -167,6 +167,19 @@ class HFTrainerAdapter:
         trainer.get_batch_samples = types.MethodType(get_batch_samples, trainer)
         self.session.ctx.log.info("Hugging Face Trainer: its counters and callbacks' state move with the state")
 
+    def mesh_shape(
+        self, shape: tuple[int, ...], names: tuple[str, ...] | None
+    ) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+        return shape, names  # refused at fully_shard (adopt_sharded), where the sharded training shows
+
+    def adopt_sharded(self, module: nn.Module) -> None:
+        """Only the Trainer's DDP is protected: its FSDP goes through accelerate's plugin, whose loop and state
+        handling transparent mode does not follow."""
+        raise TorchPassError(
+            "transparent mode: the Hugging Face Trainer's FSDP (accelerate's fsdp plugin) is not protected; only "
+            "its DDP training is (an unmodified FSDP2 script with fully_shard is, see docs/user-guide.md)"
+        )
+
     # ----- the epoch loop ------------------------------------------------------------------------------
 
     def run_epoch(self, real: Any, kwargs: dict[str, Any]) -> Any:

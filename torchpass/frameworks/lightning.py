@@ -1,4 +1,5 @@
-"""PyTorch Lightning (DDP strategy) in transparent mode: its loop counters and callbacks move with the state.
+"""PyTorch Lightning (DDP, and FSDP2 through ModelParallelStrategy) in transparent mode: its loop counters and
+callbacks move with the state.
 
 Tested with lightning 2.6.6 (the ``frameworks`` extra of pyproject.toml). What Lightning does, and what
 TorchPass makes of it:
@@ -32,8 +33,23 @@ TorchPass makes of it:
 * **Gradient accumulation** (``accumulate_grad_batches``): a step spans the window, so a failure inside a
   window redoes the window (:mod:`torchpass.transparent`).
 
-Refused at start, with the reason: a strategy other than DDP (no ``DistributedDataParallel`` is built), and
-``reload_dataloaders_every_n_epochs`` (each epoch would have a loader TorchPass did not track).
+**FSDP2: ModelParallelStrategy.** ``ModelParallelStrategy(data_parallel_size=W, tensor_parallel_size=1)`` builds
+its mesh with ``init_device_mesh(..., (W, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))`` right after
+``init_process_group``, and the script's ``configure_model`` shards with ``fully_shard(...,
+mesh=self.device_mesh["data_parallel"])``: pure FSDP over every rank. :meth:`LightningAdapter.mesh_shape` makes
+that request TorchPass's one-dimensional mesh named ``data_parallel`` (:mod:`torchpass.transparent_fsdp`), which
+the slice returns as it is, so each rank's shard is what moves, rebuilt from a ring neighbour's peer copy after a
+crash. Lightning sizes its ``DistributedSampler`` from that mesh too. Its sanity check of the validation loop is
+skipped: its forward passes all-gather the shards before any process group exists, and it changes no training
+state. ``ModelCheckpoint`` is refused: under this strategy it saves through ``torch.distributed.checkpoint``,
+whose own collectives (``gather_object`` over c10d's ``all_gather``) raise when a peer dies, so a crash during a
+save would take the survivors and then every spare with it. Tensor parallelism (``tensor_parallel_size`` > 1)
+is refused, and so is ``FSDPStrategy``: it is FSDP1 (``FullyShardedDataParallel``), which has no TorchPass mesh
+to follow a recovery. Snapshots of a sharded model are not available yet (:mod:`torchpass.fsdp`).
+
+Refused at start, with the reason: a strategy other than DDP and ModelParallelStrategy (DeepSpeed, FSDPStrategy,
+which names ModelParallelStrategy as the alternative), and ``reload_dataloaders_every_n_epochs`` (each epoch
+would have a loader TorchPass did not track).
 """
 
 from __future__ import annotations
@@ -105,11 +121,31 @@ class LightningAdapter:
         self.session = session
         self.trainer = trainer
         strategy = type(trainer.strategy)
-        if not any(cls.__name__ == "DDPStrategy" for cls in strategy.__mro__):
+        kinds = {cls.__name__ for cls in strategy.__mro__}
+        if "FSDPStrategy" in kinds:
             raise TorchPassError(
-                f"transparent mode: Lightning's {strategy.__name__} is not protected; use strategy='ddp' "
-                "(FSDP and DeepSpeed are not supported in transparent mode)"
+                f"transparent mode: Lightning's {strategy.__name__} (FSDP1, FullyShardedDataParallel) is not "
+                "protected; use ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1) with "
+                "fully_shard in configure_model (FSDP2), or strategy='ddp'"
             )
+        if not kinds & {"DDPStrategy", "ModelParallelStrategy"}:
+            raise TorchPassError(
+                f"transparent mode: Lightning's {strategy.__name__} is not protected; use strategy='ddp', or "
+                "ModelParallelStrategy(tensor_parallel_size=1) with fully_shard in configure_model for FSDP2"
+            )
+        self.sharded = "ModelParallelStrategy" in kinds
+        self.registered = False
+        if self.sharded and trainer.checkpoint_callbacks:
+            raise TorchPassError(
+                "transparent mode: Lightning's ModelCheckpoint under ModelParallelStrategy writes a distributed "
+                "checkpoint (torch.distributed.checkpoint), whose collectives TorchPass cannot carry through a "
+                "failure; pass enable_checkpointing=False (TorchPass keeps the state through failures itself)"
+            )
+        if self.sharded and trainer.num_sanity_val_steps:
+            # Its forward passes all-gather the shards, and no process group exists before the first step (the
+            # sanity check of a DDP model runs locally). It changes no training state: it is skipped.
+            trainer.num_sanity_val_steps = 0
+            session.ctx.log.info("Lightning ModelParallelStrategy: the sanity check before training is skipped")
         if getattr(trainer, "reload_dataloaders_every_n_epochs", 0):
             raise TorchPassError(
                 "transparent mode: Lightning's reload_dataloaders_every_n_epochs builds a new training loader "
@@ -142,7 +178,42 @@ class LightningAdapter:
         return bool(self.trainer.training)
 
     def adopt_model(self, module: nn.Module) -> None:
-        """Register the loop progress and callbacks' state (before the first step, like every other part)."""
+        """DDP was built: register the loop progress and callbacks' state."""
+        self._register()
+
+    def mesh_shape(
+        self, shape: tuple[int, ...], names: tuple[str, ...] | None
+    ) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+        """ModelParallelStrategy asks for ``(data_parallel_size, tensor_parallel_size)`` named ``("data_parallel",
+        "tensor_parallel")`` and its users shard with ``fully_shard(..., mesh=device_mesh["data_parallel"])``.
+        With one tensor-parallel rank that is pure FSDP over every rank: TorchPass's one-dimensional mesh named
+        ``data_parallel``, which that slice returns as it is (so ``fully_shard`` gets the mesh TorchPass owns)."""
+        if not self.sharded or names != ("data_parallel", "tensor_parallel") or len(shape) != 2:
+            return shape, names
+        if shape[1] != 1:
+            raise TorchPassError(
+                f"transparent mode: Lightning's ModelParallelStrategy with tensor_parallel_size={shape[1]} is "
+                "tensor parallelism, which is not protected; set data_parallel_size to the world size "
+                f"({shape[0] * shape[1]}) and tensor_parallel_size=1 (FSDP2 over every rank)"
+            )
+        return (shape[0],), ("data_parallel",)
+
+    def adopt_sharded(self, module: nn.Module) -> None:
+        """``configure_model`` fully_shard-ed ``module`` (the outermost so far): register the loop progress and
+        callbacks' state, once."""
+        if not self.sharded:
+            raise TorchPassError(
+                f"transparent mode: fully_shard under Lightning's {type(self.trainer.strategy).__name__}; shard "
+                "with ModelParallelStrategy(tensor_parallel_size=1) instead"
+            )
+        self._register()
+
+    def _register(self) -> None:
+        """The loop progress and callbacks' state become TorchPass state, and the end of training closes the
+        last step (before the first step, like every other part)."""
+        if self.registered:
+            return
+        self.registered = True
         self.session.ctx.register(STATE_NAME, LightningProgress(self.trainer))
         epoch_loop = self.trainer.fit_loop.epoch_loop
         original = epoch_loop.on_advance_end
@@ -199,8 +270,14 @@ class LightningAdapter:
             fetcher.fetched = index
 
     def check_first_step(self, has_model: bool) -> None:
-        if not has_model:
+        if has_model:
+            return
+        if self.sharded:
             raise TorchPassError(
-                f"transparent mode: Lightning's {type(self.trainer.strategy).__name__} built no "
-                "DistributedDataParallel; use strategy='ddp'"
+                "transparent mode: Lightning's ModelParallelStrategy trained a model that configure_model did not "
+                "fully_shard; call fully_shard(module, mesh=self.device_mesh['data_parallel']) there"
             )
+        raise TorchPassError(
+            f"transparent mode: Lightning's {type(self.trainer.strategy).__name__} built no "
+            "DistributedDataParallel; use strategy='ddp'"
+        )
