@@ -245,6 +245,16 @@ def test_sigkills_at_random_moments_end_bitwise_equal(base: Path, reference: Run
     assert len(list(run.out.glob("pid-slot0-*"))) >= 2, "slot 0 was not taken over by another process"
 
 
+def test_a_kill_on_an_epochs_last_batch_ends_bitwise_equal(base: Path, reference: Run) -> None:
+    """Killed in the forward of epoch 0's last batch: the survivor rolls back across the epoch's end while the
+    replacement reaches it; their mismatched collectives time out at collective_timeout_s (they once waited on
+    gloo's 30 min default) and a rebuild puts them back in step, bitwise equal to the fault-free run."""
+    kill = f"0:{BATCHES_PER_EPOCH - 1}:forward"
+    run = _run(base, "epoch-end-" + kill.replace(":", "-"), CW_TEST_KILL=kill)
+    _assert_like_reference(run, reference, kill)
+    assert len(run.of_kind("torchpass.member_failed")) == 1, run.of_kind("torchpass.member_failed")
+
+
 def test_planned_migration_moves_a_lightning_rank_live(base: Path, reference: Run) -> None:
     """``clockwork migrate`` while Lightning trains: slot 1 moves to the spare at a step boundary, its
     counters and callbacks' state with it, and the job ends bitwise equal to the fault-free run."""
