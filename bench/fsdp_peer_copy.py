@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Peer copies in pure FSDP: what they cost a step at K = 1, 5 and 20, and how fast a crash is rebuilt from one.
+"""Peer copies in pure FSDP: what they cost a step at K = 1, 5 and 20 (and K = 1 with ``peer_copy_sync``), and
+how fast a crash is rebuilt from one.
 
 The job (``bench/support/peercopy_workload.py``: ``fsdp_workload.py``'s residual MLP blocks, each its own
 ``fully_shard``, AdamW, ``clip_grad_norm_``) runs as ``--nproc`` local ranks on 127.0.0.1 over gloo, pure FSDP
 (a 1 x N mesh, no replica), under ``torchpass run --local``.
 
 * **Overhead, interleaved.** In one job, segments of ``--segment`` steps cycle through peer copies off and on
-  with K = 1, 5, 20 (off, 1, off, 5, off, 20, off, ...), switched at step boundaries in the same ranks; each
-  K segment is set against the mean of the off segments either side of it, so both share every slow phase of the
-  machine. Reported per K: the mean ratio with a 95 % interval (Student's t over the segments), the bytes each
-  rank streamed per step, what the optimizer steps waited for copies, and the host memory held for copies.
+  with K = 1, 5, 20 and K = 1 synchronous (off, 1, off, 5, off, 20, off, 1s, off, ...), switched at step
+  boundaries in the same ranks; each segment with copies is set against the mean of the off segments either side
+  of it, so both share every slow phase of the machine. Reported per mode: the mean ratio with a 95 % interval
+  (Student's t over the segments); and the bytes each rank streamed, what steps waited for copies (optimizer
+  steps; with ``peer_copy_sync`` the commits, which wait for the whole round and a vote), the host memory held.
 * **Recovery.** Slot 1 SIGKILLs itself in the forward pass of a step; a spare takes its slot and receives the
   shard from its ring successor's copy. Reported from the coordinator's ``torchpass.recovered`` event for K = 1
   and K = 5: crash to every member rejoined (``total_ms``), the transfer, the bytes, and the steps computed again
@@ -35,7 +37,7 @@ from support.torchpass_jobs import base_env, say, spawn, wait_all
 from torchpass_overhead import T95, interval
 
 WORKLOAD = Path(__file__).resolve().parent / "support" / "peercopy_workload.py"
-KS = (1, 5, 20)
+MODES = ("1", "5", "20", "1s")  # K, or 1s: K = 1 with peer_copy_sync (a commit waits for the copies)
 
 
 def launch(args: argparse.Namespace, out: Path, mode: str, settings: list[str], *extra: str) -> None:
@@ -56,34 +58,34 @@ def launch(args: argparse.Namespace, out: Path, mode: str, settings: list[str], 
 def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The interleaved job: per K, the ratio of its segments to their off neighbours, and the stream's cost."""
     out = work / "interleaved"
-    extra = ["--segment", str(args.segment), "--cycles", str(args.cycles), "--ks", ",".join(map(str, KS))]
+    extra = ["--segment", str(args.segment), "--cycles", str(args.cycles), "--ks", ",".join(MODES)]
     launch(args, out, "interleaved", [], *extra)
     segments = json.loads((out / "interleaved.json").read_text())["segments"]
-    ratios: dict[int, list[float]] = {k: [] for k in KS}
-    off_seconds = [s["seconds"] for s in segments if s["k"] == 0]
+    ratios: dict[str, list[float]] = {mode: [] for mode in MODES}
+    off_seconds = [s["seconds"] for s in segments if s["mode"] == "off"]
     for i, seg in enumerate(segments):
-        if seg["k"] and 0 < i < len(segments) - 1:
-            ratios[seg["k"]].append(
+        if seg["mode"] != "off" and 0 < i < len(segments) - 1:
+            ratios[seg["mode"]].append(
                 seg["seconds"] / statistics.fmean([segments[i - 1]["seconds"], segments[i + 1]["seconds"]])
             )
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("peers-*.json"))]
-    steps_on = {k: args.segment * len(ratios[k]) for k in KS}
-    total_on = sum(steps_on.values())
+    total_on = args.segment * sum(len(r) for r in ratios.values())
+    waits = {mode: sum(s["waited_s"] for s in segments[1:-1] if s["mode"] == mode) for mode in MODES}  # slot 0's
     return {
         "off_ms_per_step": 1000 * statistics.median(off_seconds) / args.segment,
         "per_k": {
-            k: {
-                "overhead_pct": round(100 * (statistics.fmean(ratios[k]) - 1), 2),
-                "ci95_pct": interval(ratios[k], T95) if len(ratios[k]) > 1 else [],
-                "segments": len(ratios[k]),
+            mode: {
+                "overhead_pct": round(100 * (statistics.fmean(ratios[mode]) - 1), 2),
+                "ci95_pct": interval(ratios[mode], T95) if len(ratios[mode]) > 1 else [],
+                "segments": len(ratios[mode]),
+                "waited_ms_per_step": round(1000 * waits[mode] / max(args.segment * len(ratios[mode]), 1), 3),
             }
-            for k in KS
+            for mode in MODES
         },
         "shard_mb": round(max(r["shard_bytes"] for r in ranks) / 2**20, 2),
         "host_mb_per_rank": round(max(r["host_bytes"] for r in ranks) / 2**20, 2),
         "sent_mb_per_rank": round(max(r["bytes_sent"] for r in ranks) / 2**20, 2),
         "steps_with_copies": total_on,
-        "waited_ms_per_step": round(1000 * max(r["waited_s"] for r in ranks) / max(total_on, 1), 3),
         "last_round_ms": round(max(r["last_round_ms"] for r in ranks), 2),
         "failed_or_skipped": sum(r["failed"] + r["skipped"] for r in ranks),
     }
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="blocks, each its own fully_shard (default 4)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
     parser.add_argument("--segment", type=int, default=10, help="steps per segment (default 10)")
-    parser.add_argument("--cycles", type=int, default=6, help="passes over off/1/off/5/off/20 (default 6)")
+    parser.add_argument("--cycles", type=int, default=6, help="passes over off/1/off/5/off/20/off/1s (default 6)")
     parser.add_argument("--steps", type=int, default=40, help="steps of a crash job (default 40)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one job may take")
     parser.add_argument("--keep", action="store_true", help="keep the jobs' folders")
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         args.cycles, args.segment, args.steps = 2, 5, 16
     say(
         f"fsdp_peer_copy: {args.nproc} ranks on 127.0.0.1 (gloo), pure FSDP 1x{args.nproc}, {args.layers} blocks of "
-        f"{args.hidden}, batch {args.batch}; {args.cycles} cycles of off/K segments of {args.segment} steps, K in {KS}"
+        f"{args.hidden}, batch {args.batch}; {args.cycles} cycles of off/K segments of {args.segment} steps, K in "
+        f"{MODES} (1s: K = 1 with peer_copy_sync)"
     )
     work = Path(tempfile.mkdtemp(prefix="fsdp-peer-copy-"))
     started = time.monotonic()
@@ -143,16 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         f"no copies: {cost['off_ms_per_step']:.2f} ms/step; a shard (parameters + AdamW state) is {cost['shard_mb']} "
         f"MiB, each rank holds {cost['host_mb_per_rank']} MiB of copies (3 own + 2 of its neighbour's)"
     )
-    for k, row in cost["per_k"].items():
+    for mode, row in cost["per_k"].items():
         low, high = row["ci95_pct"] or [float("nan")] * 2
+        label = f"K = {mode.rstrip('s'):>2}{' sync' if mode.endswith('s') else '     '}"
         say(
-            f"  K = {k:>2}: step time {row['overhead_pct']:+.2f} % (95 % interval {low:+.2f}..{high:+.2f} %, "
-            f"{row['segments']} segments)"
+            f"  {label}: step time {row['overhead_pct']:+.2f} % (95 % interval {low:+.2f}..{high:+.2f} %, "
+            f"{row['segments']} segments); slot 0 waited {row['waited_ms_per_step']} ms per step for copies"
         )
     say(
-        f"  streamed {cost['sent_mb_per_rank']} MiB per rank over {cost['steps_with_copies']} steps with copies; the "
-        f"optimizer steps waited {cost['waited_ms_per_step']} ms per step for them; a round took "
-        f"{cost['last_round_ms']} ms"
+        f"  streamed {cost['sent_mb_per_rank']} MiB per rank over {cost['steps_with_copies']} steps with copies; a "
+        f"round took {cost['last_round_ms']} ms (waits: the optimizer steps', and in sync mode the commits')"
     )
     for row in crashes:
         say(

@@ -211,6 +211,14 @@ class TorchPassConfig:
         "steps were computed again.",
         min=1,
     )
+    peer_copy_sync: bool = setting(
+        False,
+        "With peer copies and peer_copy_every_steps = 1: a step commits only once every rank's copy of it has been "
+        "acknowledged by its neighbours (a one-integer vote of all ranks after the copies), so a crash at any moment "
+        "recomputes no committed step: it costs the step in progress, as it would without copies. The copy then "
+        "runs on the step's critical path. Off: it overlaps the next step's forward and backward pass, and a crash "
+        "in that window (from a step's update until its copy is acknowledged) recomputes that one step.",
+    )
     snapshot_dir: str = setting(
         "clockwork-snapshots/{job}",
         "Where snapshots go ({job}: the Slurm job id, or 'local'); relative to the launcher's working directory. "
@@ -266,6 +274,11 @@ class TorchPassConfig:
                 raise ConfigError(f"torchpass config: {f.name}: {exc}") from None
         if self.peer_copies > 2:
             raise ConfigError(f"torchpass config: peer_copies: 0, 1 or 2 neighbours, got {self.peer_copies}")
+        if self.peer_copy_sync and self.peer_copy_every_steps != 1:
+            raise ConfigError(
+                "torchpass config: peer_copy_sync needs peer_copy_every_steps = 1 (a step is undone from the copy of "
+                f"the step before it), got peer_copy_every_steps = {self.peer_copy_every_steps}"
+            )
 
     # ----- construction ---------------------------------------------------------------------
 

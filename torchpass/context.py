@@ -326,6 +326,7 @@ class Context:
         """Close the step in progress: commit it, or roll it back; then recover when it failed (a rank whose
         collective failed after the update commits first, then recovers)."""
         lifecycle = self.lifecycle
+        lifecycle.check_commit()
         if lifecycle.abandoned:
             lifecycle.roll_back()
             self.recover(lifecycle.reason, error=True)

@@ -204,8 +204,9 @@ class ShardedState:
             host.on_commit(self._after_commit)
 
     def _after_commit(self, step: int) -> None:
-        """A round of peer copies after every K-th commit (a snapshot's rule: step + 1 divisible by K)."""
-        if self.peers is not None and self.peers.due(step):
+        """A round of peer copies after every K-th commit (a snapshot's rule: step + 1 divisible by K); with
+        ``peer_copy_sync`` the round ran before the commit (:meth:`ShardTransport.copied_everywhere`)."""
+        if self.peers is not None and self.peers.due(step) and not self.peers.sync:
             self.peers.capture(self.parts, step)
 
     def adopt(self, model: nn.Module) -> None:
@@ -217,7 +218,10 @@ class ShardedState:
 
     def transport(self, backend: CommBackend, chunk_bytes: int) -> ShardTransport:
         """How this rank's shard moves (:class:`ShardTransport`), over ``backend``'s generations."""
-        return ShardTransport(backend, self.groups, self.parts, chunk_bytes, self.peers)
+        transport = ShardTransport(backend, self.groups, self.parts, chunk_bytes, self.peers)
+        if self.peers is not None:
+            self.host.lifecycle.commit_checks.append(transport.copied_everywhere)
+        return transport
 
 
 def sharded_modules(model: nn.Module, shard: ShardSpec | None) -> list[tuple[str, nn.Module]]:
@@ -325,6 +329,30 @@ class ShardTransport(ProcessGroupTransport):
             loaded = self.peers.restore(self.parts[part], step, self.backend.device)
         self.live = step
         return loaded
+
+    def copied_everywhere(self, step: int, failed_after_update: str) -> str:
+        """``peer_copy_sync``'s condition of a commit: every rank's copy of ``step`` acknowledged by its neighbours,
+        which a vote of all ranks (the minimum of one integer each) establishes. Otherwise (a rank died, a copy
+        was refused, a collective failed after the update) this rank's update is undone from its own copy of
+        the step before, and the reason returned: the step is redone, and no committed step ever is. The vote
+        runs on the generation's default group, which a newer generation's announcement aborts."""
+        if self.peers is None or not self.peers.sync:
+            return ""  # the copies overlap the next step (the commit hook starts them)
+        reason = failed_after_update
+        if not reason:
+            flag = torch.tensor([int(self.peers.copy_now(self.parts[self.shard], step))], dtype=torch.int32)
+            flag = flag.to(self.backend.device)
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                if not int(flag.item()):
+                    reason = f"a peer copy of step {step} was not acknowledged by the neighbours"
+            except Exception as exc:
+                reason = f"the vote on the peer copies of step {step} failed: {type(exc).__name__}: {exc}"
+        if reason:
+            with torch.no_grad():
+                self.peers.restore(self.parts[self.shard], step - 1, self.backend.device)
+            self.live = step - 1
+        return reason
 
     def done(self, step: int) -> None:
         """Keep neighbours' copies again (dropping any of steps after ``step``: a future computed again), and

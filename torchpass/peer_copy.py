@@ -107,6 +107,7 @@ class PeerCopies:
     ) -> None:
         self.copies = config.peer_copies
         self.every = config.peer_copy_every_steps
+        self.sync = config.peer_copy_sync  # a commit waits for the copies (fsdp.ShardTransport.copied_everywhere)
         self.timeout_s = config.collective_timeout_s
         self.slot = slot  # the global slot (r * shards + s, as :class:`ShardedReplicas` numbers them)
         self.shards = shards
@@ -130,7 +131,7 @@ class PeerCopies:
         self.skipped = 0  # rounds not started (the previous one was still in flight)
         self.bytes_sent = 0
         self.last_round_ms = 0.0  # capture to the last acknowledgement
-        self.waited_s = 0.0  # what the optimizer steps waited for rounds, in all
+        self.waited_s = 0.0  # what steps waited for rounds, in all (optimizer steps; commits with peer_copy_sync)
 
     @property
     def depth(self) -> int:
@@ -229,6 +230,16 @@ class PeerCopies:
             done = torch.cuda.Event()
             done.record(stream)
         return done
+
+    def copy_now(self, parts: StateParts, step: int) -> bool:
+        """``peer_copy_sync``: copy ``step`` now (after any round still in flight: a newcomer's first) and wait
+        for it; whether every neighbour acknowledged it. Bounded as :meth:`before_update` is."""
+        started = time.perf_counter()
+        self.wait_sent(self.timeout_s)
+        self.capture(parts, step)
+        acknowledged = self.wait_sent(self.timeout_s) == step
+        self.waited_s += time.perf_counter() - started
+        return acknowledged
 
     def before_update(self) -> None:
         """Before an optimizer step changes the parameters: the round in flight must have copied them, and its

@@ -76,6 +76,10 @@ class StepLifecycle:
         self._staged: StagedBuffers | None = None  # slot 0's buffers, broadcast after a forward (buffers.py)
         # Copies of the committed state still reading the parameters (snapshots, peer copies): an update waits.
         self.before_update_hooks: list[Callable[[], None]] = []
+        # Conditions of a commit (peer_copy_sync's vote): ``check(step, failed_after_update)`` returns "" or, having
+        # undone the step's update itself, why the step cannot commit.
+        self.commit_checks: list[Callable[[int, str], str]] = []
+        self._checked = False  # the step in progress passed its commit checks
 
     # ----- what it protects ---------------------------------------------------------------------
 
@@ -99,6 +103,7 @@ class StepLifecycle:
         self.optimizer_steps = 0
         self._user_collectives = 0
         self.failed_after_update = ""
+        self._checked = False
         self.step = step
         self._channel.step = step
         reseed(seed, slot, step, python=python, numpy=numpy)
@@ -187,6 +192,19 @@ class StepLifecycle:
         """A staged broadcast of a generation that is gone is dropped."""
         if self._staged is not None:
             self._staged.drop()
+
+    def check_commit(self) -> None:
+        """Once per step, before it closes: run the commit checks. One that fails has undone the step's update,
+        and the step is abandoned with its reason (rolled back and redone, as a failure before the update is)."""
+        if self.abandoned or self._checked:
+            return
+        self._checked = True
+        for check in self.commit_checks:
+            reason = check(self.step, self.failed_after_update)
+            if reason:
+                self.failed_after_update = ""
+                self.abandon(reason)
+                return
 
     def settle_for_commit(self) -> None:
         """Before a commit: every rank takes slot 0's buffers; a failure here comes after the update, so the

@@ -4,11 +4,12 @@
 The model, batches and step are ``fsdp_workload.py``'s (residual MLP blocks, each its own ``fully_shard``, AdamW,
 ``clip_grad_norm_``), on a 1 x N mesh (no replica), so each shard lives only in its rank and its peer copies.
 
-* ``interleaved``: segments of ``--segment`` steps cycle through peer copies off and on with each K of ``--ks``
-  (``off, K1, off, K2, ..., off``), in the same ranks and the same job: the rank's peer copies are switched by
-  setting their refresh period at a segment's first step boundary (off: a period no step reaches). Rank 0 writes
-  ``interleaved.json`` (each segment's mode and wall seconds); every rank writes ``peers-SLOT.json`` (rounds,
-  bytes sent, what its optimizer steps waited for copies, host memory held).
+* ``interleaved``: segments of ``--segment`` steps cycle through peer copies off and on with each mode of ``--ks``
+  (``off, K1, off, K2, ..., off``; a mode is K, or ``1s``: K = 1 with ``peer_copy_sync``), in the same ranks and
+  the same job: the rank's peer copies are switched by setting their refresh period (off: a period no step
+  reaches) and whether commits wait for them, at a segment's first step boundary. Rank 0 writes
+  ``interleaved.json`` (each segment's mode, wall seconds and what its steps waited for copies); every rank writes
+  ``peers-SLOT.json`` (rounds, bytes sent, what its steps waited for copies, host memory held).
 * ``crash``: slot 1 SIGKILLs itself in the forward pass of ``--crash-step`` (once); the bench reads the
   coordinator's ``torchpass.recovered`` event.
 """
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--segment", type=int, default=10)
     parser.add_argument("--cycles", type=int, default=4, help="interleaved: passes over --ks")
-    parser.add_argument("--ks", default="1,5,20")
+    parser.add_argument("--ks", default="1,5,20,1s", help="interleaved: the modes (K, or 1s: K = 1 synchronous)")
     parser.add_argument("--steps", type=int, default=40, help="crash: steps")
     parser.add_argument("--crash-step", type=int, default=20)
     args = parser.parse_args(argv)
@@ -57,12 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     peers = ctx.shard_state(shape).peers
     assert peers is not None, "peer copies are off (peer_copies=0)"
-    ks = [int(k) for k in args.ks.split(",")]
-    plan = [mode for _ in range(args.cycles) for k in ks for mode in (OFF, k)] + [OFF]
+    plan = [mode for _ in range(args.cycles) for k in args.ks.split(",") for mode in ("off", k)] + ["off"]
     steps = args.steps if args.mode == "crash" else args.segment * (len(plan) + 1)  # one warm-up segment
     marker = out / "crashed"
     segments: list[dict[str, float]] = []
-    started = 0.0
+    started, waited = 0.0, 0.0
     for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), steps):
         if args.mode == "crash":
             if ctx.slot == 1 and step == args.crash_step and not marker.exists():
@@ -72,14 +72,16 @@ def main(argv: list[str] | None = None) -> int:
             now = time.perf_counter()
             index = step // args.segment - 1  # the segment that just ended (-1: the warm-up)
             if index >= 0:
-                mode = plan[index]
-                segments.append({"k": 0 if mode == OFF else mode, "seconds": now - started})
+                segments.append({"mode": plan[index], "seconds": now - started, "waited_s": peers.waited_s - waited})
             if index + 1 < len(plan):
-                peers.every = plan[index + 1]
-            started = now
+                mode = plan[index + 1]
+                peers.every = OFF if mode == "off" else int(mode.rstrip("s"))
+                peers.sync = mode.endswith("s")
+            started, waited = now, peers.waited_s
         train_step(model, opt, x, y)
     if args.mode == "interleaved":
-        segments.append({"k": 0 if plan[-1] == OFF else plan[-1], "seconds": time.perf_counter() - started})
+        last = {"mode": plan[-1], "seconds": time.perf_counter() - started, "waited_s": peers.waited_s - waited}
+        segments.append(last)
         if ctx.slot == 0:
             (out / "interleaved.json").write_text(json.dumps({"segments": segments}))
         stats = {

@@ -81,3 +81,7 @@ def test_peer_copy_settings_are_bounded() -> None:
         TorchPassConfig().with_assignment("peer_copies=3")
     with pytest.raises(ConfigError, match=r"peer_copy_every_steps: invalid value 0"):
         TorchPassConfig(peer_copy_every_steps=0)
+    assert TorchPassConfig().peer_copy_sync is False  # the copy overlaps the next step unless asked
+    assert TorchPassConfig().with_assignment("peer_copy_sync=true").peer_copy_sync is True
+    with pytest.raises(ConfigError, match=r"peer_copy_sync needs peer_copy_every_steps = 1 .* = 4"):
+        TorchPassConfig(peer_copy_sync=True, peer_copy_every_steps=4)

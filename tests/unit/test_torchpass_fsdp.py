@@ -15,6 +15,10 @@ SIGKILLs the rank deals itself at a point of the step:
 * ``allreduce``: right after layer ``layer``'s reduce-scatter, before its all-reduce over the replicas, so the
   peer holding the same shard in the other replica waits in that all-reduce for a dead rank;
 * ``optimizer``: inside the optimizer step;
+* ``updated``: right after the optimizer step (the update applied, the step not yet committed: under pure FSDP
+  its peer copy is not made yet);
+* ``moment``: at a random moment of the step: ``layer`` is a fraction in thousandths of the step before's wall
+  time, after which a timer thread started as the step begins kills the rank, wherever it then is;
 * ``crashnode-PHASE`` (the sandbox test, tests/integration/test_torchpass_fsdp_sandbox.py): at that point the rank
   writes ``crash-request-SLOT-STEP`` naming its Slurm node and waits there for the test to crash the whole node.
 
@@ -35,6 +39,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -151,13 +156,31 @@ def _rank_main() -> int:
         linear.register_forward_hook(before_backward_of(index))
         linear.set_custom_reduce_scatter(KillAfterReduceScatter(index))  # type: ignore[operator]
     opt.register_step_pre_hook(lambda *_: maybe_kill("optimizer"))
+    opt.register_step_post_hook(lambda *_: maybe_kill("updated"))
+
+    def kill_at_a_moment(step: int, took_s: float) -> None:
+        """The ``moment`` faults of this slot and step: a timer kills the rank that fraction of ``took_s`` later."""
+        for spec in kills:
+            marker = out / ("killed-" + "-".join(spec))
+            if spec[:3] != (str(ctx.slot), str(step), "moment") or marker.exists():
+                continue
+
+            def fire(spec: tuple[str, ...] = spec, marker: Path = marker) -> None:
+                marker.write_text(f"{time.time()}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            threading.Timer(int(spec[3]) / 1000 * took_s, fire).start()
 
     generator = torch.Generator().manual_seed(7)
     x_all = torch.randn(512, 16, generator=generator)
     y_all = x_all @ torch.randn(16, 4, generator=generator) + 0.1 * torch.randn(512, 4, generator=generator)
     loader = tp.StepLoader(TensorDataset(x_all, y_all), batch_size=4, seed=3)
 
+    began = time.monotonic()
     for step, (x, y) in ctx.steps(loader, steps):
+        now = time.monotonic()
+        kill_at_a_moment(step, now - began)
+        began = now
         if migrate:
             slot, when = (int(v) for v in migrate.split(":"))
             if ctx.slot == (1 if slot == 0 else 0) and step == when and not (out / "migrate-requested").exists():

@@ -8,6 +8,12 @@ scheduler, a parameter that does not split evenly); its kill points are describe
 * K = 1 (``peer_copy_every_steps=1``, the default): the victim is killed at a random step, phase and layer once
   its neighbours acknowledged the copy of its last commit (the script waits for that condition): no step is
   computed twice, and the recovery event says ``recomputed_steps: 0``.
+* K = 1, a crash right after the victim's update (the ``updated`` kill point), before the copy of that step
+  exists: the one window overlapped copies leave. The job recomputes exactly that step and says so
+  (``recomputed_steps: 1``).
+* K = 1 with ``peer_copy_sync``: a step commits only once every copy of it is acknowledged. Killed in that same
+  window, or at a random moment of a random step (a timer, wherever the victim then is): no committed step is
+  recomputed (``recomputed_steps: 0``, and no journal commits a step twice).
 * K = 4: killed at a random point with no such wait: the job rolls back in memory to the newest step every shard
   is held at, recomputes the steps after it, and still ends bitwise equal; the recovery event's
   ``recomputed_steps`` is what the journals show (each slot's commits, rolled back and done again).
@@ -101,6 +107,27 @@ def test_k1_rebuilds_the_shard_from_the_neighbour_without_recomputing(base: Path
     print(f"kill {kill}")
     run = _run(base, "k1", mesh="1x4", kill=kill, after_copy=True)
     fields = _check(run, reference, kill)
+    assert fields["recomputed_steps"] == 0, fields
+    (move,) = [m for m in fields["moves"] if m["target"] == victim]
+    assert move["source"] == (victim + 1) % NPROC and move["bytes"] > 0, fields  # its ring successor's copy
+
+
+def test_k1_a_crash_right_after_an_update_recomputes_that_one_step(base: Path, reference: FinishedJob) -> None:
+    kill = f"{_draw.randrange(NPROC)}:{_draw.randrange(2, STEPS - 2)}:updated:-1"
+    print(f"kill {kill}")
+    run = _run(base, "k1_window", mesh="1x4", kill=kill)
+    fields = _check(run, reference, kill)
+    assert fields["recomputed_steps"] == 1, fields  # the survivors committed it; its copy was still to be made
+    assert fields["step"] == int(kill.split(":")[1]), fields  # resumed after the step before: redone from there
+
+
+@pytest.mark.parametrize("phase", ["updated", "moment"])
+def test_k1_sync_never_recomputes_a_committed_step(base: Path, reference: FinishedJob, phase: str) -> None:
+    victim, step = _draw.randrange(NPROC), _draw.randrange(2, STEPS - 2)
+    kill = f"{victim}:{step}:{phase}:{_draw.randrange(1000) if phase == 'moment' else -1}"
+    print(f"kill {kill}")
+    run = _run(base, f"k1_sync_{phase}", mesh="1x4", kill=kill, settings=("peer_copy_sync=true",))
+    fields = _check(run, reference, kill)  # and no journal commits a step twice (recomputed_steps is theirs)
     assert fields["recomputed_steps"] == 0, fields
     (move,) = [m for m in fields["moves"] if m["target"] == victim]
     assert move["source"] == (victim + 1) % NPROC and move["bytes"] > 0, fields  # its ring successor's copy

@@ -9,8 +9,9 @@ run --local --transparent`` (4 ranks, 1 spare, gloo on 127.0.0.1).
 
 ``CW_TEST_KILL`` (``slot:step``) makes that slot SIGKILL itself in the backward pass of that step, before the
 reduce-scatter of a layer drawn at random (the step is AdamW's own count, which moves with the state, so it is
-right on a replacement too); a marker file makes the kill happen once. The seed is printed; ``CW_TEST_SEED``
-replays it.
+right on a replacement too), or with ``CW_TEST_KILL_UPDATED=1`` right after that step's optimizer step; a marker
+file makes the kill happen once. ``CW_TEST_MESH`` (``RxS``, default 2x2) is the mesh. The seed is printed;
+``CW_TEST_SEED`` replays it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ def _rank_main() -> int:
 
     dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    replicas = int(os.environ.get("CW_TEST_MESH", "2x2").split("x")[0])
+    if replicas == 1:  # pure FSDP: a 1-D mesh
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    else:
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("dp_replicate", "dp_shard"))
 
     torch.manual_seed(1234)
     model = nn.Sequential(
@@ -71,7 +76,7 @@ def _rank_main() -> int:
         state = opt.state.get(first)
         return int(state["step"]) if state else 0
 
-    def maybe_kill(_grad: Any) -> None:
+    def maybe_kill(*_: Any) -> None:
         if kill != f"{rank}:{step_no()}":
             return
         try:
@@ -80,7 +85,10 @@ def _rank_main() -> int:
             return  # done once: the replacement must not kill itself too
         os.kill(os.getpid(), signal.SIGKILL)
 
-    linears[kill_layer].register_forward_hook(lambda _m, _i, output: output.register_hook(maybe_kill) and None)
+    if os.environ.get("CW_TEST_KILL_UPDATED") == "1":  # AdamW counted the step already: kill = slot:step + 1
+        opt.register_step_post_hook(maybe_kill)
+    else:
+        linears[kill_layer].register_forward_hook(lambda _m, _i, output: output.register_hook(maybe_kill) and None)
 
     generator = torch.Generator().manual_seed(7)
     x_all = torch.randn(SAMPLES, 16, generator=generator)
@@ -132,11 +140,21 @@ SEED = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 <
 print(f"test_torchpass_fsdp_transparent: CW_TEST_SEED={SEED}")
 
 
-def _run(base: Path, name: str, *, kill: str = "", layer: int = 0) -> FinishedJob:
+def _run(
+    base: Path,
+    name: str,
+    *,
+    kill: str = "",
+    layer: int = 0,
+    updated: bool = False,
+    mesh: str = "2x2",
+    settings: tuple[str, ...] = (),
+) -> FinishedJob:
     out = base / name
     out.mkdir()
-    env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_KILL_LAYER=str(layer))
-    cmd = local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"])
+    env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_KILL_LAYER=str(layer), CW_TEST_MESH=mesh)
+    env["CW_TEST_KILL_UPDATED"] = "1" if updated else ""
+    cmd = local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"], settings=settings)
     with open(out / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -183,3 +201,25 @@ def test_sigkill_in_backward_rebuilds_the_shard(base: Path, reference: FinishedJ
     assert recovered["slots"] == [slot], recovered
     (move,) = [m for m in recovered["moves"] if m["target"] == slot]
     assert move["source"] == slot ^ 2 and move["what"] == f"shard {slot % 2} of the 2x2 mesh", recovered
+
+
+def test_pure_fsdp_with_peer_copy_sync_recomputes_no_committed_step(base: Path) -> None:
+    """Pure FSDP (1 x 4), ``peer_copy_sync``: a rank killed right after its update, before the copy of that step
+    exists. The step's commit waits for every copy, so the step is redone from the one before (its batches
+    again) and none is computed twice; the lost shard comes from its ring successor's copy."""
+    reference = _run(base, "reference_1x4", mesh="1x4", settings=("peer_copies=0",))
+    reference.check_ok()
+    draw = random.Random(SEED + 1)
+    slot, step = draw.randrange(NPROC), draw.randrange(2, STEPS - 1)
+    kill = f"{slot}:{step}"
+    print(f"kill {kill} right after its update")
+    run = _run(base, "sync", kill=kill, updated=True, mesh="1x4", settings=("peer_copy_sync=true",))
+    run.check_ok()
+    assert (run.out / f"killed-{slot}-{step}").exists(), "the fault was not injected"
+    expected = load_final(reference.out, 0)
+    for other in range(NPROC):
+        assert_bitwise_equal(load_final(run.out, other), expected, f"slot {other}")
+    (recovered,) = run.of_kind("torchpass.recovered")
+    assert recovered["recomputed_steps"] == 0 and recovered["step"] == step - 1, recovered
+    (move,) = [m for m in recovered["moves"] if m["target"] == slot]
+    assert move["source"] == (slot + 1) % NPROC and move["bytes"] > 0, recovered

@@ -162,6 +162,38 @@ def test_the_guard_abandons_before_the_update_and_defers_after_it() -> None:
     assert not LifecycleGuard(lifecycle).protecting()  # type: ignore[arg-type]
 
 
+class _Channel:
+    """What a StepLifecycle reads from the control channel (torchpass.step.StepChannel)."""
+
+    latest_gen, step, collective = 0, -1, None
+
+
+def test_a_failed_commit_check_abandons_the_step_once_with_its_reason() -> None:
+    """peer_copy_sync's vote is a commit check: it sees a failure after the update, and when it fails the step is
+    abandoned (redone) instead of committed; the checks run once per step."""
+    import logging
+
+    from torchpass.state import StateParts
+    from torchpass.step import StepLifecycle
+
+    lifecycle = StepLifecycle(_Channel(), StateParts(), lambda: 0, logging.LoggerAdapter(logging.getLogger()), None)
+    seen: list[tuple[int, str]] = []
+    verdicts = iter(["", "a peer copy of step 5 was not acknowledged by the neighbours"])
+    lifecycle.commit_checks.append(lambda step, failed: seen.append((step, failed)) or next(verdicts))
+    lifecycle.begin(4, seed=0, slot=0, python=False, numpy=False)
+    lifecycle.check_commit()
+    lifecycle.check_commit()
+    assert seen == [(4, "")] and not lifecycle.abandoned
+    lifecycle.begin(5, seed=0, slot=0, python=False, numpy=False)
+    lifecycle.fail_after_update("RuntimeError: late")
+    lifecycle.check_commit()
+    assert seen[-1] == (5, "RuntimeError: late") and lifecycle.abandoned
+    assert lifecycle.reason == "a peer copy of step 5 was not acknowledged by the neighbours"
+    assert not lifecycle.failed_after_update  # abandoned, not committed: nothing is left to recover after a commit
+    lifecycle.check_commit()
+    assert len(seen) == 2
+
+
 class _Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
