@@ -11,15 +11,17 @@ The inputs that decide it, and what the model makes of them:
 * **A round's stream**: the shard copied to host memory (``host_copy_gbs``) and sent to r neighbours over the
   GPU's share of the NIC (``nic_gbps``), one after the other. It is hidden when it fits in the forward and
   backward passes of the K steps until the next round (``overlap`` of each step); what does not fit stalls
-  the next optimizer step, the only cost in step time.
+  the next optimizer step, the only cost in step time. With ``sync`` (``peer_copy_sync``, K = 1) every step's
+  commit waits for its round instead: the whole stream is step time, and nothing committed is ever redone.
 * **The NIC's share**: the stream's bytes per step against FSDP's own traffic per step (about 3 x 2 P bytes
   per GPU: bf16 all-gathers in forward and backward, the reduce-scatter of the gradients): ``2 r / (G K)``
   with the defaults, small because a shard is 1/G of the state while FSDP moves the whole model each step.
 * **Failures**: MTTF from :func:`clockworkd.goodput.mttf_hours` (published rates). With copies, a share
   ``live_fraction`` of them is rebuilt in place: ``recovery_s`` plus the steps computed again (half the step in
-  progress, (K - 1) / 2 on average since the last round, and one more round when the crash lands while a round
-  streams); the rest (a whole-job loss, or more adjacent GPUs than r) restart from a checkpoint (Daly's model,
-  as ``clockwork simulate``). Without copies every crash of pure FSDP is a checkpoint restart.
+  progress, (K - 1) / 2 on average since the last round, and one more step when the crash lands while a round
+  streams; with ``sync`` only half the step in progress, its round included); the rest (a whole-job loss, or
+  more adjacent GPUs than r) restart from a checkpoint (Daly's model, as ``clockwork simulate``). Without copies
+  every crash of pure FSDP is a checkpoint restart.
 
 Imports nothing outside the standard library.
 """
@@ -45,6 +47,7 @@ class PeerCopyInputs:
     gpus: int
     copies: int = 1  # r: neighbours keeping each shard
     every_steps: int = 1  # K: a round after every K-th step
+    sync: bool = False  # peer_copy_sync: each commit waits for its round (K = 1)
     bytes_per_param: float = 12.0  # fp32 parameter shard + AdamW's two fp32 moments
     tokens_per_gpu: int = 16384  # per step
     gpu_tflops: float = 989.0  # dense bf16 peak (H100 SXM)
@@ -70,7 +73,7 @@ class PeerCopyResult:
     shard_gb: float  # state per GPU that a round copies
     host_gb: float  # host memory per GPU held for copies
     stream_s: float  # one round: host copy + r sends
-    hidden: bool  # the stream fits under the K steps' forward and backward passes
+    hidden: bool  # the stream fits under the K steps' forward and backward passes (never with sync)
     overhead: float  # share of step time lost to stalls
     nic_share: float  # the stream's bytes against FSDP's own traffic, per step
     mttf_h: float
@@ -90,12 +93,15 @@ def peer_copy(inputs: PeerCopyInputs) -> PeerCopyResult:
         raise ValueError("peer copies need at least 2 GPUs, copies >= 1 and every_steps >= 1")
     if not 0.0 <= inputs.live_fraction <= 1.0 or not 0.0 < inputs.overlap <= 1.0:
         raise ValueError("live_fraction must be within 0..1 and overlap within (0, 1]")
+    if inputs.sync and inputs.every_steps != 1:
+        raise ValueError("sync (peer_copy_sync) needs every_steps = 1")
     p, g, r, k = inputs.params, inputs.gpus, inputs.copies, inputs.every_steps
     step_s = 6 * p * inputs.tokens_per_gpu / (inputs.gpu_tflops * 1e12 * inputs.mfu)
     shard = p * inputs.bytes_per_param / g
     stream_s = shard / (inputs.host_copy_gbs * 1e9) + r * shard / (inputs.nic_gbps * 1e9 / 8)
     window_s = k * inputs.overlap * step_s
-    overhead = max(0.0, stream_s - window_s) / (k * step_s)
+    hidden = not inputs.sync and stream_s <= window_s
+    overhead = stream_s / step_s if inputs.sync else max(0.0, stream_s - window_s) / (k * step_s)
     nic_share = (r * shard / k) / (3 * 2 * p)
     mttf = inputs.mttf_h if inputs.mttf_h is not None else mttf_hours(g)
     ckpt_h, restart_h = inputs.checkpoint_cost_s / 3600, inputs.restart_cost_s / 3600
@@ -105,7 +111,7 @@ def peer_copy(inputs: PeerCopyInputs) -> PeerCopyResult:
         base = daly_wall_hours(work, mttf / (1 - inputs.live_fraction), inputs.checkpoint_interval_h, ckpt_h, restart_h)
     else:
         base = work * (1 + ckpt_h / inputs.checkpoint_interval_h)
-    redo = 0.5 + (k - 1) / 2 + min(stream_s / step_s, k)
+    redo = 0.5 * (1 + overhead) if inputs.sync else 0.5 + (k - 1) / 2 + min(stream_s / step_s, k)
     load = inputs.live_fraction / mttf * (inputs.recovery_s + redo * step_s) / 3600
     copies_wall = base / (1 - load) if load < 1 else math.inf
     return PeerCopyResult(
@@ -114,7 +120,7 @@ def peer_copy(inputs: PeerCopyInputs) -> PeerCopyResult:
         shard_gb=shard / 1e9,
         host_gb=shard * (3 + 2 * r) / 1e9,
         stream_s=stream_s,
-        hidden=stream_s <= window_s,
+        hidden=hidden,
         overhead=overhead,
         nic_share=nic_share,
         mttf_h=mttf,

@@ -29,6 +29,17 @@ def test_a_round_that_does_not_fit_stalls_the_step_and_a_longer_period_hides_it(
     assert hidden.redo_steps > stalled.redo_steps - 1  # a longer period costs more recomputation per crash
 
 
+def test_sync_pays_the_whole_round_every_step_and_redoes_only_the_step_in_progress() -> None:
+    overlapped = peer_copy(PeerCopyInputs(params=7e9, gpus=64))
+    sync = peer_copy(PeerCopyInputs(params=7e9, gpus=64, sync=True))
+    assert overlapped.hidden and overlapped.overhead == 0 and not sync.hidden
+    assert sync.overhead == pytest.approx(sync.stream_s / sync.step_s) and sync.overhead > 0
+    assert sync.redo_steps == pytest.approx(0.5 * (1 + sync.overhead))  # half the step in progress, its round too
+    assert overlapped.redo_steps == pytest.approx(0.5 + overlapped.stream_s / overlapped.step_s)  # and the window
+    with pytest.raises(ValueError, match="needs every_steps = 1"):
+        peer_copy(PeerCopyInputs(params=7e9, gpus=64, sync=True, every_steps=5))
+
+
 def test_copies_pay_off_at_the_defaults_and_not_when_their_stalls_dominate() -> None:
     assert peer_copy(PeerCopyInputs(params=7e9, gpus=1024)).hours_saved > 0
     costly = peer_copy(PeerCopyInputs(params=70e9, gpus=64, nic_gbps=1.0, mttf_h=1000.0))
@@ -51,3 +62,5 @@ def test_the_command_prints_json_for_every_model_and_size(capsys: pytest.Capture
     assert data["inputs"]["copies"] == 1 and data["sources"]
     assert run(["simulate-peer-copy", "--model", "7B", "--gpus", "64"]) == 0
     assert "saved h" in capsys.readouterr().out
+    assert run(["simulate-peer-copy", "--sync", "--model", "7B", "--gpus", "64"]) == 0
+    assert "synchronous" in capsys.readouterr().out

@@ -40,6 +40,7 @@ def _row(name: str, result: PeerCopyResult) -> dict[str, object]:
 @click.option("--gpus", "scales", type=click.IntRange(min=2), multiple=True, help="Default: 64 128 256 512 1024.")
 @click.option("--copies", type=click.IntRange(1, 2), default=1, show_default=True, help="r: neighbours per shard.")
 @click.option("--every-steps", type=click.IntRange(min=1), default=1, show_default=True, help="K: steps per round.")
+@click.option("--sync", is_flag=True, help="peer_copy_sync: each commit waits for its round (needs K = 1).")
 @click.option("--nic-gbps", type=click.FloatRange(min=1), default=400.0, show_default=True, help="NIC Gb/s per GPU.")
 @click.option("--host-copy-gbs", type=click.FloatRange(min=0.1), default=25.0, show_default=True, help="GPU to host.")
 @click.option("--tokens-per-gpu", type=click.IntRange(min=1), default=16384, show_default=True, help="Per step.")
@@ -54,6 +55,7 @@ def peer_copy_sim_cmd(
     scales: tuple[int, ...],
     copies: int,
     every_steps: int,
+    sync: bool,
     nic_gbps: float,
     host_copy_gbs: float,
     tokens_per_gpu: int,
@@ -73,6 +75,7 @@ def peer_copy_sim_cmd(
                 gpus=gpus,
                 copies=copies,
                 every_steps=every_steps,
+                sync=sync,
                 nic_gbps=nic_gbps,
                 host_copy_gbs=host_copy_gbs,
                 tokens_per_gpu=tokens_per_gpu,
@@ -88,7 +91,8 @@ def peer_copy_sim_cmd(
         click.echo(json.dumps({"inputs": settings, "results": rows, "sources": list(SOURCES)}, indent=2))
         return
     click.echo(
-        f"Pure FSDP, {work_hours:g} h of training; peer copies r = {copies} every K = {every_steps} step(s) against "
+        f"Pure FSDP, {work_hours:g} h of training; peer copies r = {copies} every K = {every_steps} step(s)"
+        f"{' (synchronous: a commit waits for its round)' if sync else ''} against "
         f"checkpoint-restart every {checkpoint_interval_min:g} min ({restart_cost_s:g} s per restart).\n"
     )
     click.echo(
@@ -103,7 +107,8 @@ def peer_copy_sim_cmd(
         )
     click.echo(
         "(host GB: per GPU, 3 own copies + 2 per neighbour; stall: step time lost when a round does not fit under "
-        "the K steps' forward and backward passes; NIC: the stream's bytes against FSDP's own per step)"
+        "the K steps' forward and backward passes, or with --sync the whole round; NIC: the stream's bytes against "
+        "FSDP's own per step)"
     )
     click.echo("\nSources (failure rates and the checkpoint-restart model):")
     for source in SOURCES:
