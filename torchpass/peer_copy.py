@@ -25,6 +25,9 @@ Why it is correct, and what the buffers are for:
   its own shard of step c from the copies it keeps of its own state. A neighbour is at most one round behind
   another, so three own copies (the two last rounds and the one before) always include c; the receiving side
   keeps two copies per neighbour (written alternately: the last complete one is never overwritten).
+* **Synchronous commits** (``peer_copy_sync``, K = 1): the round of step n runs before n commits
+  (:meth:`PeerCopies.copy_now`) and all ranks vote on its acknowledgements (:mod:`torchpass.fsdp`); a failed vote
+  undoes the update from the copy of n - 1, so the copy of a lost shard is never older than the committed step.
 * **Losing more adjacent ranks than r covers** (slots s and s+1 with r = 1): no member holds shard s. The job
   stops with that reason; snapshots of sharded models are the fallback to come.
 
