@@ -13,11 +13,11 @@ The job (``bench/support/peercopy_workload.py``: ``fsdp_workload.py``'s residual
   (Student's t over the segments); and the bytes each rank streamed, what steps waited for copies (optimizer
   steps; with ``peer_copy_sync`` the commits, which wait for the whole round and a vote), the host memory held.
 * **Recovery.** Slot 1 SIGKILLs itself in the forward pass of a step; a spare takes its slot and receives the
-  shard from its ring successor's copy. Reported from the coordinator's ``torchpass.recovered`` event for K = 1
-  and K = 5: crash to every member rejoined (``total_ms``), the transfer, the bytes, and the steps computed again
-  (K = 5 rolls back to the newest step every shard is held at).
+  shard from its ring successor's copy. Reported from the coordinator's ``torchpass.recovered`` event for K = 1,
+  K = 5 and K = 1 synchronous: crash to every member rejoined (``total_ms``), the transfer, the bytes, and the
+  steps computed again (K = 5 rolls back to the newest step every shard is held at).
 
-``--quick`` runs in under a minute (one job of 2 cycles, crashes at K = 1 and 5). The last line printed is one
+``--quick`` runs in under a minute (one job of 2 cycles, crashes at K = 1, 5 and 1 sync). The last line printed is one
 JSON object of the figures.
 """
 
@@ -91,17 +91,16 @@ def overhead(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
-def recovery(args: argparse.Namespace, work: Path, k: int, crash_step: int) -> dict[str, Any]:
-    """Slot 1 crashes at ``crash_step`` with copies every ``k`` steps: the coordinator's recovery figures."""
-    out = work / f"crash-k{k}"
-    launch(
-        args, out, "crash", [f"peer_copy_every_steps={k}"], "--steps", str(args.steps), "--crash-step", str(crash_step)
-    )
+def recovery(args: argparse.Namespace, work: Path, mode: str, crash_step: int) -> dict[str, Any]:
+    """Slot 1 crashes at ``crash_step`` with copies in ``mode`` (K, or 1s): the coordinator's recovery figures."""
+    out = work / f"crash-k{mode}"
+    settings = [f"peer_copy_every_steps={mode.rstrip('s')}", f"peer_copy_sync={str(mode.endswith('s')).lower()}"]
+    launch(args, out, "crash", settings, "--steps", str(args.steps), "--crash-step", str(crash_step))
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
     (fields,) = [e["fields"] for e in events if e["kind"] == "torchpass.recovered"]
     move = next(m for m in fields["moves"] if m["target"] == 1)
     return {
-        "k": k,
+        "k": mode,
         "crash_step": crash_step,
         "resumed_at": fields["step"],
         "recomputed_steps": fields["recomputed_steps"],
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cost = overhead(args, work)
         crash_step = args.steps // 2 + 4  # three steps past a K = 5 round (rounds at 4, 9, 14, ...): a rollback shows
-        crashes = [recovery(args, work, k, crash_step) for k in (1, 5)]
+        crashes = [recovery(args, work, mode, crash_step) for mode in ("1", "5", "1s")]
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -158,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         f"round took {cost['last_round_ms']} ms (waits: the optimizer steps', and in sync mode the commits')"
     )
     for row in crashes:
+        label = f"K = {row['k'].rstrip('s')}{' sync' * row['k'].endswith('s')}"
         say(
-            f"crash at step {row['crash_step']}, K = {row['k']}: rejoined in {row['total_ms']} ms (rebuild "
+            f"crash at step {row['crash_step']}, {label}: rejoined in {row['total_ms']} ms (rebuild "
             f"{row['rebuild_ms']} ms, transfer {row['transfer_ms']} ms of {row['copy_mb']} MiB from slot "
             f"{row['copy_from_slot']}'s copy), resumed at step {row['resumed_at']}, {row['recomputed_steps']} step(s) "
             "computed again"
