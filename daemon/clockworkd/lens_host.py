@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from clockworkd.daemon_paths import DaemonPaths, expand
-from clockworkd.lens.clocksync import ClockSeam, ClockSeamError, load_seams
+from clockworkd.lens.clockseam import ClockSeam, ClockSeamError, load_seams
 from clockworkd.lens.history import HistoryWriter
 from clockworkd.lens.metrics import MetricsServer
 from clockworkd.lens.prober import GrayTarget, Lens, load_topology

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from clockworkd.lens import clocksync, wire
+from clockworkd.lens import clockseam, wire
 from clockworkd.lens.model import PathStats, PathVerdict
 from clockworkd.lens.prober import PHASES, Lens
 from clockworkd.lens.settings import LensConfig
@@ -65,7 +65,7 @@ def _config(**overrides: Any) -> LensConfig:
 class Cluster:
     """Three Lens instances sharing one fabric map and topology; ``events`` collects what they emit."""
 
-    def __init__(self, cfg: LensConfig, seams: dict[str, clocksync.ClockSeam], only: tuple[str, ...]) -> None:
+    def __init__(self, cfg: LensConfig, seams: dict[str, clockseam.ClockSeam], only: tuple[str, ...]) -> None:
         self.cfg = cfg
         self.fabric = FabricMap.parse({"nodes": {n: {"addr": ip, "nics": {"lo": ip}} for n, ip in IPS.items()}})
         self.topology = Topology.from_fabric(self.fabric)
@@ -108,7 +108,7 @@ class Cluster:
 @contextmanager
 def cluster(
     cfg: LensConfig | None = None,
-    seams: dict[str, clocksync.ClockSeam] | None = None,
+    seams: dict[str, clockseam.ClockSeam] | None = None,
     only: tuple[str, ...] = tuple(IPS),
 ) -> Iterator[Cluster]:
     _require_root()
@@ -415,7 +415,7 @@ HALF_SEAM_US = 2500.0  # half of test_clock_seam_is_recovered's 5 ms offset
 
 
 def test_clock_seam_is_recovered() -> None:
-    seam = clocksync.ClockSeam(offset_ns=5_000_000, drift_ppm=20, epoch_ns=time.time_ns())
+    seam = clockseam.ClockSeam(offset_ns=5_000_000, drift_ppm=20, epoch_ns=time.time_ns())
     start = time.time_ns()
     with cluster(seams={"n2": seam}) as c:
         n1 = c["n1"]

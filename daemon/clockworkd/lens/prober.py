@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from clockworkd.lens import clocksync, fastio, peers, tomography, wire
+from clockworkd.lens import clockgraph, clockpair, clockseam, fastio, peers, tomography, wire
 from clockworkd.lens.model import NicId, PathStats, PathVerdict, Suspect, nic_id, split_nic
 from clockworkd.lens.pathwindow import PathWindow, Samples, Thresholds, file_blocks, window_stats
 from clockworkd.lens.settings import LensConfig
@@ -141,7 +141,7 @@ class Lens:
         topology: Topology,
         key: bytes,
         emit: Emit,
-        seam: clocksync.ClockSeam | None = None,
+        seam: clockseam.ClockSeam | None = None,
         gray: GrayTarget | None = None,
     ) -> None:
         self.cfg = cfg
@@ -170,18 +170,18 @@ class Lens:
         self.session = int.from_bytes(os.urandom(4), "little")
         self.local: list[LocalNic] = []
         self.incoming: dict[tuple[int, int, int], PathWindow] = {}  # (src node, src NIC, local NIC) -> window
-        self.envelopes: dict[tuple[NicId, NicId], clocksync.Envelope] = {}
+        self.envelopes: dict[tuple[NicId, NicId], clockpair.Envelope] = {}
         self._sent_minima: dict[tuple[NicId, NicId], int] = {}  # newest minimum already told to peers
         self.remote_seen: dict[str, float] = {}  # node -> last summary (monotonic)
         # (src, dst) -> (when, [src, dst, bad, kinds, score, loss, owd_p50_us, owd_p99_us]) as the receiver said
         self.remote_paths: dict[tuple[NicId, NicId], tuple[float, list[Any]]] = {}
         self.summary_seq = 0
         self._summaries_seen: dict[str, deque[tuple[int, int, bytes]]] = {}  # node -> recent (session, seq, tag)
-        self.solution: clocksync.GraphSolution | None = None
-        self.pair_estimates: dict[tuple[str, str], tuple[float, clocksync.PairEstimate]] = {}
+        self.solution: clockgraph.GraphSolution | None = None
+        self.pair_estimates: dict[tuple[str, str], tuple[float, clockpair.PairEstimate]] = {}
         self._pair_raw: dict[tuple[str, str], list[Any]] = {}  # summary entry each remote estimate came from
         self.drift: dict[str, float] = {}  # node -> d(offset to the reference)/dt, ns per ns
-        self.clock_tracker = clocksync.SuspectTracker()
+        self.clock_tracker = clockgraph.SuspectTracker()
         self.clock_suspects: set[tuple[str, str]] = set()  # pairs whose offsets persistently break loops
         self.solved_at_real_ns = 0  # real time of the last solution (benchmarks compare against seam truth)
         self._next_solve = 0.0  # monotonic time of the next full graph solve
@@ -714,11 +714,11 @@ class Lens:
             self._pending_rtt.clear()
             self.rtt_samples.add(t, path, rtt)
 
-    def _envelope(self, pw: PathWindow) -> clocksync.Envelope:
+    def _envelope(self, pw: PathWindow) -> clockpair.Envelope:
         """The delay envelope of a path this node receives (coded pairs that were not queued feed the clock sync)."""
         env = self.envelopes.get((pw.src, pw.dst))
         if env is None:
-            env = self.envelopes[(pw.src, pw.dst)] = clocksync.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
+            env = self.envelopes[(pw.src, pw.dst)] = clockpair.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
         return env
 
     def _on_summary(self, packet: memoryview) -> None:
@@ -762,7 +762,7 @@ class Lens:
                     continue
                 if not all(math.isfinite(float(x)) for x in (offset, drift, unc)) or float(unc) <= 0:
                     raise wire.WireError(f"non-finite clock estimate for {a}-{b}")
-                est = clocksync.PairEstimate(float(offset), float(drift), float(unc), int(samples), 0.0, int(at))
+                est = clockpair.PairEstimate(float(offset), float(drift), float(unc), int(samples), 0.0, int(at))
                 pairs.append(((a, b), est, entry))
         except Exception as exc:  # a keyed peer sending nonsense must not stop this loop
             self.counters["rejected"] += 1
@@ -775,7 +775,7 @@ class Lens:
         for key, flat in minima:
             env = self.envelopes.get(key)
             if env is None:
-                env = self.envelopes[key] = clocksync.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
+                env = self.envelopes[key] = clockpair.Envelope(ENVELOPE_WINDOW_NS, ENVELOPE_SUB_NS)
             for i in range(0, len(flat), 2):  # a few minima per entry: one at a time beats numpy's setup
                 env.add(flat[i], flat[i] + flat[i + 1])
         for key, est, entry in pairs:
@@ -801,7 +801,7 @@ class Lens:
             rev = self.envelopes.get((nic_id(peer, rail), nic_id(self.me, rail)))
             if fwd is None or rev is None:
                 continue
-            est = clocksync.estimate_pair(fwd.minima(), rev.minima(), at)
+            est = clockpair.estimate_pair(fwd.minima(), rev.minima(), at)
             if est is not None:
                 self.pair_estimates[(self.me, peer)] = (time.monotonic(), est)
 
@@ -828,11 +828,11 @@ class Lens:
             return
         self._next_solve = now + SOLVE_EVERY_S
         self._solved_pairs = set(fresh)
-        self.solution = clocksync.solve_graph(fresh, self.reference, at, nodes=self.nodes)
+        self.solution = clockgraph.solve_graph(fresh, self.reference, at, nodes=self.nodes)
         self.solved_at_real_ns = time.time_ns()
         # The same a second earlier gives each node's drift against the reference: one-way delays
         # over a window are corrected sample by sample with it (100 ppm is 200 µs over a 2 s window).
-        before = clocksync.solve_graph(fresh, self.reference, at - 1_000_000_000, nodes=self.nodes)
+        before = clockgraph.solve_graph(fresh, self.reference, at - 1_000_000_000, nodes=self.nodes)
         self.drift = {
             n: (off - before.offsets_ns[n]) / 1e9
             for n, off in self.solution.offsets_ns.items()
