@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from clockworkd.lens import clockseam, fastio, wire
-from clockworkd.lens.prober import (
-    ECHO_RING,
+from clockworkd.lens.fastio import (
     R_AUX,
     R_ECHO_SEQ,
     R_FLAGS,
@@ -32,6 +31,7 @@ from clockworkd.lens.prober import (
     R_SRC_NODE,
     R_TX,
 )
+from clockworkd.lens.prober import ECHO_RING
 
 KEY = b"k" * 32
 SESSION = 0xDEADBEEF

@@ -33,6 +33,19 @@ from typing import Any, Protocol
 import numpy as np
 
 from clockworkd.lens import clockgraph, clockpair, clockseam, fastio, peers, tomography, wire
+from clockworkd.lens.fastio import (
+    R_AUX,
+    R_ECHO_SEQ,
+    R_FLAGS,
+    R_HOLD,
+    R_KIND,
+    R_LENGTH,
+    R_PATH,
+    R_RX,
+    R_SEQ,
+    R_SESSION,
+    R_TX,
+)
 from clockworkd.lens.model import NicId, PathStats, PathVerdict, Suspect, nic_id, split_nic
 from clockworkd.lens.pathwindow import PathWindow, Samples, Thresholds, file_blocks, window_stats
 from clockworkd.lens.settings import LensConfig
@@ -86,7 +99,6 @@ class GrayTarget(Protocol):
 
 ECHO_RING = 1024  # transmit times kept per path for echoes (10 s of probes at 10 ms)
 RTT_MAX_NS = 10_000_000_000
-R_PATH, R_KIND, R_FLAGS, R_SEQ, R_TX, R_RX, R_SESSION, R_AUX, R_ECHO_SEQ, R_HOLD, R_LENGTH, R_SRC_NODE = range(12)
 
 
 @dataclass
