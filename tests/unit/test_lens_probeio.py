@@ -31,7 +31,7 @@ from clockworkd.lens.fastio import (
     R_SRC_NODE,
     R_TX,
 )
-from clockworkd.lens.prober import ECHO_RING
+from clockworkd.lens.probepaths import ECHO_RING
 
 KEY = b"k" * 32
 SESSION = 0xDEADBEEF
