@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from clockworkd.config.schema import SandboxConfig
-from clockworkd.lens.clocksync import ClockSeam
+from clockworkd.lens.clockseam import ClockSeam
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
 

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from clockworkd.daemon_paths import DaemonPaths, expand
-from clockworkd.lens.clocksync import ClockSeam, ClockSeamError, load_seams
+from clockworkd.lens.clockseam import ClockSeam, ClockSeamError, load_seams
 from clockworkd.lens.history import HistoryWriter
 from clockworkd.lens.metrics import MetricsServer
-from clockworkd.lens.prober import GrayTarget, Lens, load_topology
+from clockworkd.lens.prober import Lens, load_topology
 from clockworkd.lens.settings import LensConfig
+from clockworkd.lens.suspects import GrayTarget
 from clockworkd.lens.topology import TopologyError
 from clockworkd.server import Component, Daemon
 from linkpass.fabric import FabricError, FabricMap

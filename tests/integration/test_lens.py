@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from clockworkd.lens.clocksync import ClockSeam
+from clockworkd.lens.clockseam import ClockSeam
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
 from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, on_node, slurm_env, until

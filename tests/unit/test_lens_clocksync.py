@@ -18,17 +18,9 @@ import numpy as np
 import pytest
 
 from clockworkd.errors import ConfigError
-from clockworkd.lens.clocksync import (
-    ClockSeam,
-    ClockSeamError,
-    Envelope,
-    PairEstimate,
-    SuspectTracker,
-    _EnvelopeDesign,
-    estimate_pair,
-    load_seams,
-    solve_graph,
-)
+from clockworkd.lens.clockgraph import SuspectTracker, solve_graph
+from clockworkd.lens.clockpair import Envelope, PairEstimate, _EnvelopeDesign, estimate_pair
+from clockworkd.lens.clockseam import ClockSeam, ClockSeamError, load_seams
 
 START = 1_800_000_000_000_000_000  # real time at the start of a run, ns (today's kernel clocks)
 US = 1_000

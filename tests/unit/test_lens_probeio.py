@@ -16,9 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from clockworkd.lens import clocksync, fastio, wire
-from clockworkd.lens.prober import (
-    ECHO_RING,
+from clockworkd.lens import clockseam, fastio, wire
+from clockworkd.lens.fastio import (
     R_AUX,
     R_ECHO_SEQ,
     R_FLAGS,
@@ -32,6 +31,7 @@ from clockworkd.lens.prober import (
     R_SRC_NODE,
     R_TX,
 )
+from clockworkd.lens.probepaths import ECHO_RING
 
 KEY = b"k" * 32
 SESSION = 0xDEADBEEF
@@ -453,7 +453,7 @@ def test_pacer_notes_the_newest_probe_of_each_path_for_its_echoes() -> None:
         dtype=np.int64,
     )
     assert pacer.note_arrivals(records, 7, in_session) == 1
-    seam = clocksync.ClockSeam(offset, drift, epoch)
+    seam = clockseam.ClockSeam(offset, drift, epoch)
     assert echo_seq.tolist() == [5, 7, -1]
     assert echo_rx.tolist() == [seam.apply(rx + 10), 70, 0]
     with pytest.raises(ValueError, match="records"):

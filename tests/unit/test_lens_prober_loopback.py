@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from clockworkd.lens import clocksync, wire
+from clockworkd.lens import clockseam, wire
 from clockworkd.lens.model import PathStats, PathVerdict
 from clockworkd.lens.prober import PHASES, Lens
 from clockworkd.lens.settings import LensConfig
@@ -65,7 +65,7 @@ def _config(**overrides: Any) -> LensConfig:
 class Cluster:
     """Three Lens instances sharing one fabric map and topology; ``events`` collects what they emit."""
 
-    def __init__(self, cfg: LensConfig, seams: dict[str, clocksync.ClockSeam], only: tuple[str, ...]) -> None:
+    def __init__(self, cfg: LensConfig, seams: dict[str, clockseam.ClockSeam], only: tuple[str, ...]) -> None:
         self.cfg = cfg
         self.fabric = FabricMap.parse({"nodes": {n: {"addr": ip, "nics": {"lo": ip}} for n, ip in IPS.items()}})
         self.topology = Topology.from_fabric(self.fabric)
@@ -108,7 +108,7 @@ class Cluster:
 @contextmanager
 def cluster(
     cfg: LensConfig | None = None,
-    seams: dict[str, clocksync.ClockSeam] | None = None,
+    seams: dict[str, clockseam.ClockSeam] | None = None,
     only: tuple[str, ...] = tuple(IPS),
 ) -> Iterator[Cluster]:
     _require_root()
@@ -319,9 +319,9 @@ def test_a_summary_bigger_than_one_datagram_still_delivers_its_verdicts() -> Non
             stats = PathStats(src, dst, 2.0, 200, 200, 0.0, 10.5, 12.25, 20.125, 1.5, None)
             fake.append((stats, PathVerdict(src, dst, False)))
         n1.last_stats = fake
-        bodies = n1._summary_bodies()
+        bodies = n1.summaries.bodies(n1.summary_entries())
         assert len(bodies) >= 2 and all(len(b) <= wire.MAX_SUMMARY_BODY for b in bodies)
-        n1._send_summaries()
+        n1.send_summaries()
         assert n1.counters["summaries_sent"] == 2 * len(bodies)  # every body to each of the two peers
         faked = {(s.src, s.dst) for s, _ in fake}
 
@@ -350,11 +350,11 @@ def test_a_path_that_turns_bad_or_heals_is_told_at_once() -> None:
         def judged_bad(pw: Any) -> Callable[..., PathVerdict]:
             return lambda *_: PathVerdict(pw.src, pw.dst, True, ("loss 9%",), ("loss",), 0.9)
 
-        path = next(pw for pw in n1.incoming.values() if pw.src == "n3/lo")
+        path = next(pw for pw in n1.paths.incoming.values() if pw.src == "n3/lo")
         path.judge = judged_bad(path)  # type: ignore[method-assign]
 
         def told(bad: int) -> Callable[[], bool]:
-            return lambda: n2.remote_paths.get(("n3/lo", "n1/lo"), (0.0, [None] * 8))[1][2] == bad
+            return lambda: n2.summaries.remote_paths.get(("n3/lo", "n1/lo"), (0.0, [None] * 8))[1][2] == bad
 
         assert c.drive(WAIT_S, until=told(1)), n1.counters
         sent = n1.counters["summaries_sent"]
@@ -383,7 +383,7 @@ def test_one_slow_train_raises_no_suspect() -> None:
             return p is not None and p["rate_mbps"] is not None and bool(p["verdict"]) and not p["verdict"]["bad"]
 
         assert c.drive(WAIT_S, until=learned), n1.snapshot()
-        pw = next(p for p in n1.incoming.values() if p.src == "n2/lo")
+        pw = next(p for p in n1.paths.incoming.values() if p.src == "n2/lo")
         # n2's next real train to n1 is over a second away (trains alternate between its two peers).
         count = 46
         # At least 0.2 ms between packets (time.sleep never wakes early; the receive stamps are the kernel's,
@@ -415,7 +415,7 @@ HALF_SEAM_US = 2500.0  # half of test_clock_seam_is_recovered's 5 ms offset
 
 
 def test_clock_seam_is_recovered() -> None:
-    seam = clocksync.ClockSeam(offset_ns=5_000_000, drift_ppm=20, epoch_ns=time.time_ns())
+    seam = clockseam.ClockSeam(offset_ns=5_000_000, drift_ppm=20, epoch_ns=time.time_ns())
     start = time.time_ns()
     with cluster(seams={"n2": seam}) as c:
         n1 = c["n1"]
@@ -456,7 +456,7 @@ def test_a_restarted_peer_starts_its_paths_afresh() -> None:
         n1 = c["n1"]
 
         def from_n2() -> Any:
-            return next((p for p in n1.incoming.values() if p.src == "n2/lo"), None)
+            return next((p for p in n1.paths.incoming.values() if p.src == "n2/lo"), None)
 
         # Far enough along that the new session's numbers stay below it while the checks below wait.
         assert c.drive(WAIT_S, until=lambda: (w := from_n2()) is not None and w.last_seq > 200), n1.counters

@@ -9,9 +9,14 @@ Modules (each small, each with one job):
 - ``peers``: which peer NICs each NIC probes (all on small clusters; K per NIC on large ones, chosen
   so every link can be singled out).
 - ``tomography``: the smallest set of directed links that explains the bad paths.
-- ``clocksync``: pairwise clock offset and drift from one-way delay envelopes; least squares over
-  the probe graph.
-- ``wire``/``fastio``/``prober``: the probe packets, batched kernel I/O, and the component the
-  node daemon hosts in its event loop. ``_probeio`` (C, sources in ``csrc/``) does the per-packet
-  work: build, tag and send probes and trains; receive, verify and parse them (wire.py is its reference).
+- ``clockpair``, ``clockgraph``, ``clockseam``: software clock sync. Pairwise clock offset and drift
+  from one-way delay envelopes; least squares over the probe graph; the synthetic clocks tests give
+  each emulated node.
+- ``wire``/``fastio``: the probe packets and batched kernel I/O. ``_probeio`` (C, sources in ``csrc/``)
+  does the per-packet work: build, tag and send probes and trains; receive, verify and parse them
+  (wire.py is its reference).
+- ``prober``: the component the node daemon hosts in its event loop, which runs the parts below.
+  ``probepaths``: a node's NICs, the paths each probes and receives, and the arrays the C side shares;
+  ``receiving``: reading what arrives and filing it; ``clockkeeper``: this node's view of every clock;
+  ``summaries``: what the daemons tell each other; ``suspects``: raising, clearing and announcing links.
 """

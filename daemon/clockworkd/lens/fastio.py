@@ -34,8 +34,14 @@ MSG_TRUNC = 0x20
 SLOT = 8192  # largest datagram read whole; longer ones are flagged truncated and dropped
 CONTROL = 64  # room for one cmsghdr + struct timespec
 BATCH = 64
-RECORD_FIELDS = 12  # int64 fields of one record the C receiver (_probeio.drain) fills; names in prober.R_*
+RECORD_FIELDS = 12  # int64 fields of one record the C receiver (_probeio.drain) fills; names below
 RECORDS = 64 * 64 + 64  # records one drain can fill (64 recvmmsg batches of 64)
+# The fields of a record, in csrc/records.h's order (the C drain fills them): R_PATH is the index of the
+# receiving node's incoming path the packet came on, R_RX its kernel arrival stamp, R_LENGTH its size in bytes,
+# the others its header's fields.
+R_PATH, R_KIND, R_FLAGS, R_SEQ, R_TX, R_RX, R_SESSION, R_AUX, R_ECHO_SEQ, R_HOLD, R_LENGTH, R_SRC_NODE = range(
+    RECORD_FIELDS
+)
 
 
 class ProbeIOMissing(RuntimeError):

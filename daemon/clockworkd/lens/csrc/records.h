@@ -1,5 +1,5 @@
-/* The int64 records the receiver fills, one per probe or train packet (RECORD_DTYPE's order in fastio.py;
- * the field names are prober.R_*): shared by the drain (_probeio.c) and the pacer's echo bookkeeping. */
+/* The int64 records the receiver fills, one per probe or train packet (fastio.py's R_* names the fields, in
+ * this order): shared by the drain (_probeio.c) and the pacer's echo bookkeeping. */
 #ifndef CLOCKWORK_RECORDS_H
 #define CLOCKWORK_RECORDS_H
 

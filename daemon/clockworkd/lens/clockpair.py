@@ -1,4 +1,4 @@
-"""Software clock sync for Fleet Lens: pairwise offset and drift from one-way delay envelopes.
+"""Software clock sync for Fleet Lens, one node pair at a time: offset and drift from one-way delay envelopes.
 
 Why: one-way delays (and so the direction of a gray failure) need the clock offset between the two
 nodes of a path, to a few microseconds, without PTP hardware. Every probe A->B gives
@@ -14,10 +14,9 @@ The pieces, cheapest first:
   sub-window minimum is the best sample of that sub-window, and memory stays bounded.
 - :func:`estimate_pair` fits ``theta(t)`` to the forward and reverse minima of one node pair with a
   robust regression that shares the drift between the two directions.
-- :func:`solve_graph` reconciles all pairwise estimates by weighted least squares over the probe
-  graph, so offsets agree around every loop, and names the edges that do not fit.
-- :class:`ClockSeam` gives each emulated node on one machine its own synthetic clock, so all of the
-  above can be tested where every "node" reads the same real clock.
+- :func:`clockworkd.lens.clockgraph.solve_graph` then reconciles all pairwise estimates over the probe
+  graph, and :class:`clockworkd.lens.clockseam.ClockSeam` gives each emulated node of a test machine a
+  clock of its own, so that all of this can be checked against a known truth.
 
 Timestamps are kernel nanoseconds (~1.8e18): they are always subtracted as integers before any float
 conversion, because a float64 keeps only ~256 ns of resolution at that size.
@@ -25,37 +24,20 @@ conversion, because a float64 keeps only ~256 ns of resolution at that size.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from clockworkd.errors import ConfigError
-
-__all__ = [
-    "ClockSeam",
-    "ClockSeamError",
-    "EdgeMeasurement",
-    "Envelope",
-    "GraphSolution",
-    "PairEstimate",
-    "SuspectTracker",
-    "estimate_pair",
-    "load_seams",
-    "solve_graph",
-]
+__all__ = ["Envelope", "PairEstimate", "estimate_pair"]
 
 NS_PER_S = 1_000_000_000
 DEFAULT_WINDOW_NS = 20 * NS_PER_S
 DEFAULT_SUB_WINDOW_NS = NS_PER_S // 4
 
 IntArray = npt.NDArray[np.int64]
-_Node = TypeVar("_Node", str, int)
 
 
 # ----- per directed pair: the lower envelope ---------------------------------------------------------
@@ -195,7 +177,7 @@ class PairEstimate:
     of probes queued) about 60-90 % of errors fall within one sigma and all but a fraction of a
     percent within four. It cannot see a constant difference between the two directions' delay
     floors (an asymmetric path): that biases ``offset_ns`` by half the difference and shows up only
-    as loop residuals in :func:`solve_graph`.
+    as loop residuals in :func:`clockworkd.lens.clockgraph.solve_graph`.
     """
 
     offset_ns: float
@@ -436,393 +418,3 @@ def estimate_pair(
         forward_samples=used_f,
         reverse_samples=used_r,
     )
-
-
-# ----- the probe graph: weighted least squares -------------------------------------------------------
-
-
-@runtime_checkable
-class EdgeMeasurement(Protocol):
-    """What :func:`solve_graph` needs of an edge: ``clock_b - clock_a`` and its one-sigma uncertainty."""
-
-    @property
-    def offset_ns(self) -> float: ...
-
-    @property
-    def uncertainty_ns(self) -> float: ...
-
-
-Edge = tuple[str, str]
-
-
-@dataclass(frozen=True)
-class GraphSolution:
-    """Every node's clock offset to the reference (``clock_node - clock_ref``), reconciled.
-
-    ``uncertainty_ns`` comes from the covariance of the weighted least squares solution, scaled up by
-    the reduced chi-square when the edges disagree more than their own uncertainties say (so a graph
-    whose loops do not close reports it in every node's uncertainty). ``edge_residuals_ns`` is
-    ``solved (x_b - x_a) - measured`` per edge used; ``edge_scores`` the same divided by its own
-    expected standard deviation (a bridge edge, which no loop checks, scores 0). ``loop_rms_ns`` is
-    the residuals' root-mean-square per redundant edge (None without loops). ``suspect_edges`` were
-    left out of the solution because they disagreed with the rest by more than the threshold;
-    ``suspect_residuals_ns`` says by how much (their measurement minus what the rest implies).
-    Nodes without a path of edges to the reference are in ``unreachable`` and nowhere else.
-    """
-
-    reference: str
-    at_ns: int | None
-    offsets_ns: Mapping[str, float]
-    uncertainty_ns: Mapping[str, float]
-    edge_residuals_ns: Mapping[Edge, float]
-    edge_scores: Mapping[Edge, float]
-    loop_rms_ns: float | None
-    reduced_chi2: float | None
-    unreachable: tuple[str, ...]
-    suspect_edges: tuple[Edge, ...] = ()
-    suspect_residuals_ns: Mapping[Edge, float] = field(default_factory=dict)
-
-    def relative(self, a: str, b: str) -> float:
-        """``clock_b - clock_a`` from the solution (KeyError for an unreachable node)."""
-        return self.offsets_ns[b] - self.offsets_ns[a]
-
-
-def _edge_value(m: Any, at_ns: int | None) -> tuple[float, float]:
-    if at_ns is not None and hasattr(m, "offset_at"):
-        off = float(m.offset_at(at_ns))
-        unc = float(m.uncertainty_at(at_ns)) if hasattr(m, "uncertainty_at") else float(m.uncertainty_ns)
-    else:
-        off = float(m.offset_ns)
-        unc = float(m.uncertainty_ns)
-    return off, unc
-
-
-def _component(reference: _Node, adjacency: Mapping[_Node, set[_Node]]) -> set[_Node]:
-    """Nodes reachable from ``reference``."""
-    seen = {reference}
-    todo = [reference]
-    while todo:
-        node = todo.pop()
-        for nxt in adjacency.get(node, ()):
-            if nxt not in seen:
-                seen.add(nxt)
-                todo.append(nxt)
-    return seen
-
-
-def _wls(
-    n: int, ia: IntArray, ib: IntArray, obs: npt.NDArray[np.float64], sig: npt.NDArray[np.float64]
-) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-    """Solve ``x_b - x_a = obs`` (index 0 is the reference, fixed at 0) by weighted least squares.
-
-    Returns the solution (with x_0 = 0), the covariance of x_1.., the residuals and their standard
-    deviations. Normal equations are dense: n^2 floats and an n^3/3 Cholesky, ~0.1 s at 1,000 nodes.
-    """
-    w = 1.0 / (sig * sig)
-    # normal matrix of the incidence matrix (row e: -1 at a, +1 at b), reference row/column dropped
-    nmat = np.zeros((n, n))
-    np.add.at(nmat, (ia, ia), w)
-    np.add.at(nmat, (ib, ib), w)
-    np.add.at(nmat, (ia, ib), -w)
-    np.add.at(nmat, (ib, ia), -w)
-    rhs = np.zeros(n)
-    np.add.at(rhs, ib, w * obs)
-    np.add.at(rhs, ia, -w * obs)
-    sub = nmat[1:, 1:]
-    try:
-        chol = np.linalg.cholesky(sub)
-        inv_l = np.linalg.inv(chol)
-        cov = inv_l.T @ inv_l
-    except np.linalg.LinAlgError:
-        cov = np.linalg.pinv(sub)
-    x = np.zeros(n)
-    x[1:] = cov @ rhs[1:]
-    resid = (x[ib] - x[ia]) - obs
-    full = np.zeros((n, n))
-    full[1:, 1:] = cov
-    # var(fitted x_b - x_a) = c_bb + c_aa - 2 c_ab; residual variance = sigma^2 - that (leverage)
-    fitted_var = full[ib, ib] + full[ia, ia] - 2.0 * full[ia, ib]
-    resid_sd = np.sqrt(np.maximum(sig * sig - fitted_var, 0.0))
-    return x, cov, resid, resid_sd
-
-
-def _pick_outliers(
-    score: npt.NDArray[np.float64], ia: IntArray, ib: IntArray, n: int, threshold: float, budget: int
-) -> list[int]:
-    """Edges to set aside this round: the worst above ``threshold``, plus others far from it.
-
-    A bad edge drags the residuals of its loop-mates up with it, so an edge is only taken when neither
-    end is within one hop of a worse edge above the threshold (taken or not); the rest wait for the
-    next solve, where the bad edges no longer pull on them. Taking several at once keeps a graph with many
-    bad edges to a few solves instead of one per edge. Should the round's edges together cut the
-    graph (each alone cannot: bridges score 0), only the worst is taken.
-    """
-    order = np.argsort(-np.abs(score))
-    over = [int(i) for i in order if abs(score[i]) > threshold]
-    if not over or budget <= 0:
-        return []
-    neighbours: list[set[int]] = [set() for _ in range(n)]
-    for a, b in zip(ia.tolist(), ib.tolist(), strict=True):
-        neighbours[a].add(b)
-        neighbours[b].add(a)
-    picked: list[int] = []
-    blocked: set[int] = set()
-    for i in over:
-        a, b = int(ia[i]), int(ib[i])
-        free = a not in blocked and b not in blocked
-        blocked |= {a, b} | neighbours[a] | neighbours[b]  # a deferred edge still shadows its neighbours
-        if free:
-            picked.append(i)
-            if len(picked) >= budget:
-                break
-    if len(picked) > 1:
-        keep = np.ones(score.size, dtype=bool)
-        keep[picked] = False
-        adjacency: dict[int, set[int]] = {}
-        for a, b in zip(ia[keep].tolist(), ib[keep].tolist(), strict=True):
-            adjacency.setdefault(a, set()).add(b)
-            adjacency.setdefault(b, set()).add(a)
-        if len(_component(0, adjacency)) < n:
-            picked = picked[:1]
-    return picked
-
-
-def solve_graph(
-    edges: Mapping[Edge, EdgeMeasurement | Any],
-    reference: str,
-    at_ns: int | None = None,
-    *,
-    nodes: Iterable[str] = (),
-    suspect_sigma: float = 4.0,
-    max_suspects: int | None = None,
-    min_uncertainty_ns: float = 1.0,
-) -> GraphSolution:
-    """Reconcile pairwise offsets into one offset per node by weighted least squares.
-
-    Each edge ``(a, b)`` says ``x_b - x_a = offset`` with sigma ``uncertainty``; ``x_reference = 0``.
-    When an edge has ``offset_at`` (a :class:`PairEstimate`) and ``at_ns`` is given (on the reference's
-    clock), it is evaluated at the same moment on its own ``a``'s clock, ``at_ns + x_a``, from a first
-    solve: with offsets of milliseconds and drifts of ~100 ppm, evaluating every edge at ``at_ns`` as
-    is would be off by up to ~10 us. ``nodes`` names nodes that should be there even without edges, so a node
-    whose probes all fail shows up as unreachable instead of vanishing.
-
-    Outliers are taken out by Baarda-style data snooping: the edge whose standardized residual is
-    largest and above ``suspect_sigma`` is set aside and the rest solved again, until none is left
-    above. One bad edge shares its error with every edge of its loops, so flagging all edges above the
-    threshold at once would blame good ones (edges far apart from each other are taken in the same
-    round, see :func:`_pick_outliers`). An edge whose removal would cut a node off from the reference
-    is never set aside: nothing else checks it. ``max_suspects`` caps how many are set aside (default:
-    a tenth of the edges).
-
-    With Gaussian errors a single solve flags a good edge with probability ~6e-5 per edge at 4 sigma
-    (one every few solves on a graph of 8,000 edges): :class:`SuspectTracker` keeps only the edges
-    flagged solve after solve.
-    """
-    # collect the edges, evaluated at at_ns
-    meas: dict[Edge, tuple[float, float]] = {}
-    for key, m in edges.items():
-        a, b = key
-        if a == b:
-            raise ValueError(f"edge {a}->{b} joins a node to itself")
-        off, unc = _edge_value(m, at_ns)
-        if not (math.isfinite(off) and math.isfinite(unc)):
-            raise ValueError(f"edge {a}->{b} has a non-finite offset or uncertainty ({off}, {unc})")
-        meas[(a, b)] = (off, max(unc, min_uncertainty_ns))
-
-    all_nodes = set(nodes) | {n for e in meas for n in e} | {reference}
-    adjacency: dict[str, set[str]] = {}
-    for a, b in meas:
-        adjacency.setdefault(a, set()).add(b)
-        adjacency.setdefault(b, set()).add(a)
-    reach = _component(reference, adjacency)
-    unreachable = tuple(sorted(all_nodes - reach))
-    order = [reference, *sorted(reach - {reference})]
-    index = {name: i for i, name in enumerate(order)}
-    used = [e for e in meas if e[0] in reach]
-    if len(order) == 1:
-        return GraphSolution(reference, at_ns, {reference: 0.0}, {reference: 0.0}, {}, {}, None, None, unreachable)
-
-    ia_all = np.array([index[a] for a, _ in used], dtype=np.int64)
-    ib_all = np.array([index[b] for _, b in used], dtype=np.int64)
-    obs_all = np.array([meas[e][0] for e in used])
-    sig_all = np.array([meas[e][1] for e in used])
-    timed = [i for i, e in enumerate(used) if hasattr(edges[e], "offset_at")]
-    if at_ns is not None and timed:
-        # The moment at_ns on the reference's clock reads at_ns + x_a on a's clock, and an edge's
-        # estimate runs on a's clock: 50 ms of offset at 200 ppm of drift is 10 us. A first solve
-        # gives x_a to microseconds, which is nanoseconds after the drift.
-        x0 = _wls(len(order), ia_all, ib_all, obs_all, sig_all)[0]
-        for i in timed:
-            m = edges[used[i]]
-            off, unc = _edge_value(m, at_ns + round(float(x0[ia_all[i]])))
-            obs_all[i], sig_all[i] = off, max(unc, min_uncertainty_ns)
-    active = np.ones(len(used), dtype=bool)
-    cap = max(1, len(used) // 10) if max_suspects is None else max_suspects
-    suspects: list[int] = []
-    n = len(order)
-
-    while True:
-        ia, ib, obs, sig = ia_all[active], ib_all[active], obs_all[active], sig_all[active]
-        x, cov, resid, resid_sd = _wls(n, ia, ib, obs, sig)
-        dof = int(active.sum()) - (n - 1)
-        checked = resid_sd > 1e-6 * sig  # bridges have no redundancy: nothing to test them against
-        score = np.zeros_like(resid)
-        score[checked] = resid[checked] / resid_sd[checked]
-        if len(suspects) >= cap or dof <= 0:
-            break
-        picked = _pick_outliers(score, ia, ib, n, suspect_sigma, cap - len(suspects))
-        if not picked:
-            break
-        idx = np.flatnonzero(active)[picked]
-        active[idx] = False
-        suspects.extend(int(i) for i in idx)
-
-    chi2 = float(np.sum((resid / sig) ** 2))
-    reduced = chi2 / dof if dof > 0 else None
-    inflate = max(1.0, reduced) if reduced is not None else 1.0
-    var = np.zeros(n)
-    var[1:] = np.diag(cov) * inflate
-    offsets = {name: float(x[i]) for name, i in index.items()}
-    uncert = {name: math.sqrt(max(float(var[i]), 0.0)) for name, i in index.items()}
-    active_edges = [e for e, on in zip(used, active, strict=True) if on]
-    residuals = {e: float(r) for e, r in zip(active_edges, resid, strict=True)}
-    scores = {e: float(s) for e, s in zip(active_edges, score, strict=True)}
-    loop_rms = math.sqrt(float(np.sum(resid * resid)) / dof) if dof > 0 else None
-    suspect_edges = tuple(used[i] for i in suspects)
-    suspect_resid = {used[i]: float(obs_all[i] - (x[ib_all[i]] - x[ia_all[i]])) for i in suspects}
-    return GraphSolution(
-        reference=reference,
-        at_ns=at_ns,
-        offsets_ns=offsets,
-        uncertainty_ns=uncert,
-        edge_residuals_ns=residuals,
-        edge_scores=scores,
-        loop_rms_ns=loop_rms,
-        reduced_chi2=reduced,
-        unreachable=unreachable,
-        suspect_edges=suspect_edges,
-        suspect_residuals_ns=suspect_resid,
-    )
-
-
-class SuspectTracker:
-    """Turns per-solve suspects into *persistent* ones: flagged in ``need`` of the last ``of`` solves.
-
-    Why: one solve can set aside a good edge when a burst of queueing spoils a window; an asymmetric
-    or faulty path stays out of line solve after solve. Memory is ``of`` bits per edge ever seen.
-    """
-
-    def __init__(self, need: int = 3, of: int = 5) -> None:
-        if not 1 <= need <= of:
-            raise ValueError(f"need 1 <= need <= of, got need={need}, of={of}")
-        self.need = need
-        self.of = of
-        self._history: dict[Edge, list[bool]] = {}
-
-    def update(self, solution: GraphSolution) -> tuple[Edge, ...]:
-        """Record one solve; return the edges persistently suspect now, sorted."""
-        flagged = set(solution.suspect_edges)
-        seen = flagged | set(solution.edge_residuals_ns)
-        for edge in list(self._history):
-            if edge not in seen:
-                del self._history[edge]  # the edge was not measured: its history no longer applies
-        for edge in seen:
-            hist = self._history.setdefault(edge, [])
-            hist.append(edge in flagged)
-            del hist[: -self.of]
-        return tuple(sorted(e for e, h in self._history.items() if sum(h) >= self.need))
-
-
-# ----- synthetic clocks for single-machine emulation -------------------------------------------------
-
-
-class ClockSeamError(ConfigError):
-    """A clock seam file is missing, is not JSON, or holds an unknown key or a bad value."""
-
-
-@dataclass(frozen=True)
-class ClockSeam:
-    """A synthetic clock for one emulated node: ``real + offset + drift * (real - epoch)``.
-
-    Why: on one test machine every emulated node stamps packets with the same real clock, so clock
-    sync would trivially find zero offsets. Passing every timestamp a node takes through its seam
-    gives it a clock that is off by a known offset and drifts at a known rate, so the estimate can be
-    checked against the truth.
-    """
-
-    offset_ns: int = 0
-    drift_ppm: float = 0.0
-    epoch_ns: int = 0
-
-    def apply(self, t_ns: int) -> int:
-        """This node's clock reading at real time ``t_ns``."""
-        return t_ns + self.offset_ns + round(self.drift_ppm * 1e-6 * (t_ns - self.epoch_ns))
-
-    def apply_many(self, t_ns: npt.ArrayLike) -> IntArray:
-        """:meth:`apply` over an int64 array (rounds half to even where :meth:`apply` does too)."""
-        t = np.asarray(t_ns, dtype=np.int64)
-        drift = np.rint(self.drift_ppm * 1e-6 * (t - np.int64(self.epoch_ns)).astype(np.float64)).astype(np.int64)
-        return t + np.int64(self.offset_ns) + drift
-
-    def truth_offset(self, other: ClockSeam, at_real_ns: int) -> int:
-        """``clock_other - clock_self`` at real time ``at_real_ns`` (what sync should find)."""
-        return other.apply(at_real_ns) - self.apply(at_real_ns)
-
-
-_SEAM_TOP_KEYS = {"epoch_ns", "nodes"}
-_SEAM_NODE_KEYS = {"offset_us", "drift_ppm"}
-_MAX_SEAM_OFFSET_US = 1e9  # 1000 s: anything larger is a unit mistake
-_MAX_SEAM_DRIFT_PPM = 1e4
-
-
-def _seam_number(path: Path, where: str, value: Any, limit: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ClockSeamError(f"{path}: {where}: expected a number, got {json.dumps(value)}")
-    if not math.isfinite(value) or abs(value) > limit:
-        raise ClockSeamError(f"{path}: {where}: {value} is out of range (|value| <= {limit:g})")
-    return float(value)
-
-
-def load_seams(path: str | Path) -> dict[str, ClockSeam]:
-    """Read ``{"epoch_ns": E, "nodes": {"node1": {"offset_us": 12.5, "drift_ppm": -40}}}``.
-
-    ``epoch_ns`` is required (drift counts from it; a forgotten epoch of 0 would turn 40 ppm into
-    days of offset at today's timestamps). A node's ``offset_us`` and ``drift_ppm`` default to 0.
-    Every error names the file and the offending key.
-    """
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ClockSeamError(f"{p}: cannot read clock seam file: {exc.strerror or exc}") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ClockSeamError(f"{p}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from exc
-    if not isinstance(data, dict):
-        raise ClockSeamError(f"{p}: expected a JSON object at the top level")
-    unknown = sorted(set(data) - _SEAM_TOP_KEYS)
-    if unknown:
-        raise ClockSeamError(f"{p}: unknown key {unknown[0]!r} (known: epoch_ns, nodes)")
-    for key in sorted(_SEAM_TOP_KEYS):
-        if key not in data:
-            raise ClockSeamError(f"{p}: missing key {key!r}")
-    epoch = data["epoch_ns"]
-    if isinstance(epoch, bool) or not isinstance(epoch, int):
-        raise ClockSeamError(f"{p}: epoch_ns: expected an integer (ns), got {json.dumps(epoch)}")
-    nodes = data["nodes"]
-    if not isinstance(nodes, dict):
-        raise ClockSeamError(f"{p}: nodes: expected an object of node name -> seam")
-    seams: dict[str, ClockSeam] = {}
-    for name, spec in nodes.items():
-        if not name:
-            raise ClockSeamError(f"{p}: nodes: empty node name")
-        if not isinstance(spec, dict):
-            raise ClockSeamError(f"{p}: nodes.{name}: expected an object with offset_us and drift_ppm")
-        bad = sorted(set(spec) - _SEAM_NODE_KEYS)
-        if bad:
-            raise ClockSeamError(f"{p}: nodes.{name}: unknown key {bad[0]!r} (known: drift_ppm, offset_us)")
-        offset_us = _seam_number(p, f"nodes.{name}.offset_us", spec.get("offset_us", 0), _MAX_SEAM_OFFSET_US)
-        drift = _seam_number(p, f"nodes.{name}.drift_ppm", spec.get("drift_ppm", 0), _MAX_SEAM_DRIFT_PPM)
-        seams[name] = ClockSeam(offset_ns=round(offset_us * 1000.0), drift_ppm=drift, epoch_ns=epoch)
-    return seams
