@@ -188,12 +188,12 @@ class TorchPassConfig:
     )
     peer_copies: int = setting(
         1,
-        "Pure FSDP (a 1 x S mesh, no replica; HSDP too with peer_copies_in_hsdp): how many ring neighbours keep a "
-        "copy of each rank's shard "
-        "(parameters, optimizer state and everything else that moves) in host memory, so that a sudden crash is "
-        "rebuilt from a neighbour instead of stopping the job: 1 survives any crash that spares the next slot, "
-        "2 any two adjacent ones. 0 = off. Costs host memory (per rank: 3 own copies + 2 x this many neighbour "
-        "copies of a shard) and a stream of one shard per neighbour every peer_copy_every_steps steps.",
+        "Pure FSDP (a 1 x S mesh, no replica; HSDP too with peer_copies_in_hsdp): how many ring neighbours keep a copy"
+        " of each rank's shard (parameters, optimizer state and everything else that moves) in host memory, so that a "
+        "sudden crash is rebuilt from a neighbour instead of stopping the job: 1 survives any crash that spares the "
+        "next slot, 2 any two adjacent ones. 0 = off. Costs host memory (per rank: 3 own copies, 2 with "
+        "peer_copy_sync, + 2 x this many neighbour copies of a shard) and a stream of one shard per neighbour every "
+        "peer_copy_every_steps steps.",
         min=0,
     )
     peer_copies_in_hsdp: bool = setting(
@@ -215,9 +215,10 @@ class TorchPassConfig:
         False,
         "With peer copies and peer_copy_every_steps = 1: a step commits only once every rank's copy of it has been "
         "acknowledged by its neighbours (a one-integer vote of all ranks after the copies), so a crash at any moment "
-        "recomputes no committed step: it costs the step in progress, as it would without copies. The copy then "
-        "runs on the step's critical path. Off: it overlaps the next step's forward and backward pass, and a crash "
-        "in that window (from a step's update until its copy is acknowledged) recomputes that one step.",
+        "recomputes no committed step: it costs the step in progress, as it would without copies. The copy then runs "
+        "on the step's critical path (and a rank keeps 2 copies of its own shard instead of 3). Off: it overlaps the "
+        "next step's forward and backward pass, and a crash in that window (from a step's update until its copy is "
+        "acknowledged) recomputes that one step.",
     )
     snapshot_dir: str = setting(
         "clockwork-snapshots/{job}",

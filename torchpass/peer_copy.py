@@ -28,6 +28,7 @@ Why it is correct, and what the buffers are for:
 * **Synchronous commits** (``peer_copy_sync``, K = 1): the round of step n runs before n commits
   (:meth:`PeerCopies.copy_now`) and all ranks vote on its acknowledgements (:mod:`torchpass.fsdp`); a failed vote
   undoes the update from the copy of n - 1, so the copy of a lost shard is never older than the committed step.
+  Ranks are then never a round apart, and two own copies (n - 1 and n) are enough.
 * **Losing more adjacent ranks than r covers** (slots s and s+1 with r = 1): no member holds shard s. The job
   stops with that reason; snapshots of sharded models are the fallback to come.
 
@@ -54,9 +55,10 @@ from torchpass.peer_wire import CopyBuffer, CopyLink, CopyListener, ReceivedCopi
 from torchpass.state import StateParts, as_bytes, describe, load_payload, payload_offsets, send_payload
 from torchpass.transfer_plan import Holdings
 
-__all__ = ["OWN_COPIES", "PeerCopies", "ring_holders"]
+__all__ = ["OWN_COPIES", "SYNC_OWN_COPIES", "PeerCopies", "ring_holders"]
 
 OWN_COPIES = 3  # copies a rank keeps of its own shard (see the module docstring)
+SYNC_OWN_COPIES = 2  # with peer_copy_sync: the committed step's and the one voted on
 RECEIVED_COPIES = 2  # copies a rank keeps of each neighbour's shard
 _LogAdapter = logging.LoggerAdapter  # type: ignore[type-arg]
 
@@ -120,7 +122,7 @@ class PeerCopies:
         self._secret = job_key().secret
         self.received = ReceivedCopies()
         self.listener = CopyListener(host, self.received, self._secret, self.timeout_s)
-        self.own = [CopyBuffer() for _ in range(OWN_COPIES)]
+        self.own = [CopyBuffer() for _ in range(SYNC_OWN_COPIES if self.sync else OWN_COPIES)]
         self._targets: dict[int, tuple[str, int]] = {}  # neighbour slot -> its listener, this generation
         self._links: dict[int, CopyLink] = {}  # the side thread's connections
         self._lock = threading.Lock()
@@ -138,8 +140,8 @@ class PeerCopies:
 
     @property
     def depth(self) -> int:
-        """Older copies per part a member reports at the agreement (the same on every member)."""
-        return OWN_COPIES
+        """Older copies per part a member reports at the agreement (the same on every member: one config)."""
+        return len(self.own)
 
     @property
     def address(self) -> tuple[str, int]:

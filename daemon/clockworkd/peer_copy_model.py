@@ -5,8 +5,8 @@ The inputs that decide it, and what the model makes of them:
 
 * **State per GPU.** What moves is each GPU's shard of the fp32 parameters and of AdamW's two fp32 moments:
   ``bytes_per_param`` (12 by default; FSDP2's mixed precision gathers bf16 copies but keeps the fp32 shard)
-  x P / G. Host memory per GPU for copies: that x (3 + 2r) (TorchPass keeps three of its own, two per
-  neighbour; ``docs/user-guide.md``, Peer copies).
+  x P / G. Host memory per GPU for copies: that x (3 + 2r) (TorchPass keeps three of its own, two with
+  ``sync``, and two per neighbour; ``docs/user-guide.md``, Peer copies).
 * **Step time** (weak scaling: every GPU trains ``tokens_per_gpu`` tokens a step): 6 P tokens / (peak x MFU).
 * **A round's stream**: the shard copied to host memory (``host_copy_gbs``) and sent to r neighbours over the
   GPU's share of the NIC (``nic_gbps``), one after the other. It is hidden when it fits in the forward and
@@ -118,7 +118,7 @@ def peer_copy(inputs: PeerCopyInputs) -> PeerCopyResult:
         inputs=inputs,
         step_s=step_s,
         shard_gb=shard / 1e9,
-        host_gb=shard * (3 + 2 * r) / 1e9,
+        host_gb=shard * ((2 if inputs.sync else 3) + 2 * r) / 1e9,
         stream_s=stream_s,
         hidden=hidden,
         overhead=overhead,

@@ -34,6 +34,7 @@ def test_sync_pays_the_whole_round_every_step_and_redoes_only_the_step_in_progre
     sync = peer_copy(PeerCopyInputs(params=7e9, gpus=64, sync=True))
     assert overlapped.hidden and overlapped.overhead == 0 and not sync.hidden
     assert sync.overhead == pytest.approx(sync.stream_s / sync.step_s) and sync.overhead > 0
+    assert sync.host_gb == pytest.approx(4 * sync.shard_gb)  # 2 own copies + 2 of the neighbour's
     assert sync.redo_steps == pytest.approx(0.5 * (1 + sync.overhead))  # half the step in progress, its round too
     assert overlapped.redo_steps == pytest.approx(0.5 + overlapped.stream_s / overlapped.step_s)  # and the window
     with pytest.raises(ValueError, match="needs every_steps = 1"):

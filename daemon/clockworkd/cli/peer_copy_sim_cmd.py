@@ -106,9 +106,9 @@ def peer_copy_sim_cmd(
             f"{r['checkpoint_restart_wall_h']:>7.1f} {r['peer_copy_wall_h']:>8.1f} {r['hours_saved']:>8.1f}"
         )
     click.echo(
-        "(host GB: per GPU, 3 own copies + 2 per neighbour; stall: step time lost when a round does not fit under "
-        "the K steps' forward and backward passes, or with --sync the whole round; NIC: the stream's bytes against "
-        "FSDP's own per step)"
+        "(host GB: per GPU, 3 own copies (2 with --sync) + 2 per neighbour; stall: step time lost when a round does "
+        "not fit under the K steps' forward and backward passes, or with --sync the whole round; NIC: the stream's "
+        "bytes against FSDP's own per step)"
     )
     click.echo("\nSources (failure rates and the checkpoint-restart model):")
     for source in SOURCES:
