@@ -9,8 +9,9 @@ status``), notices a vanished coordinator, and calls back into the rank when a n
 collective blocked on a silently dead peer can be aborted at once instead of waiting for its timeout.
 
 This module imports no torch. Its requests go through :class:`clockworkd.coordinator_client.CoordinatorRpc`
-and its messages are :mod:`clockworkd.coordinator_wire`'s, which ``torchpass status``, ``clockwork migrate``
-and the daemon use too: one implementation of the protocol's client side.
+and its messages are :mod:`clockworkd.coordinator_wire`'s (with :mod:`clockworkd.coordinator_requests` and
+:mod:`clockworkd.coordinator_replies`), which ``torchpass status``, ``clockwork migrate`` and the daemon use
+too: one implementation of the protocol's client side.
 """
 
 from __future__ import annotations
@@ -26,16 +27,8 @@ from typing import Any
 import zmq
 
 from clockworkd.coordinator_client import CoordinatorLost, CoordinatorRefused, CoordinatorRpc, JobStopped
-from clockworkd.coordinator_wire import (
-    GenerationPush,
-    HeartbeatAck,
-    ProtocolError,
-    SnapshotPush,
-    StopPush,
-    decode,
-    encode,
-    parse_push,
-)
+from clockworkd.coordinator_replies import GenerationPush, HeartbeatAck, SnapshotPush, StopPush, parse_push
+from clockworkd.coordinator_wire import ProtocolError, decode, encode
 from torchpass.auth import connect_as_client, job_key
 
 __all__ = ["ControlChannel", "CoordinatorLost", "CoordinatorRefused", "CoordinatorRpc", "JobStopped"]

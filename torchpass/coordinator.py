@@ -29,16 +29,9 @@ from typing import Any, Protocol
 
 import zmq
 
-from clockworkd.coordinator_wire import (
-    UNKNOWN,
-    GenerationInfo,
-    Heartbeat,
-    JobState,
-    ProtocolError,
-    Refusal,
-    Role,
-    parse_request,
-)
+from clockworkd.coordinator_replies import Refusal
+from clockworkd.coordinator_requests import Heartbeat, parse_request
+from clockworkd.coordinator_wire import UNKNOWN, GenerationInfo, JobState, ProtocolError, Role
 from torchpass.auth import serve
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator_core import CoordinatorCore

@@ -22,28 +22,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from clockworkd.coordinator_wire import (
-    UNKNOWN,
-    Ack,
+from clockworkd.coordinator_replies import Ack, HeartbeatAck, Refusal, StatusAnswer, StopAnswer, StopPush
+from clockworkd.coordinator_requests import (
     AwaitGeneration,
     Broken,
     Departed,
     Fatal,
     Finished,
     Heartbeat,
-    HeartbeatAck,
-    JobState,
     Joined,
     Migrate,
-    Refusal,
     Register,
     Request,
     SnapshotAsk,
     Status,
-    StatusAnswer,
-    StopAnswer,
-    StopPush,
 )
+from clockworkd.coordinator_wire import UNKNOWN, JobState
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator_records import (
     AgentLost,

@@ -16,14 +16,9 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from clockworkd.coordinator_wire import (
-    Heartbeat,
-    Joined,
-    Push,
-    Reply,
-    Request,
-    Role,
-)
+from clockworkd.coordinator_replies import Push, Reply
+from clockworkd.coordinator_requests import Heartbeat, Joined, Request
+from clockworkd.coordinator_wire import Role
 from torchpass.lockstep import CollectiveWait
 
 __all__ = [

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from clockworkd.coordinator_wire import parse_collective
+from clockworkd.coordinator_requests import parse_collective
 
 __all__ = ["CollectiveWait", "MemberProgress", "find_mismatch", "parse_wait"]
 
@@ -48,7 +48,7 @@ class MemberProgress:
 
 def parse_wait(value: object, reported_at: float) -> CollectiveWait | None:
     """The ``uc`` field of a heartbeat ([step, ordinal, name], or nothing); anything else reads as nothing
-    (:func:`clockworkd.coordinator_wire.parse_collective`, which the coordinator's heartbeat parser uses)."""
+    (:func:`clockworkd.coordinator_requests.parse_collective`, which the coordinator's heartbeat parser uses)."""
     wait = parse_collective(value)
     return None if wait is None else CollectiveWait(*wait, reported_at)
 

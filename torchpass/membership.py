@@ -12,8 +12,8 @@ Each generation's rendezvous lives in the store server of one live member, prefe
 process is the job's rendezvous for its whole life.
 
 How a generation reaches a rank, and why twice: it is pushed to the rank's control socket as a number
-(:class:`clockworkd.coordinator_wire.GenerationPush`) and answered in full to the rank's long poll
-(:class:`clockworkd.coordinator_wire.GenerationAnswer`). The push is a notification to every member, busy or
+(:class:`clockworkd.coordinator_replies.GenerationPush`) and answered in full to the rank's long poll
+(:class:`clockworkd.coordinator_replies.GenerationAnswer`). The push is a notification to every member, busy or
 not: a rank inside a collective (its main thread blocked, possibly on a silently dead peer) has no poll open,
 and its control thread turns the number into an abort of the doomed collective at once. The answer is the
 content, delivered to whoever asks for it when it asks: a push can be lost (sent without blocking to a control
@@ -31,27 +31,19 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from clockworkd.coordinator_wire import (
+from clockworkd.coordinator_replies import (
     Ack,
-    AwaitGeneration,
-    Broken,
-    Finished,
     GenerationAnswer,
-    GenerationInfo,
     GenerationPush,
-    Handoff,
-    JobState,
-    Joined,
-    Migrate,
     MigrationAccepted,
     Push,
     Refusal,
-    Register,
     Registered,
-    Role,
     StopAnswer,
     StopPush,
 )
+from clockworkd.coordinator_requests import AwaitGeneration, Broken, Finished, Joined, Migrate, Register
+from clockworkd.coordinator_wire import GenerationInfo, Handoff, JobState, Role
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator_records import (
     Evict,

@@ -1,7 +1,9 @@
 """How a launcher starts a rank: the environment contract, the command line, and dying with the parent.
 
 Plain data, no torch, so the launcher and the node agents stay light. The messages ranks, coordinator and
-command line exchange are :mod:`clockworkd.coordinator_wire`'s (one definition for TorchPass and the daemon).
+command line exchange are :mod:`clockworkd.coordinator_wire`'s and the two message modules beside it
+(:mod:`clockworkd.coordinator_requests`, :mod:`clockworkd.coordinator_replies`): one definition for TorchPass and
+the daemon.
 """
 
 from __future__ import annotations

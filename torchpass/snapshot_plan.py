@@ -11,7 +11,9 @@ No clocks here: the time is :attr:`torchpass.coordinator_records.Outbox.now`. Th
 
 from __future__ import annotations
 
-from clockworkd.coordinator_wire import JobState, Refusal, SnapshotAsk, SnapshotPlanned, SnapshotPush
+from clockworkd.coordinator_replies import Refusal, SnapshotPlanned, SnapshotPush
+from clockworkd.coordinator_requests import SnapshotAsk
+from clockworkd.coordinator_wire import JobState
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator_records import Outbox, WorkerRecord
 from torchpass.membership import Membership

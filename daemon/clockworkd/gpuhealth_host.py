@@ -11,13 +11,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from clockworkd.daemon_component import Component
 from clockworkd.daemon_paths import DaemonPaths, expand
 from clockworkd.gpuhealth.faultfile import FaultFileSource
 from clockworkd.gpuhealth.nvml import NvmlSource
 from clockworkd.gpuhealth.readings import GpuSource
 from clockworkd.gpuhealth.settings import HealthConfig
 from clockworkd.gpuhealth.watch import HealthWatch
-from clockworkd.server import Component, Daemon
+from clockworkd.server import Daemon
 
 log = logging.getLogger("clockwork.daemon")
 

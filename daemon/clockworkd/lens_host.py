@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clockworkd.daemon_component import Component
 from clockworkd.daemon_paths import DaemonPaths, expand
 from clockworkd.lens.clockseam import ClockSeam, ClockSeamError, load_seams
 from clockworkd.lens.history import HistoryWriter
@@ -22,7 +23,7 @@ from clockworkd.lens.prober import Lens, load_topology
 from clockworkd.lens.settings import LensConfig
 from clockworkd.lens.suspects import GrayTarget
 from clockworkd.lens.topology import TopologyError
-from clockworkd.server import Component, Daemon
+from clockworkd.server import Daemon
 from linkpass.fabric import FabricError, FabricMap
 from linkpass.settings import LinkPassConfig
 

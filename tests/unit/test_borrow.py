@@ -28,11 +28,12 @@ from clockworkd.borrow.settings import BorrowConfig
 from clockworkd.borrow.slurm_ops import CliBorrowSlurm
 from clockworkd.config import load_config
 from clockworkd.config.schema import DaemonConfig
+from clockworkd.daemon_auth import Caller
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ConfigError
 from clockworkd.protocol import FORBIDDEN, encode_request
 from clockworkd.registry import JobRecord, Registry
-from clockworkd.server import Caller, Daemon
+from clockworkd.server import Daemon
 from clockworkd.slurm.backend import NodeInfo
 from clockworkd.slurm.cli_backend import CliBackend
 
@@ -507,7 +508,7 @@ def test_only_the_owner_of_a_borrow_job_may_borrow(daemon: Daemon, caplog: pytes
     manager = daemon.components["borrow"]
     assert isinstance(manager, BorrowManager)
     manager.drain()
-    events, _ = daemon._registry.events(101)
+    events, _ = daemon.registry.events(101)
     assert [e["kind"] for e in events if e["kind"].startswith("borrow")] == ["borrow.refused"]
 
 
@@ -520,7 +521,7 @@ def test_the_owners_borrow_is_recorded_in_the_jobs_events(daemon: Daemon, fake: 
     manager = daemon.components["borrow"]
     assert isinstance(manager, BorrowManager)
     manager.drain()
-    events, _ = daemon._registry.events(TRAIN)
+    events, _ = daemon.registry.events(TRAIN)
     acquired = [e for e in events if e["kind"] == "borrow.acquired"]
     assert acquired and acquired[0]["fields"]["from_job"] == 500
     assert f"--uid={OWNER.pw_uid}" in fake.calls("sbatch")[0].split()

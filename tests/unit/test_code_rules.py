@@ -206,6 +206,8 @@ TORCHPASS_MAY_IMPORT = {
     "clockworkd.client",
     "clockworkd.config_fields",
     "clockworkd.coordinator_client",
+    "clockworkd.coordinator_replies",
+    "clockworkd.coordinator_requests",
     "clockworkd.coordinator_wire",
     "clockworkd.errors",
     "clockworkd.hostlist",

@@ -14,32 +14,33 @@ from typing import Any
 
 import pytest
 
-from clockworkd.coordinator_wire import (
+from clockworkd.coordinator_replies import (
+    GenerationAnswer,
+    GenerationPush,
+    HeartbeatAck,
+    MigrationAccepted,
+    Refusal,
+    Registered,
+    SnapshotPlanned,
+    SnapshotPush,
+    StatusAnswer,
+    StopAnswer,
+    StopPush,
+)
+from clockworkd.coordinator_requests import (
     AwaitGeneration,
     Broken,
     Departed,
     Fatal,
     Finished,
-    GenerationAnswer,
-    GenerationPush,
     Heartbeat,
-    HeartbeatAck,
-    JobState,
     Joined,
     Migrate,
-    MigrationAccepted,
-    Refusal,
     Register,
-    Registered,
-    Role,
     SnapshotAsk,
-    SnapshotPlanned,
-    SnapshotPush,
     Status,
-    StatusAnswer,
-    StopAnswer,
-    StopPush,
 )
+from clockworkd.coordinator_wire import JobState, Role
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator_core import CoordinatorCore
 from torchpass.coordinator_records import (
