@@ -177,6 +177,17 @@ def reference(base: Path) -> FinishedJob:
     return run
 
 
+def _recovered_bitwise(run: FinishedJob, reference: FinishedJob, kill: str) -> dict[str, Any]:
+    """The faulted run finished, its fault injected, every slot bitwise equal to the reference: its one recovery."""
+    run.check_ok()
+    assert (run.out / f"killed-{kill.replace(':', '-')}").exists(), "the fault was not injected"
+    expected = load_final(reference.out, 0)
+    for other in range(NPROC):
+        assert_bitwise_equal(load_final(run.out, other), expected, f"slot {other}")
+    (recovered,) = run.of_kind("torchpass.recovered")
+    return recovered
+
+
 def test_fault_free_run_trains_every_batch_once(reference: FinishedJob) -> None:
     expected = load_final(reference.out, 0)
     step = next(iter(expected["optim"]["state"].values()))["step"]
@@ -192,12 +203,7 @@ def test_sigkill_in_backward_rebuilds_the_shard(base: Path, reference: FinishedJ
     kill = f"{slot}:{step}"
     print(f"kill {kill} before layer {layer}'s reduce-scatter")
     run = _run(base, "kill", kill=kill, layer=layer)
-    run.check_ok()
-    assert (run.out / f"killed-{slot}-{step}").exists(), "the fault was not injected"
-    expected = load_final(reference.out, 0)
-    for other in range(NPROC):
-        assert_bitwise_equal(load_final(run.out, other), expected, f"slot {other}")
-    (recovered,) = run.of_kind("torchpass.recovered")
+    recovered = _recovered_bitwise(run, reference, kill)
     assert recovered["slots"] == [slot], recovered
     (move,) = [m for m in recovered["moves"] if m["target"] == slot]
     assert move["source"] == slot ^ 2 and move["what"] == f"shard {slot % 2} of the 2x2 mesh", recovered
@@ -214,12 +220,7 @@ def test_pure_fsdp_with_peer_copy_sync_recomputes_no_committed_step(base: Path) 
     kill = f"{slot}:{step}"
     print(f"kill {kill} right after its update")
     run = _run(base, "sync", kill=kill, updated=True, mesh="1x4", settings=("peer_copy_sync=true",))
-    run.check_ok()
-    assert (run.out / f"killed-{slot}-{step}").exists(), "the fault was not injected"
-    expected = load_final(reference.out, 0)
-    for other in range(NPROC):
-        assert_bitwise_equal(load_final(run.out, other), expected, f"slot {other}")
-    (recovered,) = run.of_kind("torchpass.recovered")
+    recovered = _recovered_bitwise(run, reference, kill)
     assert recovered["recomputed_steps"] == 0 and recovered["step"] == step - 1, recovered
     (move,) = [m for m in recovered["moves"] if m["target"] == slot]
     assert move["source"] == (slot + 1) % NPROC and move["bytes"] > 0, recovered
