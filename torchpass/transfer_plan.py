@@ -195,7 +195,7 @@ class ShardedReplicas:
             lost = f"its holders ({_slots(self.column(part))}) and {kept} were all lost"
         return (
             f"{lost}, or hold no step every other shard is still held at; losing more adjacent ranks than "
-            "peer_copies covers needs a snapshot to restart from"
+            "peer_copies covers needs a snapshot"
         )
 
 
