@@ -344,7 +344,8 @@ class Context:
             callback(step)
         planned = step in self._channel.snapshot_steps
         if self._snapshotter.due(step, self._channel.snapshot_steps):
-            if not self._snapshotter.capture(self._parts, step, self.slot, self.world_size) and planned:
+            mesh = self._sharded.layout if self._sharded is not None else None
+            if not self._snapshotter.capture(self._parts, step, self.slot, self.world_size, mesh) and planned:
                 self._channel.skipped_snapshots.append(step)  # the coordinator may plan it again
 
     # ----- failure-tolerant collectives ----------------------------------------------------
@@ -512,6 +513,7 @@ class Context:
                 agree=agree,
                 log=self.log,
                 event_sink=self.event_sink,
+                mesh=self._sharded.layout if self._sharded is not None else None,
             )
         except RestoreError as exc:
             self.link.fatal(str(exc))

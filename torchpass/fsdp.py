@@ -22,7 +22,9 @@ and when that copy is older than the committed step every rank rolls back to it 
 too with ``peer_copies_in_hsdp`` (each replica's row is its ring): the plan still takes a shard from a live replica
 while one is left, and from a copy, rolling back the same way, once every holder of it died at once. When no
 member holds part ``s`` at any step every other part is held at (every holder lost without copies, or a shard and
-its copies), nothing is invented: the job stops with that reason (:class:`torchpass.transfer_plan.StateLost`).
+its copies), nothing is invented: the job stops with that reason (:class:`torchpass.transfer_plan.StateLost`),
+which names the newest snapshot to restart from (or says that snapshots are off). Snapshots hold every shard, each
+written by one of its holders, and a restore gives slot (r, s) shard s (:mod:`torchpass.snapshot`).
 
 Buffers are not synchronised by FSDP2: a buffer a forward pass updates (BatchNorm's running statistics) then
 differs per rank, and a replica's copy is not the dead rank's. ``wrap_fsdp`` warns about such modules.
@@ -184,8 +186,6 @@ class ShardedState:
     ) -> None:
         if shape.world_size != host.world_size:
             raise TorchPassError(f"a {shape} mesh needs {shape.world_size} ranks; the job has {host.world_size}")
-        if host.config.snapshot_every_steps or host.config.snapshot_interval_s:
-            raise TorchPassError("snapshots of a sharded model are not supported yet: turn snapshots off")
         self.host = host
         self.groups = MeshGroups(shape, host.slot, host.device.type, flat=shape.replicas == 1, names=names)
         self.groups.guard = LifecycleGuard(host.lifecycle)

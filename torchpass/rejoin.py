@@ -46,6 +46,7 @@ from torchpass.config import TorchPassConfig
 from torchpass.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.errors import TorchPassError
 from torchpass.events import EventSink, emit
+from torchpass.snapshot.restore import restart_advice
 from torchpass.state import StateError, StateParts, recv_state, send_state
 from torchpass.step import StepLifecycle
 from torchpass.transfer_plan import Holdings, PartLayout, StateLost, plan_transfers
@@ -352,8 +353,8 @@ class Rejoiner:
             raise GenerationBroken(f"state agreement failed: {exc}") from None
         try:
             plan = plan_transfers(table, self.layout, expect_state=info.expect_state)
-        except StateLost as exc:
-            self.link.fatal(f"generation {info.gen}: {exc}")
+        except StateLost as exc:  # the reason says what to restart from: a snapshot, or turn them on
+            self.link.fatal(f"generation {info.gen}: {exc}; {restart_advice(self.config)}")
         me, nbytes, moves = m.slot, 0, []
         before = m.committed if m.has_state else plan.step
         for transfer in plan.involving(me):

@@ -49,6 +49,7 @@ __all__ = [
     "describe",
     "destinations_for",
     "load_payload",
+    "local_tensor",
     "payload_offsets",
     "recv_state",
     "send_payload",
@@ -125,8 +126,8 @@ def _fill(obj: Any, tensors: Sequence[torch.Tensor], mesh: Any = None) -> Any:
     return obj
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A model tensor as it travels: a ``DTensor``'s local shard (a view of the live parameter), else itself."""
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as it travels: a ``DTensor``'s local shard (a view of the live parameter), else itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -187,7 +188,7 @@ def _describe(parts: StateParts, committed: int) -> tuple[dict[str, Any], list[t
     model_entries: list[tuple[str, tuple[int, ...], str]] = []
     if parts.model is not None:
         for name, tensor in parts.model.state_dict().items():
-            local = _local(tensor).detach()
+            local = local_tensor(tensor).detach()
             model_entries.append((name, tuple(local.shape), str(local.dtype)))
             tensors.append(local)
     optim = [_strip(opt.state_dict(), tensors) for opt in parts.optimizers]
@@ -289,7 +290,7 @@ def destinations_for(
             f"received {meta.get('label') or 'the whole state'}, this rank holds {parts.label or 'it all'}"
         )
     if parts.model is not None:
-        local = {name: _local(tensor) for name, tensor in parts.model.state_dict().items()}
+        local = {name: local_tensor(tensor) for name, tensor in parts.model.state_dict().items()}
         names = [name for name, _, _ in model_entries]
         if names != list(local):
             missing = sorted(set(names) ^ set(local))[:5]

@@ -36,7 +36,8 @@ The rules (for one part they are exactly DDP's: the most advanced replicas send 
    sends its initial values to the others, as DDP broadcasts rank 0's weights at construction.
 5. No step at which every needed part is held (training has progressed, or another part was already past the
    start): :class:`StateLost`, naming a part missing at the newest step. Retrying cannot help; the job fails
-   with the reason (and the layout's :meth:`PartLayout.lost_hint`, e.g. which peer copies were lost too).
+   with the reason (and the layout's :meth:`PartLayout.lost_hint`, e.g. which peer copies were lost too; the
+   joining rank adds the snapshot to restart from, :func:`torchpass.snapshot.restart_advice`: no I/O here).
 
 Transfers are listed by part, then receiver. Every member walks the plan in that order, sending or receiving
 the transfers it takes part in, so the point-to-point sends pair up on every member alike.
@@ -194,7 +195,7 @@ class ShardedReplicas:
             lost = f"its holders ({_slots(self.column(part))}) and {kept} were all lost"
         return (
             f"{lost}, or hold no step every other shard is still held at; losing more adjacent ranks than "
-            "peer_copies covers needs a snapshot, and snapshots of sharded models are not supported yet"
+            "peer_copies covers needs a snapshot"
         )
 
 

@@ -29,6 +29,18 @@ class JobResult:
     def of_kind(self, kind: str) -> list[dict[str, Any]]:
         return [e["fields"] for e in self.events if e["kind"] == kind]
 
+    def logged(self, kind: str) -> list[dict[str, Any]]:
+        """The ranks' events of ``kind`` (their log lines; ``of_kind`` holds the coordinator's)."""
+        return logged_events(self.output, kind)
+
+
+def logged_events(output: str, kind: str) -> list[dict[str, Any]]:
+    """The events of ``kind`` a rank logged (lines ``... event KIND {json}``) in a job's ``output``."""
+    import json
+
+    marker = f" event {kind} "
+    return [json.loads(line.split(marker, 1)[1]) for line in output.splitlines() if marker in line]
+
 
 class FinishedJob(JobResult):
     """A job run in folder ``out``: its launcher's exit status and output, and the events it wrote there."""

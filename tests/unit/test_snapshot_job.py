@@ -96,6 +96,8 @@ if __name__ == "__main__":
 # The tests
 # ======================================================================================================
 
+from tests.unit.local_jobs import logged_events  # noqa: E402
+
 
 def _launch(
     out: Path, snapdir: Path, *extra: str, env: dict[str, str] | None = None, wait: bool = True
@@ -145,11 +147,7 @@ def _events(out: Path, kind: str) -> list[dict[str, Any]]:
     if path.exists():
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         found += [e["fields"] for e in lines if e["kind"] == kind]
-    marker = f" event {kind} "
-    for line in (out / "launcher.log").read_text(errors="replace").splitlines():
-        if marker in line:
-            found.append(json.loads(line.split(marker, 1)[1]))
-    return found
+    return found + logged_events((out / "launcher.log").read_text(errors="replace"), kind)
 
 
 def _log(out: Path) -> str:

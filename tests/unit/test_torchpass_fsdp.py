@@ -24,7 +24,8 @@ SIGKILLs the rank deals itself at a point of the step:
 
 With ``CW_TEST_KILL_TOGETHER=1`` the victims die as one crash: each, at its point (all at the same point of the
 same step), waits until every victim has reached its own before it kills itself, so that no recovery can run
-between two of the deaths (one victim's loss noticed, and the other rebuilt from it, before it dies too).
+between two of the deaths (one victim's loss noticed, and the other rebuilt from it, before it dies too). With
+``CW_TEST_AFTER_SNAPSHOT=1`` a victim first waits until some snapshot is complete (its manifest exists).
 
 The step and the layer are drawn at random per run (the seed is printed; ``CW_TEST_SEED`` replays it).
 
@@ -64,6 +65,7 @@ def _rank_main() -> int:
     from torch.utils.data import TensorDataset
 
     import torchpass as tp
+    from torchpass.snapshot import snapshot_directory
     from torchpass.transfer_plan import ShardedReplicas
 
     out = Path(os.environ["CW_TEST_DIR"])
@@ -84,6 +86,11 @@ def _rank_main() -> int:
             if os.environ.get("CW_TEST_AFTER_COPY") == "1":  # first the neighbours acknowledge the last commit's copy
                 peers = ctx.shard_state(ShardedReplicas(*mesh_shape)).peers
                 assert peers is not None and peers.wait_sent(30.0) >= ctx.committed_step, "no acknowledged copy"
+            if os.environ.get("CW_TEST_AFTER_SNAPSHOT") == "1":  # first a snapshot is complete (its manifest)
+                folder = snapshot_directory(ctx.config)
+                deadline = time.monotonic() + 60.0
+                while not any(folder.glob("step-*/manifest.json")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             try:
                 fd = os.open(out / ("killed-" + "-".join(spec)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
@@ -245,6 +252,7 @@ def _run(
     mp: bool = False,
     settings: tuple[str, ...] = (),
     after_copy: bool = False,
+    after_snapshot: bool = False,
     together: bool = False,
 ) -> FinishedJob:
     out = base / name
@@ -252,6 +260,7 @@ def _run(
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MIGRATE=migrate, CW_TEST_MESH=mesh)
     env["CW_TEST_MP"] = "1" if mp else ""
     env["CW_TEST_AFTER_COPY"] = "1" if after_copy else ""
+    env["CW_TEST_AFTER_SNAPSHOT"] = "1" if after_snapshot else ""
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     cmd = local_command(out, SCRIPT, nproc=NPROC, spares=spares, settings=settings)
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read

@@ -11,7 +11,8 @@ run --local --transparent`` (4 ranks, 1 spare, gloo on 127.0.0.1).
 reduce-scatter of a layer drawn at random (the step is AdamW's own count, which moves with the state, so it is
 right on a replacement too), or with ``CW_TEST_KILL_UPDATED=1`` right after that step's optimizer step; a marker
 file makes the kill happen once. ``CW_TEST_MESH`` (``RxS``, default 2x2) is the mesh. The seed is printed;
-``CW_TEST_SEED`` replays it.
+``CW_TEST_SEED`` replays it. The fault-free run also snapshots every shard, and a job restored from one of its
+snapshots ends bitwise equal to it.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(base: Path) -> FinishedJob:
-    run = _run(base, "reference")
+    """The fault-free run, snapshotting after steps 3, 7 and 11 (which must change nothing in the training)."""
+    run = _run(base, "reference", settings=("snapshot_every_steps=4", f"snapshot_dir={base / 'snapshots'}"))
     run.check_ok()
     return run
 
@@ -195,6 +197,18 @@ def test_fault_free_run_trains_every_batch_once(reference: FinishedJob) -> None:
     for slot in range(1, NPROC):
         assert_bitwise_equal(load_final(reference.out, slot), expected, f"slot {slot}")
     assert "transparent mode:" not in reference.output  # no start-up warning: the script is inside what it protects
+
+
+def test_restored_from_a_snapshot_ends_bitwise_equal(base: Path, reference: FinishedJob) -> None:
+    """The sharded model's snapshot (every shard, written in transparent mode) restored into a new job: every slot
+    loads its own shard and ends bitwise equal to the run that wrote it."""
+    step = random.Random(SEED).choice([3, 7])
+    run = _run(base, "restored", settings=(f"restore={base / 'snapshots' / f'step-{step:010d}'}",))
+    run.check_ok()
+    restored = run.logged("torchpass.restored")
+    assert len(restored) == NPROC and {r["step"] for r in restored} == {step}, restored
+    for slot in range(NPROC):
+        assert_bitwise_equal(load_final(run.out, slot), load_final(reference.out, slot), f"slot {slot}")
 
 
 def test_sigkill_in_backward_rebuilds_the_shard(base: Path, reference: FinishedJob) -> None:

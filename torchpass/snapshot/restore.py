@@ -1,10 +1,11 @@
 """Restoring: the newest snapshot whose manifest and every checksum verify on every rank, loaded bitwise.
 
-Ranks agree with one all-reduce per candidate (``agree``); a damaged or partial snapshot is reported
-(``torchpass.snapshot_rejected``) and the previous one is tried. None good is an error, never a silent fresh
-start. Loading gives back every byte of the state, so training resumed at (snapshot step + 1) ends bitwise
-equal to a run that never stopped: batches and RNG streams are functions of the step (:mod:`torchpass.data`,
-:mod:`torchpass.rng`); the saved RNG states are restored too, for randomness drawn outside ``ctx.steps``.
+Ranks agree with one all-reduce per candidate (``agree``); a damaged or partial snapshot, or one of a model
+sharded over another mesh shape, is reported (``torchpass.snapshot_rejected``) and the previous one is tried.
+None good is an error, never a silent fresh start. Loading gives back every byte of the state, so training
+resumed at (snapshot step + 1) ends bitwise equal to a run that never stopped: batches and RNG streams are
+functions of the step (:mod:`torchpass.data`, :mod:`torchpass.rng`); the saved RNG states are restored too, for
+randomness drawn outside ``ctx.steps``.
 
 The state description is pickled into the snapshot, like ``torch.load(weights_only=False)``: load only
 snapshots your own jobs wrote.
@@ -23,15 +24,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from clockworkd.snapshots.store import MANIFEST, SnapshotCorrupt, list_snapshots, load_manifest, read_entries
+from clockworkd.snapshots.store import (
+    MANIFEST,
+    SnapshotCorrupt,
+    list_snapshots,
+    load_manifest,
+    read_entries,
+    shard_prefix,
+)
+from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit, emit_at
+from torchpass.snapshot.location import snapshot_directory
 from torchpass.state import StateParts, apply_state, as_bytes, destinations_for
+from torchpass.transfer_plan import ShardedReplicas
 
-__all__ = ["RestoreError", "restore"]
+__all__ = ["MeshMismatch", "RestoreError", "mesh_problem", "restart_advice", "restore"]
 
 
 class RestoreError(RuntimeError):
     """No snapshot could be restored where one was required (the message lists what was tried)."""
+
+
+class MeshMismatch(RuntimeError):
+    """A snapshot of a model sharded otherwise (or not at all) than this job's."""
 
 
 def _candidates(target: Path) -> list[Path]:
@@ -41,16 +56,43 @@ def _candidates(target: Path) -> list[Path]:
     return [info.path for info in reversed(list_snapshots(target))]
 
 
+def mesh_problem(body: dict[str, Any], mesh: ShardedReplicas | None) -> str:
+    """Why a snapshot (its manifest ``body``) cannot be loaded by a job of this ``mesh`` ("" when it can): a
+    sharded model's shards are cut by the mesh's shape, so only the same shape can take them."""
+    written = body.get("mesh")
+    if written is None and mesh is None:
+        return ""
+    if written is None:
+        ranks = body.get("world_size")
+        return f"it holds an unsharded model's state ({ranks} ranks); this job's model is sharded {mesh}"
+    replicas, shards = int(written[0]), int(written[1])
+    shape = f"{replicas}x{shards}"
+    if mesh is None:
+        return f"it holds a model sharded {shape} (mesh_shape=({replicas}, {shards})); this job's is not sharded"
+    if shape != str(mesh):
+        return (
+            f"it was written by a {shape} mesh and this job's mesh is {mesh}: "
+            f"restore it with mesh_shape=({replicas}, {shards})"
+        )
+    return ""
+
+
 def _load_one(
-    folder: Path, parts: StateParts, slot: int
+    folder: Path, parts: StateParts, slot: int, mesh: ShardedReplicas | None
 ) -> tuple[dict[str, Any], list[torch.Tensor], dict[str, np.ndarray]]:
-    """Read and verify one snapshot into fresh tensors (model tensors: straight into the live ones)."""
+    """Read and verify one snapshot into fresh tensors (model tensors: straight into the live ones). A sharded
+    model's rank loads its own shard's state (entries ``s/SSSSS/``); every entry is read and checked either way."""
     body = load_manifest(folder)
-    meta_entry = {f: d for f, d in body["files"].items() if "meta" in d["entries"]}
+    wrong_mesh = mesh_problem(body, mesh)
+    if wrong_mesh:
+        raise MeshMismatch(wrong_mesh)
+    prefix = "" if mesh is None else shard_prefix(mesh.coordinate(slot)[1])
+    meta_name, tensor_prefix = f"{prefix}meta", f"{prefix}t/"
+    meta_entry = {f: d for f, d in body["files"].items() if meta_name in d["entries"]}
     if len(meta_entry) != 1:
-        raise SnapshotCorrupt(f"{folder}: the state description is in {len(meta_entry)} shards")
+        raise SnapshotCorrupt(f"{folder}: the state description {meta_name} is in {len(meta_entry)} shards")
     fname, fdesc = next(iter(meta_entry.items()))
-    blob = read_entries(folder, {"files": {fname: {"entries": {"meta": fdesc["entries"]["meta"]}}}})["meta"]
+    blob = read_entries(folder, {"files": {fname: {"entries": {meta_name: fdesc["entries"][meta_name]}}}})[meta_name]
     meta = pickle.loads(blob.tobytes())
     layout = [(name, tuple(shape)) for name, shape in meta["layout"]]
     if len(layout) != int(body["tensors"]):
@@ -60,23 +102,24 @@ def _load_one(
     mine = f"rank/{slot:05d}/"
 
     def target(name: str, entry: dict[str, Any]) -> np.ndarray | None:
-        if not name.startswith("t/"):
-            return None if name.startswith(mine) or name == "meta" else _scratch(int(entry["nbytes"]))
-        tensor = destinations[int(name[2:])]
+        if not name.startswith(tensor_prefix):
+            return None if name.startswith(mine) or name == meta_name else _scratch(int(entry["nbytes"]))
+        tensor = destinations[int(name[len(tensor_prefix) :])]
         if tensor.is_cuda:
             return None
         return as_bytes(tensor).numpy()
 
     loaded = read_entries(folder, body, target)
-    cuda_tensors = {name: array for name, array in loaded.items() if name.startswith("t/")}
+    cuda_tensors = {name: array for name, array in loaded.items() if name.startswith(tensor_prefix)}
     for name, array in cuda_tensors.items():
-        dest = destinations[int(name[2:])]
+        dest = destinations[int(name[len(tensor_prefix) :])]
         as_bytes(dest).copy_(torch.from_numpy(array).to(dest.device))
     for i, (dtype_name, _) in enumerate(layout):
         if str(destinations[i].dtype) != dtype_name:
             raise SnapshotCorrupt(f"{folder}: tensor {i} is {dtype_name}, here {destinations[i].dtype}")
     # Optimizer and registered tensors stay on the host: load_state_dict moves them where their parameters
-    # live (and keeps Adam's step counts on the CPU, as it wants them).
+    # live (and keeps Adam's step counts on the CPU, as it wants them; a DTensor's local shard is moved to its
+    # mesh's device by DTensor.from_local).
     return meta, destinations, {k: v for k, v in loaded.items() if k.startswith(mine)}
 
 
@@ -115,11 +158,15 @@ def restore(
     agree: Callable[[bool], bool],
     log: logging.LoggerAdapter,  # type: ignore[type-arg]
     event_sink: EventSink | None,
+    mesh: ShardedReplicas | None = None,
 ) -> int | None:
     """Load the newest snapshot under ``target`` that verifies on every rank; returns its step.
 
     Tensors are read and checked on the host; model tensors on ``device`` are then copied there, optimizer
-    and registered state is moved by their own ``load_state_dict``.
+    and registered state is moved by their own ``load_state_dict``. A model sharded over ``mesh``: slot (r, s)
+    loads shard s (its ``DTensor``s' local shards straight into the live parameters, its optimizer state rebuilt
+    over the mesh, as a shard received from a peer is); a snapshot of another mesh shape is rejected, saying
+    both.
 
     ``agree(ok)`` is True only when every rank's ``ok`` is (an all-reduce). Returns None when restoring was
     not required and there is no snapshot at all; raises :class:`RestoreError` when none is good."""
@@ -134,9 +181,9 @@ def restore(
         started = time.perf_counter()
         ok, problem = False, ""
         try:
-            meta, tensors, own = _load_one(folder, parts, slot)
+            meta, tensors, own = _load_one(folder, parts, slot, mesh)
             ok = True
-        except (SnapshotCorrupt, OSError) as exc:
+        except (SnapshotCorrupt, MeshMismatch, OSError) as exc:
             problem = str(exc)
         except Exception as exc:  # a state that does not fit this model: as bad as a damaged one
             problem = f"{type(exc).__name__}: {exc}"
@@ -160,3 +207,22 @@ def restore(
         )
         return committed
     raise RestoreError(f"no good snapshot in {target}; tried: " + "; ".join(rejected))
+
+
+def restart_advice(config: TorchPassConfig) -> str:
+    """What a job that lost its state (:class:`torchpass.transfer_plan.StateLost`) can restart from: the newest
+    complete snapshot, or that snapshots are off. Said where the job's failure is reported."""
+    if config.snapshot_every_steps <= 0 and config.snapshot_interval_s <= 0:
+        return (
+            "snapshots are off: turn them on (snapshot_every_steps, snapshot_interval_s or sbatch "
+            "--clockwork-snapshot) to restart from one after such a loss"
+        )
+    directory = snapshot_directory(config)
+    complete = [info for info in list_snapshots(directory) if info.complete]
+    if not complete:
+        return f"no snapshot was complete yet in {directory}: the job must start over"
+    newest = complete[-1]
+    return (
+        f"restart from the newest snapshot, {newest.path} (step {newest.step}): torchpass run --restore "
+        f"{newest.path}, or --set restore=latest (a requeued Slurm job restores it itself)"
+    )

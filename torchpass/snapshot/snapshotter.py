@@ -31,6 +31,7 @@ from torchpass.snapshot.location import snapshot_directory
 from torchpass.snapshot.staging import Staged, lay_out, stage
 from torchpass.snapshot.writer_client import WriterProcess
 from torchpass.state import StateParts
+from torchpass.transfer_plan import ShardedReplicas
 
 __all__ = ["Snapshotter"]
 
@@ -110,18 +111,13 @@ class Snapshotter:
             copied.wait()
             self.last_wait_s = time.perf_counter() - started
 
-    def capture(self, parts: StateParts, committed: int, slot: int, world_size: int) -> bool:
-        """Stage the state of step ``committed`` and hand it to the writer; False when skipped (still busy)."""
+    def capture(
+        self, parts: StateParts, committed: int, slot: int, world_size: int, mesh: ShardedReplicas | None = None
+    ) -> bool:
+        """Stage the state of step ``committed`` and hand it to the writer; False when skipped (still busy).
+        ``mesh``: the shape a sharded model is cut into (``parts`` is then this rank's shard, which it writes
+        with the other replicas of that shard, :func:`torchpass.snapshot.staging.plan_entries`)."""
         started = time.perf_counter()
-        if parts.label:  # a sharded model: its replicas do not hold the same tensors, which this layout assumes
-            emit(
-                self.event_sink,
-                self.log,
-                "torchpass.snapshot_failed",
-                step=committed,
-                error=f"snapshots of a sharded model ({parts.label}) are not supported yet",
-            )
-            return True
         if self._busy.is_set():
             self.skipped += 1
             # Tell rank 0's writer at once that this shard will not come (else it waits snapshot_timeout_s);
@@ -137,7 +133,7 @@ class Snapshotter:
                 reason="the previous snapshot is still being written",
             )
             return False
-        layout = lay_out(parts, committed, slot, world_size, self.config.seed)
+        layout = lay_out(parts, committed, slot, world_size, self.config.seed, mesh)
         arena = self._ensure_arena(layout.size, layout.cuda)
         staged = stage(arena, layout)
         self._pending_event = staged.update_waits
@@ -153,6 +149,7 @@ class Snapshotter:
                 keep=self.config.snapshot_keep,
                 directory=str(self.directory),
                 timeout_s=self.config.snapshot_timeout_s,
+                mesh=None if mesh is None else (mesh.replicas, mesh.shards),
             )
         request = WriteRequest(
             id=self._ids,

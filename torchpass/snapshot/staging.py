@@ -1,10 +1,15 @@
 """What one rank puts into a snapshot, where in the arena, and the copies that put it there.
 
-The layout: the replicated state (:func:`torchpass.state.describe`: model, optimizers, registered objects; the
-same on every data-parallel replica) is spread over the replicas, each tensor staged and written by one of
-them (greedy by size, the same plan on every rank), rank 0 also stages the state's description, and each rank
-adds its own state (RNG generators, slot, data position). Every entry starts on an :data:`ALIGN` boundary so
-that the writer can send it to the disk with O_DIRECT.
+The layout (:func:`plan_entries`): the replicated state (:func:`torchpass.state.describe`: model, optimizers,
+registered objects; the same on every data-parallel replica) is spread over the replicas, each tensor staged and
+written by one of them (greedy by size, the same plan on every rank) as entry ``t/NNNNNN``, rank 0 also stages
+the state's description (``meta``), and each rank adds its own state (RNG generators, slot, data position).
+
+A sharded model (FSDP2 over an R x S mesh, :class:`torchpass.transfer_plan.ShardedReplicas`) has S different
+states, one per shard, each with its own description (its tensors are the local shards): shard ``s``'s go under
+``s/SSSSS/`` (``s/SSSSS/t/NNNNNN`` and ``s/SSSSS/meta``), spread by the same greedy plan over the R replicas
+holding it; under pure FSDP (R = 1) each rank writes its own shard. Every entry starts on an :data:`ALIGN`
+boundary so that the writer can send it to the disk with O_DIRECT.
 
 The copies: parameters and optimizer state change only inside the optimizer step, so they are copied while
 the next forward and backward pass run (GPU: non-blocking on a side stream; CPU: by the snapshot thread,
@@ -24,10 +29,22 @@ import numpy as np
 import torch
 
 from clockworkd.snapshots.messages import Entry
+from clockworkd.snapshots.store import shard_prefix
 from torchpass.snapshot.arena import ALIGN, SharedArena
-from torchpass.state import StateParts, as_bytes, describe
+from torchpass.state import StateParts, as_bytes, describe, local_tensor
+from torchpass.transfer_plan import ShardedReplicas
 
-__all__ = ["Layout", "Staged", "StagedEntry", "lay_out", "plan_owners", "rank_state", "stage"]
+__all__ = [
+    "EntryPlan",
+    "Layout",
+    "Staged",
+    "StagedEntry",
+    "lay_out",
+    "plan_entries",
+    "plan_owners",
+    "rank_state",
+    "stage",
+]
 
 
 @dataclass(frozen=True)
@@ -56,7 +73,7 @@ class Layout:
 
     entries: list[StagedEntry]
     size: int
-    tensors: int  # tensors in the whole replicated state (the manifest checks each is in some shard)
+    tensors: int  # tensors in the state (of each shard, if sharded; the manifest checks each is in some file)
 
     @property
     def cuda(self) -> bool:
@@ -72,6 +89,26 @@ def plan_owners(sizes: list[int], world: int) -> list[int]:
         owner[i] = rank
         loads[rank] += sizes[i]
     return owner
+
+
+@dataclass(frozen=True)
+class EntryPlan:
+    """Which part of the training state one rank stages: the tensors it writes and under which prefix."""
+
+    prefix: str  # "" for the replicated state, ``s/SSSSS/`` for shard S of a sharded model
+    tensors: tuple[int, ...]  # indices (in payload order) of the tensors this rank writes
+    meta: bool  # whether this rank also writes the state's description
+
+
+def plan_entries(sizes: list[int], slot: int, world_size: int, mesh: ShardedReplicas | None = None) -> EntryPlan:
+    """What ``slot`` stages of a state whose tensors have ``sizes`` bytes: unsharded, one greedy plan over every
+    rank; sharded, one per shard over the replicas holding it (replica 0 also writes the shard's description)."""
+    if mesh is None:
+        owner = plan_owners(sizes, world_size)
+        return EntryPlan("", tuple(i for i, o in enumerate(owner) if o == slot), slot == 0)
+    replica, shard = mesh.coordinate(slot)
+    owner = plan_owners(sizes, mesh.replicas)
+    return EntryPlan(shard_prefix(shard), tuple(i for i, o in enumerate(owner) if o == replica), replica == 0)
 
 
 def bytes_tensor(data: bytes) -> torch.Tensor:
@@ -97,20 +134,25 @@ def rank_state(slot: int, committed: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def side_stream_tensors(parts: StateParts) -> set[int]:
-    """data_ptrs of tensors only an optimizer step changes (parameters and optimizer state)."""
+    """data_ptrs of tensors only an optimizer step changes (parameters and optimizer state; of a ``DTensor``,
+    its local shard's, which is what the snapshot stages)."""
     ptrs: set[int] = set()
     if parts.model is not None:
-        ptrs.update(p.data_ptr() for p in parts.model.parameters())
+        ptrs.update(local_tensor(p).data_ptr() for p in parts.model.parameters())
     for optimizer in parts.optimizers:
         for state in optimizer.state.values():
-            ptrs.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+            ptrs.update(local_tensor(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
     return ptrs
 
 
-def lay_out(parts: StateParts, committed: int, slot: int, world_size: int, seed: int) -> Layout:
-    """This rank's entries of the snapshot of step ``committed`` (nothing is copied yet)."""
+def lay_out(
+    parts: StateParts, committed: int, slot: int, world_size: int, seed: int, mesh: ShardedReplicas | None = None
+) -> Layout:
+    """This rank's entries of the snapshot of step ``committed`` (nothing is copied yet); ``mesh``: the shape
+    a sharded model's state is cut into (``parts`` then holds this rank's shard)."""
     meta, tensors = describe(parts, committed)
-    owner = plan_owners([t.numel() * t.element_size() for t in tensors], world_size)
+    plan = plan_entries([t.numel() * t.element_size() for t in tensors], slot, world_size, mesh)
+    mine = set(plan.tensors)
     side = side_stream_tensors(parts)
     entries: list[StagedEntry] = []
     offset = 0
@@ -122,11 +164,12 @@ def lay_out(parts: StateParts, committed: int, slot: int, world_size: int, seed:
         offset += (entry.nbytes + ALIGN - 1) // ALIGN * ALIGN
 
     for i, live in enumerate(tensors):
-        if owner[i] == slot:
-            add(f"t/{i:06d}", live, str(live.dtype), tuple(int(v) for v in live.shape), live.data_ptr() in side)
-    if slot == 0:
+        if i in mine:
+            shape = tuple(int(v) for v in live.shape)
+            add(f"{plan.prefix}t/{i:06d}", live, str(live.dtype), shape, live.data_ptr() in side)
+    if plan.meta:
         blob = bytes_tensor(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
-        add("meta", blob, "torch.uint8", (blob.numel(),), False)
+        add(f"{plan.prefix}meta", blob, "torch.uint8", (blob.numel(),), False)
     for name, tensor in rank_state(slot, committed, seed).items():
         nbytes = tensor.numel() * tensor.element_size()
         add(name, tensor, "torch.uint8", (nbytes,), False)

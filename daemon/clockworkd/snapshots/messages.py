@@ -9,7 +9,7 @@ Request (one line)::
     {"op": "write", "id": 7, "arena": "/proc/PID/fd/N", "arena_id": 1234, "folder": ".../step-0000000123",
      "rank": 0, "entries": [[name, offset, nbytes, dtype, shape], ...],
      "finalize": null | {"world_size": 4, "step": 123, "job": "42", "tensors": 310, "keep": 3,
-                          "directory": "...", "timeout_s": 600, "extra": {...}}}
+                          "directory": "...", "timeout_s": 600, "mesh": null | [R, S], "extra": {...}}}
 
 Answers: ``{"id": 7, "phase": "shard", "ok": true, "bytes": N, "seconds": S}`` and, on the finalizing rank,
 ``{"id": 7, "phase": "manifest", "ok": true, "seconds": S, "removed": [...]}``; ``ok: false`` with ``error``
@@ -70,6 +70,7 @@ class FinalizeSpec:
     keep: int
     directory: str
     timeout_s: float
+    mesh: tuple[int, int] | None = None  # a sharded model's (replicas, shards): one state per shard
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -82,8 +83,20 @@ class FinalizeSpec:
             keep=int(raw["keep"]),
             directory=str(raw["directory"]),
             timeout_s=float(raw["timeout_s"]),
+            mesh=_mesh(raw.get("mesh")),
             extra=dict(raw.get("extra") or {}),
         )
+
+
+def _mesh(raw: Any) -> tuple[int, int] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list | tuple) or len(raw) != 2:
+        raise ValueError(f"a mesh is [replicas, shards], got {raw!r:.100}")
+    replicas, shards = int(raw[0]), int(raw[1])
+    if replicas < 1 or shards < 1:
+        raise ValueError(f"a mesh of {replicas}x{shards}")
+    return replicas, shards
 
 
 @dataclass(frozen=True)

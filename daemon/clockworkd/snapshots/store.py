@@ -10,7 +10,9 @@ Every shard holds *entries*: named byte blobs with the framework's ``dtype`` (e.
 text so no numpy equivalent is needed), ``shape`` and ``crc32``. Entry ``t/NNNNNN`` is tensor NNNNNN of the
 replicated training state (model, optimizers, registered state; identical on every data-parallel replica, so
 each is written by one replica only), ``meta`` the description of that state, and ``rank/...`` the per-rank
-state (RNG, data position) that the rank itself writes.
+state (RNG, data position) that the rank itself writes. A sharded model's snapshot (the manifest's ``mesh``:
+[R, S], R replicas of S shards) holds S states instead, shard ``s``'s under ``s/SSSSS/`` (its tensors
+``s/SSSSS/t/NNNNNN`` and its description ``s/SSSSS/meta``), each written by one rank holding that shard.
 
 Two shard layouts, both read (the manifest's ``format`` says which one its shards have):
 
@@ -68,6 +70,7 @@ __all__ = [
     "read_entries",
     "remove_snapshot",
     "shard_name",
+    "shard_prefix",
     "snapshot_path",
     "verify_snapshot",
     "write_manifest",
@@ -105,6 +108,11 @@ def crc32(data: Any) -> int:
 def snapshot_path(directory: str | Path, step: int) -> Path:
     """The folder of the snapshot taken after step ``step`` commits."""
     return Path(directory) / f"step-{step:010d}"
+
+
+def shard_prefix(shard: int) -> str:
+    """Where the entries of shard ``shard`` of a sharded model's state go (``s/SSSSS/``)."""
+    return f"s/{shard:05d}/"
 
 
 def shard_name(rank: int) -> str:
@@ -378,10 +386,19 @@ def apply_retention(directory: str | Path, keep: int) -> list[Path]:
 
 
 def manifest_body(
-    folder: Path, *, step: int, world_size: int, job: str, tensors: int, extra: Mapping[str, Any] | None = None
+    folder: Path,
+    *,
+    step: int,
+    world_size: int,
+    job: str,
+    tensors: int,
+    mesh: tuple[int, int] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The manifest of a folder whose shards rank-0..world_size-1 are all present; checks every tensor 0..
-    tensors-1 and every rank's own state is in exactly one shard (SnapshotCorrupt otherwise)."""
+    """The manifest of a folder whose shards rank-0..world_size-1 are all present; checks every entry is in exactly
+    one file, and that the state is complete: tensors 0..tensors-1 and the description (``t/``, ``meta``), or for a
+    model sharded over ``mesh`` (replicas, shards) those of every shard (``s/SSSSS/``: each shard exactly
+    ``tensors`` tensors). SnapshotCorrupt otherwise."""
     files: dict[str, Any] = {}
     seen: dict[str, str] = {}
     for rank in range(world_size):
@@ -395,11 +412,19 @@ def manifest_body(
                 raise SnapshotCorrupt(f"entry {entry} is in both {seen[entry]} and {name}")
             seen[entry] = name
         files[name] = {"size": (folder / name).stat().st_size, "entries": entries}
-    missing = [i for i in range(tensors) if f"t/{i:06d}" not in seen]
-    if missing:
-        raise SnapshotCorrupt(f"{folder}: tensors {missing[:5]} are in no shard")
-    if "meta" not in seen:
-        raise SnapshotCorrupt(f"{folder}: no shard holds the state description")
+    if mesh is not None and mesh[0] * mesh[1] != world_size:
+        raise SnapshotCorrupt(f"{folder}: a {mesh[0]}x{mesh[1]} mesh in a snapshot of {world_size} ranks")
+    shards: list[int | None] = [None] if mesh is None else list(range(mesh[1]))
+    for shard in shards:
+        prefix, what = ("", "") if shard is None else (shard_prefix(shard), f" of shard {shard}")
+        missing = [i for i in range(tensors) if f"{prefix}t/{i:06d}" not in seen]
+        if missing:
+            raise SnapshotCorrupt(f"{folder}: tensors {missing[:5]}{what} are in no file")
+        held = sum(1 for entry in seen if entry.startswith(f"{prefix}t/"))
+        if held != tensors:
+            raise SnapshotCorrupt(f"{folder}: {held} tensors{what}, the state has {tensors}")
+        if f"{prefix}meta" not in seen:
+            raise SnapshotCorrupt(f"{folder}: no file holds the state description{what}")
     return {
         "format": FORMAT,
         "step": step,
@@ -408,5 +433,6 @@ def manifest_body(
         "created": time.time(),
         "tensors": tensors,
         "files": files,
+        **({} if mesh is None else {"mesh": [int(mesh[0]), int(mesh[1])]}),
         **dict(extra or {}),
     }

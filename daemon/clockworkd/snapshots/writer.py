@@ -154,7 +154,13 @@ def finalize(folder: Path, own_error: str, spec: FinalizeSpec) -> tuple[str, ...
             raise SnapshotCorrupt(f"shards {missing[:4]} not written within {spec.timeout_s} s")
         time.sleep(0.05)
     body = manifest_body(
-        folder, step=spec.step, world_size=spec.world_size, job=spec.job, tensors=spec.tensors, extra=spec.extra
+        folder,
+        step=spec.step,
+        world_size=spec.world_size,
+        job=spec.job,
+        tensors=spec.tensors,
+        mesh=spec.mesh,
+        extra=spec.extra,
     )
     write_manifest(folder, body)
     return tuple(str(p) for p in apply_retention(spec.directory, spec.keep))
