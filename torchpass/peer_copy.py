@@ -30,7 +30,8 @@ Why it is correct, and what the buffers are for:
   undoes the update from the copy of n - 1, so the copy of a lost shard is never older than the committed step.
   Ranks are then never a round apart, and two own copies (n - 1 and n) are enough.
 * **Losing more adjacent ranks than r covers** (slots s and s+1 with r = 1): no member holds shard s. The job
-  stops with that reason, naming the newest disk snapshot to restart from (:func:`torchpass.snapshot.restore.restart_advice`).
+  stops with that reason, naming the newest disk snapshot to restart from
+  (:func:`torchpass.snapshot.restore.restart_advice`).
 
 This is the rank's side only; which copies serve whom is the plan's, and the agreement is the generation's.
 """
