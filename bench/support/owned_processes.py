@@ -1,0 +1,62 @@
+"""The processes a sandbox benchmark starts, each killed at exit whatever happens, and a polling wait.
+
+Used by ``bench/linkpass_failover.py``'s harness (``support/linkpass_fabric.py``, ``support/allreduce_ranks.py``):
+every daemon and rank runs in a session of its own, so killing its process group ends what it started too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+class Procs:
+    """Every Popen this run makes, so each one is killed at exit whatever happens."""
+
+    def __init__(self) -> None:
+        self.items: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: Sequence[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as sink:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        self.items.append(proc)
+        return proc
+
+    def reap(self) -> None:
+        for proc in self.items:
+            proc.poll()
+        self.items = [p for p in self.items if p.returncode is None]
+
+    def kill_all(self) -> None:
+        for proc in self.items:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for proc in self.items:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.items = []
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
