@@ -17,7 +17,8 @@ from pathlib import Path
 from types import ModuleType
 
 from clockworkd.sandbox.cluster import Sandbox
-from support.owned_processes import Procs, wait_for
+from clockworkd.sandbox.processes import wait_until
+from support.owned_processes import Procs
 from support.step_stalls import parse_step_lines
 
 LOOP = Path(__file__).resolve().parents[2] / "examples" / "allreduce_loop.py"
@@ -109,7 +110,9 @@ class Loop:
                 raise RuntimeError(f"all-reduce loop exited while starting: {self.describe_exits()}")
             return self.last_step() >= min_steps
 
-        wait_for(f"{min_steps} all-reduce steps on every rank (see {self.dir})", flowing, timeout_s, 0.1)
+        wait_until(
+            f"{min_steps} all-reduce steps on every rank (see {self.dir})", flowing, timeout_s=timeout_s, interval_s=0.1
+        )
 
     def wait_steps_after(self, when: float, timeout_s: float) -> bool:
         """Wait until every rank logged a step after ``when``; False if that did not happen in time."""

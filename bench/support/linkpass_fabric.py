@@ -9,55 +9,30 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from clockworkd.client import DaemonClient
-from clockworkd.config import load_config
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.errors import ClockworkError
-from clockworkd.instance_lock import running_pid
 from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.processes import alive
-from support.owned_processes import Procs, wait_for
+from clockworkd.sandbox.daemons import NodeDaemons
+from clockworkd.sandbox.processes import wait_until
+from support.owned_processes import Procs
 
 
 class Daemons:
-    """One clockworkd per sandbox node, started and stopped by this harness."""
+    """One clockworkd per sandbox node with LinkPass on or off: started by this harness (its own processes and
+    log folder, the caller's environment but for the ``[linkpass]`` settings it sets), and asked, stopped and
+    waited for through the sandbox's :class:`NodeDaemons`."""
 
     def __init__(self, box: Sandbox, procs: Procs, log_dir: Path) -> None:
         self.box = box
         self.procs = procs
         self.log_dir = log_dir
-        self.cfg = load_config(box.paths.clockwork_toml, env={}).config.daemon
-        self.nodes = [n.name for n in box.layout().nodes]
-        self.exe = str(Path(sys.executable).parent / "clockworkd")
-
-    def paths(self, node: str) -> DaemonPaths:
-        return DaemonPaths.from_config(self.cfg, node)
-
-    def ping(self, node: str) -> int | None:
-        try:
-            with DaemonClient(self.paths(node), timeout_s=1) as client:
-                return int(client.ping()["pid"])
-        except ClockworkError:
-            return None
-
-    def status(self, node: str) -> dict[str, Any] | None:
-        try:
-            with DaemonClient(self.paths(node), timeout_s=2) as client:
-                return client.status()
-        except ClockworkError:
-            return None
+        self.node_daemons = NodeDaemons(box)
+        self.nodes = self.node_daemons.nodes
 
     def linkpass(self, node: str) -> dict[str, Any]:
-        info = self.status(node) or {}
-        lp = info.get("linkpass")
-        return lp if isinstance(lp, dict) else {}
+        return self.node_daemons.component(node, "linkpass")
 
     def failovers(self, node: str) -> int | None:
         value = self.linkpass(node).get("failovers")
@@ -67,42 +42,24 @@ class Daemons:
         """LinkPass on ``node`` is back at its start: every NIC up, every path alive, every peer routed home."""
         return linkpass_clean(self.linkpass(node))
 
-    def stop(self, node: str) -> None:
-        paths = self.paths(node)
-        pid = self.ping(node) or running_pid(paths.pid_file)
-        if pid is None or pid <= 0:
-            return
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (alive(pid) or running_pid(paths.pid_file) is not None):
-            self.procs.reap()
-            time.sleep(0.05)
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            wait_for(f"clockworkd on {node} to die", lambda: not alive(pid) and running_pid(paths.pid_file) is None, 10)
-
     def start_all(self, linkpass: bool, settings: dict[str, str] | None = None) -> None:
         """Stop whatever runs, start one daemon per node with LinkPass on or off, wait until all answer.
 
         ``settings``: extra ``[linkpass]`` settings (key -> value), given as CLOCKWORK_LINKPASS_KEY.
         """
-        for node in self.nodes:
-            self.stop(node)
+        self.node_daemons.stop_all()
         env = {k: v for k, v in os.environ.items() if not k.startswith("CLOCKWORK_LINKPASS_")}
         env["CLOCKWORK_LINKPASS_ENABLED"] = "true" if linkpass else "false"
         env.update({f"CLOCKWORK_LINKPASS_{k.upper()}": v for k, v in (settings or {}).items()})
         for node in self.nodes:
-            argv = self.box.exec_argv(node, [self.exe, "--config", str(self.box.paths.clockwork_toml)])
+            argv = self.box.exec_argv(node, [self.node_daemons.exe, "--config", str(self.box.paths.clockwork_toml)])
             self.procs.start(argv, self.log_dir / f"clockworkd-{node}.log", env)
         for node in self.nodes:
 
             def answers(n: str = node) -> bool:
-                return self.ping(n) is not None
+                return self.node_daemons.pid(n) is not None
 
-            wait_for(f"clockworkd on {node} to answer (see {self.log_dir})", answers, 20)
+            wait_until(f"clockworkd on {node} to answer (see {self.log_dir})", answers, timeout_s=20, interval_s=0.05)
         for node in self.nodes:
             lp = self.linkpass(node)
             wanted = (True,) if linkpass else (False, None)  # a disabled LinkPass may leave its section out
@@ -110,8 +67,7 @@ class Daemons:
                 raise RuntimeError(f"clockworkd on {node}: status()['linkpass'] = {lp!r}, wanted enabled={linkpass}")
 
     def stop_all(self) -> None:
-        for node in self.nodes:
-            self.stop(node)
+        self.node_daemons.stop_all()
 
 
 def routes_on_rail0(box: Sandbox) -> bool:

@@ -1,4 +1,4 @@
-"""The processes a sandbox benchmark starts, each killed at exit whatever happens, and a polling wait.
+"""The processes a sandbox benchmark starts, each killed at exit whatever happens.
 
 Used by ``bench/linkpass_failover.py``'s harness (``support/linkpass_fabric.py``, ``support/allreduce_ranks.py``):
 every daemon and rank runs in a session of its own, so killing its process group ends what it started too.
@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -34,11 +33,6 @@ class Procs:
         self.items.append(proc)
         return proc
 
-    def reap(self) -> None:
-        for proc in self.items:
-            proc.poll()
-        self.items = [p for p in self.items if p.returncode is None]
-
     def kill_all(self) -> None:
         for proc in self.items:
             if proc.poll() is None:
@@ -52,11 +46,3 @@ class Procs:
             except subprocess.TimeoutExpired:
                 pass
         self.items = []
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
