@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from types import ModuleType
 
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.processes import wait_until
-from support.owned_processes import Procs
+from support.owned_processes import Procs, kill_groups
 from support.step_stalls import parse_step_lines
 
 LOOP = Path(__file__).resolve().parents[2] / "examples" / "allreduce_loop.py"
@@ -151,13 +150,4 @@ class Loop:
         return lines
 
     def kill(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
+        kill_groups(self.procs)

@@ -34,15 +34,20 @@ class Procs:
         return proc
 
     def kill_all(self) -> None:
-        for proc in self.items:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        for proc in self.items:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
+        kill_groups(self.items)
         self.items = []
+
+
+def kill_groups(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGKILL the process group of each process still running, then give each 5 s to be reaped."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
