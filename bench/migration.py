@@ -22,7 +22,7 @@ needed) and once without it (``spare_warmup=false``: the replacement imports Lig
 difference is what the warm-up keeps off the recovery's critical path. ``hf_trainer`` is the same training as an
 unmodified Hugging Face Trainer script, migrated and crashed like the others.
 
-    .venv/bin/python bench/migration.py [--runs 3] [--hidden 1024] [--layers 4] [--quick]
+    .venv/bin/python bench/migration.py [--runs 3] [--hidden 1024] [--layers 4] [--samples 4096] [--quick]
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def one_run(
         str(args.layers),
         "--hidden",
         str(args.hidden),
+        "--samples",
+        str(args.samples),
         *(["--kill"] if kill else []),
     ]
     with open(out / "job.log", "wb") as log:
@@ -132,10 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="MLP layers (default 4)")
     parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024: about 38 MiB of state)")
     parser.add_argument("--steps", type=int, default=64, help="training steps, rounded up to whole epochs")
-    parser.add_argument("--quick", action="store_true", help="one run per mode, a small model (under a minute)")
+    parser.add_argument(
+        "--samples", type=int, default=4096, help="dataset rows (default 4096: an epoch of 128 steps, 2 ranks)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="one run per mode, a small model, 32-step epochs (under a minute)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.runs, args.hidden, args.layers = 1, 256, 2
+        # The job trains whole epochs: with the default dataset, ~7 s of each job's ~11 s came after its migration.
+        args.runs, args.hidden, args.layers, args.steps, args.samples = 1, 256, 2, 32, 1024
     results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     crashes: dict[str, list[dict[str, Any]]] = {mode: [] for mode in CRASH_MODES}
     cold: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in COLD}
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     crash_ratio = {k: over(crash["lightning"][k], crash["transparent"][k]) for k in CRASH_FIGURES}
     crash_ratio_hf = {k: over(crash["hf_trainer"][k], crash["transparent"][k]) for k in CRASH_FIGURES}
     print(f"planned migration of slot 1 (2 ranks, 1 spare, local gloo), median of {args.runs} run(s) per mode,")
-    print(f"MLP {args.layers} x {args.hidden}, AdamW; ratios against the model-aware mode")
+    print(f"MLP {args.layers} x {args.hidden}, AdamW, {args.samples} samples; ratios against the model-aware mode")
     header = f"{'figure':<16}{'aware':>12}{'transparent':>13}{'ratio':>7}{'lightning':>11}{'ratio':>7}"
     print(f"{header}{'hf_trainer':>12}{'ratio':>7}")
     for key in FIGURES:
@@ -187,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 "runs": args.runs,
                 "layers": args.layers,
                 "hidden": args.hidden,
+                "steps": args.steps,
+                "samples": args.samples,
                 "median": medians,
                 "ratio_transparent_vs_aware": ratio,
                 "ratio_lightning_vs_aware": ratio_lightning,

@@ -10,12 +10,14 @@
 * ``hf_trainer``: an unmodified Hugging Face ``Trainer`` script (``TrainingArguments(use_cpu=True,
   ddp_backend="gloo")``, the MLP behind a module that returns the loss), run the same way.
 
-Both train the same MLP (``--layers`` x ``--hidden``, AdamW) on the same synthetic dataset, so the state a
-migration moves is the same size (transparent mode adds its data position: three integers). Slot 0 writes
-``at-step`` under ``--out`` when it starts step ``--mark-step``, so the benchmark knows training is under
-way; every step sleeps ``--step-sleep`` seconds so the migration lands mid-run. With ``--kill`` slot 1 SIGKILLs
-itself at that step instead (once: a marker file keeps its replacement alive), for a crash recovery's figures.
-One intra-op thread.
+Both train the same MLP (``--layers`` x ``--hidden``, AdamW) on the same synthetic dataset (``--samples`` rows),
+so the state a migration moves is the same size (transparent mode adds its data position: three integers). An
+epoch is ``--samples`` / (``--batch`` x ranks) steps and training runs whole epochs, so ``--samples``, not
+``--steps`` alone, bounds how long a job trains after its migration (``--quick`` of the benchmark: a small
+one). Slot 0 writes ``at-step`` under ``--out`` when it starts step ``--mark-step``, so the benchmark knows
+training is under way; every step sleeps ``--step-sleep`` seconds so the migration lands mid-run. With
+``--kill`` slot 1 SIGKILLs itself at that step instead (once: a marker file keeps its replacement alive), for a
+crash recovery's figures. One intra-op thread.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-SAMPLES = 4096
+SAMPLES = 4096  # the default dataset: 128 steps an epoch with 2 ranks of batch 16
 FEATURES = 64
 
 
@@ -45,9 +47,9 @@ def _model(layers: int, hidden: int) -> nn.Module:
     return nn.Sequential(*parts)
 
 
-def _dataset() -> TensorDataset:
+def _dataset(samples: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(11)
-    x = torch.randn(SAMPLES, FEATURES, generator=generator)
+    x = torch.randn(samples, FEATURES, generator=generator)
     return TensorDataset(x, x.sum(dim=1, keepdim=True).tanh())
 
 
@@ -72,7 +74,7 @@ def aware(args: argparse.Namespace) -> None:
     model = _model(args.layers, args.hidden)
     ddp = ctx.wrap_model(model)
     opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
-    loader = tp.StepLoader(_dataset(), batch_size=args.batch, seed=1)
+    loader = tp.StepLoader(_dataset(args.samples), batch_size=args.batch, seed=1)
     per_epoch = loader.steps_per_epoch(ctx.world_size)
     total = -(-args.steps // per_epoch) * per_epoch  # whole epochs, as the transparent form trains
     for step, (x, y) in ctx.steps(loader, total):
@@ -92,7 +94,7 @@ def transparent(args: argparse.Namespace) -> None:
     model = _model(args.layers, args.hidden)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    dataset = _dataset()
+    dataset = _dataset(args.samples)
     sampler: DistributedSampler[int] = DistributedSampler(dataset, seed=1, drop_last=True)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
     step = 0
@@ -125,7 +127,7 @@ def lightning(args: argparse.Namespace) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
-    loader = DataLoader(_dataset(), batch_size=args.batch, shuffle=True, drop_last=True)
+    loader = DataLoader(_dataset(args.samples), batch_size=args.batch, shuffle=True, drop_last=True)
     world = int(os.environ["WORLD_SIZE"])
     per_epoch = len(loader) // world
     trainer = L.Trainer(
@@ -156,7 +158,7 @@ def hf_trainer(args: argparse.Namespace) -> None:
 
     class Rows(Dataset):  # type: ignore[type-arg]
         def __init__(self) -> None:
-            self.x, self.y = _dataset().tensors
+            self.x, self.y = _dataset(args.samples).tensors
 
         def __len__(self) -> int:
             return len(self.x)
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=SAMPLES, help="rows of the synthetic dataset (one epoch)")
     parser.add_argument("--mark-step", type=int, default=5)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--kill", action="store_true", help="slot 1 SIGKILLs itself at --mark-step (once)")

@@ -140,6 +140,21 @@ def _start_time(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
+def test_closing_ends_the_zygote_at_once_without_its_interpreters_teardown(tmp_path: Path) -> None:
+    """When the launcher closes its end, the zygote leaves with status 0 and skips the interpreter's exit (the
+    atexit callbacks and module teardown of torch and a framework: ~0.6 s of CPU that every local job waited
+    for at its end)."""
+    marker = tmp_path / "teardown-ran"
+    (tmp_path / "registers_atexit_cw.py").write_text(
+        f"import atexit, pathlib\natexit.register(pathlib.Path({str(marker)!r}).write_text, 'x')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    z = Zygote(sys.executable, env, preload=("json", "registers_atexit_cw"))
+    z.close()
+    assert z.proc.returncode == 0
+    assert not marker.exists(), "the zygote ran its interpreter's exit"
+
+
 def test_a_zygote_that_cannot_preload_says_so() -> None:
     with pytest.raises(ZygoteError, match="did not start"):
         Zygote(sys.executable, dict(os.environ), preload=("no_such_module_cw",))
