@@ -260,7 +260,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=10, help="trials per nic0 scenario (default 10)")
     parser.add_argument("--nic1-trials", type=int, default=None, help="trials per nic1 scenario (default trials/3)")
     parser.add_argument(
-        "--quick", action="store_true", help="under a minute: 2 trials, none on nic1, a 4 s flap, an 8 s baseline"
+        "--quick", action="store_true", help="under a minute: 1 trial per fault, no nic1, a 4 s flap, an 8 s baseline"
     )
     parser.add_argument("--seed", type=int, default=1, help="random node choice (default 1)")
     parser.add_argument("--hold", type=float, default=1.5, help="seconds each fault is held (1.5)")
@@ -279,7 +279,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = parser.parse_args(argv)
     if args.quick:
-        args.trials = 2
+        args.trials = 1
         args.flap = min(args.flap, 4.0)
         args.baseline_hold = min(args.baseline_hold, 8.0)
         args.baseline_timeout = min(args.baseline_timeout, 5.0)
