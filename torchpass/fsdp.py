@@ -340,8 +340,8 @@ class ShardTransport(ProcessGroupTransport):
             return ""  # the copies overlap the next step (the commit hook starts them)
         reason = failed_after_update
         if not reason:
-            flag = torch.tensor([int(self.peers.copy_now(self.parts[self.shard], step))], dtype=torch.int32)
-            flag = flag.to(self.backend.device)
+            acknowledged = self.peers.copy_now(self.parts[self.shard], step)
+            flag = torch.tensor([int(acknowledged)], dtype=torch.int32, device=self.backend.device)
             try:
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
                 if not int(flag.item()):

@@ -47,13 +47,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchpass.auth import job_key
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
 from torchpass.peer_wire import CopyBuffer, CopyLink, CopyListener, ReceivedCopies, WireError
-from torchpass.state import StateParts, as_bytes, describe, load_payload, payload_offsets, send_payload
+from torchpass.state import (
+    StateParts,
+    as_bytes,
+    describe,
+    load_payload,
+    payload_offsets,
+    send_payload,
+    update_only_tensors,
+)
 from torchpass.transfer_plan import Holdings
 
 __all__ = ["OWN_COPIES", "SYNC_OWN_COPIES", "PeerCopies", "ring_holders"]
@@ -62,22 +69,6 @@ OWN_COPIES = 3  # copies a rank keeps of its own shard (see the module docstring
 SYNC_OWN_COPIES = 2  # with peer_copy_sync: the committed step's and the one voted on
 RECEIVED_COPIES = 2  # copies a rank keeps of each neighbour's shard
 _LogAdapter = logging.LoggerAdapter  # type: ignore[type-arg]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def update_only_tensors(parts: StateParts) -> set[int]:
-    """data_ptrs of the tensors only an optimizer step changes (local shards of parameters, optimizer state):
-    those are copied on the side thread, during the next forward and backward pass."""
-    ptrs: set[int] = set()
-    if parts.model is not None:
-        ptrs.update(_local(p).data_ptr() for p in parts.model.parameters())
-    for optimizer in parts.optimizers:
-        for state in optimizer.state.values():
-            ptrs.update(_local(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
-    return ptrs
 
 
 def ring_holders(shard: int, shards: int, copies: int) -> list[int]:

@@ -131,6 +131,19 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def update_only_tensors(parts: StateParts) -> set[int]:
+    """data_ptrs of the tensors only an optimizer step changes (parameters and optimizer state; of a ``DTensor``,
+    its local shard's): copies of the committed state (snapshots, peer copies) take them while the next forward
+    and backward pass run, and the next optimizer step waits for that."""
+    ptrs: set[int] = set()
+    if parts.model is not None:
+        ptrs.update(local_tensor(p).data_ptr() for p in parts.model.parameters())
+    for optimizer in parts.optimizers:
+        for state in optimizer.state.values():
+            ptrs.update(local_tensor(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+    return ptrs
+
+
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):

@@ -31,7 +31,7 @@ import torch
 from clockworkd.snapshots.messages import Entry
 from clockworkd.snapshots.store import shard_prefix
 from torchpass.snapshot.arena import ALIGN, SharedArena
-from torchpass.state import StateParts, as_bytes, describe, local_tensor
+from torchpass.state import StateParts, as_bytes, describe, update_only_tensors
 from torchpass.transfer_plan import ShardedReplicas
 
 __all__ = [
@@ -133,18 +133,6 @@ def rank_state(slot: int, committed: int, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def side_stream_tensors(parts: StateParts) -> set[int]:
-    """data_ptrs of tensors only an optimizer step changes (parameters and optimizer state; of a ``DTensor``,
-    its local shard's, which is what the snapshot stages)."""
-    ptrs: set[int] = set()
-    if parts.model is not None:
-        ptrs.update(local_tensor(p).data_ptr() for p in parts.model.parameters())
-    for optimizer in parts.optimizers:
-        for state in optimizer.state.values():
-            ptrs.update(local_tensor(v).data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
-    return ptrs
-
-
 def lay_out(
     parts: StateParts, committed: int, slot: int, world_size: int, seed: int, mesh: ShardedReplicas | None = None
 ) -> Layout:
@@ -153,7 +141,7 @@ def lay_out(
     meta, tensors = describe(parts, committed)
     plan = plan_entries([t.numel() * t.element_size() for t in tensors], slot, world_size, mesh)
     mine = set(plan.tensors)
-    side = side_stream_tensors(parts)
+    side = update_only_tensors(parts)
     entries: list[StagedEntry] = []
     offset = 0
 
