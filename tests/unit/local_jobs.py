@@ -33,6 +33,19 @@ class JobResult:
         """The ranks' events of ``kind`` (their log lines; ``of_kind`` holds the coordinator's)."""
         return logged_events(self.output, kind)
 
+    def complete_snapshots(self, folder: Path, planned: Sequence[int]) -> list[int]:
+        """The steps of the complete snapshots in ``folder``, at least one. A ``planned`` step without one was
+        skipped by a rank still writing the snapshot before (training never waits for the disk), as its
+        ``torchpass.snapshot_skipped`` event says: on a loaded machine that happens, and is no failure."""
+        from clockworkd.snapshots.store import list_snapshots
+
+        steps = [info.step for info in list_snapshots(folder) if info.complete]
+        assert steps, f"no complete snapshot in {folder}"
+        skipped = {int(e["step"]) for e in self.logged("torchpass.snapshot_skipped")}
+        missing = sorted(set(planned) - set(steps))
+        assert set(missing) <= skipped, f"snapshots of steps {missing} missing, skipped: {sorted(skipped)}"
+        return steps
+
 
 def logged_events(output: str, kind: str) -> list[dict[str, Any]]:
     """The events of ``kind`` a rank logged (lines ``... event KIND {json}``) in a job's ``output``."""
