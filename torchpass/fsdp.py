@@ -53,6 +53,7 @@ from torchpass.rejoin import ProcessGroupTransport
 from torchpass.shard_mesh import MeshGroups
 from torchpass.state import StateError, StateParts
 from torchpass.step import StepLifecycle
+from torchpass.torch_compat import check_fsdp_internals
 from torchpass.transfer_plan import Holdings, ShardedReplicas
 
 __all__ = [
@@ -212,6 +213,7 @@ class ShardedState:
     def adopt(self, model: nn.Module) -> None:
         """``model`` (sharded over this mesh: the outermost ``fully_shard``-ed module) is the job's model: its
         state moves and its buffers roll back with an abandoned step."""
+        check_fsdp_internals(model)
         self.parts.model = model
         self.host.lifecycle.track_model(list(model.buffers()) if self.host.config.snapshot_buffers else [], None)
         log.info("model sharded over a %s mesh (slot %d: %s)", self.layout, self.host.slot, self.parts.label)

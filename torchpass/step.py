@@ -32,6 +32,7 @@ from .buffers import StagedBuffers
 from .events import EventSink, emit
 from .rng import reseed
 from .state import StateParts
+from .torch_compat import drop_held_back_gradients
 
 __all__ = ["StepChannel", "StepLifecycle"]
 
@@ -259,5 +260,9 @@ class StepLifecycle:
     def _zero_grads(self) -> None:
         for optimizer in self._parts.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        if self._parts.model is not None:
-            self._parts.model.zero_grad(set_to_none=True)
+        model = self._parts.model
+        if model is not None:
+            model.zero_grad(set_to_none=True)
+            dropped = drop_held_back_gradients(model)  # an abandoned accumulation window's, which zero_grad misses
+            if dropped:
+                self._log.info("dropped %d gradient(s) FSDP2 held back for the abandoned window", dropped)
