@@ -58,9 +58,9 @@ from torchpass.fsdp import ShardedState, ShardPlan
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, die_with_parent
 from torchpass.rank_output import RankLog, configure_logging, whole_lines_on_shared_output
 from torchpass.rejoin import CoordinatorLink, Membership, ProcessGroupTransport, Rejoiner
-from torchpass.snapshot import RestoreError, Snapshotter, restore, restore_target
+from torchpass.snapshot import RestoreError, Snapshotter, restart_advice, restore, restore_target
 from torchpass.state import StateParts
-from torchpass.step import StepLifecycle
+from torchpass.step import StepLifecycle, carried_gradients_reason
 from torchpass.transfer_plan import Replicated, ShardedReplicas
 
 __all__ = ["Context", "TorchPassError", "init"]
@@ -172,6 +172,8 @@ class Context:
         Split from :meth:`wrap_model` for transparent mode, whose DDP stand-in constructs itself."""
         self._model = ddp
         self._parts.model = ddp.module
+        self.lifecycle.watch_zero_grad(ddp)
+        self.lifecycle.watch_zero_grad(ddp.module)
         self.lifecycle.track_model(
             list(ddp.module.buffers()) if self.config.snapshot_buffers else [],
             StagedBuffers(ddp.synced_buffers) if ddp.synced_buffers and self.world_size > 1 else None,
@@ -219,6 +221,7 @@ class Context:
             return result
 
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
+        lifecycle.watch_zero_grad(optimizer, optimizer)
         self._parts.optimizers.append(optimizer)
         return optimizer
 
@@ -339,6 +342,7 @@ class Context:
         """``step`` is done on this rank: its state is the committed state (callbacks, snapshots)."""
         self.lifecycle.settle_for_commit()  # every rank now holds slot 0's buffers (torchpass.buffers)
         self.membership.committed, self.membership.has_state = step, True
+        self.lifecycle.note_commit(step)
         self.lifecycle.remember()
         for callback in self._commit_hooks:
             callback(step)
@@ -434,6 +438,11 @@ class Context:
         left_at = time.time()
         gen = self.generation
         self.log.warning("leaving generation %d: %s", gen, reason.splitlines()[0][:300])
+        self.lifecycle.check_carried()
+        if self.lifecycle.carried_lost_at >= 0:
+            self.link.fatal(
+                carried_gradients_reason(self.lifecycle.carried_lost_at, reason, restart_advice(self.config))
+            )
         self._backend.destroy()  # closes our sockets: peers still inside a collective with us fail at once
         if error and self._channel.latest_gen <= gen:
             self.link.report(

@@ -215,6 +215,7 @@ class ShardedState:
         state moves and its buffers roll back with an abandoned step."""
         check_fsdp_internals(model)
         self.parts.model = model
+        self.host.lifecycle.watch_zero_grad(model)
         self.host.lifecycle.track_model(list(model.buffers()) if self.host.config.snapshot_buffers else [], None)
         log.info("model sharded over a %s mesh (slot %d: %s)", self.layout, self.host.slot, self.parts.label)
 

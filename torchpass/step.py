@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import types
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -32,9 +33,9 @@ from .buffers import StagedBuffers
 from .events import EventSink, emit
 from .rng import reseed
 from .state import StateParts
-from .torch_compat import drop_held_back_gradients
+from .torch_compat import drop_held_back_gradients, holds_back_gradients
 
-__all__ = ["StepChannel", "StepLifecycle"]
+__all__ = ["StepChannel", "StepLifecycle", "carried_gradients_reason"]
 
 _T = TypeVar("_T")
 
@@ -81,6 +82,13 @@ class StepLifecycle:
         # undone the step's update itself, why the step cannot commit.
         self.commit_checks: list[Callable[[int, str], str]] = []
         self._checked = False  # the step in progress passed its commit checks
+        # Gradients a commit without an optimizer step left for the next update (a window crossing a pass's end):
+        # the step they were committed at, whose optimizers hold them, whether FSDP2 held some back, and the step
+        # whose failure found them still pending (see :meth:`note_commit`).
+        self._carried_at = -1
+        self._carried: set[int] = set()  # the optimizers (by id) whose parameters carry gradients
+        self._carried_held_back = False
+        self.carried_lost_at = -1
 
     # ----- what it protects ---------------------------------------------------------------------
 
@@ -218,6 +226,57 @@ class StepLifecycle:
                 self._staged.drop()
                 self.fail_after_update(f"{type(exc).__name__}: {exc}")
 
+    # ----- gradients carried over a commit -----------------------------------------------------
+
+    def note_commit(self, step: int) -> None:
+        """At a commit: a step that ran no optimizer step but leaves gradients (the window that a pass's end cut
+        short, or steps that skip the optimizer) hands them to the next update. They are no part of the state:
+        a replacement cannot get a lost rank's (under ``no_sync`` each rank's are its own), and a rollback
+        clears them, so a failure before that update could only end in a silent difference. They are
+        remembered here until an update or a ``zero_grad`` (:meth:`watch_zero_grad`) uses them up, and
+        :meth:`check_carried` finds whether a failure came while they were pending."""
+        if self.optimizer_steps:
+            self._carried_at, self._carried, self._carried_held_back = -1, set(), False
+            return
+        carried = {
+            id(o)
+            for o in self._parts.optimizers
+            if any(p.grad is not None for g in o.param_groups for p in g["params"])
+        }
+        held_back = self._parts.model is not None and holds_back_gradients(self._parts.model)
+        if carried or held_back:
+            self._carried_at = self._carried_at if self._carried_at >= 0 else step
+            self._carried |= carried
+            self._carried_held_back = self._carried_held_back or held_back
+
+    def watch_zero_grad(self, owner: Any, optimizer: Any = None) -> None:
+        """``owner.zero_grad`` (an optimizer's, or the model's: ``optimizer`` None) drops carried gradients:
+        the script that zeroes them at a pass's start carries nothing over. Not in an abandoned step (its
+        update was skipped: the redo needs what was carried), and not FSDP2's held-back gradients, which are
+        beyond its reach (FSDP2 sums them into the next reduce-scatter all the same)."""
+        inner = owner.zero_grad
+        lifecycle = self
+
+        def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self is not owner:  # a deep copy of the owner (an EMA's AveragedModel) took this method along
+                return type(self).zero_grad(self, *args, **kwargs)
+            if lifecycle.abandoned:  # after a skipped update: what it drops was not used, the redo needs it
+                return inner(*args, **kwargs)
+            if optimizer is None:
+                lifecycle._carried.clear()
+            else:
+                lifecycle._carried.discard(id(optimizer))
+            if not lifecycle._carried and not lifecycle._carried_held_back:
+                lifecycle._carried_at = -1
+            return inner(*args, **kwargs)
+
+        owner.zero_grad = types.MethodType(zero_grad, owner)
+
+    def check_carried(self) -> None:
+        """Before the gradients are cleared for a failure: remember when carried ones were still pending."""
+        if self.carried_lost_at < 0 and self._carried_at >= 0:
+            self.carried_lost_at = self._carried_at
+
     # ----- undo -------------------------------------------------------------------------------
 
     def remember(self) -> None:
@@ -248,6 +307,7 @@ class StepLifecycle:
                 group.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()})
         for name, saved_state in self._registered.items():
             self._parts.extra[name].load_state_dict(copy.deepcopy(saved_state))
+        self.check_carried()
         self._zero_grads()
 
     def restart_at(self, step: int) -> None:
@@ -266,3 +326,16 @@ class StepLifecycle:
             dropped = drop_held_back_gradients(model)  # an abandoned accumulation window's, which zero_grad misses
             if dropped:
                 self._log.info("dropped %d gradient(s) FSDP2 held back for the abandoned window", dropped)
+
+
+def carried_gradients_reason(step: int, failure: str, advice: str) -> str:
+    """Why a job stops when a failure finds gradients carried over the commit of ``step`` (see
+    :meth:`StepLifecycle.note_commit`), what to change in the script, and what to restart from."""
+    return (
+        f"step {step} committed without an optimizer step and left its gradients to the next one (a gradient-"
+        "accumulation window that a pass over the loader ended, or steps that skip the optimizer); a failure "
+        f"came before that update ({failure.splitlines()[0][:200]}). Those gradients are not part of the state "
+        "TorchPass moves (a lost rank's cannot be rebuilt), so the job stops rather than finish different from "
+        "a fault-free run. Make every pass a whole number of windows (drop_last, or an optimizer step at a pass's "
+        f"last batch, as Lightning and the Hugging Face Trainer do). {advice}"
+    )

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchpass.errors import TorchPassError
 
-__all__ = ["check_fsdp_internals", "drop_held_back_gradients"]
+__all__ = ["check_fsdp_internals", "drop_held_back_gradients", "holds_back_gradients"]
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:
@@ -68,3 +68,21 @@ def drop_held_back_gradients(model: nn.Module) -> int:
                     unsharded.grad = None
                     dropped += 1
     return dropped
+
+
+def holds_back_gradients(model: nn.Module) -> bool:
+    """Whether FSDP2 holds gradients outside the parameters now (see :func:`drop_held_back_gradients`): after a
+    micro-batch under ``set_requires_gradient_sync(False)``, until the reduce-scatter of the window's last one."""
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in _param_groups(module):
+            if getattr(group, "_partial_reduce_output", None) is not None:
+                return True
+            for param in group.fsdp_params:
+                unsharded = getattr(param, "_unsharded_param", None)
+                if param.unsharded_accumulated_grad is not None or (
+                    unsharded is not None and unsharded.grad is not None
+                ):
+                    return True
+    return False

@@ -338,7 +338,8 @@ class Session:
             if self.first_step_checked and self.steps_without_optimizer == 1:
                 self.warn(
                     f"step {step} ended with its pass and ran no optimizer step: the gradients accumulated in it "
-                    "are not part of the state, so a failure before the next optimizer step is not protected"
+                    "are not part of the state, so a failure before the next optimizer step stops the job (make "
+                    "every pass a whole number of windows)"
                 )
         self.check_first_step()
         self.position.pass_no, self.position.index, self.position.epoch = (

@@ -8,6 +8,12 @@ gradients stay local and add up), the window counted with ``enumerate(loader)``.
 SIGKILL in the forward pass or late in backward, at the first batch of a window (its gradients only local) or
 at its last (during the all-reduce). The oracle: model and optimizer state of every slot equal to the
 fault-free run's, and Adam stepped once per window.
+
+``CW_TEST_SAMPLES=80`` makes a pass 10 batches, so its last window is cut short by the pass's end: its one batch
+ends a step with no optimizer step, and its gradients (each rank's own, under ``no_sync``) carry over into the
+next pass's first window. They are no part of the state, so a failure inside that window must stop the job with
+the reason (it once ended silently different). ``CW_TEST_ZERO_AT_PASS=1`` zeroes the gradients at the start of
+every pass, as many scripts do: nothing is carried then, and the job recovers bitwise.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def _rank_main() -> int:
     ddp = DDP(model, bucket_cap_mb=0.001)
     opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(7)
-    x = torch.randn(SAMPLES, 8, generator=generator)
+    samples = int(os.environ.get("CW_TEST_SAMPLES") or SAMPLES)
+    x = torch.randn(samples, 8, generator=generator)
     dataset = TensorDataset(x, x.sum(dim=1, keepdim=True))
     sampler = DistributedSampler(dataset, shuffle=True, seed=3)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
@@ -69,6 +76,8 @@ def _rank_main() -> int:
     model[0].weight.register_hook(lambda grad: maybe_kill("backward"))
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
+        if os.environ.get("CW_TEST_ZERO_AT_PASS") == "1":
+            opt.zero_grad()
         for i, (xb, yb) in enumerate(loader):
             batch_no = epoch * len(loader) + i
             last_of_window = (i + 1) % ACCUMULATE == 0
@@ -94,11 +103,11 @@ from tests.unit.local_jobs import FinishedJob as Run  # noqa: E402
 from tests.unit.local_jobs import assert_bitwise_equal, load_final, local_command  # noqa: E402
 
 
-def _run(base: Path, name: str, kill: str = "") -> Run:
+def _run(base: Path, name: str, kill: str = "", **knobs: str) -> Run:
     out = base / name
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CW_TEST_")}
-    env.update(CW_TEST_DIR=str(out), CW_TEST_KILL=kill)
+    env.update(CW_TEST_DIR=str(out), CW_TEST_KILL=kill, **knobs)
     cmd = local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
     return Run(out, proc.returncode, proc.stdout + proc.stderr)
@@ -139,3 +148,29 @@ def test_kills_inside_windows_redo_the_window_bitwise(reference: Run) -> None:
     assert len(list(run.out.glob("killed-*"))) == 2, f"seed {seed}: {kill}: the faults were not injected"
     for slot in range(NPROC):
         assert_bitwise_equal(load_final(run.out, slot), load_final(reference.out, slot), f"seed {seed}: slot {slot}")
+
+
+def test_a_failure_in_a_window_carried_over_a_pass_end_stops_the_job(reference: Run) -> None:
+    """Passes of 10 batches, windows of 3: pass 0's last batch (9) commits a step with no optimizer step, and its
+    gradients carry into pass 1's first window (batches 10-12). A SIGKILL there cannot be redone exactly (the dead
+    rank's carried gradients are gone): the job stops and says why, where it once finished silently different."""
+    base = reference.out.parent
+    run = _run(base, "carried", "1:11:forward", CW_TEST_SAMPLES="80")
+    assert (run.out / "killed-1-11-forward").exists(), "the fault was not injected"
+    assert run.returncode != 0, "the job finished although carried gradients were lost"
+    assert "committed without an optimizer step and left its gradients" in run.output, run.output[-4000:]
+    assert "whole number of windows" in run.output
+
+
+def test_a_failure_after_the_carried_gradients_were_zeroed_recovers_bitwise(reference: Run) -> None:
+    """The same job zeroing its gradients at the start of every pass (nothing carried): the same SIGKILL is
+    recovered, bitwise equal to its own fault-free run, and a fault in a window whose update used the carried
+    gradients already (batch 14) is too, without them."""
+    base = reference.out.parent
+    clean = _run(base, "zeroed-reference", CW_TEST_SAMPLES="80", CW_TEST_ZERO_AT_PASS="1")
+    clean.check_ok()
+    faulted = _run(base, "zeroed", "1:11:forward,0:14:backward", CW_TEST_SAMPLES="80", CW_TEST_ZERO_AT_PASS="1")
+    faulted.check_ok()
+    assert len(list(faulted.out.glob("killed-*"))) == 2, "the faults were not injected"
+    for slot in range(NPROC):
+        assert_bitwise_equal(load_final(faulted.out, slot), load_final(clean.out, slot), f"slot {slot}")

@@ -14,7 +14,8 @@ first ones under ``set_requires_gradient_sync(False)``, counted with ``enumerate
 from TorchPass. ``CW_TEST_KILL`` is ``slot:step:micro:phase``: that slot SIGKILLs itself in micro-batch ``micro``
 of optimizer step ``step`` (AdamW's count, which moves with the state), in its forward pass (``forward``) or in
 the backward pass of its first block (``backward``); a marker file makes it happen once. ``CW_TEST_MESH``
-(``RxS``) is the mesh.
+(``RxS``) is the mesh. ``CW_TEST_SAMPLES`` sizes the data set (144: passes of 9 batches, so each pass ends with
+a micro-batch whose gradients FSDP2 holds back for the next pass's first window).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def _rank_main() -> int:
     model.blocks[0].register_full_backward_hook(lambda *_: maybe_kill("backward"))
 
     generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, VOCAB, (SAMPLES, CONTEXT + 1), generator=generator)
+    samples = int(os.environ.get("CW_TEST_SAMPLES") or SAMPLES)
+    tokens = torch.randint(0, VOCAB, (samples, CONTEXT + 1), generator=generator)
     dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
     sampler = DistributedSampler(dataset, shuffle=True, seed=3)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
@@ -166,10 +168,10 @@ SEED = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 <
 print(f"test_torchpass_fsdp_accumulation: CW_TEST_SEED={SEED}")
 
 
-def _run(base: Path, name: str, *, mesh: str, kill: str = "") -> FinishedJob:
+def _run(base: Path, name: str, *, mesh: str, kill: str = "", samples: int = SAMPLES) -> FinishedJob:
     out = base / name
     out.mkdir()
-    env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MESH=mesh)
+    env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MESH=mesh, CW_TEST_SAMPLES=str(samples))
     cmd = local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"])
     with open(out / "launcher.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -241,3 +243,14 @@ def test_killed_at_a_random_moment_of_a_window_ends_bitwise_equal(base: Path) ->
     assert (run.out / f"killed-{kill.replace(':', '-')}").exists(), "the fault was not injected"
     for other in range(NPROC):
         assert_bitwise_equal(load_final(run.out, other), load_final(reference.out, other), f"slot {other}")
+
+
+def test_a_failure_while_fsdp_holds_back_a_passes_last_micro_batch_stops_the_job(base: Path) -> None:
+    """Passes of 9 batches: each ends with one micro-batch under ``set_requires_gradient_sync(False)``, whose
+    gradients FSDP2 holds back and sums into the next pass's first window (whatever the script zeroes). Those of a
+    lost rank cannot be rebuilt, so a SIGKILL in that window stops the job with the reason."""
+    kill = "1:4:1:forward"  # AdamW's 5th update, pass 1's second micro-batch
+    run = _run(base, "held-back-at-pass-end", mesh="2x2", kill=kill, samples=144)
+    assert (run.out / f"killed-{kill.replace(':', '-')}").exists(), "the fault was not injected"
+    assert run.returncode != 0, "the job finished although held-back gradients were lost"
+    assert "committed without an optimizer step and left its gradients" in run.output, run.output[-4000:]
