@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass.config import TorchPassConfig
+from torchpass.torch_compat import abort_all_groups, forget_default_group
 
 __all__ = ["CommBackend", "GlooBackend", "NcclBackend", "make_backend"]
 
@@ -329,7 +330,7 @@ class NcclBackend(CommBackend):
             if self.generation < 0 or not dist.is_initialized():
                 return
             try:
-                dist.distributed_c10d._abort_process_group()
+                abort_all_groups()
             except Exception as exc:
                 log.warning("NCCL abort failed: %s", exc)
 
@@ -339,13 +340,13 @@ class NcclBackend(CommBackend):
         fails with "default process group twice" (seen on an H200). Such a group is dropped from c10d's books."""
         if dist.is_initialized():
             try:
-                dist.distributed_c10d._abort_process_group()
+                abort_all_groups()
             except Exception as exc:
                 log.debug("NCCL abort before destroy: %s", exc)
         super().destroy()
         if dist.is_initialized():
             log.warning("NCCL process group could not be destroyed; dropping it from torch.distributed's state")
-            dist.distributed_c10d._world.default_pg = None
+            forget_default_group()
 
     def _make_local_group(self) -> dist.ProcessGroup:
         store = dist.HashStore()

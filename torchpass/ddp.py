@@ -46,6 +46,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from torchpass.torch_compat import FixedBuckets, default_group, work_from_future
+
 __all__ = ["StepGuard", "TorchPassDDP"]
 
 
@@ -132,7 +134,7 @@ def _sum_over_current(
     # complex tensor goes as its real view, as dist.all_reduce would send it.
     flat = [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
     try:
-        work = dist.distributed_c10d._get_default_group().allreduce(flat, opts)
+        work = default_group().allreduce(flat, opts)
     except Exception as exc:
         ctx.abandon_step(exc)
         return _completed(fallback)
@@ -167,8 +169,8 @@ class _CurrentGroup(dist.ProcessGroup):
     DDP itself then calls only :meth:`allreduce` (the buckets' sums, scaled by the reducer while it copies the
     gradients in, and the map of used parameters when ``find_unused_parameters``): the construction-time
     checks are skipped (``init_sync=False``) and the bucket rebuild, which would broadcast, is declined
-    (:class:`_FixedBuckets`). Its rank and size are the slot-independent ones the reducer needs: the size is
-    the job's world size, which no recovery changes (a spare takes the failed rank's slot)."""
+    (:class:`~torchpass.torch_compat.FixedBuckets`). Its rank and size are the slot-independent ones the reducer
+    needs: the size is the job's world size, which no recovery changes (a spare takes the failed rank's slot)."""
 
     def __init__(self, ctx: StepGuard) -> None:
         super().__init__(0, ctx.world_size)  # type: ignore[call-arg]  # (rank, size): a group without a store
@@ -176,26 +178,7 @@ class _CurrentGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         done = _sum_over_current(self._ctx, tensors, _SUM if opts is None else opts, lambda: tensors, tensors)
-        return _work_of(done)
-
-
-_work_of: Callable[[torch.futures.Future[Any]], dist.Work] = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
-
-
-class _FixedBuckets:
-    """DDP's reducer, except that it declines to rebuild its buckets (everything else goes to the reducer).
-
-    DDP calls ``reducer._rebuild_buckets()`` from Python before each forward; the C++ side never does. The
-    comm hook is registered on the real reducer before this wrapper is installed."""
-
-    def __init__(self, reducer: Any) -> None:
-        self._reducer = reducer
-
-    def _rebuild_buckets(self) -> bool:
-        return False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._reducer, name)
+        return work_from_future(done)
 
 
 class TorchPassDDP(DistributedDataParallel):
@@ -219,7 +202,7 @@ class TorchPassDDP(DistributedDataParallel):
         if not on_cpu:
             hook: Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]] = _allreduce_hook
             self.register_comm_hook(ctx, hook)
-        self.reducer = _FixedBuckets(self.reducer)  # type: ignore[assignment]
+        self.reducer = FixedBuckets(self.reducer)  # type: ignore[assignment]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """DDP's forward, between taking the buffers an earlier forward staged and staging slot 0's new ones.

@@ -43,6 +43,7 @@ from torch.distributed.distributed_c10d import (
     ReduceScatterOptions,
 )
 
+from torchpass.torch_compat import mesh_over_groups, register_process_group, resolve_process_group, work_from_future
 from torchpass.transfer_plan import ShardedReplicas
 
 __all__ = ["DIM_NAMES", "GenerationGroup", "MeshGroups", "StepGuard"]
@@ -51,10 +52,6 @@ log = logging.getLogger("clockwork.torchpass.shard_mesh")
 
 DIM_NAMES = ("replicate", "shard")
 _instances = itertools.count()  # the mesh's dimension names, as in FSDP2's HSDP examples
-
-_work_of: Callable[[torch.futures.Future[Any]], dist.Work] = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
-_register_group: Any = torch._C._distributed_c10d._register_process_group  # type: ignore[attr-defined]
-_resolve_group: Any = torch._C._distributed_c10d._resolve_process_group  # type: ignore[attr-defined]
 
 
 class StepGuard(Protocol):
@@ -115,7 +112,7 @@ class _GuardedWork(dist.Work):
 def _completed(value: Any) -> dist.Work:
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(value)
-    return _work_of(future)
+    return work_from_future(future)
 
 
 class GenerationGroup(dist.ProcessGroup):
@@ -335,11 +332,11 @@ class MeshGroups:
         DTensor's functional collectives find them."""
         for proxy in self.proxies.values():
             try:
-                if _resolve_group(proxy.group_name) is proxy:
+                if resolve_process_group(proxy.group_name) is proxy:
                     continue
             except (RuntimeError, ValueError):  # not registered (yet, or since the last destroy)
                 pass
-            _register_group(proxy.group_name, proxy)
+            register_process_group(proxy.group_name, proxy)
 
 
 def _new_group(ranks: list[int]) -> dist.ProcessGroup | None:
@@ -356,8 +353,4 @@ def _mesh_over(
     ``DeviceMesh.from_group`` builds exactly this, but asks the default group for this process's rank, and the
     model is sharded (and its optimizer built) before TorchPass forms the first generation (a spare builds its
     model before it joins). So the mesh is made as ``from_group`` makes it, with the rank given: the slot."""
-    mesh = DeviceMesh(device_type, layout, mesh_dim_names=names, _init_backend=False, _rank=rank)
-    mesh._dim_group_names = [group.group_name for group in groups]  # type: ignore[misc]
-    for group in groups:
-        mesh._pg_registry[group.group_name] = group
-    return mesh
+    return mesh_over_groups(device_type, layout, names, groups, rank)

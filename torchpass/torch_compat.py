@@ -1,21 +1,113 @@
-"""The private parts of torch that TorchPass relies on, each behind a function that says why it is needed.
+"""The private parts of torch that TorchPass relies on, each behind a name that says why it is needed.
 
 Why a module of its own: a private attribute changes between torch releases without notice, and a silent change
 in one of them is the kind of defect that ends a run bitwise different from its fault-free twin. Kept in one place,
-each use is checked against the torch release that is tested, and a layout it does not recognise is refused with
-the reason instead of being guessed at.
+each use is checked against the torch release that is tested (:data:`TESTED_TORCH`), and a layout it does not
+recognise is refused with the reason instead of being guessed at. Importing this module on another torch release
+fails with that reason, unless ``TORCHPASS_UNTESTED_TORCH=1`` asks to run anyway (a warning then).
+
+What is here: c10d's work-from-future, group registry, abort and default group (the process-group rebuild); a
+``DeviceMesh`` made over TorchPass's proxy groups before any default group exists (sharded models); DDP's reducer
+wrapped so that it never rebuilds its buckets; FSDP2's held-back gradients of an accumulation window.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from torchpass.errors import TorchPassError
 
-__all__ = ["check_fsdp_internals", "drop_held_back_gradients", "holds_back_gradients"]
+__all__ = [
+    "TESTED_TORCH",
+    "FixedBuckets",
+    "abort_all_groups",
+    "check_fsdp_internals",
+    "default_group",
+    "drop_held_back_gradients",
+    "forget_default_group",
+    "holds_back_gradients",
+    "mesh_over_groups",
+    "register_process_group",
+    "resolve_process_group",
+    "work_from_future",
+]
+
+TESTED_TORCH = "2.13"  # the release (major.minor) every private use below was checked against
+ENV_UNTESTED = "TORCHPASS_UNTESTED_TORCH"
+
+
+def _check_release(version: str) -> None:
+    if version.split("+")[0].split(".")[:2] == TESTED_TORCH.split("."):
+        return
+    message = (
+        f"TorchPass is tested with torch {TESTED_TORCH}.x and relies on parts of it that change without notice; "
+        f"this is torch {version}"
+    )
+    if os.environ.get(ENV_UNTESTED) != "1":
+        raise TorchPassError(f"{message} (set {ENV_UNTESTED}=1 to run anyway, at your own risk)")
+    warnings.warn(f"{message}: running anyway ({ENV_UNTESTED}=1)", RuntimeWarning, stacklevel=2)
+
+
+_check_release(torch.__version__)
+
+# c10d's Work around a future: what a proxy or comm hook returns for a collective it completes itself.
+work_from_future: Callable[[torch.futures.Future[Any]], dist.Work] = torch._C._distributed_c10d._create_work_from_future  # type: ignore[attr-defined]
+# c10d's registry of group names, which ``destroy_process_group`` clears and DTensor's collectives look up.
+register_process_group: Any = torch._C._distributed_c10d._register_process_group  # type: ignore[attr-defined]
+resolve_process_group: Any = torch._C._distributed_c10d._resolve_process_group  # type: ignore[attr-defined]
+
+
+def default_group() -> dist.ProcessGroup:
+    """The current default group, without ``dist``'s per-call checks (DDP's gradient hook calls it per bucket)."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def abort_all_groups() -> None:
+    """Abort every NCCL communicator of this process (c10d's abort of the default group reaches all groups)."""
+    dist.distributed_c10d._abort_process_group()
+
+
+def forget_default_group() -> None:
+    """Drop a default group that refuses ``destroy_process_group`` (an NCCL group whose eager init failed) from
+    c10d's books, so that the next generation's ``init_process_group`` does not find it."""
+    dist.distributed_c10d._world.default_pg = None
+
+
+def mesh_over_groups(
+    device_type: str, layout: torch.Tensor, names: tuple[str, ...], groups: Sequence[dist.ProcessGroup], rank: int
+) -> DeviceMesh:
+    """A ``DeviceMesh`` over ``groups`` (one per dimension) that needs no default process group: what
+    ``DeviceMesh.from_group`` builds, with this process's rank given instead of asked of the default group."""
+    mesh = DeviceMesh(device_type, layout, mesh_dim_names=names, _init_backend=False, _rank=rank)
+    mesh._dim_group_names = [group.group_name for group in groups]  # type: ignore[misc]
+    for group in groups:
+        mesh._pg_registry[group.group_name] = group
+    return mesh
+
+
+class FixedBuckets:
+    """DDP's reducer, except that it declines to rebuild its buckets (everything else goes to the reducer).
+
+    DDP calls ``reducer._rebuild_buckets()`` from Python before each forward; the C++ side never does. The
+    comm hook is registered on the real reducer before this wrapper is installed."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:

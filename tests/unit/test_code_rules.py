@@ -7,6 +7,9 @@
   torch-free client-side modules (TORCHPASS_MAY_IMPORT);
 - no import cycles among clockworkd.*, slurm_hooks.*, linkpass.*, torchpass.*;
 - no module named utils.py;
+- torch's private API (``torch._C``, c10d's ``_world``, ``_abort_process_group``, ``_get_default_group``, a mesh's
+  ``_pg_registry``, ``DeviceMesh(_init_backend=...)``, FSDP2's parameter groups) is used only in
+  torchpass/torch_compat.py, which checks the torch release it was tested with;
 - every module has a docstring, package markers included.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -247,3 +251,22 @@ def test_every_module_has_a_docstring() -> None:
         if ast.get_docstring(ast.parse(text, filename=str(path))) is None:
             missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"modules without a docstring: {missing}"
+
+
+TORCH_PRIVATE = re.compile(
+    r"torch\._C\.|\._world\b|_abort_process_group\(|_get_default_group\(|_pg_registry|_init_backend=|"
+    r"_get_fsdp_state\(|_fsdp_param_group|_unsharded_param\b"
+)
+
+
+def test_torch_private_api_only_in_torch_compat() -> None:
+    """One place to check against a new torch release: every private use in torchpass is in torch_compat."""
+    offenders = []
+    for path in _source_files(PACKAGES["torchpass"]):
+        if path.name == "torch_compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if TORCH_PRIVATE.search(code) and not code.strip().startswith(("``", '"', "'")):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "torch private API outside torchpass/torch_compat.py:\n" + "\n".join(offenders)

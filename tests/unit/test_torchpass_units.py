@@ -343,7 +343,8 @@ _AVERAGES_SCRIPT = textwrap.dedent(
     """
     import datetime, json, os, sys, torch, torch.distributed as dist
     from torch import nn
-    from torchpass.ddp import TorchPassDDP, _FixedBuckets
+    from torchpass.ddp import TorchPassDDP
+    from torchpass.torch_compat import FixedBuckets
 
     rank, world = int(sys.argv[2]), 3
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=world,
@@ -363,7 +364,7 @@ _AVERAGES_SCRIPT = textwrap.dedent(
         return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 3))  # one bucket in both forms
 
     plain, guard = nn.parallel.DistributedDataParallel(model()), Guard()
-    plain.reducer = _FixedBuckets(plain.reducer)  # a rebuilt bucket orders the elements, and so the sums, anew
+    plain.reducer = FixedBuckets(plain.reducer)  # a rebuilt bucket orders the elements, and so the sums, anew
     wrapped = TorchPassDDP(model(), guard)
     equal = []
     for step in range(3):
