@@ -12,10 +12,17 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.placement_types import Placement
 
 from torchpass.errors import TorchPassError
 
-__all__ = ["check_fsdp_internals", "drop_held_back_gradients", "holds_back_gradients"]
+__all__ = [
+    "check_fsdp_internals",
+    "drop_held_back_gradients",
+    "holds_back_gradients",
+    "is_strided_shard",
+    "strided_shard",
+]
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:
@@ -86,3 +93,26 @@ def holds_back_gradients(model: nn.Module) -> bool:
                 ):
                     return True
     return False
+
+
+def _strided_shard_type() -> type[Placement] | None:
+    """DTensor's strided shard placement (torch 2.13: ``placement_types._StridedShard``), which FSDP2 gives a
+    parameter that tensor parallelism already sharded on the same dimension; None where this torch has none."""
+    from torch.distributed.tensor import placement_types
+
+    found = getattr(placement_types, "_StridedShard", None)
+    return found if isinstance(found, type) else None
+
+
+def is_strided_shard(placement: Placement) -> bool:
+    """Whether ``placement`` is a strided shard (its ``dim`` and ``split_factor`` describe it)."""
+    kind = _strided_shard_type()
+    return kind is not None and isinstance(placement, kind)
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """A strided shard placement, as a peer's state description names it (the peer-copy wire's decoder)."""
+    kind = _strided_shard_type()
+    if kind is None:
+        raise TorchPassError("a peer sent a strided shard placement, which this torch release does not know")
+    return kind(dim, split_factor=split_factor)  # type: ignore[call-arg]
