@@ -40,8 +40,7 @@ def test_every_config_section_is_in_the_architecture_table_with_its_keys() -> No
     rows = table("architecture.md", "| section | what it sets |")
     documented = {_code(section): [k.strip() for k in keys.split(",")] for section, keys in rows}
     schema = {
-        f.name: [g.name for g in dataclasses.fields(f.default_factory())]
-        for f in dataclasses.fields(ClockworkConfig)
+        f.name: [g.name for g in dataclasses.fields(f.default_factory())] for f in dataclasses.fields(ClockworkConfig)
     }
     assert list(documented) == list(schema), "sections (in the schema's order)"
     for section, keys in schema.items():
