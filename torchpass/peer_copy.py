@@ -53,6 +53,7 @@ from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
 from torchpass.peer_wire import CopyBuffer, CopyLink, CopyListener, ReceivedCopies, WireError
 from torchpass.state import (
+    StateError,
     StateParts,
     as_bytes,
     describe,
@@ -61,6 +62,7 @@ from torchpass.state import (
     send_payload,
     update_only_tensors,
 )
+from torchpass.state_codec import MetaCodecError, decode_meta, encode_meta
 from torchpass.transfer_plan import Holdings
 
 __all__ = ["OWN_COPIES", "SYNC_OWN_COPIES", "PeerCopies", "ring_holders"]
@@ -192,6 +194,10 @@ class PeerCopies:
         buffer = min(self.own, key=lambda b: (b.complete, b.step))  # the oldest (or an unused) own copy
         buffer.complete = False
         meta, tensors = describe(parts, step)
+        try:
+            blob = encode_meta(meta)  # msgpack: what crosses the peer-copy wire is never unpickled
+        except MetaCodecError as exc:
+            raise StateError(str(exc)) from None
         offsets, total = payload_offsets(meta["layout"])
         cuda = any(t.is_cuda for t in tensors)
         payload = buffer.ensure(total, pinned=cuda)
@@ -208,7 +214,7 @@ class PeerCopies:
                     gpu_side.append((into, source))
                 else:
                     deferred.append((into, source))
-        buffer.meta, buffer.blob = meta, pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer.meta, buffer.blob = meta, blob
         round_ = Round(step, buffer, deferred, self._copy_on_side_stream(gpu_side))
         self._round = round_
         self._jobs.put(round_)
@@ -338,15 +344,26 @@ class PeerCopies:
         copy = self.copy_of(part, step)
         if copy is None:
             raise WireError(f"no copy of shard {part} at step {step} here")
-        return send_payload(copy.blob, copy.data, peer, device, chunk_bytes)
+        # The state wire (torchpass.state, the generation's own process group) carries the description pickled.
+        blob = pickle.dumps(self._meta(copy), protocol=pickle.HIGHEST_PROTOCOL)
+        return send_payload(blob, copy.data, peer, device, chunk_bytes)
 
     def restore(self, parts: StateParts, step: int, device: torch.device) -> int:
         """Roll this rank's live state back to its own copy of ``step``; the bytes loaded."""
         copy = self.copy_of(self.shard, step)
         if copy is None:
             raise WireError(f"no copy of this rank's shard at step {step}")
-        meta = copy.meta if copy.meta is not None else pickle.loads(copy.blob)
-        return load_payload(parts, meta, copy.data, device)
+        return load_payload(parts, self._meta(copy), copy.data, device)
+
+    @staticmethod
+    def _meta(copy: CopyBuffer) -> dict[str, Any]:
+        """A copy's state description: as captured (own copies), or decoded from what a neighbour sent."""
+        if copy.meta is not None:
+            return copy.meta
+        try:
+            return decode_meta(copy.blob)
+        except MetaCodecError as exc:
+            raise WireError(f"the copy of step {copy.step} is unreadable: {exc}") from None
 
     def close(self) -> None:
         """Stop the side thread and the listener (the copies are dropped with the process)."""

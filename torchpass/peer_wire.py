@@ -5,13 +5,20 @@ loop's collectives run on the generation's group; a second user of that group fr
 interleave with FSDP's collectives, and a dead neighbour must cost a failed copy, never a broken step. A
 socket per neighbour fails alone.
 
-The wire, per connection (the sender connects to the receiver's :class:`CopyListener`):
+The wire, per connection (the sender connects to the receiver's :class:`CopyListener`), follows the job sockets'
+discipline: every byte after the handshake is sealed (:mod:`torchpass.sealed_stream`: AES-256-GCM under a key
+derived from the job's key and both ends' nonces, a counter per direction), so only processes of the job (which
+hold ``TORCHPASS_JOB_KEY``) may place or read a copy, and a frame changed, replayed or reordered in flight is
+refused: the receiver drops what it was writing (its last complete copy stays) and closes the connection, and
+the sender's copy fails like one to a dead neighbour. Structured data is msgpack, never pickle.
 
-1. the receiver sends a 32-byte nonce; the sender answers HMAC-SHA256(job key, tag + nonce): only processes of
-   the job (which hold ``TORCHPASS_JOB_KEY``) may place a copy, whose metadata is unpickled later;
-2. frames: a header (magic, source shard, step, metadata length, payload length), the pickled metadata, the
-   payload (laid out as :func:`torchpass.state.send_state` lays it out), then the receiver's ack (the step it
-   stored, or -1 when it did not keep the frame).
+1. the handshake: the receiver's nonce, the sender's proof that it holds the job's key (an HMAC of that nonce) and its
+   own nonce;
+2. frames: a head record (msgpack: source shard, step, payload length, and the state's description as opaque
+   bytes, which :mod:`torchpass.state_codec` encodes as msgpack), the payload (laid out as
+   :func:`torchpass.state.send_state` lays it out) in records of :data:`CHUNK` bytes, each opened straight into
+   the buffer that keeps it, then the receiver's sealed ack (the step it stored, -1 when it did not keep the
+   frame, -2 when it refused it).
 
 What the receiver keeps (:class:`ReceivedCopies`): per source shard two buffers, double-buffered: a frame
 is written into the older one, so the last complete copy is never the one being overwritten, and both are
@@ -27,44 +34,81 @@ This module imports torch only for the buffers' memory (host tensors, so a GPU c
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import os
 import socket
 import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import torch
+
+from torchpass.sealed_stream import RecordRefused, SealedStream, StreamClosed
 
 __all__ = ["CopyBuffer", "CopyLink", "CopyListener", "ReceivedCopies", "WireError"]
 
 log = logging.getLogger("clockwork.torchpass.peer_wire")
 
-MAGIC = b"TPC1"
-TAG = b"torchpass-peer-copy"
-HEADER = struct.Struct("!4sqqQQ")  # magic, source shard, step, metadata bytes, payload bytes
+LABEL = b"torchpass-peer-copy v2"  # the key derivation's label: a key of this stream means nothing elsewhere
+CHUNK = 1 << 20  # payload bytes per sealed record
+MAX_META = 1 << 28  # the longest state description a head record may carry
 ACK = struct.Struct("!q")
-MAX_META = 1 << 30
-DRAIN_CHUNK = 1 << 20
+KEPT_NOT, REFUSED = -1, -2  # acks other than the step: dropped (frozen), refused (failed authentication)
 
 
 class WireError(ConnectionError):
     """A copy could not be sent or was not kept (the peer is gone, refused us, or dropped the frame)."""
 
 
+class FrameRefused(WireError):
+    """A frame (or the handshake) that does not open with the job's key: changed in flight, replayed, reordered, or
+    sent by a stranger. The receiver keeps nothing of it and closes the connection."""
+
+
+@dataclass(frozen=True)
+class FrameHead:
+    """What a frame is, sent sealed ahead of its payload: the source shard, the step, the payload's length, and
+    the state's description (msgpack bytes of :mod:`torchpass.state_codec`, opaque here)."""
+
+    shard: int
+    step: int
+    payload: int
+    meta: bytes
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            {"shard": self.shard, "step": self.step, "payload": self.payload, "meta": self.meta}, use_bin_type=True
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> FrameHead:
+        """The head of a sealed record (already authenticated; still checked, a sender may be wrong)."""
+        try:
+            obj = msgpack.unpackb(data, raw=False)
+        except Exception as exc:  # msgpack raises many types
+            raise WireError(f"a peer-copy head is not msgpack: {type(exc).__name__}") from None
+        if not isinstance(obj, dict) or set(obj) != {"shard", "step", "payload", "meta"}:
+            raise WireError("a peer-copy head without exactly shard, step, payload, meta")
+        shard, step, payload, meta = obj["shard"], obj["step"], obj["payload"], obj["meta"]
+        if not all(type(v) is int for v in (shard, step, payload)) or shard < 0 or payload < 0:
+            raise WireError("a peer-copy head's shard, step and payload must be integers (shard, payload >= 0)")
+        if not isinstance(meta, bytes):
+            raise WireError("a peer-copy head's meta must be bytes")
+        return cls(shard, step, payload, meta)
+
+
 @dataclass
 class CopyBuffer:
-    """One shard's state at ``step`` in host memory: its pickled metadata and its payload. ``complete`` only
-    once every byte is in: an incomplete buffer is never reported or served."""
+    """One shard's state at ``step`` in host memory: its description (``blob``, msgpack of
+    :mod:`torchpass.state_codec`) and its payload. ``complete`` only once every byte is in: an incomplete buffer is
+    never reported or served."""
 
     step: int = -1
     complete: bool = False
     blob: bytes = b""
     payload: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
-    meta: dict[str, Any] | None = None  # the unpickled metadata (own copies: kept from the capture)
+    meta: dict[str, Any] | None = None  # the description as captured (own copies; received ones decode ``blob``)
     size: int = 0  # payload bytes of this copy (the memory may be larger: it is reused)
 
     def ensure(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
@@ -78,25 +122,6 @@ class CopyBuffer:
     def data(self) -> torch.Tensor:
         """The copy's payload."""
         return self.payload[: self.size]
-
-
-def _mac(secret: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, TAG + nonce, hashlib.sha256).digest()
-
-
-def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    data = bytearray(nbytes)
-    _recv_into(sock, memoryview(data))
-    return bytes(data)
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise WireError("the peer closed the connection")
-        got += n
 
 
 class ReceivedCopies:
@@ -165,6 +190,8 @@ class CopyListener:
         self.timeout_s = timeout_s
         self.received = 0  # frames kept
         self.dropped = 0  # frames read and dropped (frozen)
+        self.refused = 0  # connections refused: a handshake without the job's key, or a frame that did not open
+        self.last_refusal = ""  # why the last one was refused
         self._sock = socket.create_server((host, 0))
         self.address: tuple[str, int] = (host, int(self._sock.getsockname()[1]))
         self._closed = False
@@ -182,42 +209,53 @@ class CopyListener:
         with conn:
             try:
                 conn.settimeout(self.timeout_s)
-                nonce = os.urandom(32)
-                conn.sendall(nonce)
-                if not hmac.compare_digest(_recv_exact(conn, 32), _mac(self.secret, nonce)):
-                    log.warning("a peer-copy connection without the job's key was refused")
-                    return
+                stream = SealedStream.accept(conn, self.secret, LABEL, max(CHUNK, MAX_META))
+            except RecordRefused as exc:
+                self._refuse(f"a peer-copy connection without the job's key was refused: {exc}")
+                return
+            except (OSError, ValueError):
+                return
+            try:
                 conn.settimeout(None)  # frames come every K steps; a dead sender closes the socket
                 while True:
-                    self._frame(conn)
+                    self._frame(stream)
+            except RecordRefused as exc:
+                self._refuse(f"a peer-copy frame was refused and its connection closed: {exc}")
+                try:
+                    stream.send(ACK.pack(REFUSED))  # sealed: the sender learns why, and nobody can forge it
+                except OSError:
+                    pass
             except (OSError, WireError, ValueError):
                 return  # the sender is gone (or broke the protocol): what it was sending is not kept
 
-    def _frame(self, conn: socket.socket) -> None:
-        magic, shard, step, meta_len, total = HEADER.unpack(_recv_exact(conn, HEADER.size))
-        if magic != MAGIC or meta_len > MAX_META:
-            raise ValueError("not a peer-copy frame")
-        conn.settimeout(self.timeout_s)  # inside a frame, bytes keep coming
-        blob = _recv_exact(conn, meta_len)
-        buffer = self.copies.begin(shard)
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        self.last_refusal = why
+        log.warning("%s", why)
+
+    def _frame(self, stream: SealedStream) -> None:
+        head = FrameHead.decode(stream.recv())
+        stream.sock.settimeout(self.timeout_s)  # inside a frame, bytes keep coming
+        buffer = self.copies.begin(head.shard)
         if buffer is None:
-            self._drain(conn, total)
+            self._drain(stream, head.payload)
             self.dropped += 1
-            conn.sendall(ACK.pack(-1))
+            stream.send(ACK.pack(KEPT_NOT))
         else:
-            _recv_into(conn, buffer.ensure(total).numpy().data)
-            self.copies.finish(buffer, step, blob)
+            view = buffer.ensure(head.payload).numpy().data  # the buffer stays incomplete until the end
+            for start in range(0, head.payload, CHUNK):
+                stream.recv_into(view[start : start + CHUNK])
+            self.copies.finish(buffer, head.step, head.meta)
             self.received += 1
-            conn.sendall(ACK.pack(step))
-        conn.settimeout(None)
+            stream.send(ACK.pack(head.step))
+        stream.sock.settimeout(None)
 
     @staticmethod
-    def _drain(conn: socket.socket, total: int) -> None:
-        scratch = memoryview(bytearray(min(total, DRAIN_CHUNK) or 1))
-        left = total
-        while left:
-            _recv_into(conn, scratch[: min(left, len(scratch))])
-            left -= min(left, len(scratch))
+    def _drain(stream: SealedStream, total: int) -> None:
+        """Read (and authenticate) a frame's payload that is not kept."""
+        scratch = memoryview(bytearray(min(total, CHUNK)))
+        for start in range(0, total, CHUNK):
+            stream.recv_into(scratch[: min(CHUNK, total - start)])
 
     def close(self) -> None:
         """Stop accepting (connections being served end with their sender)."""
@@ -236,23 +274,33 @@ class CopyLink:
         self.address = address
         self._sock = socket.create_connection(address, timeout=timeout_s)
         try:
-            self._sock.sendall(_mac(secret, _recv_exact(self._sock, 32)))
+            self._stream = SealedStream.connect(self._sock, secret, LABEL, max(CHUNK, MAX_META))
         except BaseException:
             self._sock.close()
             raise
 
     def send(self, shard: int, step: int, blob: bytes, payload: torch.Tensor) -> None:
-        """One copy of ``shard``'s state at ``step``; WireError when the neighbour did not keep it."""
+        """One copy of ``shard``'s state at ``step`` (``blob``: its description); WireError when the neighbour
+        did not keep it (FrameRefused when it refused the frame as not opening)."""
+        where = f"{self.address[0]}:{self.address[1]}"
+        if len(blob) > MAX_META:
+            raise WireError(f"a state description of {len(blob)} bytes is over the peer-copy wire's {MAX_META}")
         view = payload.numpy().data
         try:
-            self._sock.sendall(HEADER.pack(MAGIC, shard, step, len(blob), len(view)))
-            self._sock.sendall(blob)
-            self._sock.sendall(view)
-            (kept,) = ACK.unpack(_recv_exact(self._sock, ACK.size))
-        except OSError as exc:
-            raise WireError(f"peer copy to {self.address[0]}:{self.address[1]} failed: {exc}") from None
+            self._stream.send(FrameHead(shard, step, len(view), blob).encode())
+            for start in range(0, len(view), CHUNK):
+                self._stream.send(view[start : start + CHUNK])
+            ack = bytearray(ACK.size)
+            self._stream.recv_into(memoryview(ack))
+        except RecordRefused as exc:
+            raise FrameRefused(f"peer copy to {where}: its acknowledgement did not open: {exc}") from None
+        except (OSError, StreamClosed) as exc:
+            raise WireError(f"peer copy to {where} failed: {exc}") from None
+        (kept,) = ACK.unpack(ack)
+        if kept == REFUSED:
+            raise FrameRefused(f"{where} refused the copy of step {step}: a frame did not open (changed in flight?)")
         if kept != step:
-            raise WireError(f"{self.address[0]}:{self.address[1]} did not keep the copy of step {step}")
+            raise WireError(f"{where} did not keep the copy of step {step}")
 
     def close(self) -> None:
         """Close the connection (the neighbour's listener ends its thread)."""

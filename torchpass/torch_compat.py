@@ -8,7 +8,8 @@ fails with that reason, unless ``TORCHPASS_UNTESTED_TORCH=1`` asks to run anyway
 
 What is here: c10d's work-from-future, group registry, abort and default group (the process-group rebuild); a
 ``DeviceMesh`` made over TorchPass's proxy groups before any default group exists (sharded models); DDP's reducer
-wrapped so that it never rebuilds its buckets; FSDP2's held-back gradients of an accumulation window.
+wrapped so that it never rebuilds its buckets; FSDP2's held-back gradients of an accumulation window; DTensor's
+strided shard placement (the peer-copy wire names it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.placement_types import Placement
 
 from torchpass.errors import TorchPassError
 
@@ -35,9 +37,11 @@ __all__ = [
     "drop_held_back_gradients",
     "forget_default_group",
     "holds_back_gradients",
+    "is_strided_shard",
     "mesh_over_groups",
     "register_process_group",
     "resolve_process_group",
+    "strided_shard",
     "work_from_future",
 ]
 
@@ -178,3 +182,26 @@ def holds_back_gradients(model: nn.Module) -> bool:
                 ):
                     return True
     return False
+
+
+def _strided_shard_type() -> type[Placement] | None:
+    """DTensor's strided shard placement (torch 2.13: ``placement_types._StridedShard``), which FSDP2 gives a
+    parameter that tensor parallelism already sharded on the same dimension; None where this torch has none."""
+    from torch.distributed.tensor import placement_types
+
+    found = getattr(placement_types, "_StridedShard", None)
+    return found if isinstance(found, type) else None
+
+
+def is_strided_shard(placement: Placement) -> bool:
+    """Whether ``placement`` is a strided shard (its ``dim`` and ``split_factor`` describe it)."""
+    kind = _strided_shard_type()
+    return kind is not None and isinstance(placement, kind)
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """A strided shard placement, as a peer's state description names it (the peer-copy wire's decoder)."""
+    kind = _strided_shard_type()
+    if kind is None:
+        raise TorchPassError("a peer sent a strided shard placement, which this torch release does not know")
+    return kind(dim, split_factor=split_factor)  # type: ignore[call-arg]

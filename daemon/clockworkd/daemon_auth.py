@@ -3,30 +3,58 @@
 Nothing a client says about itself is believed. On the control socket the caller is the kernel's account of the
 connecting process: libzmq reads ``SO_PEERCRED`` when the connection is accepted and exposes it as the message
 property ``Peer-Address`` = ``"HOST:UID:GID:PID"``. On the daemon-to-daemon socket it is the CURVE key the ZAP
-handler admitted. :func:`authorise` then applies the rules before any op runs, apart from the op handlers so that
-no handler can forget them: root and ``slurm_user`` may do everything; any other uid acts only on jobs registered
-with its uid (:data:`JOB_OPS`), never registers one and never sets an event's ``node``; a peer daemon may run only
-:data:`PEER_OPS`.
+handler admitted.
+
+Every op declares who may run it (:class:`OpAccess`, one or more :class:`Access` classes, next to its handler:
+:mod:`clockworkd.daemon_ops`), and :func:`authorise` applies those declarations before any op runs, apart from the
+handlers so that no handler can forget them. Access is denied by default: an op with no declared class is refused
+on both planes, so a new op is open to nobody until its component says to whom. Root and ``slurm_user`` are
+privileged: they pass every local class; any other uid passes ``local-any``, and ``job-owner`` only for jobs
+registered with its uid; a peer daemon passes only ``peer``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
 
 import zmq
 
 from clockworkd.protocol import FORBIDDEN, ProtocolError, Request
 from clockworkd.registry import JobRecord
 
-__all__ = ["JOB_OPS", "PEER_OPS", "Caller", "authorise", "caller_of", "parse_peer_credentials"]
+__all__ = ["LOCAL_CLASSES", "Access", "Caller", "OpAccess", "authorise", "caller_of", "parse_peer_credentials"]
 
-# Ops a peer daemon may send over TCP.
-PEER_OPS = frozenset({"ping", "post_event", "node_view"})
-# Ops that act on one job; a non-privileged caller must own it.
-JOB_OPS = frozenset(
-    {"unregister_job", "post_event", "job_events", "borrow", "borrow_status", "borrow_release", "node_verdicts"}
-)
+
+class Access(Enum):
+    """Who may run an op. An op may declare several (``ping``: any local user and any peer daemon)."""
+
+    LOCAL_ANY = "local-any"  # any local user; the handler shows it only what it may see
+    JOB_OWNER = "job-owner"  # a local caller whose uid registered the job the request names (``job_id``)
+    PRIVILEGED = "privileged"  # root or the Slurm user (``[daemon] slurm_user``) on this node
+    PEER = "peer"  # another node's daemon, authenticated by CURVE on the daemon-to-daemon socket
+
+
+#: The classes a local caller can pass (a privileged local caller passes each of them).
+LOCAL_CLASSES = frozenset({Access.LOCAL_ANY, Access.JOB_OWNER, Access.PRIVILEGED})
+
+
+@dataclass(frozen=True)
+class OpAccess:
+    """An op's declared access: its classes, and the request fields only a privileged caller or a peer may set
+    (``post_event``'s ``node``: where an event happened, which only a relaying daemon may say)."""
+
+    classes: frozenset[Access]
+    privileged_fields: frozenset[str] = field(default_factory=frozenset)
+
+    @classmethod
+    def of(cls, *classes: Access, privileged_fields: tuple[str, ...] = ()) -> OpAccess:
+        return cls(frozenset(classes), frozenset(privileged_fields))
+
+    def describe(self) -> str:
+        """The classes as the docs write them, e.g. ``job-owner, peer``."""
+        return ", ".join(a.value for a in Access if a in self.classes)
 
 
 @dataclass(frozen=True)
@@ -81,35 +109,52 @@ def caller_of(plane: str, frame: zmq.Frame, slurm_uid: int | None) -> Caller | N
     return Caller(plane="local", uid=uid, gid=gid, pid=pid, privileged=privileged)
 
 
-def authorise(request: Request, caller: Caller, job_of: Callable[[int], JobRecord], slurm_user: str) -> None:
-    """Raise ProtocolError(forbidden) unless ``caller`` may run ``request``; ``job_of`` finds the job a
-    :data:`JOB_OPS` request names (raising UnknownJobError for one that is not registered)."""
+def authorise(
+    request: Request,
+    caller: Caller,
+    rules: Mapping[str, OpAccess],
+    job_of: Callable[[int], JobRecord],
+    slurm_user: str,
+) -> None:
+    """Raise ProtocolError(forbidden) unless ``caller`` may run ``request`` by its op's declared access in
+    ``rules`` (op -> :class:`OpAccess`); an op with none is refused. ``job_of`` finds the job a ``job-owner``
+    request names (raising UnknownJobError for one that is not registered)."""
     op, args = request.op, request.args
+    access = rules.get(op)
+    if access is None or not access.classes:
+        raise ProtocolError(
+            FORBIDDEN, f"{op} declares no access class: refused to everyone (access is deny by default)"
+        )
     if caller.plane == "peer":
-        if op not in PEER_OPS:
+        if Access.PEER not in access.classes:
+            peer_ops = sorted(name for name, rule in rules.items() if Access.PEER in rule.classes)
             raise ProtocolError(
                 FORBIDDEN,
-                f"{caller.describe()} may not {op}: the daemon-to-daemon socket serves only "
-                + ", ".join(sorted(PEER_OPS)),
+                f"{caller.describe()} may not {op}: the daemon-to-daemon socket serves only " + ", ".join(peer_ops),
             )
         return
+    local = access.classes & LOCAL_CLASSES
+    if not local:
+        raise ProtocolError(FORBIDDEN, f"uid {caller.uid} may not {op}: it is served to peer daemons only")
     if caller.privileged:
         return
-    if op == "register_job":
+    if local == {Access.PRIVILEGED}:
+        target = f" job {args['job_id']}" if "job_id" in args else ""
         raise ProtocolError(
             FORBIDDEN,
-            f"uid {caller.uid} may not register job {args['job_id']}: only root and the Slurm user "
-            f"({slurm_user}) register jobs",
+            f"uid {caller.uid} may not {op}{target}: only root and the Slurm user ({slurm_user}) may",
         )
-    if op == "post_event" and "node" in args:
+    for name in sorted(access.privileged_fields & set(args)):
+        target = f" of job {args['job_id']}" if "job_id" in args else ""
         raise ProtocolError(
             FORBIDDEN,
-            f"uid {caller.uid} may not set 'node' of an event of job {args['job_id']} (peer daemons only)",
+            f"uid {caller.uid} may not set '{name}' in {op}{target} (only root, the Slurm user and peer daemons may)",
         )
-    if op in JOB_OPS:
-        job = job_of(args["job_id"])
-        if job.uid != caller.uid:
-            raise ProtocolError(
-                FORBIDDEN,
-                f"uid {caller.uid} (pid {caller.pid}) may not {op} job {job.job_id}: it belongs to uid {job.uid}",
-            )
+    if Access.LOCAL_ANY in local:
+        return
+    job = job_of(args["job_id"])  # JOB_OWNER (declarations are checked to have a required job_id)
+    if job.uid != caller.uid:
+        raise ProtocolError(
+            FORBIDDEN,
+            f"uid {caller.uid} (pid {caller.pid}) may not {op} job {job.job_id}: it belongs to uid {job.uid}",
+        )

@@ -6,16 +6,22 @@ about one of the job's nodes, and the daemon parks the request (:mod:`clockworkd
 its wait is over. ``node_view`` is what another daemon asks when its node watch suspects a node dead: what this
 node hears of it. The node watch is looked up among the daemon's components on each request: one started after
 these ops were made is asked, and one that is off answers with the reason why.
+
+Access (declared in :meth:`NodeWatchOps.ops`): ``node_verdicts`` is the job's owner's (its agents); ``node_view``
+is for peer daemons, and any local user may ask it too (it says what ``clockwork node status`` already shows
+everyone: how this node hears the others).
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from clockworkd.daemon_auth import Caller
+from clockworkd.daemon_auth import Access, Caller, OpAccess
 from clockworkd.daemon_component import OpsContext
+from clockworkd.daemon_ops import OpSpec
 from clockworkd.node_verdict import NodeVerdict
 from clockworkd.parked import Park
+from clockworkd.protocol import NODE_VERDICTS, NODE_VIEW
 
 __all__ = ["NodeWatchOps", "VerdictSource"]
 
@@ -34,6 +40,12 @@ class NodeWatchOps:
 
     def __init__(self, daemon: OpsContext) -> None:
         self.daemon = daemon
+
+    def ops(self) -> list[OpSpec]:
+        return [
+            OpSpec(NODE_VERDICTS, OpAccess.of(Access.JOB_OWNER), self.node_verdicts),
+            OpSpec(NODE_VIEW, OpAccess.of(Access.LOCAL_ANY, Access.PEER), self.node_view),
+        ]
 
     def _source(self) -> VerdictSource | str:
         watch = self.daemon.components.get("nodewatch")

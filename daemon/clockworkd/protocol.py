@@ -166,49 +166,97 @@ def _event_fields(op: str, name: str, value: Any) -> dict[str, Any]:
 
 _JOB_ID = _int_range(1, MAX_JOB_ID)
 
-# op -> field -> (checker, required). "v" and "op" are checked before.
-SCHEMA: dict[str, dict[str, tuple[Checker, bool]]] = {
-    "ping": {},
-    "status": {},
-    "jobs": {},
-    "lens": {},  # Fleet Lens's latest snapshot (fabric telemetry: any local user may read it)
-    "gpus": {},  # the GPU health watch's view (any local user; ranks only of the caller's own jobs)
-    "register_job": {
+#: A request type's fields: field -> (checker, required). "v" and "op" are checked before.
+Fields = Mapping[str, tuple[Checker, bool]]
+
+
+@dataclass(frozen=True)
+class RequestType:
+    """One op of the wire: its name and its fields. The daemon's components declare their ops by these objects
+    (with an access class and a handler, :class:`clockworkd.daemon_ops.OpSpec`), so an op is named once; clients
+    check a request against the same object before sending it."""
+
+    op: str
+    fields: Fields
+
+
+PING = RequestType("ping", {})
+STATUS = RequestType("status", {})
+JOBS = RequestType("jobs", {})
+LENS = RequestType("lens", {})  # Fleet Lens's latest snapshot (fabric telemetry)
+GPUS = RequestType("gpus", {})  # the GPU health watch's view (ranks only of the caller's own jobs)
+REGISTER_JOB = RequestType(
+    "register_job",
+    {
         "job_id": (_JOB_ID, True),
         "uid": (_int_range(0, MAX_UID), True),
         "user": (_string(MAX_NAME), True),
         "nodes": (_node_list, True),
         "options": (_options, True),
     },
-    "unregister_job": {"job_id": (_JOB_ID, True)},
-    "post_event": {
+)
+UNREGISTER_JOB = RequestType("unregister_job", {"job_id": (_JOB_ID, True)})
+POST_EVENT = RequestType(
+    "post_event",
+    {
         "job_id": (_JOB_ID, True),
         "kind": (_string(128, _KIND, what="an event kind (1..128 of letters, digits, '_', '.', ':', '-')"), True),
         "fields": (_event_fields, False),
         # Where the event happened, when not on the receiving node (set by relaying daemons).
         "node": (_string(MAX_NAME, _NODE, what="a node name"), False),
     },
-    # Borrowed spares (the owner of a --clockwork-spares=borrow job, or root): start a borrow, poll it, give back.
-    "borrow": {
-        "job_id": (_JOB_ID, True),
-        "lost_node": (_string(MAX_NAME, _NODE, what="a node name"), False),  # the node the job lost
-    },
-    "borrow_status": {"job_id": (_JOB_ID, True), "request": (_int_range(1, 2**31 - 1), False)},
-    "borrow_release": {"job_id": (_JOB_ID, True), "why": (_string(MAX_NAME), False)},
-    # A job's agents wait (up to wait_ms) for the node watch's verdicts on the job's nodes newer than ``after``.
-    "node_verdicts": {
-        "job_id": (_JOB_ID, True),
-        "after": (_int_range(0, 2**63 - 1), False),
-        "wait_ms": (_int_range(0, MAX_WAIT_MS), False),
-    },
-    # Another daemon asks what this node hears of ``node`` (the second observer of a node-silent verdict).
-    "node_view": {"node": (_string(MAX_NAME, _NODE, what="a node name"), True)},
-    "job_events": {
+)
+JOB_EVENTS = RequestType(
+    "job_events",
+    {
         "job_id": (_JOB_ID, True),
         "since": (_number, False),  # only events with time > since
         "after": (_int_range(0, 2**63 - 1), False),  # only events with seq > after (paging)
         "limit": (_int_range(1, MAX_EVENTS_PER_REPLY), False),
     },
+)
+# Borrowed spares: start a borrow, poll it, give back.
+BORROW = RequestType(
+    "borrow",
+    {
+        "job_id": (_JOB_ID, True),
+        "lost_node": (_string(MAX_NAME, _NODE, what="a node name"), False),  # the node the job lost
+    },
+)
+BORROW_STATUS = RequestType("borrow_status", {"job_id": (_JOB_ID, True), "request": (_int_range(1, 2**31 - 1), False)})
+BORROW_RELEASE = RequestType("borrow_release", {"job_id": (_JOB_ID, True), "why": (_string(MAX_NAME), False)})
+# A job's agents wait (up to wait_ms) for the node watch's verdicts on the job's nodes newer than ``after``.
+NODE_VERDICTS = RequestType(
+    "node_verdicts",
+    {
+        "job_id": (_JOB_ID, True),
+        "after": (_int_range(0, 2**63 - 1), False),
+        "wait_ms": (_int_range(0, MAX_WAIT_MS), False),
+    },
+)
+# Another daemon asks what this node hears of ``node`` (the second observer of a node-silent verdict).
+NODE_VIEW = RequestType("node_view", {"node": (_string(MAX_NAME, _NODE, what="a node name"), True)})
+
+#: Every op of the wire by name: what :func:`check_request` accepts. Who may run each, and what answers it, is
+#: declared by the daemon's components (:mod:`clockworkd.daemon_ops`), which must cover every op here.
+SCHEMA: dict[str, RequestType] = {
+    t.op: t
+    for t in (
+        PING,
+        STATUS,
+        JOBS,
+        LENS,
+        GPUS,
+        REGISTER_JOB,
+        UNREGISTER_JOB,
+        POST_EVENT,
+        BORROW,
+        BORROW_STATUS,
+        BORROW_RELEASE,
+        NODE_VERDICTS,
+        NODE_VIEW,
+        JOB_EVENTS,
+    )
 }
 OPS = tuple(SCHEMA)
 
@@ -218,8 +266,8 @@ def check_request(op: Any, fields: Mapping[Any, Any]) -> Request:
     if not isinstance(op, str):
         raise ProtocolError(BAD_REQUEST, f"'op' must be a string naming the operation, got {_type_name(op)}")
     if op not in SCHEMA:
-        raise ProtocolError(BAD_REQUEST, f"unknown op {_short(op)} (known: {', '.join(OPS)})")
-    spec = SCHEMA[op]
+        raise ProtocolError(BAD_REQUEST, f"unknown op {_short(op)} (known: {', '.join(SCHEMA)})")
+    spec = SCHEMA[op].fields
     for name in fields:
         if name not in spec:
             known = ", ".join(spec) or "none"
@@ -253,7 +301,7 @@ def decode_request(data: bytes, max_bytes: int) -> Request:
     """Parse and check one request frame; raises :class:`ProtocolError` naming the first problem."""
     obj = _unpack(data, max_bytes, "request")
     if "op" not in obj:
-        raise ProtocolError(BAD_REQUEST, f"request has no 'op' (known: {', '.join(OPS)})")
+        raise ProtocolError(BAD_REQUEST, f"request has no 'op' (known: {', '.join(SCHEMA)})")
     fields = {k: v for k, v in obj.items() if k not in ("v", "op")}
     return check_request(obj["op"], fields)
 

@@ -13,16 +13,20 @@ Sockets (:mod:`clockworkd.daemon_sockets` binds them; ``RUN_DIR`` = ``[daemon] r
   ZAP handler accepts only clients presenting one of the admin-installed public keys. Without usable keys
   the daemon runs without this socket and says why in ``status``.
 
-Authorisation on the control socket: root and ``slurm_user`` may do everything. Any other uid may
-``ping``; ``status`` and ``jobs`` show it only its own jobs (like Slurm's PrivateData=jobs); it may
+Who may run an op is declared with the op, by the component that answers it (:mod:`clockworkd.daemon_ops`): the
+daemon core's ops in :meth:`Daemon.ops` here, the hosted components' in their ``ops`` modules
+(:mod:`clockworkd.lens.ops`, :mod:`clockworkd.gpuhealth.ops`, :mod:`clockworkd.nodewatch_ops`,
+:mod:`clockworkd.borrow.ops`; LinkPass answers no op of its own). The daemon builds its table from those
+declarations and refuses to start when an op of the wire schema has none; :mod:`clockworkd.daemon_auth` applies
+them before any handler runs (deny by default). Today: root and ``slurm_user`` may do everything locally. Any
+other uid may ``ping``; ``status`` and ``jobs`` show it only its own jobs (like Slurm's PrivateData=jobs); it may
 ``post_event``, ``job_events`` and ``unregister_job`` only for jobs registered with its uid, and never
 ``register_job``. A denial is answered with error ``forbidden`` and logged. ``node_verdicts`` (a job's agents
 waiting for the node watch's verdicts on its nodes) is a long poll: its request is parked (:mod:`clockworkd.parked`)
 and answered from the loop as soon as a verdict exists, or at its deadline.
 
 What is here: the daemon's life cycle, the loop, reading and dispatching requests, the ops on the job registry and
-the node's status, and recording and publishing events. The ops of the components the daemon hosts are their own
-modules' (:mod:`clockworkd.nodewatch_ops`, :mod:`clockworkd.borrow.ops`).
+the node's status, and recording and publishing events.
 
 One thread, one :class:`zmq.Poller`; no thread per client (the ZAP authenticator runs in its own
 thread, as pyzmq provides it). A malformed, oversized or unauthorised message is answered with an
@@ -39,7 +43,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -47,12 +50,15 @@ import zmq
 from clockworkd import __version__
 from clockworkd.borrow.ops import BorrowOps
 from clockworkd.config.schema import DaemonConfig
-from clockworkd.daemon_auth import Caller, authorise, caller_of
+from clockworkd.daemon_auth import Access, Caller, OpAccess, authorise, caller_of
 from clockworkd.daemon_component import Component, OpsContext
+from clockworkd.daemon_ops import OpSpec, op_table
 from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.daemon_sockets import DaemonSockets, recv_capped
 from clockworkd.errors import DaemonError
+from clockworkd.gpuhealth.ops import HealthOps
 from clockworkd.instance_lock import InstanceLock, socket_in_use
+from clockworkd.lens.ops import LensOps
 from clockworkd.nodewatch_ops import NodeWatchOps
 from clockworkd.parked import Park, ParkedRequests
 from clockworkd.protocol import (
@@ -60,9 +66,16 @@ from clockworkd.protocol import (
     DEFAULT_EVENTS_PER_REPLY,
     FORBIDDEN,
     INTERNAL,
+    JOB_EVENTS,
+    JOBS,
+    PING,
+    POST_EVENT,
     QUOTA,
+    REGISTER_JOB,
+    STATUS,
     TOO_LARGE,
     UNKNOWN_JOB,
+    UNREGISTER_JOB,
     ProtocolError,
     decode_request,
     encode_error,
@@ -81,9 +94,6 @@ ENDED_JOBS_IN_STATUS = 20
 # A job_events reply stops adding events past this many bytes (``more`` tells the client to page on).
 EVENTS_REPLY_BYTES = 8 * 1024 * 1024
 RECENT_EVENTS_IN_STATUS = 20
-
-#: An op's handler: the request's arguments and its caller to the reply's fields, or a Park for a long poll.
-Handler = Callable[[dict[str, Any], Caller], dict[str, Any] | Park]
 
 
 def _resolve_uid(user: str) -> int | None:
@@ -113,23 +123,26 @@ class Daemon:
         self.components: dict[str, Component | str] = {}
         self._parked = ParkedRequests()
         hosted = OpsContext(self.node, self.components, self.job)
-        verdicts, borrows = NodeWatchOps(hosted), BorrowOps(hosted)
-        self._ops: dict[str, Handler] = {
-            "ping": self._op_ping,
-            "status": self._op_status,
-            "jobs": self._op_jobs,
-            "register_job": self._op_register_job,
-            "unregister_job": self._op_unregister_job,
-            "post_event": self._op_post_event,
-            "job_events": self._op_job_events,
-            "lens": self._op_lens,
-            "gpus": self._op_gpus,
-            "borrow": borrows.borrow,
-            "borrow_status": borrows.borrow_status,
-            "borrow_release": borrows.borrow_release,
-            "node_verdicts": verdicts.node_verdicts,
-            "node_view": verdicts.node_view,
-        }
+        #: Every op, from the declarations of the core (:meth:`ops`) and of each hosted component.
+        self.op_table: dict[str, OpSpec] = op_table(
+            [self, LensOps(hosted), HealthOps(hosted), NodeWatchOps(hosted), BorrowOps(hosted)]
+        )
+        self._access = {op: spec.access for op, spec in self.op_table.items()}
+
+    def ops(self) -> list[OpSpec]:
+        """The daemon core's ops: the job registry, the node's status, events."""
+        return [
+            OpSpec(PING, OpAccess.of(Access.LOCAL_ANY, Access.PEER), self._op_ping),
+            OpSpec(STATUS, OpAccess.of(Access.LOCAL_ANY), self._op_status),
+            OpSpec(JOBS, OpAccess.of(Access.LOCAL_ANY), self._op_jobs),
+            OpSpec(REGISTER_JOB, OpAccess.of(Access.PRIVILEGED), self._op_register_job),
+            OpSpec(UNREGISTER_JOB, OpAccess.of(Access.JOB_OWNER), self._op_unregister_job),
+            # ``node`` (where the event happened) is a relaying daemon's to say: a peer's, or root's.
+            OpSpec(
+                POST_EVENT, OpAccess.of(Access.JOB_OWNER, Access.PEER, privileged_fields=("node",)), self._op_post_event
+            ),
+            OpSpec(JOB_EVENTS, OpAccess.of(Access.JOB_OWNER), self._op_job_events),
+        ]
 
     # ----- life cycle -------------------------------------------------------------------------
 
@@ -327,8 +340,8 @@ class Daemon:
             log.log(level, "node %s: bad request from %s: %s", self.node, caller.describe(), exc)
             return encode_error(exc.code, exc.message)
         try:
-            authorise(request, caller, self.job, self.cfg.slurm_user)
-            reply = self._ops[request.op](request.args, caller)
+            authorise(request, caller, self._access, self.job, self.cfg.slurm_user)  # refuses undeclared ops
+            reply = self.op_table[request.op].handler(request.args, caller)
             return reply if isinstance(reply, Park) else encode_ok(**reply)
         except ProtocolError as exc:
             if exc.code == FORBIDDEN:
@@ -395,28 +408,6 @@ class Daemon:
 
     def _op_jobs(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         return {"jobs": [j.to_dict() for j in self._registry.jobs() if self._visible(j, caller)]}
-
-    def _op_lens(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
-        lens = self.components.get("lens")
-        if lens is None or isinstance(lens, str):
-            return {"node": self.node, "enabled": False, "state": lens or "not configured"}
-        snapshot = getattr(lens, "snapshot", None)
-        return dict(snapshot()) if callable(snapshot) else {"node": self.node, "enabled": False}
-
-    def _op_gpus(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
-        """The GPU health watch's view; ranks and migrations only of the jobs the caller may see."""
-        health = self.components.get("health")
-        if health is None or isinstance(health, str):
-            return {"node": self.node, "enabled": False, "state": health or "not configured", "gpus": []}
-        snapshot = getattr(health, "snapshot", None)
-        if not callable(snapshot):
-            return {"node": self.node, "enabled": False, "state": "no snapshot", "gpus": []}
-
-        def visible(job_id: int) -> bool:
-            job = self._registry.get(job_id)
-            return job is not None and self._visible(job, caller)
-
-        return dict(snapshot(visible))
 
     def _op_register_job(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         record, created = self._registry.register(

@@ -253,7 +253,7 @@ def test_a_second_user_acts_only_on_its_own_jobs(scratch: Path, daemons: list[Ru
     assert out["ping"]["ok"]
     for name in ("register", "unregister_other", "events_other", "post_other", "post_own_as_node", "verdicts_other"):
         assert out[name] == {"ok": False, "code": "forbidden", "message": out[name]["message"]}, name
-    assert f"uid {NOBODY} may not register job 300" in out["register"]["message"]
+    assert f"uid {NOBODY} may not register_job job 300: only root and the Slurm user" in out["register"]["message"]
     assert "may not unregister_job job 100: it belongs to uid 1000" in out["unregister_other"]["message"]
     assert "may not job_events job 100: it belongs to uid 1000" in out["events_other"]["message"]
     assert "may not node_verdicts job 100: it belongs to uid 1000" in out["verdicts_other"]["message"]

@@ -258,7 +258,7 @@ def _decode_or_error(data: bytes) -> None:
         return
     # Whatever got through is exactly what the schema allows, and encodes back to a decodable request.
     assert request.op in OPS
-    assert set(request.args) <= set(SCHEMA[request.op])
+    assert set(request.args) <= set(SCHEMA[request.op].fields)
     assert decode_request(encode_request(request.op, **request.args), 1 << 20) == request
 
 

@@ -2,8 +2,9 @@
 
 Apart from the daemon's loop (:mod:`clockworkd.server`) because they are the borrow manager's side of the control
 socket: a training job's agent asks for a node to borrow after a loss, follows the request, and the Epilog gives
-what the job holds back. The daemon has already checked that the caller owns the job
-(:func:`clockworkd.daemon_auth.authorise`); what is left here is the manager's policy, whose refusal is answered
+what the job holds back. All three are declared ``job-owner`` (:meth:`BorrowOps.ops`), so the daemon has already
+checked that the caller owns the job, or is root or the Slurm user (:func:`clockworkd.daemon_auth.authorise`);
+what is left here is the manager's policy, whose refusal is answered
 ``forbidden`` with its reason. The manager is found among the daemon's components on each request: where
 borrowing is off, the reason it is off is the answer.
 """
@@ -13,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from clockworkd.borrow.manager import BorrowManager, BorrowRefused
-from clockworkd.daemon_auth import Caller
+from clockworkd.daemon_auth import Access, Caller, OpAccess
 from clockworkd.daemon_component import OpsContext
-from clockworkd.protocol import FORBIDDEN, ProtocolError
+from clockworkd.daemon_ops import OpSpec
+from clockworkd.protocol import BORROW, BORROW_RELEASE, BORROW_STATUS, FORBIDDEN, ProtocolError
 
 __all__ = ["BorrowOps"]
 
@@ -25,6 +27,14 @@ class BorrowOps:
 
     def __init__(self, daemon: OpsContext) -> None:
         self.daemon = daemon
+
+    def ops(self) -> list[OpSpec]:
+        owner = OpAccess.of(Access.JOB_OWNER)
+        return [
+            OpSpec(BORROW, owner, self.borrow),
+            OpSpec(BORROW_STATUS, owner, self.borrow_status),
+            OpSpec(BORROW_RELEASE, owner, self.borrow_release),
+        ]
 
     def _manager(self) -> BorrowManager:
         manager = self.daemon.components.get("borrow")
