@@ -221,7 +221,7 @@ class TorchPassConfig:
         "acknowledged) recomputes that one step.",
     )
     replica_check_every_steps: int = setting(
-        100,
+        200,
         "The runtime net for silent divergence: after every K-th committed step (step + 1 divisible by K), the "
         "replicas of each state (every DDP rank; the HSDP ranks holding the same shard) compare checksums of their "
         "parameters and optimizer state (DDP: and buffers), one all_gather of three integers per rank; a mismatch "

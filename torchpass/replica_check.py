@@ -12,8 +12,9 @@ new) could still end a run silently different. Two invariants make such a differ
   already wrong. After every K-th committed step (``replica_check_every_steps``; step + 1 divisible by K, as
   snapshots count) each rank checksums its state and one ``all_gather`` of three integers per rank over the
   generation's group compares them; only on a mismatch does a second ``all_gather`` of the per-tensor checksums
-  name the first differing tensor. Every rank gets the same tables, so every rank stops at the same step with
-  the same reason (the job fails: :meth:`torchpass.rejoin.CoordinatorLink.fatal`).
+  name the first differing tensor. The whole group, not HSDP's replicate groups: every rank gets the same
+  tables, so every rank, of every shard, stops at the same step with the same reason (the job fails:
+  :meth:`torchpass.rejoin.CoordinatorLink.fatal`) instead of some ranks training on into a job being stopped.
 * **A transfer copies bytes, so the receiver, once loaded, equals its source.** The sender puts its per-tensor
   checksums into the state's metadata (computed from the tensors it sends; a peer copy's from its payload when
   the copy was made, :mod:`torchpass.peer_copy`), and the receiver compares them with its own after loading.
@@ -24,7 +25,8 @@ The checksum is bitwise and independent of the order of any reduction: a tensor'
 H = sum(i * (w_i >> 32)) modulo 2**64. Integer addition modulo 2**64 is associative and commutative, so a GPU's
 reduction order, a chunked sum and a CPU's all give the same numbers, and only equal bytes give equal sums: S
 changes with any changed word (one flipped bit, -0.0 against 0.0, another NaN payload), W and H with swapped
-words (H covers a swap of words that differ only in their high bits, whose difference W's weights can cancel).
+words (H covers a swap of words that differ only in their high bits, whose difference W's weights can cancel:
+a swap escapes both only in a tensor of more than 2**33 words).
 A tensor's pair is (S + layout * M, W + H * M) modulo 2**64, ``layout`` a CRC of its dtype and shape and M an
 odd constant. Large tensors are viewed as a matrix of 1024 columns, whose row and column sums give W without a
 position vector, in blocks that bound the one temporary (the high halves) to 32 MiB; small ones are summed
@@ -148,8 +150,10 @@ def _small(batch: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tenso
     pieces = [w for words, extra in batch for w in ((words,) if extra is None else (words, extra))]
     counts = [words.numel() + (extra is not None) for words, extra in batch]
     flat = torch.cat(pieces)
-    owner = torch.repeat_interleave(
-        torch.arange(len(batch), device=device), torch.tensor(counts, dtype=torch.int64, device=device)
+    owner = torch.repeat_interleave(  # output_size: no device sync to learn it
+        torch.arange(len(batch), device=device),
+        torch.tensor(counts, dtype=torch.int64, device=device),
+        output_size=flat.numel(),
     )
     starts = torch.tensor([0, *itertools.accumulate(counts)][:-1], dtype=torch.int64, device=device)
     position = torch.arange(flat.numel(), dtype=torch.int64, device=device) - starts[owner]
@@ -365,6 +369,7 @@ class ReplicaNet:
         self.buffers = False  # DDP broadcasting buffers: every rank holds slot 0's at a commit, so they compare
         self.checks = 0  # periodic checks run
         self.check_s = 0.0  # their time, in all (checksums and collectives)
+        self.checksum_s = 0.0  # of which computing this rank's checksums
         self.check_bytes = 0  # bytes read by the last one
         self._said_pure = False
         self._annexes: dict[tuple[str, int], dict[str, Any]] = {}
@@ -426,10 +431,27 @@ class ReplicaNet:
 
     def _compare(self, step: int, columns: list[list[int]], device: torch.device) -> tuple[str, str]:
         """("", "") when every column agrees; else the reason and the first differing tensor's name."""
-        names, tensors = state_table(self.parts, buffers=self.shape is None and self.buffers)
-        self.check_bytes = sum(local_tensor(t).numel() * t.element_size() for t in tensors)
-        pairs = checksums(tensors)
-        rows = _gather([len(pairs), *digest(pairs)], device)
+        started = time.perf_counter()
+        names: list[str] = []
+        pairs: list[Pair] = []
+        failure = ""
+        try:
+            names, tensors = state_table(self.parts, buffers=self.shape is None and self.buffers)
+            self.check_bytes = sum(local_tensor(t).numel() * t.element_size() for t in tensors)
+            pairs = checksums(tensors)
+        except Exception as exc:  # not a collective's failure: said to every rank, so that none waits for it
+            failure = f"{type(exc).__name__}: {exc}"
+        self.checksum_s += time.perf_counter() - started
+        rows = _gather([-1, 0, 0] if failure else [len(pairs), *digest(pairs)], device)
+        unable = [slot for slot, row in enumerate(rows) if row[0] < 0]
+        if unable:  # the same script on every rank: it fails alike everywhere, and would at every check
+            self.every = 0
+            self.log.warning(
+                "replica check turned off: %s could not checksum its state%s",
+                _slots(unable),
+                f" ({failure})" if failure else "",
+            )
+            return "", ""
         bad = [column for column in columns if len({rows[slot] for slot in column}) > 1]
         if not bad:
             return "", ""

@@ -299,6 +299,26 @@ def test_the_verdict_names_the_slots_and_the_first_differing_tensor(monkeypatch:
     assert net.columns(4) == []  # pure FSDP: nothing to compare
 
 
+def test_a_state_that_cannot_be_checksummed_turns_the_check_off_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, opt = _trained()
+    net = ReplicaNet(1, StateParts(model, [opt]), LOG, None)
+    sent: list[list[int]] = []
+
+    def gather(values: list[int], device: torch.device) -> list[tuple[int, ...]]:
+        sent.append(values)
+        return [tuple(values), (5, 1, 2)]  # this rank failed; its peer did not, and learns it from the gather
+
+    def broken(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+        raise RuntimeError("no bytes for a sparse tensor")
+
+    monkeypatch.setattr(rc, "_gather", gather)
+    monkeypatch.setattr(rc, "checksums", broken)
+    assert net._compare(3, net.columns(2), torch.device("cpu")) == ("", "")
+    assert sent == [[-1, 0, 0]] and not net.on  # every rank joined the gather, then turned the check off
+
+
 def test_off_means_never_due_and_k_counts_like_snapshots() -> None:
     net = ReplicaNet(0, StateParts(), LOG, None)
     assert not net.on and not any(net.due(s) for s in range(10))

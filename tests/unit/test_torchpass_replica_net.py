@@ -186,6 +186,7 @@ if __name__ == "__main__":
 from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final, local_command  # noqa: E402
 
 ACCUMULATION_SCRIPT = SCRIPT.with_name("test_torchpass_fsdp_accumulation.py")  # issue 40's regression script
+STATEFUL_SCRIPT = SCRIPT.with_name("test_torchpass_stateful.py")  # BatchNorm under DDP: buffers compared too
 
 
 def _run(
@@ -314,4 +315,19 @@ def test_no_false_alarm_with_a_check_after_every_step_hsdp_accumulation(base: Pa
     for run in (reference, faulted):
         assert not run.of_kind("torchpass.replica_mismatch") and "replicas agree" in run.output, run.output[-3000:]
     for slot in range(4):
+        assert_bitwise_equal(load_final(faulted.out, slot), load_final(reference.out, slot), f"slot {slot}")
+
+
+def test_no_false_alarm_with_batchnorm_buffers_compared_after_every_step(base: Path) -> None:
+    # An unmodified DDP script with BatchNorm (its statistics are compared: every rank holds slot 0's at a commit),
+    # slot 2 and then slot 0, whose buffers every forward starts from, killed.
+    common: dict[str, Any] = {"mode": "transparent", "every": 1, "script": STATEFUL_SCRIPT}
+    reference = _run(base, "batchnorm-k1-reference", **common)
+    reference.check_ok()
+    faulted = _run(base, "batchnorm-k1-killed", kill="2:7:backward,0:15:forward", **common)
+    faulted.check_ok()
+    assert len(list(faulted.out.glob("killed-*"))) == 2, "the faults were not injected"
+    for run in (reference, faulted):
+        assert not run.of_kind("torchpass.replica_mismatch") and "replicas agree" in run.output, run.output[-3000:]
+    for slot in range(3):
         assert_bitwise_equal(load_final(faulted.out, slot), load_final(reference.out, slot), f"slot {slot}")
