@@ -514,7 +514,11 @@ class ReplicaNet:
         key = (str(meta["label"]), int(meta["committed"]))
         annex = self._annexes.get(key)
         if annex is None:
-            annex = self._annexes[key] = {"checksums": checksums(tensors[: meta["core"]])}
+            started, sent = time.perf_counter(), tensors[: meta["core"]]
+            annex = self._annexes[key] = {"checksums": checksums(sent)}
+            self.log.info(
+                "transfer check: checksums of the state sent (%s) in %.1f ms", _mib(sent), 1000 * _since(started)
+            )
         return annex
 
     def forget(self) -> None:
@@ -531,9 +535,16 @@ class ReplicaNet:
         if sent is None:
             self.log.info("the state from %s carries no checksums: not checked", source)
             return
+        started = time.perf_counter()
         names, tensors = state_table(parts, buffers=True)
         first = _first_difference(sent, checksums(tensors))
         if first is None:
+            self.log.info(
+                "transfer check: the state from %s equals what was sent (%s checked in %.1f ms)",
+                source,
+                _mib(tensors),
+                1000 * _since(started),
+            )
             return
         step = int(meta["committed"])
         tensor = names[first] if first < len(names) else f"tensor #{first + 1}"
@@ -548,6 +559,14 @@ class ReplicaNet:
         )
         emit(self.event_sink, self.log, EVENT, check="transfer", step=step, tensor=tensor, source=source)
         raise ReplicaMismatch(message, step=step, tensor=tensor)
+
+
+def _mib(tensors: Sequence[torch.Tensor]) -> str:
+    return f"{sum(t.numel() * t.element_size() for t in tensors) / (1 << 20):.1f} MiB"
+
+
+def _since(started: float) -> float:
+    return time.perf_counter() - started
 
 
 def _gather(values: list[int], device: torch.device) -> list[tuple[int, ...]]:
