@@ -220,6 +220,17 @@ class TorchPassConfig:
         "next step's forward and backward pass, and a crash in that window (from a step's update until its copy is "
         "acknowledged) recomputes that one step.",
     )
+    replica_check_every_steps: int = setting(
+        200,
+        "The runtime net for silent divergence: after every K-th committed step (step + 1 divisible by K), the "
+        "replicas of each state (every DDP rank; the HSDP ranks holding the same shard) compare checksums of their "
+        "parameters and optimizer state (DDP: and buffers), one all_gather of three integers per rank; a mismatch "
+        "stops the job, naming the step, the slots and the first differing tensor. While on, every state transfer "
+        "(recovery, migration, peer copy) is checked too: the receiver's loaded state against its sender's "
+        "checksums. 0 = off (both). Pure FSDP has no replicas: only its transfers are checked. Costs one read of "
+        "the state per check (docs/user-guide.md, 'The runtime net').",
+        min=0,
+    )
     snapshot_dir: str = setting(
         "clockwork-snapshots/{job}",
         "Where snapshots go ({job}: the Slurm job id, or 'local'); relative to the launcher's working directory. "

@@ -58,6 +58,7 @@ from torchpass.fsdp import ShardedState, ShardPlan
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, die_with_parent
 from torchpass.rank_output import RankLog, configure_logging, whole_lines_on_shared_output
 from torchpass.rejoin import CoordinatorLink, Membership, ProcessGroupTransport, Rejoiner
+from torchpass.replica_check import ReplicaNet
 from torchpass.snapshot import RestoreError, Snapshotter, restart_advice, restore, restore_target
 from torchpass.state import StateParts
 from torchpass.step import StepLifecycle, carried_gradients_reason
@@ -102,11 +103,14 @@ class Context:
         self.lifecycle = StepLifecycle(channel, self._parts, lambda: self.generation, self.log, event_sink)
         # Joining generations (torchpass.rejoin): DDP's transport moves the whole state as one part.
         self.link = CoordinatorLink(channel, self.log, self.close)
+        # The runtime net for silent divergence (torchpass.replica_check): replicas compare, transfers are checked.
+        self.net = ReplicaNet(config.replica_check_every_steps, self._parts, self.log, event_sink)
+        chunk, net = int(config.transfer_chunk_mb * (1 << 20)), self.net if self.net.on else None
         self.rejoiner = Rejoiner(
             worker_id=self.worker_id,
             config=config,
             link=self.link,
-            transport=ProcessGroupTransport(backend, {0: self._parts}, int(config.transfer_chunk_mb * (1 << 20))),
+            transport=ProcessGroupTransport(backend, {0: self._parts}, chunk, net),
             layout=Replicated(),
             membership=self.membership,
             lifecycle=self.lifecycle,
@@ -174,6 +178,7 @@ class Context:
         self._parts.model = ddp.module
         self.lifecycle.watch_zero_grad(ddp)
         self.lifecycle.watch_zero_grad(ddp.module)
+        self.net.buffers = bool(ddp.synced_buffers)  # slot 0's on every rank at a commit: replicas compare them
         self.lifecycle.track_model(
             list(ddp.module.buffers()) if self.config.snapshot_buffers else [],
             StagedBuffers(ddp.synced_buffers) if ddp.synced_buffers and self.world_size > 1 else None,
@@ -196,7 +201,8 @@ class Context:
         if self._sharded is not None or self._model is not None:
             raise TorchPassError("the job's model is already wrapped (one model, one mesh per job)")
         self._sharded = sharded = ShardedState(shape, self, self._parts, names)
-        self.rejoiner.transport = sharded.transport(self._backend, int(self.config.transfer_chunk_mb * (1 << 20)))
+        chunk, self.net.shape = int(self.config.transfer_chunk_mb * (1 << 20)), shape
+        self.rejoiner.transport = sharded.transport(self._backend, chunk, self.net if self.net.on else None)
         self.rejoiner.layout, self.mesh = sharded.part_layout, sharded.groups.mesh
         return sharded
 
@@ -344,6 +350,7 @@ class Context:
         self.membership.committed, self.membership.has_state = step, True
         self.lifecycle.note_commit(step)
         self.lifecycle.remember()
+        self.net.after_commit(step, self)  # replicas compare every K steps; a mismatch stops the job here
         for callback in self._commit_hooks:
             callback(step)
         planned = step in self._channel.snapshot_steps

@@ -219,6 +219,9 @@ class CoordinatorCore:
                 )
             case Fatal():
                 self.out.send(sender, Ack(msg.id))
+                if msg.kind == "replica_mismatch" and not m.state.ended:  # the first rank to say so (all may)
+                    fields = {"worker": msg.wid, "step": msg.step, "tensor": msg.tensor, "reason": msg.message}
+                    self.out.emit("torchpass.replica_mismatch", **fields)
                 m.fail(f"{msg.wid}: {msg.message}")
             case Status():
                 self.out.send(sender, StatusAnswer(msg.id, self.status()))

@@ -50,6 +50,7 @@ from torchpass.events import EventSink
 from torchpass.peer_copy import PeerCopies
 from torchpass.protocol import LaunchEnv
 from torchpass.rejoin import ProcessGroupTransport
+from torchpass.replica_check import ReplicaNet
 from torchpass.shard_mesh import MeshGroups
 from torchpass.state import StateError, StateParts
 from torchpass.step import StepLifecycle
@@ -219,9 +220,10 @@ class ShardedState:
         self.host.lifecycle.track_model(list(model.buffers()) if self.host.config.snapshot_buffers else [], None)
         log.info("model sharded over a %s mesh (slot %d: %s)", self.layout, self.host.slot, self.parts.label)
 
-    def transport(self, backend: CommBackend, chunk_bytes: int) -> ShardTransport:
-        """How this rank's shard moves (:class:`ShardTransport`), over ``backend``'s generations."""
-        transport = ShardTransport(backend, self.groups, self.parts, chunk_bytes, self.peers)
+    def transport(self, backend: CommBackend, chunk_bytes: int, net: ReplicaNet | None = None) -> ShardTransport:
+        """How this rank's shard moves (:class:`ShardTransport`), over ``backend``'s generations (``net``: checking
+        every transfer)."""
+        transport = ShardTransport(backend, self.groups, self.parts, chunk_bytes, self.peers, net)
         if self.peers is not None:
             self.host.lifecycle.commit_checks.append(transport.copied_everywhere)
         return transport
@@ -273,9 +275,10 @@ class ShardTransport(ProcessGroupTransport):
         parts: StateParts,
         chunk_bytes: int,
         peers: PeerCopies | None = None,
+        net: ReplicaNet | None = None,
     ) -> None:
         self.shard = groups.shape.coordinate(groups.slot)[1]
-        super().__init__(backend, {self.shard: parts}, chunk_bytes)
+        super().__init__(backend, {self.shard: parts}, chunk_bytes, net)
         self.groups = groups
         self.peers = peers
         self.live: int | None = None  # the step of this rank's live shard, as last reported
@@ -328,8 +331,10 @@ class ShardTransport(ProcessGroupTransport):
         """Roll this rank's shard back to its own peer copy of ``step`` (in place)."""
         if self.peers is None or part != self.shard:
             raise StateError(f"no copy of shard {part} at step {step} is kept here")
+        parts = self.parts[part]
+        check = self.net.checker(parts, "this rank's own copy") if self.net is not None else None
         with torch.no_grad():
-            loaded = self.peers.restore(self.parts[part], step, self.backend.device)
+            loaded = self.peers.restore(parts, step, self.backend.device, check)
         self.live = step
         return loaded
 

@@ -43,6 +43,7 @@ import pickle
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,7 @@ from torchpass.auth import job_key
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
 from torchpass.peer_wire import CopyBuffer, CopyLink, CopyListener, ReceivedCopies, WireError
+from torchpass.replica_check import payload_checksums
 from torchpass.state import (
     StateError,
     StateParts,
@@ -107,6 +109,7 @@ class PeerCopies:
         self.copies = config.peer_copies
         self.every = config.peer_copy_every_steps
         self.sync = config.peer_copy_sync  # a commit waits for the copies (fsdp.ShardTransport.copied_everywhere)
+        self.checksums = config.replica_check_every_steps > 0  # each copy carries its checksums (replica_check)
         self.timeout_s = config.collective_timeout_s
         self.slot = slot  # the global slot (r * shards + s, as :class:`ShardedReplicas` numbers them)
         self.shards = shards
@@ -274,6 +277,10 @@ class PeerCopies:
                         into.copy_(source)  # releases the GIL: the forward pass runs meanwhile
                 if job.gpu_done is not None:
                     job.gpu_done.synchronize()
+                if self.checksums and job.buffer.meta is not None:  # taken from the copy as it was made
+                    meta = job.buffer.meta
+                    meta["checksums"] = payload_checksums(job.buffer.data, meta)
+                    job.buffer.blob = encode_meta(meta)  # msgpack, as at capture
                 job.buffer.step, job.buffer.complete = job.step, True
             except Exception as exc:
                 self._discard(job.buffer)
@@ -348,12 +355,15 @@ class PeerCopies:
         blob = pickle.dumps(self._meta(copy), protocol=pickle.HIGHEST_PROTOCOL)
         return send_payload(blob, copy.data, peer, device, chunk_bytes)
 
-    def restore(self, parts: StateParts, step: int, device: torch.device) -> int:
-        """Roll this rank's live state back to its own copy of ``step``; the bytes loaded."""
+    def restore(
+        self, parts: StateParts, step: int, device: torch.device, check: Callable[[dict[str, Any]], None] | None = None
+    ) -> int:
+        """Roll this rank's live state back to its own copy of ``step``; the bytes loaded. ``check(meta)`` runs once
+        it is loaded (the net's comparison with the copy's checksums)."""
         copy = self.copy_of(self.shard, step)
         if copy is None:
             raise WireError(f"no copy of this rank's shard at step {step}")
-        return load_payload(parts, self._meta(copy), copy.data, device)
+        return load_payload(parts, self._meta(copy), copy.data, device, check)
 
     @staticmethod
     def _meta(copy: CopyBuffer) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from torchpass.config import TorchPassConfig
 from torchpass.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.errors import TorchPassError
 from torchpass.events import EventSink, emit
+from torchpass.replica_check import ReplicaMismatch, ReplicaNet
 from torchpass.snapshot.restore import restart_advice
 from torchpass.state import StateError, StateParts, recv_state, send_state
 from torchpass.step import StepLifecycle
@@ -126,14 +127,19 @@ class ProcessGroupTransport:
     agreement as one ``all_gather``, and each part as :func:`torchpass.state.send_state`'s point-to-point
     stream (``parts``: part -> the objects whose state it is; DDP has one, the whole state)."""
 
-    def __init__(self, backend: CommBackend, parts: Mapping[int, StateParts], chunk_bytes: int) -> None:
+    def __init__(
+        self, backend: CommBackend, parts: Mapping[int, StateParts], chunk_bytes: int, net: ReplicaNet | None = None
+    ) -> None:
         self.backend = backend
         self.parts = parts
         self.chunk_bytes = chunk_bytes
+        self.net = net  # checks every transfer (the sender's checksums travel with the state) unless None
         self.depth = 0  # older copies per part in the agreement's rows (a transport that keeps copies sets it)
 
     def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
         """The generation's default process group (and the script's group beside it)."""
+        if self.net is not None:
+            self.net.forget()
         self.backend.form_group(dist.PrefixStore("pg", store), rank, world_size, generation, skip_ports)
 
     def held(self, has_state: bool, committed: int) -> Holdings:
@@ -149,13 +155,17 @@ class ProcessGroupTransport:
         return [Holdings.decode([int(v) for v in r.tolist()], self.depth) for r in rows]
 
     def send_part(self, part: int, committed: int, peer: int) -> int:
-        """The part's state as one stream to ``peer``."""
-        return send_state(self.parts[part], committed, peer, self.backend.device, self.chunk_bytes)
+        """The part's state as one stream to ``peer`` (with its checksums when the net is on)."""
+        annex = self.net.annex if self.net is not None else None
+        return send_state(self.parts[part], committed, peer, self.backend.device, self.chunk_bytes, annex)
 
     def recv_part(self, part: int, peer: int) -> tuple[int, int]:
-        """Receive straight into the live parameters (and fresh tensors for the rest)."""
+        """Receive straight into the live parameters (and fresh tensors for the rest); with the net on, the loaded
+        state is compared with the sender's checksums (:class:`torchpass.replica_check.ReplicaMismatch`)."""
+        parts = self.parts[part]
+        check = self.net.checker(parts, f"rank {peer} of the group") if self.net is not None else None
         with torch.no_grad():
-            return recv_state(self.parts[part], peer, self.backend.device, self.chunk_bytes)
+            return recv_state(parts, peer, self.backend.device, self.chunk_bytes, check)
 
     def restore_part(self, part: int, step: int) -> int:
         """DDP keeps no copies: the plan never asks for this."""
@@ -222,9 +232,10 @@ class CoordinatorLink:
         except (CoordinatorLost, CoordinatorRefused) as exc:
             self.log.warning("coordinator did not take %s: %s", op, exc)
 
-    def fatal(self, message: str) -> NoReturn:
-        """Tell the coordinator the job cannot go on (it fails the job) and raise."""
-        self.report("fatal", message=message)
+    def fatal(self, message: str, **fields: Any) -> NoReturn:
+        """Tell the coordinator the job cannot go on (it fails the job) and raise. ``fields``: what the request
+        says besides (a replica mismatch's kind, step and tensor, which the coordinator records as an event)."""
+        self.report("fatal", message=message, **fields)
         raise TorchPassError(message)
 
 
@@ -364,7 +375,9 @@ class Rejoiner:
                     m.has_state = False
                     got = self.transport.restore_part(transfer.part, plan.step)
                 except Exception as exc:
-                    self.link.fatal(f"generation {info.gen}: rolling back to step {plan.step} failed: {exc}")
+                    self.link.fatal(
+                        f"generation {info.gen}: rolling back to step {plan.step} failed: {exc}", **_mismatch(exc)
+                    )
                 nbytes += got
                 moves.append(self._move(transfer.part, me, got, began))
                 continue
@@ -389,7 +402,7 @@ class Rejoiner:
                     nbytes += got
                     moves.append(self._move(transfer.part, peer, got, began))
             except StateError as exc:
-                self.link.fatal(str(exc))
+                self.link.fatal(str(exc), **_mismatch(exc))
             except Exception as exc:
                 raise GenerationBroken(f"state transfer {transfer.source}->{transfer.target} failed: {exc}") from None
         m.committed, m.has_state = plan.step, True  # every member now holds its parts at the plan's step
@@ -525,7 +538,7 @@ class Rejoiner:
             self.log.info("received %d bytes of state (step %d) from %s", nbytes, committed, info.handoff.source)
             return handed
         except StateError as exc:
-            self.link.fatal(str(exc))
+            self.link.fatal(str(exc), **_mismatch(exc))
         except Exception as exc:
             m.has_state, m.committed = False, -1
             self.log.warning("handoff from %s failed (%s); taking the state from a replica", info.handoff.source, exc)
@@ -540,3 +553,8 @@ class Rejoiner:
             return []
         finally:
             self.transport.leave()
+
+
+def _mismatch(exc: BaseException) -> dict[str, Any]:
+    """The fields a fatal request adds for a state that failed the net's transfer check (none otherwise)."""
+    return exc.fields if isinstance(exc, ReplicaMismatch) else {}

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -205,6 +205,7 @@ def _describe(parts: StateParts, committed: int) -> tuple[dict[str, Any], list[t
             model_entries.append((name, tuple(local.shape), str(local.dtype)))
             tensors.append(local)
     optim = [_strip(opt.state_dict(), tensors) for opt in parts.optimizers]
+    core = len(tensors)  # the model's and the optimizers' tensors come first (what torchpass.replica_check compares)
     extra = {name: _strip(obj.state_dict(), tensors) for name, obj in parts.extra.items()}
     meta = {
         "version": FORMAT_VERSION,
@@ -213,14 +214,25 @@ def _describe(parts: StateParts, committed: int) -> tuple[dict[str, Any], list[t
         "model": model_entries,
         "optim": optim,
         "extra": extra,
+        "core": core,
         "layout": [(str(t.dtype), tuple(t.shape)) for t in tensors],
     }
     return meta, tensors
 
 
-def send_state(parts: StateParts, committed: int, dst: int, device: torch.device, chunk_bytes: int) -> int:
-    """Send this rank's state to rank ``dst`` of the current group; returns the payload bytes sent."""
+def send_state(
+    parts: StateParts,
+    committed: int,
+    dst: int,
+    device: torch.device,
+    chunk_bytes: int,
+    annex: Callable[[dict[str, Any], list[torch.Tensor]], Mapping[str, Any]] | None = None,
+) -> int:
+    """Send this rank's state to rank ``dst`` of the current group; returns the payload bytes sent. ``annex(meta,
+    tensors)`` adds to the metadata (the sender's checksums: :meth:`torchpass.replica_check.ReplicaNet.annex`)."""
     meta, tensors = describe(parts, committed)
+    if annex is not None:
+        meta.update(annex(meta, tensors))
     blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
     offsets, total = payload_offsets(meta["layout"])
     dist.send(torch.tensor([len(blob), total], dtype=torch.int64, device=device), dst)
@@ -246,9 +258,16 @@ def send_payload(blob: bytes, payload: torch.Tensor, dst: int, device: torch.dev
     return total
 
 
-def load_payload(parts: StateParts, meta: dict[str, Any], payload: torch.Tensor, device: torch.device) -> int:
+def load_payload(
+    parts: StateParts,
+    meta: dict[str, Any],
+    payload: torch.Tensor,
+    device: torch.device,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> int:
     """Load a state captured earlier (``meta`` and its payload) into ``parts``: model tensors in place, the rest
-    as fresh tensors (never views of ``payload``, which is reused); returns the payload bytes."""
+    as fresh tensors (never views of ``payload``, which is reused); returns the payload bytes. ``check(meta)``
+    runs once it is loaded (the net's comparison with the checksums taken when it was captured)."""
     layout = [(name, tuple(shape)) for name, shape in meta["layout"]]
     offsets, total = payload_offsets(layout)
     if total != payload.numel():
@@ -259,11 +278,20 @@ def load_payload(parts: StateParts, meta: dict[str, Any], payload: torch.Tensor,
             flat = as_bytes(target)
             flat.copy_(payload[offset : offset + flat.numel()])
     apply_state(parts, meta, destinations)
+    if check is not None:
+        check(meta)
     return total
 
 
-def recv_state(parts: StateParts, src: int, device: torch.device, chunk_bytes: int) -> tuple[int, int]:
-    """Receive a state from rank ``src`` into ``parts``; returns (committed step, payload bytes).
+def recv_state(
+    parts: StateParts,
+    src: int,
+    device: torch.device,
+    chunk_bytes: int,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> tuple[int, int]:
+    """Receive a state from rank ``src`` into ``parts``; returns (committed step, payload bytes). ``check(meta)``
+    runs once it is loaded (the net's comparison with the sender's checksums; it raises a :class:`StateError`).
 
     Raises :class:`StateError` when the model or optimizers differ from the sender's, and whatever
     the process group raises when the sender dies: the caller must then treat this rank's state as lost.
@@ -289,6 +317,8 @@ def recv_state(parts: StateParts, src: int, device: torch.device, chunk_bytes: i
         for i, a, b in _overlaps(offsets, sizes, lo, hi):
             targets[i][a - offsets[i] : b - offsets[i]].copy_(buf[a - lo : b - lo])
     apply_state(parts, meta, destinations)
+    if check is not None:
+        check(meta)
     return int(meta["committed"]), total
 
 

@@ -13,6 +13,8 @@ writes its timings to files, and the benchmarks that start it take ``--quick`` a
   ``ctx.steps``);
 * ``interleaved``: plain DDP and TorchPass alternating in the same ranks under ``torchpass run --local``
   (``bench/torchpass_overhead.py``'s low-noise figure; see :func:`train_interleaved`);
+* ``replica_check``: TorchPass with its runtime net off and on, alternating in the same job
+  (``bench/replica_check.py``; see :func:`train_replica_check`);
 * ``torchft``: one TorchFT replica group of one process (``torchft.Manager`` with a ``ProcessGroupGloo``,
   ``torchft.DistributedDataParallel`` and ``OptimizerWrapper``; ``REPLICA_ID``/``NUM_REPLICAS``/
   ``TORCHFT_LIGHTHOUSE`` from the launcher), its own TCPStore.
@@ -274,6 +276,58 @@ def train_interleaved(args: argparse.Namespace) -> None:
     ctx.close()
 
 
+def train_replica_check(args: argparse.Namespace) -> None:
+    """TorchPass with its runtime net off and on, alternating every ``--segment`` steps in the same job
+    (``bench/replica_check.py``). After two warm-up segments the forms rotate off, K = 1, off, K = the configured
+    default, off, ... so every segment with the net on lies between two without it (a last segment, holding the
+    wait for every rank to finish, is not counted); the net's period is set on every rank at the same step
+    (``ctx.net.every``, the one number :meth:`torchpass.replica_check.ReplicaNet.due` reads), so the ranks always
+    agree on which steps are checked. The segments with the net on have odd indices, so with ``--segment`` K or
+    K / 2 each default-K segment holds exactly one check (step + 1 divisible by K). Rank 0 writes
+    ``replica_check.json``: each segment's form, wall and CPU seconds, and the checks it ran with their own time
+    (in all, and computing the checksums) and the bytes each read."""
+    import torchpass as tp
+
+    seg = args.segment
+    model = make_model(args.hidden, args.layers)
+    ctx = tp.init()
+    default_every = ctx.config.replica_check_every_steps
+    ddp = ctx.wrap_model(model)
+    opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    cycle = [("off", 0), ("k1", 1), ("off", 0), ("kdefault", default_every)]
+    segments: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    net = ctx.net
+
+    def close() -> None:
+        if current is not None:
+            current["wall_s"] = time.perf_counter() - current.pop("t0")
+            current["cpu_s"] = time.process_time() - current.pop("c0")
+            current["checks"] = net.checks - current.pop("n0")
+            current["check_s"] = net.check_s - current.pop("s0")
+            current["checksum_s"] = net.checksum_s - current.pop("k0")
+            current["check_bytes"] = net.check_bytes
+            segments.append(current)
+
+    last = args.steps - args.steps % seg
+    for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), last):
+        if step % seg == 0:
+            close()
+            index, total = step // seg, last // seg  # two segments warm up, the last holds the job's end
+            form, every = ("warmup", 0) if index < 2 else ("tail", 0) if index == total - 1 else cycle[(index - 2) % 4]
+            net.every = every  # from this step's commit on, on every rank alike
+            current = {"form": form, "every": every, "t0": time.perf_counter(), "c0": time.process_time()}
+            current.update(n0=net.checks, s0=net.check_s, k0=net.checksum_s)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    close()  # the tail: its last commit and the wait for every rank to finish ran inside ctx.steps
+    if ctx.slot == 0:
+        result = {"segment": seg, "default_every": default_every, "segments": segments}
+        (Path(args.out) / "replica_check.json").write_text(json.dumps(result))
+    ctx.close()
+
+
 def train_torchft(args: argparse.Namespace) -> None:
     from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
     from torchft.optim import OptimizerWrapper
@@ -328,7 +382,7 @@ def train_torchft(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("ddp", "torchpass", "torchft", "interleaved"))
+    parser.add_argument("mode", choices=("ddp", "torchpass", "torchft", "interleaved", "replica_check"))
     parser.add_argument("--out", required=True, help="folder for the step logs and results")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20, help="steps excluded from the timing")
@@ -349,7 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    modes = {"ddp": train_ddp, "torchpass": train_torchpass, "torchft": train_torchft, "interleaved": train_interleaved}
+    modes = {
+        "ddp": train_ddp,
+        "torchpass": train_torchpass,
+        "torchft": train_torchft,
+        "interleaved": train_interleaved,
+        "replica_check": train_replica_check,
+    }
     modes[args.mode](args)
     return 0
 

@@ -176,12 +176,17 @@ class Departed:
 
 @dataclass(frozen=True)
 class Fatal:
-    """The sender found the job cannot go on (the state does not fit, no member holds it)."""
+    """The sender found the job cannot go on (the state does not fit, no member holds it). ``kind``
+    ``replica_mismatch`` (TorchPass's runtime net: replicas or a transfer differ) comes with the ``step`` and the
+    first differing ``tensor``, which the coordinator records as an event."""
 
     OP: ClassVar[str] = "fatal"
     id: int
     wid: str
     message: str = "fatal error"
+    kind: str = ""
+    step: int | None = None
+    tensor: str = ""
 
 
 @dataclass(frozen=True)
