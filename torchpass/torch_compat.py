@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchpass.errors import TorchPassError
 
-__all__ = ["check_fsdp_internals", "drop_held_back_gradients"]
+__all__ = ["check_fsdp_internals", "drop_held_back_gradients", "restart_group_names"]
 
 
 def _param_groups(module: FSDPModule) -> list[Any]:
@@ -68,3 +69,17 @@ def drop_held_back_gradients(model: nn.Module) -> int:
                     unsharded.grad = None
                     dropped += 1
     return dropped
+
+
+def restart_group_names() -> None:
+    """Name the next process groups from the start again (torch 2.13: ``_world.group_count``), as
+    ``destroy_process_group`` does, when no default group exists.
+
+    Why: torch names a group without ranks of its own (the default group, a ``new_group``) by a per-process count,
+    and its rendezvous keys carry the name. ``init_process_group`` counts the name before it meets its peers, and
+    only destroying a formed default group starts the count again. A rank whose formation of a generation failed
+    (a member killed while the group formed) therefore named every later generation's groups one further than a
+    rank that never failed, or a newcomer: they waited for each other's keys under different names until the job
+    failed after ``max_resets`` rebuilds."""
+    if not c10d.is_initialized():
+        c10d._world.group_count = 0
