@@ -171,8 +171,9 @@ class ShardHost(Protocol):
         """Where the rank's events go."""
         ...
 
-    def on_commit(self, callback: Callable[[int], None]) -> None:
-        """Call ``callback(step)`` after each committed step."""
+    def on_committed_state(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(step)`` after each committed step, once the step's state is final (after the script's
+        own ``on_commit`` callbacks, whose changes to registered state belong to the step)."""
         ...
 
 
@@ -202,7 +203,7 @@ class ShardedState:
         if copies:
             self.peers = PeerCopies(host.config, host.slot, shape.shards, host.env.host, host.log, host.event_sink)
             host.lifecycle.before_update_hooks.append(self.peers.before_update)
-            host.on_commit(self._after_commit)
+            host.on_committed_state(self._after_commit)
 
     def _after_commit(self, step: int) -> None:
         """A round of peer copies after every K-th commit (a snapshot's rule: step + 1 divisible by K); with

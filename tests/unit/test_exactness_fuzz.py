@@ -5,7 +5,9 @@ the same seed draws the same case, and every rendered script compiles. The sampl
 harness as the fuzzer's long mode (a fault-free run, then one under the case's faults, every slot's final state
 compared to the bit) and asserts its verdict is one the product may give: ``bitwise``, ``refused`` at start with
 a message, or ``stopped`` with the diagnosis where the faults took every holder of some state. The seeds were
-chosen to cover every layout, both modes and each kind of accumulation.
+chosen to cover every layout, both modes and each kind of accumulation; the regression seeds each reproduce a
+defect the fuzzer found (a kill the script makes itself at a fixed point: the same moment in every run), and
+failed before its fix.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ SAMPLE: dict[int, str] = {
     3077: "fsdp1x4-aware-sync_off-bf16policy-2-kills",
     3003: "hsdp2x2-transparent-sync_off-scaler-kill0",
     3184: "hsdp2x2-aware-migrate",
+}
+
+# seed -> the defect it reproduces (each ended FAIL before its fix, the commit that fixed it says how).
+REGRESSIONS: dict[int, str] = {
+    252: "ddp2-aware-ema-on-commit-rolled-back",
+    1803: "fsdp1x4-aware-ema-on-commit-missing-from-peer-copy",
 }
 
 
@@ -161,3 +169,10 @@ def _run(seed: int, tmp_path: Path) -> None:
 @pytest.mark.parametrize("seed", sorted(SAMPLE), ids=[f"{s}-{SAMPLE[s]}" for s in sorted(SAMPLE)])
 def test_sample_case_ends_with_an_acceptable_verdict(seed: int, tmp_path: Path) -> None:
     _run(seed, tmp_path)
+
+
+@pytest.mark.parametrize("seed", sorted(REGRESSIONS), ids=[f"{s}-{REGRESSIONS[s]}" for s in sorted(REGRESSIONS)])
+def test_regression_seed_ends_bitwise(seed: int, tmp_path: Path) -> None:
+    case = draw_case(seed)
+    result = run_case(case, tmp_path / f"seed-{seed}", keep=True)
+    assert result.verdict.verdict == "bitwise", f"seed {seed} ({REGRESSIONS[seed]}): {result.line()}"
