@@ -42,6 +42,7 @@ SAMPLE: dict[int, str] = {
 REGRESSIONS: dict[int, str] = {
     252: "ddp2-aware-ema-on-commit-rolled-back",
     1803: "fsdp1x4-aware-ema-on-commit-missing-from-peer-copy",
+    2128: "ddp2-transparent-averaged-model",
 }
 
 
