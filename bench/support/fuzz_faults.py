@@ -112,6 +112,9 @@ class FaultRun:
                 self._kill(acted)
             else:
                 self._migrate(acted)
+                # The next fault is drawn after the migration, not inside it: wait until it is done.
+                if acted.done and not self._wait(lambda: self._logged("torchpass.migrated")):
+                    acted.done, acted.note = False, f"accepted, but the job ended before it was done ({acted.note})"
             if not acted.done:
                 return
             previous = acted
@@ -130,6 +133,11 @@ class FaultRun:
             if self._stopping.wait(POLL_S) or self.job.poll() is not None:
                 return False
         return True
+
+    def _logged(self, kind: str) -> bool:
+        """Whether the job's coordinator logged an event of ``kind`` (its events file, one JSON line each)."""
+        events = self.folder / "events.jsonl"
+        return events.exists() and f'"kind": "{kind}"' in events.read_text()
 
     def _holders(self, slot: int) -> list[int]:
         """Live processes of this job that took ``slot`` (newest last), not yet killed by us."""
