@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass.config import TorchPassConfig
-from torchpass.torch_compat import abort_all_groups, forget_default_group
+from torchpass.torch_compat import abort_all_groups, forget_default_group, restart_group_names
 
 __all__ = ["CommBackend", "GlooBackend", "NcclBackend", "make_backend"]
 
@@ -110,6 +110,7 @@ class CommBackend(ABC):
         steps run one (a counter of the script's own) can never pair it with a gradient bucket or a buffer
         broadcast of the default group. Destroyed and aborted with it."""
         hook = sys.excepthook
+        restart_group_names()  # the same names on every member, whatever failed in this process before
         dist.init_process_group(backend, **kwargs)
         if self._hooked:
             sys.excepthook = hook

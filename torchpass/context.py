@@ -97,7 +97,8 @@ class Context:
         self._coordinator = coordinator  # standalone mode only: an in-process coordinator for one rank
         self._parts = StateParts()
         self._model: TorchPassDDP | None = None
-        self._commit_hooks: list[Callable[[int], None]] = []
+        self._commit_hooks: list[Callable[[int], None]] = []  # the script's (ctx.on_commit)
+        self._state_hooks: list[Callable[[int], None]] = []  # TorchPass's copies of the committed state
         self._pending: GenerationInfo | None = None  # a spare's first generation, found before ctx.steps
         # The step in progress and what an abandoned one is undone from (torchpass.step).
         self.lifecycle = StepLifecycle(channel, self._parts, lambda: self.generation, self.log, event_sink)
@@ -274,6 +275,11 @@ class Context:
         """Call ``callback(step)`` each time a step commits (e.g. an EMA update, a step journal)."""
         self._commit_hooks.append(callback)
 
+    def on_committed_state(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(step)`` after each commit once the step's state is final: after the script's
+        :meth:`on_commit` callbacks (a sharded model's peer copies capture it here)."""
+        self._state_hooks.append(callback)
+
     # ----- the loop -------------------------------------------------------------------------
 
     def steps(self, source: Any, total_steps: int) -> Iterator[tuple[int, Any]]:
@@ -349,9 +355,15 @@ class Context:
         self.lifecycle.settle_for_commit()  # every rank now holds slot 0's buffers (torchpass.buffers)
         self.membership.committed, self.membership.has_state = step, True
         self.lifecycle.note_commit(step)
+        # The script's callbacks first: what they change in registered state (an EMA updated once per step) is
+        # part of the committed step, so the undo copies and the peer copies are taken after them. Taken before,
+        # an abandoned next step rolled the EMA back past this step's update, and a shard rebuilt from its peer
+        # copy lacked it: every rank ended silently different from the run with no fault.
+        for callback in self._commit_hooks:
+            callback(step)
         self.lifecycle.remember()
         self.net.after_commit(step, self)  # replicas compare every K steps; a mismatch stops the job here
-        for callback in self._commit_hooks:
+        for callback in self._state_hooks:
             callback(step)
         planned = step in self._channel.snapshot_steps
         if self._snapshotter.due(step, self._channel.snapshot_steps):

@@ -125,7 +125,7 @@ class ShardPlan:
             for _, module in chosen:
                 fully_shard(module, mesh=groups.mesh, **self.options)
             fully_shard(model, mesh=groups.mesh, **self.options)
-        warn_unsynchronised_buffers(model)
+        warn_unsynchronised_buffers(model, self.shape.replicas)
         return [name for name, _ in chosen] + [""]
 
 
@@ -172,8 +172,9 @@ class ShardHost(Protocol):
         """Where the rank's events go."""
         ...
 
-    def on_commit(self, callback: Callable[[int], None]) -> None:
-        """Call ``callback(step)`` after each committed step."""
+    def on_committed_state(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(step)`` after each committed step, once the step's state is final (after the script's
+        own ``on_commit`` callbacks, whose changes to registered state belong to the step)."""
         ...
 
 
@@ -203,7 +204,7 @@ class ShardedState:
         if copies:
             self.peers = PeerCopies(host.config, host.slot, shape.shards, host.env.host, host.log, host.event_sink)
             host.lifecycle.before_update_hooks.append(self.peers.before_update)
-            host.on_commit(self._after_commit)
+            host.on_committed_state(self._after_commit)
 
     def _after_commit(self, step: int) -> None:
         """A round of peer copies after every K-th commit (a snapshot's rule: step + 1 divisible by K); with
@@ -247,19 +248,30 @@ def sharded_modules(model: nn.Module, shard: ShardSpec | None) -> list[tuple[str
     return sorted(reversed(chosen), key=lambda item: -depth[item[0]])
 
 
-def warn_unsynchronised_buffers(model: nn.Module) -> None:
-    """Buffers a forward pass updates differ per rank under FSDP2, and a replica cannot stand in for them."""
+def unsynchronised_buffers(model: nn.Module, replicas: int) -> str:
+    """Why the model's buffers are not protected ("" when they are). A buffer that a forward pass updates
+    (BatchNorm's running statistics) differs per rank under FSDP2, which does not synchronise buffers. Pure FSDP
+    rebuilds a rank from its own state (a peer copy, or the shard a migrating rank hands over), so its statistics
+    come back exactly; HSDP rebuilds it from another replica's rank, whose statistics are that rank's own."""
     tracking = [
         name
         for name, m in model.named_modules()
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
     ]
-    if tracking:
-        warnings.warn(
-            f"{len(tracking)} module(s) with running statistics ({', '.join(tracking[:3])}): FSDP2 does not "
-            "synchronise buffers, so each rank's statistics are its own, and a replacement gets its source's",
-            stacklevel=3,
-        )
+    if not tracking or replicas == 1:
+        return ""
+    return (
+        f"{len(tracking)} module(s) with running statistics ({', '.join(tracking[:3])}): FSDP2 does not "
+        "synchronise buffers, so each rank's statistics are its own, and a rank rebuilt from another replica gets "
+        "that replica's statistics, not its own (its weights and optimizer state are exact)"
+    )
+
+
+def warn_unsynchronised_buffers(model: nn.Module, replicas: int) -> None:
+    """Warn when :func:`unsynchronised_buffers` finds buffers a replica cannot stand in for."""
+    why = unsynchronised_buffers(model, replicas)
+    if why:
+        warnings.warn(why, stacklevel=3)
 
 
 class ShardTransport(ProcessGroupTransport):

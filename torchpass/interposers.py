@@ -1,9 +1,9 @@
 """What transparent mode replaces in torch, and with what (:mod:`torchpass.transparent` says why).
 
 Every replacement is undone by :meth:`Interposers.uninstall`. What the replacements find the script building
-(its DDP model, optimizers, LR schedulers, grad scalers, the loader over a DistributedSampler) they hand to the
-:class:`torchpass.transparent_session.Session`, and iterating the tracked loader goes through the session's
-step boundary. TorchPass's own calls reach the real functions (:func:`internal`).
+(its DDP model, optimizers, LR schedulers, grad scalers, averaged models, the loader over a DistributedSampler)
+they hand to the :class:`torchpass.transparent_session.Session`, and iterating the tracked loader goes through the
+session's step boundary. TorchPass's own calls reach the real functions (:func:`internal`).
 """
 
 from __future__ import annotations
@@ -229,6 +229,14 @@ class Interposers:
             session.adopt("grad_scaler", scaler)
 
         self._patch(torch.amp.GradScaler, "__init__", scaler_init)
+
+        # An EMA or SWA copy of the weights (torch.optim.swa_utils.AveragedModel) is training state the script keeps
+        # beside the model: registered like a scheduler (it moves, and rolls back with an abandoned step), its
+        # update silenced while a newcomer fast-forwards. Unregistered, a replacement's copy restarted from the
+        # initial weights and a redone step averaged twice: the job ended silently different from the fault-free run.
+        averaged = torch.optim.swa_utils.AveragedModel
+        self._patch(averaged, "__init__", self._registering_init(averaged.__init__, "averaged_model"))
+        self._patch(averaged, "update_parameters", self._silenced_when_fast_forwarding(averaged.update_parameters))
 
     def _registering_init(self, real_init: Callable[..., None], kind: str) -> Callable[..., None]:
         session = self.session

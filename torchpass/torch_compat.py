@@ -41,6 +41,7 @@ __all__ = [
     "mesh_over_groups",
     "register_process_group",
     "resolve_process_group",
+    "restart_group_names",
     "strided_shard",
     "work_from_future",
 ]
@@ -78,6 +79,20 @@ def default_group() -> dist.ProcessGroup:
 def abort_all_groups() -> None:
     """Abort every NCCL communicator of this process (c10d's abort of the default group reaches all groups)."""
     dist.distributed_c10d._abort_process_group()
+
+
+def restart_group_names() -> None:
+    """Name the next process groups from the start again (torch 2.13: ``_world.group_count``), as
+    ``destroy_process_group`` does, when no default group exists.
+
+    Why: torch names a group without ranks of its own (the default group, a ``new_group``) by a per-process count,
+    and its rendezvous keys carry the name. ``init_process_group`` counts the name before it meets its peers, and
+    only destroying a formed default group starts the count again. A rank whose formation of a generation failed
+    (a member killed while the group formed) therefore named every later generation's groups one further than a
+    rank that never failed, or a newcomer: they waited for each other's keys under different names until the job
+    failed after ``max_resets`` rebuilds."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
 
 
 def forget_default_group() -> None:

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchpass.errors import TorchPassError
-from torchpass.fsdp import ShardedState
+from torchpass.fsdp import ShardedState, unsynchronised_buffers
 from torchpass.transfer_plan import ShardedReplicas
 from torchpass.transparent_session import Session
 
@@ -54,6 +54,7 @@ class FsdpInterposers:
         self.internal = internal
         self.sharded: ShardedState | None = None
         self.tops: list[nn.Module] = []  # the outermost modules fully_shard-ed so far
+        self.buffers_checked = False
 
     def install(self, patch: Patch) -> None:
         """Replace ``init_device_mesh`` and ``fully_shard`` wherever a script imports them from."""
@@ -154,12 +155,18 @@ class FsdpInterposers:
             if self.session.framework is not None:  # its counters and callbacks move with the shard
                 self.session.framework.adopt_sharded(module)
 
-    def _first_forward_check(self, _module: nn.Module, _args: Any) -> None:
+    def _first_forward_check(self, module: nn.Module, _args: Any) -> None:
         if len(self.tops) > 1:
             raise TorchPassError(
                 "transparent mode protects one model; this script fully_shard-ed modules that no one module holds "
                 "(shard the model itself too, or one module holding them all, or use the model-aware API)"
             )
+        if not self.buffers_checked:  # as ctx.wrap_fsdp warns (an error with transparent_strict)
+            self.buffers_checked = True
+            assert self.sharded is not None
+            why = unsynchronised_buffers(module, self.sharded.layout.replicas)
+            if why:
+                self.session.warn(why)
         # A training forward (grad enabled); an evaluation forward, such as Lightning's sanity check of its
         # validation loop before training, may come before the training loader exists.
         if self.session.loader is None and torch.is_grad_enabled():

@@ -87,6 +87,7 @@ class Session:
         self.rolled_back = False  # the open step was abandoned and undone already; only the recovery is left
         self.n_schedulers = 0
         self.n_scalers = 0
+        self.n_averaged = 0
 
     # ----- warnings ------------------------------------------------------------------------
 
@@ -222,11 +223,14 @@ class Session:
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
     def adopt(self, kind: str, obj: Any) -> None:
-        """An LR scheduler or grad scaler: registered by kind and construction order."""
+        """An LR scheduler, grad scaler or averaged model (an EMA or SWA copy of the weights): registered by kind
+        and construction order."""
         if any(obj is registered for registered in self.ctx.parts.extra.values()):
             return  # e.g. a SequentialLR's __init__ and LRScheduler's both saw it
         if kind == "lr_scheduler":
             name, self.n_schedulers = f"lr_scheduler{self.n_schedulers}", self.n_schedulers + 1
+        elif kind == "averaged_model":
+            name, self.n_averaged = f"averaged_model{self.n_averaged}", self.n_averaged + 1
         else:
             name, self.n_scalers = f"grad_scaler{self.n_scalers}", self.n_scalers + 1
         if self.ctx.generation >= 0:
