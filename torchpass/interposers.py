@@ -218,7 +218,9 @@ class Interposers:
         for cls in schedulers:
             if cls.__name__ in ("LRScheduler", "ReduceLROnPlateau", "SequentialLR", "ChainedScheduler"):
                 self._patch(cls, "__init__", self._registering_init(cls.__init__, "lr_scheduler"))
-            if "step" in cls.__dict__:
+            if cls is torch.optim.lr_scheduler.ReduceLROnPlateau:
+                self._patch(cls, "step", self._metric_step(cls.__dict__["step"]))
+            elif "step" in cls.__dict__:
                 self._patch(cls, "step", self._silenced_when_fast_forwarding(cls.__dict__["step"]))
 
         real_scaler_init = torch.amp.GradScaler.__init__
@@ -255,6 +257,33 @@ class Interposers:
         def step(obj: Any, *args: Any, **kwargs: Any) -> Any:
             if session.fast_forward:
                 return None
+            return real_step(obj, *args, **kwargs)
+
+        return step
+
+    def _metric_step(self, real_step: Callable[..., Any]) -> Callable[..., Any]:
+        """``ReduceLROnPlateau.step(metric)``: silenced while a newcomer fast-forwards, and refused inside a step
+        one of whose collectives failed after the update. That collective cannot abandon the step (a redo would
+        apply the update twice), so the step commits with what the script did after it; a metric it produced (a
+        loss all-reduced after ``optimizer.step()``) lacks a lost peer's share, and the scheduler's state and
+        learning rate would follow that wrong value on every rank, silently. The job stops with the reason."""
+        session = self.session
+
+        @functools.wraps(real_step)
+        def step(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if session.fast_forward:
+                return None
+            failed = session.ctx.lifecycle.failed_after_update
+            if failed and session.step_open:
+                why = failed.splitlines()[0][:200]
+                session.ctx.link.fatal(
+                    f"step {session.ctx.step}: a collective failed after the step's update ({why}), and the script"
+                    " then stepped ReduceLROnPlateau with a metric: if that collective produced it, "
+                    "it lacks a lost peer's share, and the learning rate would follow a wrong value. The job stops "
+                    "rather than train on it. Step ReduceLROnPlateau before the optimizer step (a failure there "
+                    "redoes the step) or between passes over the loader (its collectives are run again after a "
+                    "recovery)."
+                )
             return real_step(obj, *args, **kwargs)
 
         return step

@@ -1,12 +1,13 @@
 """A case's verdict, from its fault-free job and its faulted one: ``bitwise``, ``refused``, ``stopped``, or ``FAIL``.
 
 Why these and only these: the product promises that a job with faults ends with every slot's state bitwise equal
-to the fault-free run's, or is refused at start with a message, or stops with a diagnosis where the faults took
-every holder of some state (:meth:`fuzz_grammar.Case.may_stop`). Anything else is a defect: a silent difference
-(exit 0, some tensor or number differs), a hang (the job outlived its limit), a crash (it failed, and not with a
-diagnosis the fault plan explains, e.g. a crash loop), a stop the faults do not explain, or a failure nobody
-injected. A planned fault that could not be acted is a failure too: a case that silently tested nothing would
-count as a pass.
+to the fault-free run's, or is refused at start with a message, or stops with a diagnosis: where the faults took
+every holder of some state (:meth:`fuzz_grammar.Case.may_stop`, or as they landed: :func:`lost_together`), or where
+a collective of the script failed after the update and the script then stepped ReduceLROnPlateau with a metric.
+Anything else is a defect: a silent difference (exit 0, some tensor or number differs), a hang (the job outlived
+its limit), a crash (it failed, and not with a diagnosis the fault plan explains, e.g. a crash loop), a stop the
+faults do not explain, or a failure nobody injected. A planned fault that could not be acted is a failure too: a
+case that silently tested nothing would count as a pass.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from .fuzz_grammar import Case
 from .fuzz_jobs import Job
 
 STOP_DIAGNOSES = re.compile(r"no member holds|no replica holds")
+# Stops the product documents for what a script does, with the feature that makes each possible.
+PLATEAU_AFTER_UPDATE = re.compile(r"stepped ReduceLROnPlateau with a metric")
 LATE_KILLS = re.compile(r"job finished but some ranks exited with errors: (\{[^}]*\})")
 BN_BUFFERS = re.compile(r"\.bn\.(running_mean|running_var|num_batches_tracked)$")
 EMA_BN_BUFFERS = re.compile(r"\.ema\.module\..*\.bn\.(running_mean|running_var|num_batches_tracked)$")
@@ -103,6 +106,23 @@ def replica_difference(case: Case, folder: Path) -> str | None:
     return None
 
 
+def lost_together(case: Case, job: Job) -> bool:
+    """Whether the faults, as they landed, took every holder of some state: co-holders failed with no recovery
+    finished between their failures (the coordinator's events, in order). The plan (:meth:`Case.may_stop`) cannot
+    always say so: a kill timed after one recovery may land at the same moment as one planned at a mark."""
+    lost: list[int] = []
+    for event in job.events:
+        kind, fields = event.get("kind"), event.get("fields", {})
+        if kind == "torchpass.recovered":
+            lost = []
+        elif kind == "torchpass.member_failed" and isinstance(fields.get("slot"), int):
+            slot = int(fields["slot"])
+            if any(case.co_holders(other, slot) for other in lost):
+                return True
+            lost.append(slot)
+    return False
+
+
 def judge_reference(case: Case, job: Job) -> Verdict | None:
     """The fault-free run: None when it trained to its end (the faulted run is judged against it), a ``refused``
     verdict when it failed at start with a message, a failure otherwise."""
@@ -142,11 +162,13 @@ def judge_faulted(case: Case, reference: Job, job: Job) -> Verdict:
     if job.returncode != 0:
         reason = job.failure()
         if STOP_DIAGNOSES.search(reason):
-            if case.may_stop():
+            if case.may_stop() or lost_together(case, job):
                 return Verdict("stopped", "", reason)
             return Verdict(
                 "FAIL", "unexpected-stop", f"stopped, though the faults left a holder of every state: {reason}"
             )
+        if PLATEAU_AFTER_UPDATE.search(reason) and case.scheduler == "plateau" and case.plateau_after_update:
+            return Verdict("stopped", "", reason)  # a metric a failed collective made cannot be trusted
         return Verdict("FAIL", "crash", f"exit {job.returncode}: {reason}")
     if job.missing:
         return Verdict("FAIL", "fault-not-injected", "; ".join(job.missing))

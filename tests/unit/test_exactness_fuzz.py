@@ -199,3 +199,18 @@ def test_batchnorm_statistics_hsdp_cannot_restore_are_said_at_start(tmp_path: Pa
     warning = "transparent mode: 2 module(s) with running statistics (blocks.0.bn, blocks.1.bn)"
     assert warning in said["hsdp2x2"] and "gets that replica's statistics" in said["hsdp2x2"]
     assert "running statistics" not in said["fsdp1x4"]
+
+
+def test_plateau_stepped_with_a_metric_a_failed_collective_made_stops_the_job(tmp_path: Path) -> None:
+    """Seed 500018 of the long run, its first fault alone (slot 0 killed in its optimizer step at mark 12): an
+    unmodified HSDP script all-reduces its loss after ``optimizer.step()`` and steps ReduceLROnPlateau with it. The
+    all-reduce failed after the update, so the step committed with a scheduler stepped on a value that lacked the
+    dead rank's share: every rank ended equal to the others and different from the fault-free run (exit 0). The
+    job now stops with the reason."""
+    case = draw_case(500018)
+    assert case.scheduler == "plateau" and case.plateau_after_update and case.layout == "hsdp2x2"
+    case = replace(case, faults=case.faults[:1])
+    assert case.faults[0].kind == "kill" and case.faults[0].slot == 0
+    result = run_case(case, tmp_path / "seed-500018", keep=True)
+    assert result.verdict.verdict == "stopped", result.line()
+    assert "stepped ReduceLROnPlateau with a metric" in result.verdict.detail, result.verdict.detail
