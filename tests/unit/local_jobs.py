@@ -103,6 +103,19 @@ def local_command(
     ]
 
 
+def run_logged(out: Path, cmd: Sequence[str], env: dict[str, str], timeout_s: float) -> FinishedJob:
+    """Run ``cmd`` (a :func:`local_command`) to its end, its output in ``out/launcher.log`` (read while it runs,
+    kept when a test fails); killed after ``timeout_s``, which then shows as its non-zero exit."""
+    with open(out / "launcher.log", "w") as log:
+        proc = subprocess.Popen(list(cmd), env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            returncode = proc.wait()
+    return FinishedJob(out, returncode, (out / "launcher.log").read_text())
+
+
 def load_final(out: Path, slot: int) -> dict[str, Any]:
     """The state a slot saved when it finished (``final-slotN.pt``, written by the rank script)."""
     import torch

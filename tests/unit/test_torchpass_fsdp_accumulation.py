@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -162,7 +161,7 @@ if __name__ == "__main__":
 # The tests (run by pytest in the parent process)
 # ======================================================================================================
 
-from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final, local_command  # noqa: E402
+from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final, local_command, run_logged  # noqa: E402
 
 SEED = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
 print(f"test_torchpass_fsdp_accumulation: CW_TEST_SEED={SEED}")
@@ -173,14 +172,7 @@ def _run(base: Path, name: str, *, mesh: str, kill: str = "", samples: int = SAM
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MESH=mesh, CW_TEST_SAMPLES=str(samples))
     cmd = local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"])
-    with open(out / "launcher.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            returncode = proc.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            returncode = proc.wait()
-    return FinishedJob(out, returncode, (out / "launcher.log").read_text())
+    return run_logged(out, cmd, env, RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

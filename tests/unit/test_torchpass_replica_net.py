@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -183,7 +182,7 @@ if __name__ == "__main__":
 # The tests (run by pytest in the parent process)
 # ======================================================================================================
 
-from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final, local_command  # noqa: E402
+from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final, local_command, run_logged  # noqa: E402
 
 ACCUMULATION_SCRIPT = SCRIPT.with_name("test_torchpass_fsdp_accumulation.py")  # issue 40's regression script
 STATEFUL_SCRIPT = SCRIPT.with_name("test_torchpass_stateful.py")  # BatchNorm under DDP: buffers compared too
@@ -211,14 +210,7 @@ def _run(
     settings = [f"replica_check_every_steps={every}"] if every is not None else []
     flags = ["--transparent"] if mode == "transparent" else []
     cmd = local_command(out, script, nproc=nproc, spares=1, flags=flags, settings=settings)
-    with open(out / "launcher.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            returncode = proc.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            returncode = proc.wait()
-    return FinishedJob(out, returncode, (out / "launcher.log").read_text())
+    return run_logged(out, cmd, env, RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
