@@ -236,7 +236,9 @@ class Context:
         """Add ``obj`` (anything with ``state_dict``/``load_state_dict``) to the state that moves.
 
         A grad scaler is gated like the optimizer (its ``update()`` keeps the old scale in an abandoned step,
-        without the GPU sync a copy of its state would cost). Any other object, an LR scheduler included, is
+        without the GPU sync a copy of its state would cost), and its scale rolls back with an abandoned step
+        (copied as tensors at every commit: a step may span updates, e.g. a window whose optimizer step the
+        scaler skipped runs on into the next). Any other object, an LR scheduler included, is
         copied at every committed step and restored when a step is abandoned, so keep it small (a scheduler's
         state is a few numbers), or update it only from an :meth:`on_commit` callback. Register before
         ``ctx.steps`` starts.
@@ -249,6 +251,7 @@ class Context:
             raise TorchPassError("ctx.register must be called before ctx.steps starts")
         if isinstance(obj, torch.amp.GradScaler):
             self._gate_scaler(obj)
+            self.lifecycle.track_scaler(obj)
         else:
             self.lifecycle.track_state(name, obj)
         self._parts.extra[name] = obj

@@ -75,6 +75,8 @@ class StepLifecycle:
         self._buffer_shadow: list[torch.Tensor] = []
         self._group_shadow: list[list[dict[str, Any]]] = []  # optimizer hyper-parameters at the last commit
         self._registered: dict[str, Any] = {}  # generic registered state at the last commit
+        # Grad scalers, with their scale and growth tracker at the last commit (None: not created yet).
+        self._scalers: list[tuple[torch.amp.GradScaler, list[torch.Tensor | None]]] = []
         self._staged: StagedBuffers | None = None  # slot 0's buffers, broadcast after a forward (buffers.py)
         # Copies of the committed state still reading the parameters (snapshots, peer copies): an update waits.
         self.before_update_hooks: list[Callable[[], None]] = []
@@ -101,6 +103,17 @@ class StepLifecycle:
     def track_state(self, name: str, obj: Any) -> None:
         """A registered object (not a grad scaler) is copied at every commit and restored on a roll back."""
         self._registered[name] = copy.deepcopy(obj.state_dict())
+
+    def track_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """A grad scaler's scale and growth tracker roll back with an abandoned step. Its ``update()`` is gated
+        as well (torchpass.context), but a step that spans several of its updates (an accumulation window whose
+        optimizer step the scaler skipped on inf/NaN gradients runs on into the next one) may have changed them
+        before it failed: the redo must start from the committed scale. Copied as tensors (no device sync)."""
+        self._scalers.append((scaler, self._scaler_copy(scaler)))
+
+    @staticmethod
+    def _scaler_copy(scaler: torch.amp.GradScaler) -> list[torch.Tensor | None]:
+        return [t.detach().clone() if t is not None else None for t in (scaler._scale, scaler._growth_tracker)]
 
     # ----- the lifecycle ------------------------------------------------------------------------
 
@@ -294,9 +307,11 @@ class StepLifecycle:
         ]
         for name in self._registered:
             self._registered[name] = copy.deepcopy(self._parts.extra[name].state_dict())
+        self._scalers = [(scaler, self._scaler_copy(scaler)) for scaler, _ in self._scalers]
 
     def roll_back(self) -> None:
-        """Undo what the abandoned step changed locally; the optimizer, scheduler and scaler skipped theirs."""
+        """Undo what the abandoned step changed locally (a grad scaler's scale included: a step may span several of its
+        updates); the optimizer, scheduler and scaler skipped theirs."""
         emit(self._event_sink, self._log, "torchpass.step_abandoned", step=self.step, reason=self.reason)
         self.drop_staged_buffers()
         with torch.no_grad():
@@ -307,6 +322,14 @@ class StepLifecycle:
                 group.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()})
         for name, saved_state in self._registered.items():
             self._parts.extra[name].load_state_dict(copy.deepcopy(saved_state))
+        with torch.no_grad():
+            for scaler, (scale, tracker) in self._scalers:
+                if scale is None or tracker is None or scaler._scale is None or scaler._growth_tracker is None:
+                    scaler._scale = None if scale is None else scale.clone()  # None: created again at init_scale
+                    scaler._growth_tracker = None if tracker is None else tracker.clone()
+                else:
+                    scaler._scale.copy_(scale)
+                    scaler._growth_tracker.copy_(tracker)
         self.check_carried()
         self._zero_grads()
 

@@ -214,3 +214,18 @@ def test_plateau_stepped_with_a_metric_a_failed_collective_made_stops_the_job(tm
     result = run_case(case, tmp_path / "seed-500018", keep=True)
     assert result.verdict.verdict == "stopped", result.line()
     assert "stepped ReduceLROnPlateau with a metric" in result.verdict.detail, result.verdict.detail
+
+
+def test_a_step_redone_after_a_scaler_skipped_window_starts_from_the_committed_scale(tmp_path: Path) -> None:
+    """Seed 500052 of the long run (DDP, transparent, fp16 GradScaler, accumulation over 3 micro-batches), with its
+    kill made deterministic (slot 1 killed in the forward of micro-batch 77). The scaler skipped an optimizer step
+    on inf gradients, so that window ran on into the next one as one TorchPass step, and its ``update()`` halved
+    the scale inside the step. The kill abandoned the step in the second window; the redo ran the first window
+    again with the halved scale (the gate keeps an abandoned step's own update, it did not undo the earlier one),
+    found no inf, stepped the optimizer: every rank equal, all different from the fault-free run, exit 0. The
+    scaler's scale now rolls back with an abandoned step."""
+    case = draw_case(500052)
+    assert case.precision == "scaler_fp16" and case.accumulate == 3 and case.mode == "transparent"
+    case = replace(case, faults=(Fault("kill", 1, "hook", mark=77, phase="forward"),))
+    result = run_case(case, tmp_path / "seed-500052", keep=True)
+    assert result.verdict.verdict == "bitwise", result.line()
