@@ -26,9 +26,8 @@ from bench.support.fuzz_render import render
 GRAMMAR_SEEDS = range(400)
 
 # seed -> what it covers. Together: every layout, both modes, each accumulation kind, kills at random moments and at
-# fixed phases, slot 0, a kill inside a recovery, migrations, BatchNorm under pure FSDP, mixed precision, a scaler.
+# fixed phases, slot 0, migrations, BatchNorm under pure FSDP, mixed precision, a scaler.
 SAMPLE: dict[int, str] = {
-    3447: "ddp2-transparent-no_sync-plateau-kill0-then-1-in-its-recovery",
     3513: "ddp2-transparent-no_sync-batchnorm-scaler-migrate-then-kill0",
     3900: "ddp2-aware-kill0-after-update-then-backward",
     3099: "ddp2-aware-no_sync-kill0-at-random-then-after-update",
