@@ -374,6 +374,15 @@ class Context:
             if not self._snapshotter.capture(self._parts, step, self.slot, self.world_size, mesh) and planned:
                 self._channel.skipped_snapshots.append(step)  # the coordinator may plan it again
 
+    def hold_committed(self) -> None:
+        """Between steps, on every member at once: make sure no later recovery rolls back before the committed
+        step (peer copies acknowledged everywhere), recovering first when that fails (a member lost before
+        its copy was kept: the rolled-back step is redone from here)."""
+        reason = self.rejoiner.transport.held_everywhere(self.committed_step)
+        if reason:
+            self.lifecycle.first_error_at = time.time()
+            self.recover(reason, error=True)
+
     # ----- failure-tolerant collectives ----------------------------------------------------
 
     @property
@@ -461,6 +470,8 @@ class Context:
         gen = self.generation
         self.log.warning("leaving generation %d: %s", gen, reason.splitlines()[0][:300])
         self.lifecycle.check_carried()
+        if self.lifecycle.state_spoiled:
+            self.membership.has_state = False  # received from a holder (step.StepLifecycle.roll_back)
         if self.lifecycle.carried_lost_at >= 0:
             self.link.fatal(
                 carried_gradients_reason(self.lifecycle.carried_lost_at, reason, restart_advice(self.config))

@@ -358,16 +358,7 @@ class ShardTransport(ProcessGroupTransport):
         runs on the generation's default group, which a newer generation's announcement aborts."""
         if self.peers is None or not self.peers.sync:
             return ""  # the copies overlap the next step (the commit hook starts them)
-        reason = failed_after_update
-        if not reason:
-            acknowledged = self.peers.copy_now(self.parts[self.shard], step)
-            flag = torch.tensor([int(acknowledged)], dtype=torch.int32, device=self.backend.device)
-            try:
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                if not int(flag.item()):
-                    reason = f"a peer copy of step {step} was not acknowledged by the neighbours"
-            except Exception as exc:
-                reason = f"the vote on the peer copies of step {step} failed: {type(exc).__name__}: {exc}"
+        reason = failed_after_update or self._vote(step)
         if reason:
             with torch.no_grad():
                 self.peers.restore(self.parts[self.shard], step - 1, self.backend.device)
@@ -376,12 +367,34 @@ class ShardTransport(ProcessGroupTransport):
 
     def done(self, step: int) -> None:
         """Keep neighbours' copies again (dropping any of steps after ``step``: a future computed again), and
-        capture this rank's shard at once when it has no copy of it yet (a fresh start, a newcomer)."""
+        capture this rank's shard at once when it has no copy of it yet (a fresh start, a newcomer) or when a
+        newcomer is now among its neighbours. Without that round the newcomer held no copy of this shard until
+        the next commit's round, and losing this rank before it (a second kill right after a recovery) left no
+        member holding the shard: the job stopped where it could have recovered (fuzzer seed 500076)."""
         if self.peers is None:
             return
         self.peers.thaw(step)
-        if not self.peers.has_own_copy():
+        if not self.peers.has_own_copy() or self.peers.ring_changed():
+            self.peers.wait_sent(self.peers.timeout_s)  # a round to the old neighbours (a dead one fails at once)
             self.peers.capture(self.parts[self.shard], step)
+
+    def held_everywhere(self, step: int) -> str:
+        """After ``step`` committed: every rank's copy of it acknowledged by this generation's neighbours, which
+        a vote of all ranks (the minimum of one integer each) establishes; the reason when not. Transparent mode
+        asks this where a pass over the data ends: a survivor that left the pass cannot redo its last step, so
+        no later recovery may roll back before it (:meth:`torchpass.transparent_session.Session.next_batch`)."""
+        if self.peers is None:
+            return ""
+        return self._vote(step)
+
+    def _vote(self, step: int) -> str:
+        acknowledged = self.peers is not None and self.peers.copy_now(self.parts[self.shard], step)
+        flag = torch.tensor([int(acknowledged)], dtype=torch.int32, device=self.backend.device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        except Exception as exc:
+            return f"the vote on the peer copies of step {step} failed: {type(exc).__name__}: {exc}"
+        return "" if int(flag.item()) else f"a peer copy of step {step} was not acknowledged by the neighbours"
 
     def leave(self) -> None:
         """Destroy the generation's groups (the mesh's with them)."""

@@ -129,6 +129,7 @@ class PeerCopies:
         self._thread.start()
         self.rounds = 0  # rounds whose every copy was acknowledged
         self.acknowledged = -2  # the step of the newest such round (-2: none yet; -1: the initial state)
+        self.acknowledged_by: dict[int, tuple[str, int]] = {}  # the neighbours that acknowledged it
         self.failed = 0  # copies that did not reach a neighbour
         self.skipped = 0  # rounds not started (the previous one was still in flight)
         self.bytes_sent = 0
@@ -174,7 +175,15 @@ class PeerCopies:
                 if buffer.complete and buffer.step > resume_after:
                     self._discard(buffer)
             self.received.drop_after(resume_after)
+            if self.acknowledged > resume_after:  # the neighbours dropped it too
+                self.acknowledged, self.acknowledged_by = -2, {}
         self.received.thaw()
+
+    def ring_changed(self) -> bool:
+        """Whether this generation's neighbours are not the ones that acknowledged the newest round (a newcomer
+        took a neighbour's slot): they hold no copy of this rank's shard yet."""
+        with self._lock:
+            return self.acknowledged_by != self._targets
 
     def has_own_copy(self) -> bool:
         """Whether a complete copy of this rank's shard exists here (or a round is capturing one)."""
@@ -237,15 +246,23 @@ class PeerCopies:
             done.record(stream)
         return done
 
+    def held_by_neighbours(self, step: int) -> bool:
+        """Whether this generation's neighbours acknowledged a copy of ``step`` (a round to the ranks of an older
+        generation, a newcomer's predecessor among them, does not count)."""
+        return self.acknowledged == step and not self.ring_changed()
+
     def copy_now(self, parts: StateParts, step: int) -> bool:
-        """``peer_copy_sync``: copy ``step`` now (after any round still in flight: a newcomer's first) and wait
-        for it; whether every neighbour acknowledged it. Bounded as :meth:`before_update` is."""
+        """Copy ``step`` now, unless this generation's neighbours hold it already (after any round still in
+        flight: a newcomer's first, or the round of ``step`` itself), and wait for it; whether every neighbour
+        acknowledged it. Bounded as :meth:`before_update` is. ``peer_copy_sync`` does this before each commit;
+        transparent mode after the commit that ends a pass over the data (:meth:`ShardTransport.held_everywhere`)."""
         started = time.perf_counter()
         self.wait_sent(self.timeout_s)
-        self.capture(parts, step)
-        acknowledged = self.wait_sent(self.timeout_s) == step
+        if not self.held_by_neighbours(step):
+            self.capture(parts, step)
+            self.wait_sent(self.timeout_s)
         self.waited_s += time.perf_counter() - started
-        return acknowledged
+        return self.held_by_neighbours(step)
 
     def before_update(self) -> None:
         """Before an optimizer step changes the parameters: the round in flight must have copied them, and its
@@ -316,7 +333,7 @@ class PeerCopies:
                 self.log.info("peer copy of step %d to slot %d not kept: %s", job.step, neighbour, exc)
         if ok:
             self.rounds += 1
-            self.acknowledged = job.step
+            self.acknowledged, self.acknowledged_by = job.step, targets
             self.last_round_ms = 1000 * (time.perf_counter() - job.started)
 
     @staticmethod

@@ -117,6 +117,11 @@ class StateTransport(Protocol):
         """The generation's transfers are over: every member holds its parts at ``step`` and resumes after it."""
         ...
 
+    def held_everywhere(self, step: int) -> str:
+        """After ``step`` committed (a collective): whether no later recovery can roll back before it; the
+        reason when one could (a copy not yet kept)."""
+        ...
+
     def leave(self) -> None:
         """Tear the group down (safe on a broken one, and when none is formed)."""
         ...
@@ -173,6 +178,10 @@ class ProcessGroupTransport:
 
     def done(self, step: int) -> None:
         """Nothing to settle."""
+
+    def held_everywhere(self, step: int) -> str:
+        """A survivor holds its own committed step: a recovery never rolls back here (no collective)."""
+        return ""
 
     def leave(self) -> None:
         """Destroy the generation's groups."""

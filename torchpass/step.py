@@ -69,6 +69,7 @@ class StepLifecycle:
         self.reason = ""  # why the step was abandoned
         self.first_error_at: float | None = None  # when the first failure of this step was seen
         self.optimizer_steps = 0  # optimizer steps taken in the step in progress
+        self.state_spoiled = False  # an abandoned step updated some of the parameters (roll_back)
         self.failed_after_update = ""  # a collective that failed once the update was applied
         self._user_collectives = 0  # the script's collectives started in the step in progress
         self._buffers: list[torch.Tensor] = []
@@ -313,6 +314,20 @@ class StepLifecycle:
         """Undo what the abandoned step changed locally (a grad scaler's scale included: a step may span several of its
         updates); the optimizer, scheduler and scaler skipped theirs."""
         emit(self._event_sink, self._log, "torchpass.step_abandoned", step=self.step, reason=self.reason)
+        if self.optimizer_steps:
+            # Some optimizers stepped before the failure (it came between two of them: a grad scaler's step
+            # of the second runs a collective, the found-inf reduction over a sharded model's DTensor
+            # gradients). Their update is in the parameters, and nothing here can undo it: this rank's state is
+            # no longer the committed step, so it must not serve it (fuzzer seed 500141: a survivor sent its
+            # shard with half a step in it, and every rank ended one AdamW step ahead, exit 0).
+            self.state_spoiled = True
+            self._log.warning(
+                "step %d failed after %d of its %d optimizer steps: this rank's state takes no part in the "
+                "recovery, it is received from a holder",
+                self.step,
+                self.optimizer_steps,
+                len(self._parts.optimizers),
+            )
         self.drop_staged_buffers()
         with torch.no_grad():
             for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
@@ -339,6 +354,7 @@ class StepLifecycle:
         self._zero_grads()
         self.remember()
         self.step = step
+        self.state_spoiled = False
 
     def _zero_grads(self) -> None:
         for optimizer in self._parts.optimizers:

@@ -25,6 +25,7 @@ from torchpass.context import Context
 from torchpass.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
 from torchpass.frameworks import FrameworkAdapter, framework_imported
+from torchpass.snapshot.restore import restart_advice
 from torchpass.transparent_data import DATA_STATE, DataPosition, Enumerated, TrackedPass
 
 __all__ = ["Session", "TransparentWarning"]
@@ -395,12 +396,21 @@ class Session:
         if self._window_goes_on(it):
             index = self.step_index + 1 if self.framework is None else self.framework.align(it)
             return self._serve(it, index, self.ctx.step)
+        generation, ends_pass = self.ctx.generation, self._step_ends_pass(it)
         self._close_step()
+        if ends_pass and self.ctx.generation == generation:
+            self.ctx.hold_committed()  # before the loop leaves the pass: see _step_ends_pass
         self._boundary()
         if self.framework is not None:
             index = self.framework.align(it)
             return self._serve(it, index, self._begin_step())
         pos = self.position
+        if it.pass_no > pos.pass_no and not (it.pass_no == pos.pass_no + 1 and pos.index >= len(it.batches)):
+            self.ctx.link.fatal(
+                f"transparent mode: the recovery rolled back to step {self.ctx.committed_step}, inside pass "
+                f"{pos.pass_no} over the data, but this rank's script is in pass {it.pass_no} already and cannot "
+                f"run that pass's batches again: {restart_advice(self.ctx.config)}"
+            )
         if it.pass_no < pos.pass_no:
             self.fast_forward = True  # a newcomer behind the received position: this pass is done
             raise StopIteration
@@ -419,6 +429,21 @@ class Session:
             self.moved_between = True
             raise StopIteration
         return self._serve(it, index, self._begin_step())
+
+    def _step_ends_pass(self, it: TrackedPass) -> bool:
+        """Whether the open step is the last of its pass and will commit. Its commit is made held everywhere
+        (:meth:`Context.hold_committed`) before the script's loop leaves the pass: a Python ``for`` loop cannot
+        go back, so a recovery that rolled back before that step (a pure-FSDP shard whose peer copy of it was
+        not kept yet) would leave a survivor that cannot redo it. Before this, such a survivor served the next
+        pass's first batch as the redone step while the newcomer served the old pass's: their collectives no
+        longer matched and the job failed after ``max_resets`` rebuilds (fuzzer seed 500047)."""
+        return (
+            self.framework is None
+            and self.step_open
+            and not self.ctx.lifecycle.abandoned
+            and it.pass_no == self.step_pass
+            and self.step_index + 1 >= len(it.batches)
+        )
 
     def _begin_step(self) -> int:
         ctx = self.ctx

@@ -25,7 +25,8 @@ SCHEDULERS = ("none", "per_step", "per_epoch", "plateau")
 PRECISIONS = ("fp32", "bf16_policy", "autocast_bf16", "scaler_fp16")
 OPTIMIZERS = ("one", "two")
 FAULT_TIMINGS = ("mark", "hook", "during", "rejoin")
-HOOK_PHASES = ("forward", "backward", "optimizer", "update")
+HOOK_PHASES = ("forward", "backward", "optimizer", "update")  # drawn; "between" (after the first optimizer's
+# step, before the next one's) only in a replay's fault plan, so that every seed draws what it drew before
 
 # The model and data every script shares (small: a case is a few seconds on two cores).
 VOCAB, WIDTH, CONTEXT = 24, 16, 6

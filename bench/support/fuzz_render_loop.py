@@ -100,6 +100,7 @@ HOOKS = [
     'model.blocks[0].register_full_backward_hook(lambda *_: maybe_kill("backward"))',
     'optimizers[0].register_step_pre_hook(lambda *_: maybe_kill("optimizer"))',
     'optimizers[-1].register_step_post_hook(lambda *_: maybe_kill("update"))',
+    'optimizers[0].register_step_post_hook(lambda *_: maybe_kill("between"))',
 ]
 
 

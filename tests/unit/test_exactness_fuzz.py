@@ -228,3 +228,37 @@ def test_a_step_redone_after_a_scaler_skipped_window_starts_from_the_committed_s
     case = replace(case, faults=(Fault("kill", 1, "hook", mark=77, phase="forward"),))
     result = run_case(case, tmp_path / "seed-500052", keep=True)
     assert result.verdict.verdict == "bitwise", result.line()
+
+
+def test_a_failure_between_two_optimizer_steps_leaves_no_half_updated_state_to_serve(tmp_path: Path) -> None:
+    """Seed 500141 of the long run (aware, two optimizers, fp16 GradScaler, sharded model) on a 1x2 mesh with its
+    kill made deterministic: slot 0 dies right after the first optimizer's step. The grad scaler's step of the
+    second optimizer all-reduces its found-inf flag over the DTensor gradients' mesh, which fails on slot 1
+    after its first optimizer had updated: the step was abandoned with half of its update in the parameters,
+    and slot 1 served that state as the step before (its own shard, beside its peer copy of slot 0's): every
+    rank ended one AdamW step ahead of the fault-free run, exit 0. Such a rank's state now takes no part in
+    the recovery (its own shard comes from its copy of the step before)."""
+    case = draw_case(500141)
+    assert case.precision == "scaler_fp16" and case.optimizers == "two" and case.mode == "aware"
+    case = replace(case, layout="fsdp1x2", faults=(Fault("kill", 0, "hook", mark=3, phase="between"),))
+    result = run_case(case, tmp_path / "seed-500141", keep=True)
+    assert result.verdict.verdict == "bitwise", result.line()
+    log = (tmp_path / "seed-500141" / "faulted" / "launcher.log").read_text()
+    assert "step 3 failed after 1 of its 2 optimizer steps" in log, result.line()
+
+
+def test_a_pass_over_the_data_ends_only_once_its_last_step_is_held_everywhere(tmp_path: Path) -> None:
+    """Seed 500047 of the long run (pure FSDP 1x2, transparent, accumulation under set_requires_gradient_sync,
+    bf16 MixedPrecisionPolicy), its kills made by the script itself. Slot 0 died in its optimizer step at the
+    last window of a pass; slot 1 committed that step (no collective follows the update) and its loop went on
+    into the next pass. The dead rank's shard existed only in slot 1's peer copy of the step before, so the
+    recovery rolled back one step, into a pass slot 1's Python loop had left: it served the next pass's first
+    batch as the redone step while the newcomer served the old pass's last window, their collectives no longer
+    matched, and the job failed after max_resets rebuilds. The commit that ends a pass now waits until every
+    rank's peer copy of it is acknowledged (a vote), so a loop never leaves a pass it may have to redo."""
+    case = draw_case(500047)
+    assert case.layout == "fsdp1x2" and case.mode == "transparent" and case.faults[0].phase == "optimizer"
+    result = run_case(case, tmp_path / "seed-500047", keep=True)
+    assert result.verdict.verdict == "bitwise", result.line()
+    log = (tmp_path / "seed-500047" / "faulted" / "launcher.log").read_text()
+    assert "the vote on the peer copies of step 3 failed" in log, result.line()
