@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 from collections import defaultdict
@@ -41,6 +40,9 @@ FLAP_WINDOW_S = 60.0
 NEVER = -1e18
 
 Emit = Callable[[str, dict[str, Any]], None]
+#: Replaces a file durably (old or new content after a crash, never half). The host gives it:
+#: linkpass imports nothing of clockworkd, whose :func:`clockworkd.atomic_file.write_bytes` is the one way.
+WriteFile = Callable[[Path, bytes], None]
 
 
 @dataclass
@@ -68,11 +70,17 @@ class LinkPass:
         emit: Emit,
         clock: Callable[[], float] = time.monotonic,
         home_file: Path | None = None,
+        write_file: WriteFile | None = None,
     ) -> None:
+        if home_file is not None and write_file is None:
+            raise ValueError("LinkPass: a home_file needs a write_file to replace it durably")
         self.cfg = cfg
         # Each peer's home rail, kept across daemon restarts: a daemon restarted while a route is failed over
-        # must not take the failed-over rail for home (the kernel's route is then not the admin's).
+        # must not take the failed-over rail for home (the kernel's route is then not the admin's). Written
+        # durably: a rename without fsync may leave an empty file after a power loss, and a daemon that then
+        # takes the failed-over rail for home never fails back.
         self.home_file = home_file
+        self.write_file = write_file
         self.me = fabric.node(node)
         self.peers = {p.name: p for p in fabric.peers(node)}
         self.rails = sorted(self.me.nics)
@@ -152,13 +160,11 @@ class LinkPass:
         return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
     def _save_homes(self) -> None:
-        if self.home_file is None:
+        if self.home_file is None or self.write_file is None:
             return
         try:
             self.home_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.home_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.home, sort_keys=True))
-            os.replace(tmp, self.home_file)
+            self.write_file(self.home_file, json.dumps(self.home, sort_keys=True).encode())
         except OSError as exc:
             log.warning("%s: cannot record the home rails in %s: %s", self.me.name, self.home_file, exc)
 

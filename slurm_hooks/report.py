@@ -7,12 +7,12 @@ AdminComment, so ``sacct -o AdminComment`` tells an admin where to look without 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from clockworkd import atomic_file
 from slurm_hooks.context import HookContext
 
 #: Event kinds counted in the summary, and how the summary names them: LinkPass's failovers, TorchPass's live
@@ -63,14 +63,8 @@ def summary(report: dict[str, Any], path: Path) -> str:
 
 
 def write(report: dict[str, Any], reports_dir: Path) -> Path:
-    """Write atomically (temp file, fsync, rename): a reader never sees half a report."""
+    """Write atomically (:mod:`clockworkd.atomic_file`): a reader never sees half a report, nor a crash an empty one."""
     reports_dir.mkdir(parents=True, exist_ok=True)
     path = reports_dir / f"{report['job_id']}.json"
-    tmp = path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_file.write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
     return path

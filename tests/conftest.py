@@ -1,14 +1,20 @@
-"""Test-suite rules shared by unit and integration tests.
+"""Test-suite rules and helpers shared by unit and integration tests.
 
 Integration tests (marker ``integration``) need root and a real Slurm. In CI (:func:`in_ci`; CI runs as
 root) a missing prerequisite is a failure, never a skip; only on a developer laptop without root are
 they skipped, with the reason shown.
+
+Tests wait for conditions, never for fixed times: :func:`until` is the one way to wait (poll a check, fail
+naming what was waited for).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -16,6 +22,27 @@ import pytest
 def in_ci() -> bool:
     """Whether the tests run in CI: ``CI`` is set to anything but "", "0" or "false" (any case)."""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+def until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
+    """Poll ``check`` until it returns something true and return that; fail naming ``what`` (and what the check
+    last returned) after ``timeout_s``, a bound that only a broken run reaches.
+
+    A check that is itself slow (a ``clockwork`` or Slurm command: a process start, ~0.3 s of CPU) is asked
+    again only after as long as it took, so polling never takes more than half a core from the job it waits on.
+    The check is always asked once more at the deadline: a slow machine's late answer still counts.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        started = time.monotonic()
+        value = check()
+        if value:
+            return value
+        if started > deadline:
+            shown = repr(value)
+            shown = shown if len(shown) <= 200 else shown[:200] + "..."
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last check: {shown})")
+        time.sleep(max(interval_s, time.monotonic() - started))
 
 
 def require_root_and_slurm() -> None:

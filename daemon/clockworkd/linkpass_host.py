@@ -12,6 +12,7 @@ import hashlib
 import logging
 from pathlib import Path
 
+from clockworkd import atomic_file
 from clockworkd.daemon_paths import DaemonPaths, expand
 from clockworkd.server import Daemon
 from linkpass.engine import LinkPass
@@ -40,6 +41,7 @@ def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> L
         key,
         emit=lambda kind, fields: daemon.emit_node_event(kind, fields, "linkpass"),
         home_file=paths.state_dir / "linkpass-home.json",
+        write_file=atomic_file.write_bytes,
     )
     try:
         engine.start()

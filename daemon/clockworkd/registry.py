@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from clockworkd import atomic_file
+
 log = logging.getLogger("clockwork.daemon")
 
 RUNNING = "running"
@@ -92,30 +94,6 @@ class JobRecord:
         return record
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a file's creation or rename in ``path`` durable (the entry lives in the folder)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``data`` so that a reader (or a crash) sees the old or the new file, never half."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 @dataclass
 class _Log:
     """Bookkeeping of one job's event log: next sequence number and bytes used."""
@@ -154,7 +132,7 @@ class Registry:
         self._logs.clear()
         self._recent.clear()
         for path in sorted(self.jobs_dir.iterdir()):
-            if path.name.startswith(".") and path.name.endswith(".tmp"):
+            if atomic_file.is_temporary(path):
                 log.info("removing %s, an unfinished job record write of an earlier run", path)
                 path.unlink(missing_ok=True)
                 continue
@@ -224,7 +202,9 @@ class Registry:
         return self.events_dir / f"{job_id}.jsonl"
 
     def _save(self, record: JobRecord) -> None:
-        write_atomically(self._job_path(record.job_id), json.dumps(record.to_dict(), sort_keys=True).encode())
+        atomic_file.write_bytes(
+            self._job_path(record.job_id), json.dumps(record.to_dict(), sort_keys=True).encode(), mode=0o600
+        )
         self._jobs[record.job_id] = record
 
     def get(self, job_id: int) -> JobRecord | None:
@@ -316,7 +296,7 @@ class Registry:
         finally:
             os.close(fd)
         if created:
-            _fsync_dir(path.parent)
+            atomic_file.fsync_dir(path.parent)
         book.last_seq += 1
         book.size += len(line)
         self._recent.append(event)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from clockworkd.daemon_paths import DaemonPaths
 from clockworkd.errors import ClockworkError
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
+from tests.conftest import until
 
 CLOCKWORK = str(Path(sys.executable).parent / "clockwork")
 
@@ -158,24 +159,6 @@ def slurm_env(box: Sandbox) -> dict[str, str]:
 def on_node(box: Sandbox, node: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run a command on a sandbox node, the way `clockwork sandbox exec` does."""
     return subprocess.run(box.exec_argv(node, list(argv)), capture_output=True, text=True, timeout=timeout)
-
-
-def until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 0.1) -> Any:
-    """Poll ``check`` until it returns something true and return that; fail naming ``what`` after ``timeout_s``
-    (a bound that only a broken run reaches: tests wait for conditions, never for fixed times).
-
-    A check that is itself slow (a ``clockwork`` or Slurm command: a process start, ~0.3 s of CPU) is asked
-    again only after as long as it took, so polling never takes more than half a core from the job it waits on.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        started = time.monotonic()
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(max(interval_s, time.monotonic() - started))
 
 
 def lens_baselines_learned(daemons: NodeDaemons) -> bool:

@@ -17,7 +17,8 @@ import pytest
 
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
-from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, slurm_env, until
+from tests.conftest import until
+from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, slurm_env
 
 NODES = "node[1-4]"
 

@@ -32,6 +32,7 @@ import pytest
 from clockworkd.client import DaemonClient
 from clockworkd.errors import DaemonError
 from clockworkd.sandbox.cluster import Sandbox
+from tests.conftest import until
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, wait_job
 from tests.unit import test_torchpass_oracle as oracle
@@ -59,19 +60,16 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("borrow-sandbox")
 
 
+#: How long a job takes to start on the sandbox, at most (only a broken run waits that long).
+WAIT_S = 60.0
+
+
 def _sbatch(box: Sandbox, *args: str, env: dict[str, str] | None = None) -> int:
     out = subprocess.run(
         ["sbatch", "--parsable", *args], env=env or slurm_env(box), capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     return int(out.stdout.strip().split(";")[0])
-
-
-def _wait(predicate: object, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def _low_job(box: Sandbox, out: Path) -> int:
@@ -91,7 +89,7 @@ def _low_job(box: Sandbox, out: Path) -> int:
         "--wrap",
         'echo "start restart=${SLURM_RESTART_COUNT:-0}"; exec sleep 3600',
     )
-    _wait(lambda: out.exists() and "start restart=0" in out.read_text(), f"low job {job_id} to start")
+    until(f"low job {job_id} to start", lambda: out.exists() and "start restart=0" in out.read_text(), WAIT_S, 0.2)
     return job_id
 
 
@@ -126,7 +124,7 @@ def _train(box: Sandbox, base: Path, name: str, *, kill: str = "", during: objec
 
     crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S, once_borrowed)
     run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}", jobs.job_events(out))
-    _wait(lambda: (lambda i: i is None or i.finished)(slurm.job(job_id)), f"job {job_id} to end", 90)
+    until(f"job {job_id} to end", lambda: (lambda i: i is None or i.finished)(slurm.job(job_id)), 90, 0.2)
     return job_id, run
 
 
@@ -192,7 +190,7 @@ def test_a_borrow_without_a_borrow_job_is_refused_and_logged(box: Sandbox, base:
         f"touch {marker}; sleep 60",
     )
     try:
-        _wait(marker.exists, f"job {job_id} to start")
+        until(f"job {job_id} to start", marker.exists, WAIT_S, 0.2)
         with DaemonClient(daemon_paths(box, "node1"), timeout_s=5) as client, pytest.raises(DaemonError) as err:
             client.borrow(job_id, lost_node="node1")
         assert err.value.code == "forbidden"
@@ -295,14 +293,15 @@ def test_node_crash_borrows_node5_from_the_low_job_and_gives_it_back(
 
     # The low job: requeued once, running again on node5 now that the holder is gone.
     slurm = box.slurm()
-    _wait(
-        lambda: (lambda i: i is not None and i.state == "RUNNING" and i.nodes == ["node5"])(slurm.job(low)),
+    until(
         f"low job {low} to run again",
+        lambda: (lambda i: i is not None and i.state == "RUNNING" and i.nodes == ["node5"])(slurm.job(low)),
         90,
+        0.2,
     )
     info = slurm.job(low)
     assert info is not None and info.restart_count >= 1, info
-    _wait(lambda: "start restart=1" in low_out.read_text(), "the requeued low job's second start", 30)
+    until("the requeued low job's second start", lambda: "start restart=1" in low_out.read_text(), 30, 0.2)
     assert low_out.read_text().count("start restart=") == 2  # --open-mode=append kept the first run's line
     holder_info = slurm.job(holder)
     assert holder_info is None or holder_info.finished, holder_info

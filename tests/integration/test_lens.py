@@ -22,7 +22,8 @@ import pytest
 from clockworkd.lens.clockseam import ClockSeam
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
-from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, on_node, slurm_env, until
+from tests.conftest import until
+from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, on_node, slurm_env
 
 pytestmark = pytest.mark.integration
 

@@ -35,7 +35,8 @@ from clockworkd.errors import ClockworkError
 from clockworkd.instance_lock import running_pid
 from clockworkd.sandbox.cluster import REPO_ROOT, Sandbox
 from clockworkd.sandbox.processes import alive
-from tests.integration.conftest import CLOCKWORK, daemon_paths, daemon_pid, slurm_env, until, wait_job
+from tests.conftest import until
+from tests.integration.conftest import CLOCKWORK, daemon_paths, daemon_pid, slurm_env, wait_job
 
 TRAIN = REPO_ROOT / "examples" / "train_ddp.py"
 CLOCKWORKD = str(Path(sys.executable).parent / "clockworkd")

@@ -33,7 +33,8 @@ from clockworkd.client import DaemonClient
 from clockworkd.sandbox import processes
 from clockworkd.sandbox.cluster import Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
-from tests.integration.conftest import SandboxManager, daemon_paths, until
+from tests.conftest import until
+from tests.integration.conftest import SandboxManager, daemon_paths
 
 NODES = ("node1", "node2", "node3")
 JOB_ID = 930001

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from clockworkd.sandbox.cluster import REPO_ROOT, Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
-from tests.integration.conftest import CLOCKWORK, slurm_env, until, wait_job
+from tests.conftest import until
+from tests.integration.conftest import CLOCKWORK, slurm_env, wait_job
 
 SCRIPT = REPO_ROOT / "examples" / "train_torchpass.py"
 

@@ -39,8 +39,9 @@ import pytest
 from clockworkd.client import DaemonClient
 from clockworkd.sandbox.cluster import SPANK_SO, Sandbox
 from clockworkd.sandbox.daemons import NodeDaemons
+from tests.conftest import until
 from tests.integration import sandbox_jobs as jobs
-from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, until, wait_job
+from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, wait_job
 from tests.integration.test_hooks_daemon import (  # noqa: F401  (collected here: they run on 24.11)
     test_clockwork_job_is_registered_reported_and_summarised,
     test_healthcheck_drains_a_node_with_a_dead_nic_and_resumes_only_its_own_drains,

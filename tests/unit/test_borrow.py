@@ -593,3 +593,82 @@ def test_a_failed_borrow_is_not_retried_at_once(fake: FakeSlurm, monkeypatch: py
     monkeypatch.setattr(manager_module, "RETRY_AFTER_S", 0.0)
     manager.request(_training(), by="uid 0 pid 1")
     assert len(fake.calls()) > calls
+
+
+class FakeClocks:
+    """A manager's time, moved only by its own sleeps and by the test: no real second passes for a timeout."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self.wall0 = time.time()  # the fake queue's start times are real epoch seconds
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return self.wall0 + (self.t - 1000.0)
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.t += seconds
+
+
+def _clocked_manager(
+    fake: FakeSlurm, clocks: FakeClocks, cfg: BorrowConfig = POLICY
+) -> tuple[BorrowManager, list[tuple[int, str, dict[str, Any]]]]:
+    events: list[tuple[int, str, dict[str, Any]]] = []
+    manager = BorrowManager(
+        cfg,
+        fake.slurm(),
+        "node1",
+        lambda j, k, f: events.append((j, k, f)),
+        monotonic=clocks.monotonic,
+        wall=clocks.wall,
+        sleep=clocks.sleep,
+        poll_s=30.0,
+        threaded=False,
+    )
+    return manager, events
+
+
+def test_the_managers_timeouts_run_on_its_injected_clock_only(fake: FakeSlurm) -> None:
+    """A ten-minute holder timeout and the retry delay pass on the injected clock in well under ten minutes."""
+    from clockworkd.borrow.manager import RETRY_AFTER_S
+
+    pending = [*BEFORE, _qjob(900, "", partition="high", name=holder_name(TRAIN), state="PENDING", user=ME)]
+    fake.set_queue(BEFORE, pending)
+    clocks = FakeClocks()
+    cfg = BorrowConfig(enabled=True, partitions="low", holder_partition="high", timeout_s=600.0)
+    manager, events = _clocked_manager(fake, clocks, cfg)
+    assert manager.next_deadline() == clocks.t + 3600.0  # give_back = job_end: nothing to watch
+    started = time.monotonic()
+    manager.request(_training(), by="uid 0 pid 1")
+    assert time.monotonic() - started < 300  # the real clock: subprocesses only, never 600 s
+    manager.drain()
+    (state,) = manager.requests_of(TRAIN)["requests"]
+    assert state["state"] == "failed" and "within 600 s" in state["reason"]
+    assert clocks.slept == [30.0] * 20  # looked at the holder every poll_s of fake time until the deadline
+    assert state["requested_at"] == clocks.wall0
+    assert events[0][2]["total_ms"] >= 600_000  # timings are measured on the injected clock too
+    assert fake.calls("scancel") == ["scancel 900"]
+
+    fake.set_queue([BEFORE[0]])  # nothing to borrow any more: a retry fails at once
+    clocks.t += RETRY_AFTER_S - 1.0
+    with pytest.raises(BorrowRefused, match=r"ask again in 1\.0 s"):
+        manager.request(_training(), by="uid 0 pid 1")
+    clocks.t += 1.0
+    manager.request(_training(), by="uid 0 pid 1")  # the delay is over on the injected clock
+    assert len(manager.requests_of(TRAIN)["requests"]) == 2
+
+
+def test_held_time_is_measured_on_the_monotonic_clock_not_the_wall(fake: FakeSlurm) -> None:
+    fake.set_queue(BEFORE, AFTER)
+    clocks = FakeClocks()
+    manager, events = _clocked_manager(fake, clocks)
+    manager.request(_training(), by="uid 0 pid 1", lost_node="node3")
+    clocks.t += 42.0
+    clocks.wall0 -= 3600.0  # the wall clock is set back an hour: a duration must not notice
+    assert manager.release(TRAIN, "job 100 ended") == [900]
+    manager.drain()
+    assert events[-1][1] == "borrow.released" and events[-1][2]["held_s"] == 42.0

@@ -203,9 +203,10 @@ def test_dependency_direction(package: str, forbidden: tuple[str, ...]) -> None:
 # What TorchPass may use of clockworkd: its torch-free, client-side modules (the job key, the coordinator's wire
 # protocol and its one client, option and hostlist parsing, the snapshot format and the messages to its writer
 # process, the settings helper, the daemon's client for the event sink and borrowing, the command-line error
-# handler). Never the daemon itself (server, agent, Lens, LinkPass hosts): a rank must not load it, and the daemon
-# may change without touching TorchPass.
+# handler, the one atomic file writer). Never the daemon itself (server, agent, Lens, LinkPass hosts): a rank
+# must not load it, and the daemon may change without touching TorchPass.
 TORCHPASS_MAY_IMPORT = {
+    "clockworkd.atomic_file",
     "clockworkd.cli.invoke",
     "clockworkd.client",
     "clockworkd.config_fields",

@@ -30,7 +30,7 @@ from clockworkd.client import DaemonClient
 from clockworkd.curve_keys import CurveKeys, generate
 from clockworkd.errors import DaemonError, DaemonUnavailableError
 from clockworkd.protocol import decode_event, decode_reply, encode_request, event_topic
-from tests.conftest import in_ci
+from tests.conftest import in_ci, until
 from tests.unit.daemon_harness import (
     CLOCKWORKD,
     RunningDaemon,
@@ -473,10 +473,7 @@ def test_curve_peer_plane(scratch: Path, daemons: list[RunningDaemon]) -> None:
     with daemon.client() as client:
         relayed = client.job_events(9)[-1]
     assert relayed["node"] == "n2" and relayed["by"].startswith("peer 127.0.0.1 key ")
-    deadline = time.monotonic() + 30
-    while "refused a peer" not in daemon.log_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "refused a peer" in daemon.log_text()
+    until("the daemon to log that it refused a peer", lambda: "refused a peer" in daemon.log_text(), 30, 0.05)
 
 
 def test_a_secret_key_others_can_read_disables_the_peer_plane(scratch: Path, daemons: list[RunningDaemon]) -> None:

@@ -15,8 +15,7 @@ import os
 import select
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import zmq
 from clockworkd.cli.main import run
 from clockworkd.sandbox import gpu_faults
 from slurm_hooks.healthcheck import gpu_health_problems
+from tests.conftest import until
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 from tests.unit.test_migrate_cli import JOB, USER, _post_record, job
 from tests.unit.test_torchpass_coordinator import Events
@@ -55,14 +55,8 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(var)
 
 
-def _until(what: str, check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+#: How long a test waits for the daemon to see a change (it reads the GPUs every few tenths of a second).
+WAIT_S = 15.0
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -127,7 +121,7 @@ def test_hot_gpu_moves_its_rank_before_it_fails(
     active, passive, coordinator_events = job
     _post_record(daemon, active.endpoint, [passive.endpoint, active.endpoint])
 
-    before = _until("two healthy GPUs", lambda: (g := _gpus(daemon))["gpus"] and g)
+    before = until("two healthy GPUs", lambda: (g := _gpus(daemon))["gpus"] and g, WAIT_S, 0.05)
     assert [(g["index"], g["health"]) for g in before["gpus"]] == [(0, "ok"), (1, "ok")]
     assert before["source"] == "fault-file"
     assert before["gpus"][0]["ranks"] == []
@@ -136,8 +130,11 @@ def test_hot_gpu_moves_its_rank_before_it_fails(
     ]
 
     gpu_faults.apply(fault_file, 1, "temp", 95.0)
-    accepted = _until(
-        "the accepted migration", lambda: [f for f in _events(daemon, "gpu.migration") if f["state"] == "accepted"]
+    accepted = until(
+        "the accepted migration",
+        lambda: [f for f in _events(daemon, "gpu.migration") if f["state"] == "accepted"],
+        WAIT_S,
+        0.05,
     )
     cause = {"signal": "temperature.slowdown", "value": 95.0, "threshold": 90.0, "gpu": 1, "slot": 1}
     assert {k: accepted[0][k] for k in cause} == cause
@@ -176,21 +173,21 @@ def test_hot_gpu_moves_its_rank_before_it_fails(
     rank_process.kill()
     rank_process.wait()
     with daemon.client() as client:
-        problems = _until("the drain verdict", lambda: gpu_health_problems(client, "n1"))
+        problems = until("the drain verdict", lambda: gpu_health_problems(client, "n1"), WAIT_S, 0.05)
     assert problems == ["gpu1 temperature.slowdown 95.0 (threshold 90.0)"]
 
     # A broken fault file is logged and ignored: the daemon goes on with the previous values.
     fault_file.write_text("{broken")
-    _until("the complaint", lambda: "GPU fault file ignored" in daemon.log_text())
+    until("the complaint", lambda: "GPU fault file ignored" in daemon.log_text(), WAIT_S, 0.05)
     seen = _gpus(daemon)["read_at"]  # the complaint's reading, or the one just before it
-    broken = _until("a reading of the broken file", lambda: (g := _gpus(daemon))["read_at"] > seen and g)
+    broken = until("a reading of the broken file", lambda: (g := _gpus(daemon))["read_at"] > seen and g, WAIT_S, 0.05)
     assert "ignored:" in broken["source_state"], broken["source_state"]
     assert broken["gpus"][1]["reading"]["temperature_c"] == 95.0
     assert daemon.proc is not None and daemon.proc.poll() is None
 
     # Healed: the signal clears after clear_after readings, and the job hears it.
     gpu_faults.apply(fault_file, 1, "clear", None)
-    _until("the clear", lambda: [f for f in _events(daemon, "gpu.health") if f["state"] == "cleared"])
+    until("the clear", lambda: [f for f in _events(daemon, "gpu.health") if f["state"] == "cleared"], WAIT_S, 0.05)
     after = _gpus(daemon)["gpus"][1]
     assert (after["health"], after["drain_reason"], after["drain_ready"]) == ("ok", "", False)
     assert [(c["signal"], c["state"]) for c in after["history"]] == [
@@ -211,10 +208,11 @@ def test_a_refused_migration_is_recorded_and_retried(
     context.term()
     _post_record(daemon, f"tcp://127.0.0.1:{port}", [f"tcp://127.0.0.1:{port}"])
     gpu_faults.apply(fault_file, 1, "ecc", 2)
-    failed = _until(
+    failed = until(
         "two failed attempts",
         lambda: len(f := [e for e in _events(daemon, "gpu.migration") if e["state"] == "failed"]) >= 2 and f,
-        timeout_s=20,
+        20,
+        0.05,
     )
     assert failed[0]["signal"] == "ecc.uncorrected" and failed[0]["value"] == 2
     assert "no coordinator replica of the job answered" in failed[0]["error"]
@@ -226,7 +224,7 @@ def test_without_nvml_the_daemon_reports_no_gpus(
 ) -> None:
     config = write_config(scratch)  # the default source: NVML, which this machine does not have
     daemon = start_daemon(daemons, config)
-    info = _until("a first reading", lambda: (g := _gpus(daemon))["enabled"] and g)
+    info = until("a first reading", lambda: (g := _gpus(daemon))["enabled"] and g, WAIT_S, 0.05)
     assert info["gpus"] == [] and info["source"] == "nvml"
     assert info["source_state"].startswith("NVML not available")
     code, out, err = _cli(capsys, "--config", str(config), "node", "gpus")
@@ -269,7 +267,7 @@ def test_another_user_sees_the_gpus_but_not_other_jobs_ranks(
 
     require_root_for_second_user()
     _, daemon, _ = watched
-    mine = _until("the rank on gpu1", lambda: (g := _gpus(daemon))["gpus"] and g["gpus"][1]["ranks"] and g)
+    mine = until("the rank on gpu1", lambda: (g := _gpus(daemon))["gpus"] and g["gpus"][1]["ranks"] and g, WAIT_S, 0.05)
     assert [r["slot"] for r in mine["gpus"][1]["ranks"]] == [1]
     script = scratch / "gpus_as_nobody.py"
     script.write_text(AS_OTHER_USER)

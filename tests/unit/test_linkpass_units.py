@@ -103,3 +103,29 @@ def test_sysctl_parsing_and_reading() -> None:
         sysctls.parse("a.b")
     values = sysctls.read(["net.ipv4.ip_forward", "net.ipv4.no_such_setting"])
     assert values["net.ipv4.ip_forward"] in ("0", "1") and values["net.ipv4.no_such_setting"] is None
+
+
+def test_home_rails_go_through_the_hosts_durable_writer(tmp_path: Path) -> None:
+    """linkpass imports nothing of clockworkd: its host hands it the one atomic writer, which must be used."""
+    from clockworkd import atomic_file
+    from linkpass.engine import LinkPass
+    from linkpass.settings import LinkPassConfig
+
+    fabric = FabricMap.parse(FABRIC)
+    home_file = tmp_path / "state" / "linkpass-home.json"
+    written: list[Path] = []
+
+    def write(path: Path, data: bytes) -> None:
+        written.append(path)
+        atomic_file.write_bytes(path, data)
+
+    engine = LinkPass(
+        LinkPassConfig(), "node1", fabric, KEY, lambda kind, fields: None, home_file=home_file, write_file=write
+    )
+    engine.home = {"node2": "nic1"}
+    engine._save_homes()
+    assert written == [home_file]
+    assert sorted(p.name for p in home_file.parent.iterdir()) == ["linkpass-home.json"]
+    assert engine._load_homes() == {"node2": "nic1"}
+    with pytest.raises(ValueError, match="write_file"):
+        LinkPass(LinkPassConfig(), "node1", fabric, KEY, lambda kind, fields: None, home_file=home_file)

@@ -18,7 +18,6 @@ from clockworkd.registry import (
     JobRecord,
     Registry,
     UnknownJobError,
-    write_atomically,
 )
 
 
@@ -193,11 +192,3 @@ def test_job_record_from_dict_rejects_garbage() -> None:
     with pytest.raises(ValueError):
         JobRecord.from_dict({**good, "uid": "2"})
     assert JobRecord.from_dict(good).to_dict() == good
-
-
-def test_write_atomically_replaces(tmp_path: Path) -> None:
-    target = tmp_path / "f.json"
-    write_atomically(target, b"one")
-    write_atomically(target, b"two")
-    assert target.read_bytes() == b"two"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]

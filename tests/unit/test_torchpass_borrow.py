@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.conftest import until
 from torchpass.borrow import Borrower, guest_command, guest_environment
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator import Coordinator
@@ -152,11 +152,8 @@ def test_no_node_fails_the_job_at_once_unless_waiting_was_allowed(daemon: FakeDa
 # ----------------------------------------------------------------------- with a real coordinator
 
 
-def _wait_for(predicate: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
+#: How long a test waits for a condition only a broken run never reaches.
+WAIT_S = 5.0
 
 
 @pytest.fixture
@@ -191,9 +188,9 @@ def test_a_lost_member_is_replaced_by_the_borrowed_guest(zctx: zmq.Context[zmq.S
         coord.on_spare_needed = borrower.need
         _register(zctx, coord.endpoint, "a0.0", "slot:0", 40000)
         _register(zctx, coord.endpoint, "a1.0", "slot:1", 40001)
-        _wait_for(lambda: coord.gen == 0)
+        until("generation 0 to start", lambda: coord.gen == 0, WAIT_S, 0.02)
         coord.worker_exited("a1.0", "slot:1", 137)  # its node is gone, and no standby spare exists
-        _wait_for(lambda: coord.gen == 1)
+        until("generation 1, with the borrowed spare", lambda: coord.gen == 1, WAIT_S, 0.02)
         assert launched == ["node5"] and coord.members == {0: "a0.0", 1: "g900.0"}
         (generation,) = [g for g in events.of("torchpass.generation") if g["generation"] == 1]
         assert generation["replaced"] == {"1": "g900.0"}
@@ -214,9 +211,9 @@ def test_a_refused_borrow_fails_the_job_with_the_reason_not_after_spare_timeout(
         coord.on_spare_needed = borrower.need
         _register(context, coord.endpoint, "a0.0", "slot:0", 40000)
         _register(context, coord.endpoint, "a1.0", "slot:1", 40001)
-        _wait_for(lambda: coord.gen == 0)
+        until("generation 0 to start", lambda: coord.gen == 0, WAIT_S, 0.02)
         coord.worker_exited("a1.0", "slot:1", 1)
-        _wait_for(lambda: coord.state == "failed")
+        until("the job to fail on the refused borrow", lambda: coord.state == "failed", WAIT_S, 0.02)
     finally:
         coord.stop()
         context.destroy(linger=0)

@@ -17,6 +17,7 @@ import zmq
 
 from clockworkd.cli.main import run as clockwork
 from clockworkd.coordinator_wire import GenerationInfo, decode, encode
+from tests.conftest import until
 from torchpass.auth import connect_as_client
 from torchpass.cli import main as cli_main
 from torchpass.config import TorchPassConfig
@@ -132,11 +133,8 @@ def _ranks(zctx: zmq.Context[zmq.Socket[bytes]], coord: Coordinator, roles: list
     return ranks
 
 
-def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+#: How long a test waits for a condition only a broken run never reaches.
+WAIT_S = 30.0
 
 
 def _start_generation0(events: Events, *members: FakeRank) -> GenerationInfo:
@@ -146,7 +144,7 @@ def _start_generation0(events: Events, *members: FakeRank) -> GenerationInfo:
         member.await_generation(-1)
     for member in members:
         member.joined(g0)
-    _wait_for(lambda: events.of("torchpass.started"))
+    until("the torchpass.started event", lambda: events.of("torchpass.started"), WAIT_S, 0.01)
     return g0
 
 
@@ -161,7 +159,7 @@ def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[by
         assert b.await_generation(-1) == g0
         a.joined(g0)
         b.joined(g0)
-        _wait_for(lambda: events.of("torchpass.started"))
+        until("the torchpass.started event", lambda: events.of("torchpass.started"), WAIT_S, 0.01)
 
         coord.worker_exited("w1", "slot:1", -9)
         g1 = a.await_generation(0)
@@ -176,7 +174,7 @@ def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[by
         a.joined(g1, first_error_at=time.time())
         move = {"part": 0, "what": "the training state", "source": 0, "target": 1, "bytes": 123, "ms": 1.5}
         spare.joined(g1, received=True, source=0, transfer_bytes=123, rebuild_ms=4.0, transfer_ms=2.0, moves=[move])
-        _wait_for(lambda: events.of("torchpass.recovered"))
+        until("the torchpass.recovered event", lambda: events.of("torchpass.recovered"), WAIT_S, 0.01)
         recovered = events.of("torchpass.recovered")[0]
         assert recovered["slots"] == [1] and recovered["received_by"] == [1] and recovered["source_slots"] == [0]
         assert recovered["moves"] == [{**move, "handoff": False}]  # what moved from whom (under FSDP: a shard)
@@ -193,7 +191,12 @@ def test_start_failure_spare_recovery_and_finish(zctx: zmq.Context[zmq.Socket[by
 
         waiter = threading.Thread(target=finish, args=(a,))
         waiter.start()
-        _wait_for(lambda: ("w0", "finished") in coord.unanswered())  # w0's finished arrived: it is held
+        until(
+            "w0's finished to arrive (the coordinator holds it)",
+            lambda: ("w0", "finished") in coord.unanswered(),
+            WAIT_S,
+            0.01,
+        )
         assert coord.state != DONE and waiter.is_alive()  # parked until every member finished
         finish(spare)
         waiter.join(30)
@@ -219,7 +222,7 @@ def test_a_recovery_over_two_generations_names_every_slot_it_replaced(zctx: zmq.
         assert g2.replaced == {2: "w4"} and g2.members == {0: "w0", 1: "w3", 2: "w4"}
         for rank in (a, s1, s2):
             rank.joined(g2)
-        _wait_for(lambda: events.of("torchpass.recovered"))
+        until("the torchpass.recovered event", lambda: events.of("torchpass.recovered"), WAIT_S, 0.01)
         assert events.of("torchpass.recovered")[0]["slots"] == [1, 2]
     finally:
         coord.stop()
@@ -315,7 +318,7 @@ def test_vacant_slot_waits_for_a_spare(zctx: zmq.Context[zmq.Socket[bytes]]) -> 
         a, _b = _ranks(zctx, coord, ["slot:0", "slot:1"])
         g0 = a.await_generation(-1)
         coord.worker_exited("w1", "slot:1", 1)
-        _wait_for(lambda: events.of("torchpass.waiting_for_spare"))
+        until("the torchpass.waiting_for_spare event", lambda: events.of("torchpass.waiting_for_spare"), WAIT_S, 0.01)
         late = FakeRank(zctx, coord.endpoint, "w7", "spare", 40007)
         late.register()
         g1 = a.await_generation(g0.gen)
@@ -351,7 +354,7 @@ def test_planned_migration_announces_a_handoff(zctx: zmq.Context[zmq.Socket[byte
             a.call("migrate", slot=1)
         a.joined(g0)
         b.joined(g0)
-        _wait_for(lambda: events.of("torchpass.started"))
+        until("the torchpass.started event", lambda: events.of("torchpass.started"), WAIT_S, 0.01)
         with pytest.raises(CoordinatorRefused, match="no spare is ready"):
             a.call("migrate", slot=1)
         spare = FakeRank(zctx, coord.endpoint, "w2", "spare", 40002)
@@ -367,7 +370,7 @@ def test_planned_migration_announces_a_handoff(zctx: zmq.Context[zmq.Socket[byte
         coord.worker_exited("w1", "slot:1", 0)  # it leaves cleanly after its handoff: no failure
         a.joined(g1)
         spare.joined(g1, handoff_ok=True, received=False)
-        _wait_for(lambda: events.of("torchpass.migrated"))
+        until("the torchpass.migrated event", lambda: events.of("torchpass.migrated"), WAIT_S, 0.01)
         assert events.of("torchpass.migrated")[0]["handoff_ok"] and not events.of("torchpass.member_failed")
     finally:
         coord.stop()
@@ -398,7 +401,7 @@ def test_silent_rank_is_evicted(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     try:
         (a,) = _ranks(zctx, coord, ["slot:0"])
         a.await_generation(-1)
-        _wait_for(lambda: evicted == ["w0"])
+        until("w0 to be evicted", lambda: evicted == ["w0"], WAIT_S, 0.01)
         assert "no heartbeat" in events.of("torchpass.member_failed")[0]["why"]
         assert coord.state == FAILED  # the only member is gone: nobody holds the state
     finally:
@@ -411,7 +414,7 @@ def test_cli_status_and_migrate(zctx: zmq.Context[zmq.Socket[bytes]], capsys: py
     try:
         (a,) = _ranks(zctx, coord, ["slot:0"])
         a.joined(a.await_generation(-1))
-        _wait_for(lambda: events.of("torchpass.started"))
+        until("the torchpass.started event", lambda: events.of("torchpass.started"), WAIT_S, 0.01)
         assert cli_main(["status", "--coordinator", coord.endpoint]) == 0
         out = capsys.readouterr().out
         assert "generation 0" in out and "slot 0: w0" in out
@@ -494,7 +497,12 @@ def test_snapshots_asked_for_are_merged_and_planned_again_when_skipped(zctx: zmq
         beat(10)
         time.sleep(0.2)
         beat(11)  # a pace of about 5 steps/s
-        _wait_for(lambda: coord.workers["w0"].rate > 0 and coord.workers["w1"].rate > 0)
+        until(
+            "both workers' step rates",
+            lambda: coord.workers["w0"].rate > 0 and coord.workers["w1"].rate > 0,
+            WAIT_S,
+            0.01,
+        )
         first = a.call("snapshot")["step"]
         assert first > 11 and b.call("snapshot")["step"] == first  # planned, not reached: it serves both
         assert [(e["step"], e["reason"], e.get("shared")) for e in events.of("torchpass.snapshot_requested")] == [
@@ -503,17 +511,32 @@ def test_snapshots_asked_for_are_merged_and_planned_again_when_skipped(zctx: zmq
         ]
 
         beat(first + 1, first)  # both skipped it: one incomplete snapshot, asked for once more
-        _wait_for(lambda: len(events.of("torchpass.snapshot_requested")) == 3)
+        until(
+            "3 torchpass.snapshot_requested events",
+            lambda: len(events.of("torchpass.snapshot_requested")) == 3,
+            WAIT_S,
+            0.01,
+        )
         (incomplete,) = events.of("torchpass.snapshot_incomplete")
         assert incomplete["step"] == first and incomplete["asked_again"] is True
         second = events.of("torchpass.snapshot_requested")[2]
         assert second["step"] > first + 1 and f"skipped the one after step {first}" in second["reason"]
 
         beat(second["step"] + 1, second["step"])
-        _wait_for(lambda: len(events.of("torchpass.snapshot_requested")) == 4)
+        until(
+            "4 torchpass.snapshot_requested events",
+            lambda: len(events.of("torchpass.snapshot_requested")) == 4,
+            WAIT_S,
+            0.01,
+        )
         third = events.of("torchpass.snapshot_requested")[3]["step"]
         beat(third + 1, third)  # the third attempt skipped too: SNAPSHOT_ATTEMPTS reached, no fourth
-        _wait_for(lambda: len(events.of("torchpass.snapshot_incomplete")) == 3)
+        until(
+            "3 torchpass.snapshot_incomplete events",
+            lambda: len(events.of("torchpass.snapshot_incomplete")) == 3,
+            WAIT_S,
+            0.01,
+        )
         assert events.of("torchpass.snapshot_incomplete")[-1]["asked_again"] is False
         for rank in (a, b):  # both skip reports of the third attempt handled, and every heartbeat before them
             rank.all_heartbeats_answered()
@@ -536,13 +559,20 @@ def test_a_skipped_periodic_snapshot_waits_for_the_next_period(zctx: zmq.Context
         (periodic,) = events.of("torchpass.snapshot_requested")
         assert periodic["reason"] == "periodic"
         a.control.send(encode("hb", wid=a.wid, step=periodic["step"] + 1, skipped=[periodic["step"]]))
-        _wait_for(lambda: events.of("torchpass.snapshot_incomplete"))
+        until(
+            "the torchpass.snapshot_incomplete event", lambda: events.of("torchpass.snapshot_incomplete"), WAIT_S, 0.01
+        )
         assert events.of("torchpass.snapshot_incomplete")[0] == {
             "step": periodic["step"],
             "skipped_by": "w0",
             "asked_again": False,
         }
-        _wait_for(lambda: len(events.of("torchpass.snapshot_requested")) == 2)
+        until(
+            "2 torchpass.snapshot_requested events",
+            lambda: len(events.of("torchpass.snapshot_requested")) == 2,
+            WAIT_S,
+            0.01,
+        )
         assert events.of("torchpass.snapshot_requested")[1]["reason"] == "periodic"
     finally:
         coord.stop()

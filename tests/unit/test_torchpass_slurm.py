@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.conftest import until
 from tests.unit.test_torchpass_coordinator import Events, FakeRank
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator import FAILED, RUNNING, Coordinator
@@ -222,11 +223,8 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[list[Node]]:
             node.crash()
 
 
-def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+#: How long a test waits for a condition only a broken run never reaches.
+WAIT_S = 30.0
 
 
 @pytest.fixture
@@ -245,14 +243,14 @@ def _start_ranks(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> l
     assert g0.members == {0: "a0.0", 1: "a1.0", 2: "a2.0"}
     for rank in ranks[:3]:
         rank.joined(g0)
-    _wait_for(lambda: cluster[0].events.of("torchpass.started"))
+    until("node 0's torchpass.started event", lambda: cluster[0].events.of("torchpass.started"), WAIT_S, 0.01)
     return ranks
 
 
 def test_followers_hold_the_leaders_state(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
     _start_ranks(zctx, cluster)
     for node in cluster[1:]:
-        _wait_for(lambda node=node: node.mesh.job_state() == RUNNING)  # type: ignore[misc]
+        until("each node's mesh to see the job running", lambda n=node: n.mesh.job_state() == RUNNING, WAIT_S, 0.01)  # type: ignore[misc]
         assert not node.coordinator.active and node.mesh.leader == 0
         assert node.mesh.worker_alive("a3.0") is True
     assert cluster[0].mesh.is_leader() and cluster[0].mesh.endpoints()[0] == cluster[0].layout.coordinator_endpoint(0)
@@ -260,7 +258,7 @@ def test_followers_hold_the_leaders_state(zctx: zmq.Context[zmq.Socket[bytes]], 
 
 def test_leader_node_crash_moves_the_coordinator(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> None:
     ranks = _start_ranks(zctx, cluster)
-    _wait_for(lambda: cluster[1].mesh.job_state() == RUNNING)
+    until("node 1's mesh to see the job running", lambda: cluster[1].mesh.job_state() == RUNNING, WAIT_S, 0.01)
     cluster[0].crash()  # the leader's node, with slot 0's rank
     # a survivor long-polls for the next generation through its proxy; the new leader must answer it
     g = ranks[1].await_generation(0, timeout=30.0)
@@ -275,13 +273,13 @@ def test_leader_node_crash_moves_the_coordinator(zctx: zmq.Context[zmq.Socket[by
     failed = cluster[1].events.of("torchpass.member_failed")
     assert failed[0]["slot"] == 0 and "coordinator leader agent 0" in failed[0]["why"], failed
     for node in cluster[2:]:
-        _wait_for(lambda node=node: node.mesh.leader == 1)  # type: ignore[misc]
+        until("each node's mesh to take node 1 for leader", lambda n=node: n.mesh.leader == 1, WAIT_S, 0.01)  # type: ignore[misc]
         assert not node.coordinator.active
     assert ranks[3].await_generation(-1, timeout=30.0) == g  # the spare, through its own proxy
     assert ranks[2].await_generation(0, timeout=30.0) == g
     for rank in (ranks[1], ranks[2], ranks[3]):
         rank.joined(g)
-    _wait_for(lambda: cluster[1].events.of("torchpass.recovered"))
+    until("node 1's torchpass.recovered event", lambda: cluster[1].events.of("torchpass.recovered"), WAIT_S, 0.01)
     assert cluster[1].events.of("torchpass.recovered")[0]["slots"] == [0]
 
 
@@ -293,7 +291,8 @@ def test_silent_follower_is_declared_lost(zctx: zmq.Context[zmq.Socket[bytes]], 
     lost = cluster[0].events.of("torchpass.agent_lost")
     assert [e["agent"] for e in lost] == [2] and lost[0]["silent_ms"] >= 300
     assert cluster[0].mesh.is_leader()  # nothing moved: the leader is fine
-    _wait_for(lambda: 2 in cluster[1].mesh.dead)  # the followers learn it from the snapshot
+    # the followers learn it from the snapshot
+    until("node 1's mesh to count node 2 dead", lambda: 2 in cluster[1].mesh.dead, WAIT_S, 0.01)
 
 
 def test_a_rank_exit_reaches_the_leader_through_the_mesh(
@@ -327,7 +326,12 @@ def test_takeover_without_a_snapshot_rebuilds_from_the_ranks(zctx: zmq.Context[z
         b = FakeRank(zctx, coord.endpoint, "a1.0", "slot:1", 41101)
         early = threading.Thread(target=a.register)  # answered only once the replica leads
         early.start()
-        _wait_for(lambda: ("a0.0", "register") in coord.unanswered())  # it arrived, and is held
+        until(
+            "a0.0's register to reach the coordinator, which holds it",
+            lambda: ("a0.0", "register") in coord.unanswered(),
+            WAIT_S,
+            0.01,
+        )
         assert not events.items and early.is_alive()  # passive: nothing decided, the request is held
         coord.take_over(None, {2}, {"a2.0": "spare"}, "test", time.time())
         early.join(2.0)
@@ -343,7 +347,7 @@ def test_losing_every_member_fails_the_job(zctx: zmq.Context[zmq.Socket[bytes]],
     for k in (1, 3, 2):
         cluster[0].coordinator.agent_lost(k, {}, "test", time.time())
     cluster[0].coordinator.worker_exited("a0.0", "slot:0", -9)
-    _wait_for(lambda: cluster[0].coordinator.state == FAILED)
+    until("node 0's coordinator to fail", lambda: cluster[0].coordinator.state == FAILED, WAIT_S, 0.01)
     assert "no replica holds the training state" in cluster[0].coordinator.failure_reason
 
 
@@ -425,7 +429,12 @@ def test_a_node_verdict_on_the_leaders_node_elects_a_new_leader(
     zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]
 ) -> None:
     ranks = _start_ranks(zctx, cluster)
-    _wait_for(lambda: all(node.mesh.job_state() == RUNNING for node in cluster[1:]))
+    until(
+        "every surviving node's mesh to see the job running",
+        lambda: all(node.mesh.job_state() == RUNNING for node in cluster[1:]),
+        WAIT_S,
+        0.01,
+    )
     cluster[0].crash()
     for node in cluster[1:]:  # every follower's own node daemon judges the leader's node
         node.mesh.node_verdict(0, VERDICT, time.time() - 0.11, 0.11)

@@ -79,8 +79,13 @@ class BorrowRequest:
     holder: int = 0
     preempted: int = 0
     timings: dict[str, float] = field(default_factory=dict)
-    requested_at: float = field(default_factory=time.time)
-    ended_at: float = 0.0  # monotonic, when it failed
+    #: Wall-clock time of the request (seconds since the epoch), for people and other hosts reading
+    #: ``borrow_status``; never used to measure a duration (a wall clock may jump).
+    requested_at: float = 0.0
+    #: The manager's monotonic clock at the request (``held_s`` is measured from it) and when the request
+    #: failed (the retry delay is measured from that).
+    requested_mono: float = 0.0
+    ended_at: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -102,7 +107,15 @@ def _ms(start: float, end: float) -> float:
 
 
 class BorrowManager:
-    """Borrow requests of the jobs on this node; hosted in the daemon's loop as a component."""
+    """Borrow requests of the jobs on this node; hosted in the daemon's loop as a component.
+
+    Time comes from three injected functions, so that a test drives every timeout without waiting:
+    ``monotonic`` measures every duration and deadline (the holder's ``timeout_s``, the retry delay, the
+    give-back watch, the timings and ``held_s``) and must be the daemon loop's clock, which compares
+    :meth:`next_deadline` with its own; ``wall`` only stamps ``requested_at`` and is what Slurm's job start
+    times (seconds since the epoch) are compared with to tell how much work a preemption loses; ``sleep``
+    waits between two looks at the holder.
+    """
 
     def __init__(
         self,
@@ -111,7 +124,9 @@ class BorrowManager:
         node: str,
         record: Recorder,
         *,
-        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
         poll_s: float = 0.25,
         threaded: bool = True,
     ) -> None:
@@ -119,7 +134,9 @@ class BorrowManager:
         self.slurm = slurm
         self.node = node
         self.record = record
-        self.clock = clock
+        self.monotonic = monotonic
+        self.wall = wall
+        self.sleep = sleep
         self.poll_s = poll_s
         self.threaded = threaded
         self._lock = threading.Lock()
@@ -129,7 +146,7 @@ class BorrowManager:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._next_watch = time.monotonic() + WATCH_INTERVAL_S
+        self._next_watch = monotonic() + WATCH_INTERVAL_S
         self._watching = False
         self._closed = False
 
@@ -143,7 +160,15 @@ class BorrowManager:
             self._emit(job.job_id, "borrow.refused", {"by": by, "reason": reason})
             raise BorrowRefused(reason)
         with self._lock:
-            req = BorrowRequest(self._next, job.job_id, job.uid, job.user, lost_node)
+            req = BorrowRequest(
+                self._next,
+                job.job_id,
+                job.uid,
+                job.user,
+                lost_node,
+                requested_at=self.wall(),
+                requested_mono=self.monotonic(),
+            )
             self._next += 1
             self._requests[req.request] = req
         log.info(
@@ -180,7 +205,7 @@ class BorrowManager:
             return f"user {job.user} may not borrow nodes ([borrow] allow_users = {cfg.allow_users!r})"
         with self._lock:
             ended = [r.ended_at for r in self._requests.values() if r.job_id == job.job_id and r.state == FAILED]
-        wait = max(ended, default=0.0) + RETRY_AFTER_S - time.monotonic()
+        wait = max(ended) + RETRY_AFTER_S - self.monotonic() if ended else 0.0
         if wait > 0:
             return f"job {job.job_id}'s last borrow failed moments ago: ask again in {wait:.1f} s"
         if cfg.max_nodes_per_job == 0:
@@ -211,7 +236,7 @@ class BorrowManager:
 
     def acquire(self, req: BorrowRequest) -> None:
         """Choose, submit the holder, wait for Slurm to preempt; every outcome ends in one event."""
-        t0 = self.clock()
+        t0 = self.monotonic()
         try:
             self._acquire(req, t0)
         except BorrowRefused as exc:
@@ -226,7 +251,7 @@ class BorrowManager:
         cfg = self.cfg
         queue_now = self.slurm.queue()
         nodes = self.slurm.nodes()
-        t_query = self.clock()
+        t_query, now = self.monotonic(), self.wall()
         req.timings["query_ms"] = _ms(t0, t_query)
         me = next((j for j in queue_now if j.job_id == req.job_id), None)
         if me is None or me.state != "RUNNING":
@@ -239,11 +264,11 @@ class BorrowManager:
                 f"(holders {', '.join(str(h.job_id) for h in held)}): the limit is {cfg.max_nodes_per_job}"
             )
         choice = choose(
-            queue_now, cfg, borrower=me, borrower_id=req.job_id, borrower_nodes=me.nodes, nodes=nodes, now=t_query
+            queue_now, cfg, borrower=me, borrower_id=req.job_id, borrower_nodes=me.nodes, nodes=nodes, now=now
         )
-        req.timings["choose_ms"] = _ms(t_query, self.clock())
+        req.timings["choose_ms"] = _ms(t_query, self.monotonic())
         if choice is None:
-            raise BorrowRefused(self._none_reason(queue_now, me, t_query))
+            raise BorrowRefused(self._none_reason(queue_now, me, now))
         victim = choice.job
         req.node, req.preempted = choice.node, victim.job_id
         partition = (
@@ -260,7 +285,7 @@ class BorrowManager:
             qos=cfg.holder_qos.strip(),
             comment=f"clockwork: holds {choice.node} for job {req.job_id}",
         )
-        t_submit = self.clock()
+        t_submit = self.monotonic()
         req.holder = self.slurm.submit_holder(spec)  # held: nothing is preempted yet
         # The victim is labelled before Slurm preempts it: slurmctld writes a job's AdminComment into the
         # accounting record of the run it ends (the PREEMPTED one) and keeps it for the requeued run. Written
@@ -273,7 +298,7 @@ class BorrowManager:
             self._cancel_quietly(req.holder)
             self._comment(req.job_id, victim.job_id, victim.admin_comment)
             raise
-        t_submitted = self.clock()
+        t_submitted = self.monotonic()
         req.timings["submit_ms"] = _ms(t_submit, t_submitted)
         log.info(
             "job %d: holder %d submitted for %s (preempts job %d of %s, %s, work lost %.0f s)",
@@ -296,7 +321,7 @@ class BorrowManager:
                     f"the holder allocation {req.holder} on {choice.node} ended before it ran "
                     f"({info.state if info else 'gone'})"
                 )
-            if self.clock() >= deadline:
+            if self.monotonic() >= deadline:
                 self._cancel_quietly(req.holder)
                 self._comment(req.job_id, victim.job_id, victim.admin_comment)
                 raise BorrowRefused(
@@ -304,8 +329,8 @@ class BorrowManager:
                     f"{cfg.timeout_s:g} s ([borrow] timeout_s; is preemption configured for partition "
                     f"{victim.partition}? pending reason in `scontrol show job {req.holder}`)"
                 )
-            time.sleep(self.poll_s)
-        t_running = self.clock()
+            self.sleep(self.poll_s)
+        t_running = self.monotonic()
         req.timings["preempt_ms"] = _ms(t_submitted, t_running)
         after = self.slurm.job(victim.job_id)
         mine = self.slurm.job(req.job_id)
@@ -314,7 +339,7 @@ class BorrowManager:
             (req.job_id, add_borrowed(mine.admin_comment if mine else "", choice.node, victim.job_id, req.holder)),
         ):
             self._comment(req.job_id, job_id, text)
-        req.timings["total_ms"] = _ms(t0, self.clock())
+        req.timings["total_ms"] = _ms(t0, self.monotonic())
         self._emit(  # before the state changes: whoever sees 'acquired' finds the event recorded
             req.job_id,
             "borrow.acquired",
@@ -378,14 +403,14 @@ class BorrowManager:
             log.warning("holder %d not cancelled: %s", job_id, exc)
 
     def _finish(self, req: BorrowRequest, state: str, reason: str, t0: float, kind: str = "borrow.failed") -> None:
-        req.timings["total_ms"] = _ms(t0, self.clock())
+        req.timings["total_ms"] = _ms(t0, self.monotonic())
         log.warning("job %d (node %s): borrow request %d failed: %s", req.job_id, self.node, req.request, reason)
         fields: dict[str, Any] = {"request": req.request, "reason": reason, "lost_node": req.lost_node, **req.timings}
         if req.holder:
             fields["holder"] = req.holder
         self._emit(req.job_id, kind, fields)  # before the state changes (see above)
         with self._lock:
-            req.state, req.reason, req.ended_at = state, reason, time.monotonic()
+            req.state, req.reason, req.ended_at = state, reason, self.monotonic()
 
     # ----- give-back -----------------------------------------------------------------------------
 
@@ -414,7 +439,7 @@ class BorrowManager:
                 for r in self._requests.values():
                     if r.holder == holder:
                         r.state = RELEASED
-                        held_s = round(self.clock() - r.requested_at, 1)
+                        held_s = round(self.monotonic() - r.requested_mono, 1)
             log.info("job %d: gave back %s (holder %d cancelled: %s)", job_id, node, holder, why)
             self._emit(job_id, "borrow.released", {"holder": holder, "node": node, "why": why, "held_s": held_s})
         return released
@@ -471,10 +496,10 @@ class BorrowManager:
                 log.warning("job %d: %s not recorded: %s", job_id, kind, exc)
 
     def next_deadline(self) -> float:
-        return self._next_watch if self.cfg.give_back == "node_return" else time.monotonic() + 3600.0
+        return self._next_watch if self.cfg.give_back == "node_return" else self.monotonic() + 3600.0
 
     def tick(self) -> None:
-        self._next_watch = time.monotonic() + WATCH_INTERVAL_S
+        self._next_watch = self.monotonic() + WATCH_INTERVAL_S
         if self.cfg.give_back == "node_return" and not self._watching:
             self._watching = True
             threading.Thread(target=self._watch, name="borrow-watch", daemon=True).start()

@@ -16,10 +16,10 @@ which is what the daemon requires of it.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from clockworkd import atomic_file
 from clockworkd.errors import ConfigError
 
 GPU_FAULTS = ("temp", "ecc", "xid", "clear")
@@ -73,10 +73,7 @@ def read(path: Path) -> dict[str, Any]:
 
 def write(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    atomic_file.write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n", mode=0o644)
 
 
 def apply(path: Path, index: int, what: str, value: float | int | None) -> dict[str, Any]:

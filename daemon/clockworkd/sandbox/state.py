@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clockworkd import atomic_file
 from clockworkd.config.schema import SandboxConfig
 
 
@@ -33,9 +33,7 @@ class SandboxState:
 
     def save(self, path: Path) -> None:
         data = dataclasses.asdict(self)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        atomic_file.write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> SandboxState | None:

@@ -38,7 +38,6 @@ the writer, 10 nice levels below a busy training loop, waited for its checksums 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -51,6 +50,8 @@ import h5py
 import numpy as np
 from isal import isal_zlib
 
+from clockworkd import atomic_file
+
 __all__ = [
     "DATA",
     "FORMAT",
@@ -61,10 +62,8 @@ __all__ = [
     "SnapshotInfo",
     "apply_retention",
     "crc32",
-    "durable_write",
     "entry_file_offset",
     "file_entries",
-    "fsync_dir",
     "list_snapshots",
     "load_manifest",
     "read_entries",
@@ -120,37 +119,6 @@ def shard_name(rank: int) -> str:
     return f"rank-{rank:05d}.h5"
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    """Flush ``path``'s data and metadata to the device."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def durable_write(final: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)``, fsync tmp, rename it to ``final``, fsync the folder; tmp is removed on failure."""
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        fsync_file(tmp)
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(final.parent)
-
-
 def _canonical(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
@@ -202,11 +170,7 @@ def entry_file_offset(path: Path, name: str) -> int:
 def write_manifest(folder: Path, body: dict[str, Any]) -> None:
     """Write ``manifest.json`` (body plus the CRC of its canonical form) durably: the snapshot now exists."""
     text = json.dumps({"body": body, "crc32": crc32(_canonical(body))}, indent=1, sort_keys=True)
-
-    def write(tmp: Path) -> None:
-        tmp.write_text(text)
-
-    durable_write(folder / MANIFEST, write)
+    atomic_file.write_text(folder / MANIFEST, text)
 
 
 def load_manifest(folder: Path) -> dict[str, Any]:
@@ -367,7 +331,7 @@ def verify_snapshot(folder: str | Path) -> list[str]:
 def remove_snapshot(folder: Path) -> None:
     """Delete a snapshot: the manifest first, so a half-removed snapshot never looks complete."""
     (folder / MANIFEST).unlink(missing_ok=True)
-    fsync_dir(folder)
+    atomic_file.fsync_dir(folder)
     shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from clockworkd import atomic_file
 from clockworkd.snapshots.direct_io import DIRECT_ALIGN, IO_CHUNK, DirectWrites, Writeback, open_direct
 from clockworkd.snapshots.messages import Entry, FinalizeSpec, Phase, WriterAnswer, WriteRequest
 from clockworkd.snapshots.store import (
@@ -39,7 +40,6 @@ from clockworkd.snapshots.store import (
     SnapshotCorrupt,
     apply_retention,
     crc32,
-    durable_write,
     manifest_body,
     shard_name,
     write_manifest,
@@ -106,7 +106,7 @@ def write_shard(arena: mmap.mmap, path: Path, entries: Sequence[Entry], *, direc
             finally:
                 os.close(fd)
 
-    durable_write(path, write)
+    atomic_file.write_with(path, write)
     return sum(e.nbytes for e in entries)
 
 
