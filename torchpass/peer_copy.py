@@ -39,7 +39,6 @@ This is the rank's side only; which copies serve whom is the plan's, and the agr
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import threading
 import time
@@ -368,9 +367,7 @@ class PeerCopies:
         copy = self.copy_of(part, step)
         if copy is None:
             raise WireError(f"no copy of shard {part} at step {step} here")
-        # The state wire (torchpass.state, the generation's own process group) carries the description pickled.
-        blob = pickle.dumps(self._meta(copy), protocol=pickle.HIGHEST_PROTOCOL)
-        return send_payload(blob, copy.data, peer, device, chunk_bytes)
+        return send_payload(copy.blob, copy.data, peer, device, chunk_bytes)  # its description: msgpack
 
     def restore(
         self, parts: StateParts, step: int, device: torch.device, check: Callable[[dict[str, Any]], None] | None = None

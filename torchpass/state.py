@@ -10,10 +10,10 @@ How it travels, from one healthy replica to one receiver, over the generation's 
 point-to-point sends (so several receivers can be fed by several sources in parallel):
 
 1. a header (two int64: metadata length, payload length);
-2. the metadata: a pickled description of the state with every tensor replaced by :class:`TensorRef`, plus
-   each tensor's dtype and shape (so a brand-new spare, whose optimizer has no state yet, knows what to
-   allocate). Pickle is acceptable here because the peer is another rank of the same job on the job's own
-   process group;
+2. the metadata: a description of the state with every tensor replaced by :class:`TensorRef`, plus each
+   tensor's dtype and shape (so a brand-new spare, whose optimizer has no state yet, knows what to allocate), as
+   msgpack (:mod:`torchpass.state_codec`): never pickle, whose bytes from a socket run whatever code they name,
+   even between the ranks of one job;
 3. the payload: every tensor's bytes, back to back in a deterministic order (model tensors in ``state_dict``
    order, then optimizers', then registered objects'), each aligned to 64 bytes and sent in chunks of at
    most ``transfer_chunk_mb``. Model tensors are received straight into the live parameters.
@@ -29,16 +29,17 @@ of the state a rank holds (e.g. shard 1 of a 2x2 mesh); a receiver refuses a sta
 
 from __future__ import annotations
 
-import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from torchpass.state_codec import MetaCodecError, TensorRef, decode_meta, encode_meta
 
 __all__ = [
     "StateError",
@@ -63,14 +64,6 @@ FORMAT_VERSION = 1
 class StateError(RuntimeError):
     """A state problem retrying cannot fix: the receiver's model or optimizers do not match the sender's (a
     different script or model), or an object refused its own state_dict. Transport errors are not this."""
-
-
-class TensorRef(NamedTuple):
-    """Stands in for a tensor inside pickled metadata: its index in the payload, and for a ``DTensor`` (whose
-    local shard is what the payload holds) its placements, global shape and stride."""
-
-    position: int
-    dtensor: tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @dataclass
@@ -233,7 +226,10 @@ def send_state(
     meta, tensors = describe(parts, committed)
     if annex is not None:
         meta.update(annex(meta, tensors))
-    blob = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        blob = encode_meta(meta)
+    except MetaCodecError as exc:
+        raise StateError(str(exc)) from None
     offsets, total = payload_offsets(meta["layout"])
     dist.send(torch.tensor([len(blob), total], dtype=torch.int64, device=device), dst)
     dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device), dst)
@@ -248,7 +244,7 @@ def send_state(
 
 
 def send_payload(blob: bytes, payload: torch.Tensor, dst: int, device: torch.device, chunk_bytes: int) -> int:
-    """Send a state captured earlier (its pickled metadata and its payload, laid out as :func:`send_state` lays
+    """Send a state captured earlier (its metadata as msgpack and its payload, laid out as :func:`send_state` lays
     it out, e.g. a peer copy in host memory) to rank ``dst``, on the same wire; returns the payload bytes."""
     total = int(payload.numel())
     dist.send(torch.tensor([len(blob), total], dtype=torch.int64, device=device), dst)
@@ -301,7 +297,10 @@ def recv_state(
     blob_len, total = (int(v) for v in header.tolist())
     blob = torch.empty(blob_len, dtype=torch.uint8, device=device)
     dist.recv(blob, src)
-    meta = pickle.loads(blob.cpu().numpy().tobytes())
+    try:
+        meta = decode_meta(blob.cpu().numpy().tobytes())
+    except MetaCodecError as exc:
+        raise StateError(f"the state description from rank {src} is unreadable: {exc}") from None
     if meta.get("version") != FORMAT_VERSION:
         raise StateError(f"state format {meta.get('version')} from rank {src}, expected {FORMAT_VERSION}")
     layout = [(name, tuple(shape)) for name, shape in meta["layout"]]

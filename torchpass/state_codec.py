@@ -1,8 +1,9 @@
 """The description of a captured state (:func:`torchpass.state.describe`'s metadata) as msgpack, for the wire.
 
-Why not pickle: the metadata of a peer copy crosses a socket, and unpickling bytes from a socket runs whatever
-code they name. msgpack builds only plain values, and the few Python types a state description holds besides
-them are carried as msgpack extension types that this module alone builds back, each from a closed list:
+Why not pickle: the metadata of a transfer (:func:`torchpass.state.send_state`) and of a peer copy crosses a
+socket, and unpickling bytes from a socket runs whatever code they name. msgpack builds only plain values, and the
+few Python types a state description holds besides them are carried as msgpack extension types that this module
+alone builds back, each from a closed list:
 
 ==========  =====================================================================================
 tuple       the optimizers' ``betas`` and other tuples stay tuples (a list would load, and then differ)
@@ -21,19 +22,26 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from torchpass.state import TensorRef
 from torchpass.torch_compat import is_strided_shard, strided_shard
 
-__all__ = ["MetaCodecError", "decode_meta", "encode_meta"]
+__all__ = ["MetaCodecError", "TensorRef", "decode_meta", "encode_meta"]
 
 _TUPLE, _ORDERED, _TENSOR_REF, _PLACEMENT, _NDARRAY, _SET, _FROZENSET = range(1, 8)
 _MAX_DEPTH = 64
+
+
+class TensorRef(NamedTuple):
+    """Stands in for a tensor inside a state description: its index in the payload, and for a ``DTensor`` (whose
+    local shard is what the payload holds) its placements, global shape and stride."""
+
+    position: int
+    dtensor: tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
 
 class MetaCodecError(ValueError):

@@ -271,3 +271,22 @@ def test_torch_private_api_only_in_torch_compat() -> None:
             if TORCH_PRIVATE.search(code) and not code.strip().startswith(("``", '"', "'")):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "torch private API outside torchpass/torch_compat.py:\n" + "\n".join(offenders)
+
+
+# Files that may unpickle: a snapshot read back from the job's own disk (its format is pickled state, like
+# torch.load(weights_only=False)). Nothing that arrives over a socket is unpickled.
+UNPICKLING_ALLOWED = {"torchpass/snapshot/restore.py"}
+
+
+def test_nothing_is_unpickled_but_a_snapshot_from_disk() -> None:
+    """pickle.loads / pickle.load / Unpickler anywhere else is a defect: bytes from a socket run what they name."""
+    offenders = []
+    for package in PACKAGES.values():
+        for path in _source_files(package):
+            if str(path.relative_to(ROOT)) in UNPICKLING_ALLOWED:
+                continue
+            for node in ast.walk(_parse(path)):
+                if isinstance(node, ast.Attribute) and node.attr in {"loads", "load", "Unpickler"}:
+                    if isinstance(node.value, ast.Name) and node.value.id in {"pickle", "cPickle", "dill"}:
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: pickle.{node.attr}")
+    assert not offenders, "unpickling outside a snapshot read from disk:\n" + "\n".join(offenders)
