@@ -441,7 +441,7 @@ class Context:
         lifecycle = self.lifecycle
         if lifecycle.updated:
             if lifecycle.failed_after_update or lifecycle.stale():
-                lifecycle.fail_after_update(f"generation {self._channel.latest_gen} announced")
+                lifecycle.fail_after_update(f"generation {self._channel.urgent_gen} announced")
                 return failed
             try:
                 return lifecycle.user_collective(name, run)

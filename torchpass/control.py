@@ -53,6 +53,9 @@ class ControlChannel:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.coordinator_timeout_s = coordinator_timeout_s
         self.latest_gen = -1  # newest generation the coordinator announced (read by the training loop)
+        # newest one that was not planned (a failure, a rebuild): it aborts the step in progress; a planned one
+        # (a migration, every member alive) is followed once the step in progress ends
+        self.urgent_gen = -1
         self.stopped: JobStopped | None = None
         self.lost = False
         self.step = -1  # written by the training loop, reported in heartbeats
@@ -124,7 +127,7 @@ class ControlChannel:
                     last_heard = time.monotonic()
                     self.lost = False
                     try:
-                        self._on_message(decode(sock.recv()))
+                        self.handle_push(decode(sock.recv()))
                     except ProtocolError as exc:
                         log.warning("unreadable push from the coordinator: %s", exc)
                 now = time.monotonic()
@@ -143,7 +146,8 @@ class ControlChannel:
         finally:
             sock.close(0)
 
-    def _on_message(self, msg: dict[str, Any]) -> None:
+    def handle_push(self, msg: dict[str, Any]) -> None:
+        """One message from the coordinator (a push or a heartbeat's answer), decoded; the control thread's."""
         push = parse_push(msg)
         if isinstance(push, SnapshotPush | HeartbeatAck):
             for step in push.snap:
@@ -152,6 +156,8 @@ class ControlChannel:
         if isinstance(push, GenerationPush | HeartbeatAck):
             if push.gen > self.latest_gen:
                 self.latest_gen = push.gen
+            if not push.planned and push.gen > self.urgent_gen:
+                self.urgent_gen = push.gen
                 self._announce(push.gen)
         elif isinstance(push, StopPush):
             self.stopped = JobStopped(push.reason, push.done)

@@ -247,7 +247,7 @@ class CoordinatorCore:
         if not rec.alive:
             self.out.send(sender, StopPush(False, "evicted: the coordinator counts this process as dead"))
         else:
-            self.out.send(sender, HeartbeatAck(m.gen, m.state, tuple(self.snapshots.pending())))
+            self.out.send(sender, HeartbeatAck(m.gen, m.state, tuple(self.snapshots.pending()), m.planned))
 
     # ----- timers ----------------------------------------------------------------------------
 

@@ -93,6 +93,7 @@ class Membership:
         self.grace: tuple[int, float] | None = None  # (generation, monotonic deadline) of a broken report
         self.vacant_since: float | None = None
         self.pending_handoff: Handoff | None = None
+        self.planned = False  # the current generation only moves a migrated slot (GenerationPush.planned)
         self.resets = 0  # consecutive rebuilds with no member lost at the same step (reset_step)
         self.reset_step = -1
         self.last_error = ""  # the latest broken-collective report's error
@@ -386,6 +387,9 @@ class Membership:
             replaced=replaced,
             handoff=self.pending_handoff,
         )
+        # Planned: only the migrated slot changes hands, every member of the last generation is alive, so the
+        # ranks finish their step before they follow (GenerationPush.planned).
+        self.planned = info.handoff is not None and set(replaced) == {info.handoff.slot}
         self.pending_handoff = None
         self.joined, self.finished, self.finished_at = {}, {}, {}
         self.out.emit(
@@ -401,7 +405,7 @@ class Membership:
         if info.handoff is not None:
             notify.add(info.handoff.source)
         for wid in notify:
-            self.push(wid, GenerationPush(self.gen))
+            self.push(wid, GenerationPush(self.gen, self.planned))
         for wid, parked in list(self.parked.items()):
             if wid not in notify:
                 continue

@@ -44,6 +44,7 @@ class StepChannel(Protocol):
     """What the lifecycle reads from and tells the control channel (:class:`torchpass.control.ControlChannel`)."""
 
     latest_gen: int
+    urgent_gen: int
     step: int
     collective: tuple[int, int, str] | None
 
@@ -140,15 +141,20 @@ class StepLifecycle:
             self._log.warning("step abandoned: %s", self.reason.splitlines()[0][:300])
 
     def stale(self) -> bool:
-        """Whether a newer generation than this rank's was announced."""
-        return self._channel.latest_gen > self._generation()
+        """Whether a newer generation than this rank's was announced that the step in progress must not outlive:
+        a failure's or a rebuild's. A planned one (a migration: every member of this generation is alive) lets
+        the step finish on every rank, and the ranks follow it at the boundary. Abandoning there instead left
+        an HSDP job's shards at two steps (the ranks of one shard had passed their last collective and
+        committed, the others abandoned), with no common step to resume at, and the job stopped (fuzzer seed
+        3184: a migration and no failure)."""
+        return self._channel.urgent_gen > self._generation()
 
     def collective_allowed(self) -> bool:
         """Whether a collective may start now; abandons the step when the generation is stale."""
         if self.abandoned:
             return False
         if self.stale():
-            self.abandon(f"generation {self._channel.latest_gen} announced")
+            self.abandon(f"generation {self._channel.urgent_gen} announced")
             return False
         return True
 

@@ -139,10 +139,13 @@ class Refusal:
 
 @dataclass(frozen=True)
 class GenerationPush(_Message):
-    """A newer generation exists (only its number: the control thread aborts a doomed collective with it)."""
+    """A newer generation exists (only its number: the control thread aborts a doomed collective with it).
+    ``planned``: it only moves a live rank's slot to a spare (a migration): every member of the current
+    generation is alive, so the ranks finish the step in progress and follow at its end, nothing aborted."""
 
     OP: ClassVar[str] = "generation"
     gen: int
+    planned: bool = False
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class HeartbeatAck(_Message):
     gen: int
     state: JobState
     snap: tuple[int, ...] = ()
+    planned: bool = False  # ``gen`` is a planned generation (:class:`GenerationPush`)
 
 
 Reply = Ack | Registered | GenerationAnswer | MigrationAccepted | SnapshotPlanned | StatusAnswer | StopAnswer | Refusal
@@ -180,14 +184,15 @@ def parse_push(msg: Mapping[str, Any]) -> Push | None:
     """What a rank's control socket received, typed; None for an op it does not know (ignored)."""
     op = msg.get("op")
     snap = read_field("snap", msg.get("snap"), int_tuple)
+    planned = bool(msg.get("planned", False))
     if op == "generation":
-        return GenerationPush(read_field("gen", msg.get("gen", -1), int))
+        return GenerationPush(read_field("gen", msg.get("gen", -1), int), planned)
     if op == "hb_ack":
         try:
             state = JobState(str(msg.get("state", JobState.RUNNING.value)))
         except ValueError:
             state = JobState.RUNNING  # a state this side does not know: the job goes on as far as it can tell
-        return HeartbeatAck(read_field("gen", msg.get("gen", -1), int), state, snap)
+        return HeartbeatAck(read_field("gen", msg.get("gen", -1), int), state, snap, planned)
     if op == "stop":
         return StopPush(bool(msg.get("done")), str(msg.get("reason", "")))
     if op == "snapshot":

@@ -262,3 +262,19 @@ def test_a_pass_over_the_data_ends_only_once_its_last_step_is_held_everywhere(tm
     assert result.verdict.verdict == "bitwise", result.line()
     log = (tmp_path / "seed-500047" / "faulted" / "launcher.log").read_text()
     assert "the vote on the peer copies of step 3 failed" in log, result.line()
+
+
+def test_a_planned_migration_abandons_no_step_and_never_stops_an_hsdp_job(tmp_path: Path) -> None:
+    """Seed 3184 (HSDP 2x2, aware, no collective over every rank after the gradients): a planned migration of slot
+    2 and no failure. Its generation aborted the collectives in flight, so the ranks of one shard, past their last
+    collective, committed the step and the others abandoned it: one shard was held only at the newer step, the
+    other only at the older, and now and then the job stopped with 'no member holds shard 1' although nothing
+    failed. A planned generation now lets every rank finish its step: no step is abandoned at all."""
+    case = draw_case(3184)
+    assert case.layout == "hsdp2x2" and [f.kind for f in case.faults] == ["migrate"] and not case.clip
+    result = run_case(case, tmp_path / "seed-3184", keep=True)
+    assert result.verdict.verdict == "bitwise", result.line()
+    judged = [tmp_path / "seed-3184" / name for name in ("faulted-again", "faulted")]  # a run that missed it: again
+    faulted = next(folder for folder in judged if folder.exists())
+    assert '"kind": "torchpass.migrated"' in (faulted / "events.jsonl").read_text(), result.line()
+    assert "step abandoned" not in (faulted / "launcher.log").read_text(), result.line()

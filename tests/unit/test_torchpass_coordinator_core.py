@@ -491,12 +491,14 @@ def test_the_departing_rank_is_told_and_a_late_poll_after_a_takeover_lets_it_go(
     sim.register("w2", "spare")
     out = sim.ask("cli", Migrate(99, 1, requester="test"))
     assert sim.answer(out, "cli") == MigrationAccepted(99, 1, "w2")
-    assert GenerationPush(1) in sim.pushed("w1")  # the departing rank, although it is no member
+    # the departing rank too, although it is no member; planned: every member finishes its step before following
+    assert GenerationPush(1, planned=True) in sim.pushed("w1") and GenerationPush(1, planned=True) in sim.pushed("w0")
     reply = sim.poll("w1")
     assert isinstance(reply, GenerationAnswer) and reply.generation.handoff is not None
     sim.handle(WorkerExited("w0", Role(0), -9, sim.now.wall))  # generation 2 drops the handoff...
     sim.register("w3", "spare")
     assert sim.m.info.handoff is None
+    assert GenerationPush(2) in sim.pushed("w2") and not sim.m.planned  # a failure's: aborts the step
     reply = sim.poll("w1")  # ...and w1 has nothing left to do
     assert isinstance(reply, StopAnswer) and (reply.done, reply.reason) == (True, "migrated away")
 

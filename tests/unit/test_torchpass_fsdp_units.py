@@ -165,7 +165,7 @@ def test_the_guard_abandons_before_the_update_and_defers_after_it() -> None:
 class _Channel:
     """What a StepLifecycle reads from the control channel (torchpass.step.StepChannel)."""
 
-    latest_gen, step, collective = 0, -1, None
+    latest_gen, urgent_gen, step, collective = 0, 0, -1, None
 
 
 def test_a_failed_commit_check_abandons_the_step_once_with_its_reason() -> None:
