@@ -25,6 +25,7 @@ from pathlib import Path
 from .fuzz_grammar import Case, Fault
 
 PID_FILE = re.compile(r"pid-slot(\d+)-(\d+)$")
+SPARE_READY = "spare ready, waiting for a slot"  # a spare's log line (torchpass.context) once it can take a slot
 POLL_S = 0.005
 MIGRATE_TIMEOUT_S = 30.0  # the migrate command asks again for up to 20 s while no spare is ready
 
@@ -62,10 +63,17 @@ class FaultRun:
         self._thread.start()
 
     def stop(self) -> None:
-        """The job ended (or is being ended): no fault acts from now on."""
+        """The job ended (or is being ended): no fault acts from now on. A kill the script makes itself (``hook``)
+        happens whether or not this thread got to wait for it (it may still be waiting for an earlier fault): its
+        marker file says whether it did."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout=MIGRATE_TIMEOUT_S + 5)
+        for acted in self.acted:
+            fault = acted.fault
+            killed = self.folder / f"killed-{fault.slot}-{fault.mark}-{fault.phase}"
+            if fault.timing == "hook" and not acted.done and killed.exists():
+                acted.done, acted.note = True, "made by the script while the fuzzer waited for an earlier fault"
 
     def missing(self) -> list[str]:
         """The planned faults that were not acted, each with why."""
@@ -112,8 +120,9 @@ class FaultRun:
                 self._kill(acted)
             else:
                 self._migrate(acted)
-                # The next fault is drawn after the migration, not inside it: wait until it is done.
-                if acted.done and not self._wait(lambda: self._logged("torchpass.migrated")):
+                # The next fault is drawn after the migration, not inside it: wait until the rank has handed its
+                # state over (a crash meanwhile may take the migrated generation's place: the handoff still counts).
+                if acted.done and not self._wait(self._handed_over):
                     acted.done, acted.note = False, f"accepted, but the job ended before it was done ({acted.note})"
             if not acted.done:
                 return
@@ -138,6 +147,10 @@ class FaultRun:
         """Whether the job's coordinator logged an event of ``kind`` (its events file, one JSON line each)."""
         events = self.folder / "events.jsonl"
         return events.exists() and f'"kind": "{kind}"' in events.read_text()
+
+    def _handed_over(self) -> bool:
+        """Whether a migration's rank handed its state over (``torchpass.departed``) or the migration is done."""
+        return self._logged("torchpass.migrated") or self._logged("torchpass.departed")
 
     def _holders(self, slot: int) -> list[int]:
         """Live processes of this job that took ``slot`` (newest last), not yet killed by us."""
@@ -172,6 +185,12 @@ class FaultRun:
         slot, coordinator = acted.fault.slot, self.folder / "coordinator"
         if not self._wait(coordinator.exists):
             acted.note = "no coordinator file"
+            return
+        # A migration needs a ready spare; a fast job may reach the drawn marker before its spare is up, and end
+        # before the coordinator stops refusing ("no spare is ready"): ask once one is (the rank's log says so).
+        log = self.folder / "launcher.log"
+        if not self._wait(lambda: SPARE_READY in log.read_text(errors="replace")):
+            acted.note = "no spare was ever ready"
             return
         acted.at_s = self._now()
         said = io.StringIO()

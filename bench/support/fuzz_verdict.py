@@ -182,7 +182,8 @@ def judge_faulted(case: Case, reference: Job, job: Job) -> Verdict:
     if len(failed) < kills:
         return Verdict("FAIL", "fault-not-injected", f"{kills} kills, {len(failed)} member failures: a kill came late")
     migrations = sum(a.done and a.fault.kind == "migrate" for a in job.acted)
-    if migrations > len(job.of_kind("torchpass.migrated")):
+    handed = len(job.of_kind("torchpass.migrated")) + len(job.of_kind("torchpass.departed"))
+    if migrations and not handed:
         return Verdict("FAIL", "fault-not-injected", "a migration was accepted but never happened")
     for slot in range(case.world):
         mine, theirs = load_final(job.folder, slot), load_final(reference.folder, slot)

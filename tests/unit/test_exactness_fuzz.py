@@ -35,7 +35,7 @@ SAMPLE: dict[int, str] = {
     341: "fsdp1x4-transparent-batchnorm-scaler-kill0-forward",
     3077: "fsdp1x4-aware-sync_off-bf16policy-2-kills",
     3003: "hsdp2x2-transparent-sync_off-scaler-kill0",
-    3184: "hsdp2x2-aware-migrate",
+    3645: "hsdp2x2-aware-sync_off-bf16policy-clip-migrate-then-kill0-after-update",
 }
 
 # seed -> the defect it reproduces (each ended FAIL before its fix, the commit that fixed it says how).
