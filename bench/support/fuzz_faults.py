@@ -153,15 +153,27 @@ class FaultRun:
         return self._logged("torchpass.migrated") or self._logged("torchpass.departed")
 
     def _holders(self, slot: int) -> list[int]:
-        """Live processes of this job that took ``slot`` (newest last), not yet killed by us."""
+        """Live processes of this job that took ``slot`` (newest last), not yet killed by us nor by themselves (a
+        hook kill's marker file holds the pid: a timed kill that waited for an earlier fault could otherwise
+        signal a process that had just killed itself, and count a kill that took nothing, seed 700005)."""
         found: list[tuple[int, int]] = []
+        gone = self._killed | self._self_killed()
         for entry in os.scandir(self.folder):
             match = PID_FILE.match(entry.name)
             if match and int(match.group(1)) == slot:
                 pid = int(match.group(2))
-                if pid not in self._killed and _ours(pid, self.job.pid):
+                if pid not in gone and _ours(pid, self.job.pid):
                     found.append((entry.stat().st_mtime_ns, pid))
         return [pid for _, pid in sorted(found)]
+
+    def _self_killed(self) -> set[int]:
+        """The pids the script's own kills took (each ``killed-SLOT-MARK-PHASE`` file holds its pid)."""
+        pids: set[int] = set()
+        for marker in self.folder.glob("killed-*"):
+            text = marker.read_text().strip()
+            if text.isdigit():
+                pids.add(int(text))
+        return pids
 
     def _kill(self, acted: Acted) -> None:
         slot = acted.fault.slot
