@@ -53,6 +53,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from clockworkd.atomic_file import fsync_file
 from clockworkd.snapshots.store import list_snapshots
 from torchpass.config import TorchPassConfig
 from torchpass.snapshot import Snapshotter, restore
@@ -112,14 +113,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def random_buffer(nbytes: int) -> mmap.mmap:
     """``nbytes`` of random bytes (as incompressible as trained weights) in page-aligned memory, rounded up to
     a page: O_DIRECT writes need aligned buffers and lengths."""
@@ -168,7 +161,7 @@ def time_torch_save(model: nn.Module, opt: torch.optim.Optimizer, folder: Path, 
     started = time.perf_counter()
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
     if durable:
-        fsync_path(path)
+        fsync_file(path)
     seconds = time.perf_counter() - started
     path.unlink()
     return seconds
