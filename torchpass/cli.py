@@ -11,6 +11,7 @@ for a local job): one implementation each. On click, with ``clockwork``'s error 
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import sys
@@ -59,7 +60,77 @@ def _script_args(args: Sequence[str]) -> list[str]:
     return list(args[1:] if args[:1] == ("--",) or args[:1] == ["--"] else args)
 
 
-@cli.command("run", context_settings=SCRIPT_ARGS, epilog=_settings_epilog())
+# torchrun's options that have no place in `torchpass run`, and what to do instead.
+TORCHRUN_ONLY = {
+    "--nnodes": "the nodes come from the Slurm allocation (sbatch -N), or --local runs on this machine",
+    "--node-rank": "each node's agent knows its place from Slurm",
+    "--rdzv-backend": "TorchPass runs its own rendezvous",
+    "--rdzv-endpoint": "TorchPass runs its own rendezvous",
+    "--rdzv-id": "TorchPass runs its own rendezvous",
+    "--rdzv-conf": "TorchPass runs its own rendezvous",
+    "--master-addr": "TorchPass runs its own rendezvous",
+    "--master-port": "TorchPass runs its own rendezvous (--port sets the agents' ports under Slurm)",
+    "--standalone": "TorchPass runs its own rendezvous",
+    "--max-restarts": "TorchPass replaces a failed rank itself (the max_failures setting)",
+}
+
+
+class UnknownRunOption(click.UsageError):
+    """An option before the script that `torchpass run` does not know (nothing was started)."""
+
+
+def check_options_before_script(command: click.Command, ctx: click.Context, args: Sequence[str]) -> None:
+    """Refuse an option before SCRIPT that ``command`` does not know, naming the nearest known one (difflib).
+
+    Options after SCRIPT are the script's own, so a command that passes them on unparsed cannot let click reject
+    unknown options; without this check the first unknown one would be taken for the script's path and every
+    rank would fail on "No such file or directory" (under Slurm, each node's agent would start spare after spare).
+    """
+    flags: set[str] = set()
+    valued: set[str] = set()
+    for param in command.get_params(ctx):
+        if isinstance(param, click.Option):
+            names = [*param.opts, *param.secondary_opts]
+            (flags if param.is_flag or param.count else valued).update(names)
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "--" or token == "-" or not token.startswith("-"):
+            return  # the script (or the end of the options) is reached
+        name, has_value = token.split("=", 1)[0], "=" in token
+        if name in flags:
+            i += 1
+        elif name in valued:
+            i += 1 if has_value else 2
+        else:
+            raise UnknownRunOption(_unknown_option_message(name, sorted(flags | valued)), ctx)
+
+
+def _unknown_option_message(name: str, known: list[str]) -> str:
+    longs = [k for k in known if k.startswith("--")]
+    spelled = name.replace("_", "-") if name.startswith("--") else name
+    if spelled in known and spelled != name:
+        hint = f"did you mean {spelled}?"
+    elif spelled in TORCHRUN_ONLY:
+        hint = f"{spelled} is torchrun's: {TORCHRUN_ONLY[spelled]}"
+    else:
+        close = difflib.get_close_matches(spelled, longs, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"the known options: {', '.join(longs)}"
+    return (
+        f"unknown option {name} before the script ({hint}); nothing was started. The command's own options go "
+        "before SCRIPT, the script's after it."
+    )
+
+
+class RunCommand(click.Command):
+    """A command whose arguments after SCRIPT are the script's: an unknown option before it is an error."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        check_options_before_script(self, ctx, args)
+        return super().parse_args(ctx, args)
+
+
+@cli.command("run", cls=RunCommand, context_settings=SCRIPT_ARGS, epilog=_settings_epilog())
 @click.option("--local", is_flag=True, help="Run every process on this machine (gloo on 127.0.0.1).")
 @click.option(
     "--nproc",
