@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import os
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,8 @@ from torchpass.config import ConfigError, TorchPassConfig, environment_settings
 from torchpass.events import JsonlEventSink
 
 __all__ = ["cli", "main"]
+
+log = logging.getLogger("clockwork.torchpass.cli")
 
 PROG = "torchpass"
 EXIT_USAGE = 2
@@ -136,7 +139,16 @@ class RunCommand(click.Command):
     "--nproc",
     type=click.IntRange(min=1),
     metavar="N",
-    help="Training ranks (slots); --local default 2, Slurm: nodes - spares.",
+    help="Training ranks (slots); --local default 2, Slurm: (nodes - spares) x G, whole nodes.",
+)
+@click.option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
+    type=click.IntRange(min=1),
+    metavar="G",
+    help="Slurm: ranks per node (torchrun's spelling); default one per GPU (SLURM_GPUS_PER_NODE, else "
+    "SLURM_GPUS_ON_NODE), else --ntasks-per-node of the job, else 1. --local: the same as --nproc.",
 )
 @click.option(
     "--spares",
@@ -192,11 +204,16 @@ def run_cmd(ctx: click.Context, **params: Any) -> int:
         return _run_slurm(params, script_args, transparent, list(ctx.obj or []))
     from torchpass.launcher import LocalLauncher
 
+    per_node, nproc = params["nproc_per_node"], params["nproc"]
+    if per_node is not None and nproc is not None and per_node != nproc:
+        raise click.UsageError(f"--local runs one node: --nproc {nproc} and --nproc-per-node {per_node} disagree")
+    nproc = per_node if nproc is None else nproc
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     launcher = LocalLauncher(
         params["script"],
         script_args,
-        nproc=2 if params["nproc"] is None else params["nproc"],
+        nproc=2 if nproc is None else nproc,
         spares=1 if params["spares"] is None else params["spares"],
         config=_config(params),
         event_sink=JsonlEventSink(params["events"]) if params["events"] else None,
@@ -220,8 +237,9 @@ def _config(params: Mapping[str, Any]) -> TorchPassConfig:
 
 def _run_slurm(params: Mapping[str, Any], script_args: list[str], transparent: bool, argv: list[str]) -> int:
     from torchpass.agent import SlurmAgent
+    from torchpass.node_ranks import ranks_per_node
     from torchpass.node_steps import NodeSteps, in_batch_script
-    from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step
+    from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step, training_nodes
 
     if not in_batch_script() and not in_slurm_step():
         raise click.UsageError(
@@ -230,9 +248,17 @@ def _run_slurm(params: Mapping[str, Any], script_args: list[str], transparent: b
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[agent]: %(message)s")
     try:
-        if in_batch_script():
-            return NodeSteps(argv).run()  # every node's step runs `torchpass` with the same arguments
-        layout = SlurmLayout.from_environ(spares=params["spares"], nproc=params["nproc"], port=params["port"])
+        batch = in_batch_script()
+        per_node = ranks_per_node(os.environ, params["nproc_per_node"], batch=batch)
+        if params["nproc"] is not None:
+            training_nodes(params["nproc"], per_node.count)  # refused here, before any step starts
+        if batch:  # every node's step runs `torchpass` with the same arguments, and G decided once here
+            log.info("%s", per_node)
+            return NodeSteps(argv, ranks_per_node=per_node.count).run()
+        layout = SlurmLayout.from_environ(
+            spares=params["spares"], nproc=params["nproc"], port=params["port"], ranks_per_node=per_node.count
+        )
+        log.info("%s", per_node)
         agent = SlurmAgent(
             params["script"],
             script_args,

@@ -40,7 +40,14 @@ from pathlib import Path
 from types import FrameType
 
 from torchpass.auth import ENV_JOB_KEY, JobKey
-from torchpass.slurm_layout import ENV_AGENT_INDEX, ENV_LOST_NODES_FILE, ENV_NODES, SlurmLayoutError, expand_hostlist
+from torchpass.slurm_layout import (
+    ENV_AGENT_INDEX,
+    ENV_LOST_NODES_FILE,
+    ENV_NODES,
+    ENV_RANKS_PER_NODE,
+    SlurmLayoutError,
+    expand_hostlist,
+)
 
 __all__ = [
     "AGENT_EXIT_DONE",
@@ -95,6 +102,7 @@ class NodeSteps:
     python: str = sys.executable
     finish_grace_s: float = 15.0
     lost_grace_s: float = 1.0  # for the steps on nodes the job counted lost
+    ranks_per_node: int = 0  # G, decided once here for every agent (0: each agent decides)
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     _signal: int | None = None
 
@@ -114,6 +122,8 @@ class NodeSteps:
         out = []
         for index, node in enumerate(nodes):
             env = dict(self.environ, **{ENV_NODES: ",".join(nodes), ENV_AGENT_INDEX: str(index), ENV_JOB_KEY: key.hex})
+            if self.ranks_per_node:
+                env[ENV_RANKS_PER_NODE] = str(self.ranks_per_node)
             if node == batch_host:
                 env[ENV_LOST_NODES_FILE] = str(self._lost_nodes_file)
             cmd = [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=0"]
