@@ -287,7 +287,7 @@ class SlurmAgent:
             pidfd = None
         self._children[local] = _Child(local, wid, role, proc, pidfd)
         self.mesh.child_update(wid, role, None)
-        log.info("started %s (%s, local index %d on %s) pid %d", wid, role, local, self.layout.node, proc.pid)
+        log.info("started %s (%s) local index %d on %s, pid %d", wid, role, local, self.layout.node, proc.pid)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._signal = signum
@@ -395,7 +395,7 @@ class SlurmAgent:
         if child.pidfd is not None:
             os.close(child.pidfd)
             child.pidfd = None
-        log.info("%s (%s, local index %d) exited with %d", child.wid, child.role, child.local, code)
+        log.info("%s (%s) local index %d exited with %d", child.wid, child.role, child.local, code)
         self.proxy.forget(child.wid)
         self.mesh.child_update(child.wid, child.role, code)
         if not respawn or code == 0 or self.mesh.job_state().ended or self.mesh.evicted.is_set():

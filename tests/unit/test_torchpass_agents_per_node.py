@@ -1,0 +1,68 @@
+"""Slurm mode with 2 ranks per node, as real processes: one agent per simulated node supervises both.
+
+The harness of :mod:`tests.unit.test_torchpass_agents` (each agent started as ``srun --ntasks-per-node=1
+torchpass run`` would start it, node K on 127.0.0.(K+1), each agent's session its "node") with
+``--nproc-per-node 2``: 2 training nodes (slots 0-1 on node 0, 2-3 on node 1, as torchrun numbers them) and
+one standby node whose agent runs 2 spares. A node crash SIGKILLs an agent and both its ranks at once; the
+oracle is the same: every slot's final model, optimizer, scheduler and registered state bitwise equal to the
+fault-free run's, each step committed exactly once per slot.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_torchpass_agents import AgentsRun, _check, _recovery, _run_agents
+from tests.unit.test_torchpass_oracle import _assert_each_step_once, _assert_same_final_state
+
+PER_NODE = 2
+NODES = 3  # 2 training nodes + 1 standby node
+NPROC = 4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("torchpass-agents-per-node")
+
+
+@pytest.fixture(scope="module")
+def reference(base: Path) -> AgentsRun:
+    """The fault-free run with 2 ranks per node."""
+    run = _run_agents(base, "reference", agents=NODES, nproc=NPROC, per_node=PER_NODE)
+    _check(run, [0, 0, 0])
+    return run
+
+
+def test_two_ranks_per_node_fault_free(reference: AgentsRun) -> None:
+    _assert_each_step_once(reference, nproc=NPROC)
+    _assert_same_final_state(reference, reference, nproc=NPROC)
+    generation = reference.of_kind("torchpass.generation")[0]
+    # contiguous per node, local index J on slot K*2+J: wid aK.N.J (agent K, its process N, local index J)
+    assert generation["members"] == {"0": "a0.0.0", "1": "a0.1.1", "2": "a1.0.0", "3": "a1.1.1"}
+    records = reference.of_kind("torchpass.coordinator")
+    assert all(r["world_size"] == NPROC and r["spares"] == 1 and r["ranks_per_node"] == PER_NODE for r in records)
+    assert "started a2.0.0 (spare) local index 0 on 127.0.0.3" in reference.output
+    assert "started a2.1.1 (spare) local index 1 on 127.0.0.3" in reference.output
+
+
+def test_node_crash_rebuilds_both_ranks_on_the_standby_node(base: Path, reference: AgentsRun) -> None:
+    """Node 1 (slots 2 and 3) dies at once, agent and both ranks; the standby node's two spares take slots 2 and
+    3 in one generation, in local order, and training resumes at the same step."""
+    run = _run_agents(base, "node-crash", agents=NODES, nproc=NPROC, per_node=PER_NODE, kill="2:9:node")
+    _check(run, [0, -signal.SIGKILL, 0])
+    _assert_same_final_state(run, reference, nproc=NPROC)
+    _assert_each_step_once(run, nproc=NPROC)
+    (lost,) = run.of_kind("torchpass.agent_lost")
+    assert lost["agent"] == 1 and lost["node"] == "127.0.0.2"
+    assert lost["processes"] == {"a1.0.0": "slot:2", "a1.1.1": "slot:3"}, lost
+    failed = {f["slot"]: (f["node"], f["local"]) for f in run.of_kind("torchpass.member_failed")}
+    assert failed == {2: ("127.0.0.2", 0), 3: ("127.0.0.2", 1)}, failed
+    replaced = [g for g in run.of_kind("torchpass.generation") if g["replaced"]]
+    assert len(replaced) == 1, replaced  # both ranks in one generation
+    assert replaced[0]["replaced"] == {"2": "a2.0.0", "3": "a2.1.1"}, replaced
+    assert replaced[0]["placed"] == {"2": {"node": "127.0.0.3", "local": 0}, "3": {"node": "127.0.0.3", "local": 1}}
+    two, three = _recovery(run, 2), _recovery(run, 3)
+    assert two is three or two == three  # one recovery covers both
