@@ -66,3 +66,24 @@ def test_node_crash_rebuilds_both_ranks_on_the_standby_node(base: Path, referenc
     assert replaced[0]["placed"] == {"2": {"node": "127.0.0.3", "local": 0}, "3": {"node": "127.0.0.3", "local": 1}}
     two, three = _recovery(run, 2), _recovery(run, 3)
     assert two is three or two == three  # one recovery covers both
+
+
+def test_single_rank_crashes_on_two_nodes_are_both_absorbed_by_the_standby_node(
+    base: Path, reference: AgentsRun
+) -> None:
+    """Rank 1 (node 0, local 1) dies, then rank 2 (node 1, local 0) five steps later; both nodes stay up. The
+    standby node's two spare slots take one each (a single GPU is the failure domain), and each node's agent
+    starts a spare on the GPU whose process died."""
+    run = _run_agents(
+        base, "rank-crashes", agents=NODES, nproc=NPROC, per_node=PER_NODE, kill="1:9:backward,2:14:optimizer"
+    )
+    _check(run, [0, 0, 0])
+    _assert_same_final_state(run, reference, nproc=NPROC)
+    _assert_each_step_once(run, nproc=NPROC)
+    replaced = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
+    assert replaced == [{"1": "a2.0.0"}, {"2": "a2.1.1"}], replaced
+    failed = [(f["slot"], f["node"], f["local"]) for f in run.of_kind("torchpass.member_failed")]
+    assert failed == [(1, "127.0.0.1", 1), (2, "127.0.0.2", 0)], failed
+    assert not run.of_kind("torchpass.agent_lost")
+    assert "started a0.2.1 (spare) local index 1 on 127.0.0.1" in run.output
+    assert "started a1.2.0 (spare) local index 0 on 127.0.0.2" in run.output

@@ -168,3 +168,22 @@ def test_a_planned_migration_keeps_its_target() -> None:
     assert choose_spares([1, 4], ["a4.0.0", "a4.1.1"], {4: "a4.0.0"}) == {1: "a4.1.1", 4: "a4.0.0"}
     with pytest.raises(ValueError, match="2 slot"):
         choose_spares([1, 2], ["a4.0.0"])
+
+
+@pytest.mark.usefixtures("job_key")
+def test_the_agent_tells_each_rank_its_place_and_keeps_slurms_gpus() -> None:
+    """What node 1's agent of a 2-rank-per-node job puts in the environment of its rank with local index 1
+    (built, not started: nothing binds until the agent runs)."""
+    from torchpass.agent import SlurmAgent
+    from torchpass.config import TorchPassConfig
+
+    nodes = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+    layout = SlurmLayout(4242, 1, 4, 1, nodes, nodes, 30000, 2)
+    environ = {"CUDA_VISIBLE_DEVICES": "2,3", "SLURM_JOB_ID": "4242"}
+    agent = SlurmAgent("train.py", [], layout, TorchPassConfig(), environ=environ)
+    env = agent._environment("a1.1.1", layout.role_of(1, 1), 1)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["CUDA_VISIBLE_DEVICES"]) == ("1", "2", "2,3")
+    assert (env["TORCHPASS_ROLE"], env["TORCHPASS_WORKER_ID"], env["TORCHPASS_AGENT"]) == ("slot:3", "a1.1.1", "1")
+    assert env["TORCHPASS_WORLD_SIZE"] == "4" and env["TORCHPASS_HOST"] == "127.0.0.2"
+    with pytest.raises(SlurmLayoutError, match="sees 1 GPU"):  # a node short of GPUs stops before any rank
+        SlurmAgent("train.py", [], layout, TorchPassConfig(), environ={"CUDA_VISIBLE_DEVICES": "0"})
