@@ -127,6 +127,7 @@ class NodeSteps:
             if node == batch_host:
                 env[ENV_LOST_NODES_FILE] = str(self._lost_nodes_file)
             cmd = [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=0"]
+            cmd += ["--ntasks-per-node=1"]  # one agent, whatever --ntasks-per-node the job has (its G ranks)
             cmd += [f"--cpus-per-task={cpus[node]}"] if cpus[node] else []
             cmd += ["--job-name=torchpass-agent", self.python, "-m", "torchpass", *self.argv]
             out.append((node, cmd, env))

@@ -1,0 +1,111 @@
+"""TorchPass on the sandbox's real Slurm with 2 ranks per node: a node crash replaces both of its ranks at once.
+
+The oracle's deterministic DDP training (the rank script of ``tests/unit/test_torchpass_oracle.py``) as a user
+submits it to nodes of several ranks: ``sbatch -N5 --ntasks-per-node=2 --no-kill --clockwork-ft
+--clockwork-spares=standby`` whose batch script runs ``torchpass run`` with no rank count at all. The sandbox's
+nodes have no GPUs and 2 CPUs each (its default ``cpus_per_node``), so G comes from the job's
+``--ntasks-per-node``: 4 training nodes of 2 ranks (8 ranks, slots numbered per node as torchrun does) and one
+standby node whose agent runs 2 spares.
+
+A node crash (``clockwork sandbox fault node NODE crash``: every process on it killed, its links dark) while its
+first rank is at the chosen point of a step loses both of its ranks; the node daemons' verdict has the leader
+count the node lost, and the standby node's two spares take both slots in one generation, in local order. The
+job's final parameters, optimizer, scheduler and registered state on every slot are ``torch.equal`` to the
+fault-free job's, and every slot's journal shows each step committed exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from clockworkd.sandbox.cluster import Sandbox
+from tests.integration import sandbox_jobs as jobs
+from tests.integration.conftest import SandboxManager
+from tests.unit import test_torchpass_oracle as oracle
+from tests.unit.local_jobs import assert_bitwise_equal
+
+NODES = 5
+PER_NODE = 2
+NPROC = 8  # 4 training nodes x 2
+STEPS = 40
+STEP_SLEEP_S = 0.05
+JOB_TIMEOUT_S = 300
+SEED = int(os.environ.get("CW_TEST_SEED", str(int(time.time()))))
+CRASH_PHASES = ("crashnode", "crashnode-backward", "crashnode-optimizer")  # the rank waits there for the crash
+
+
+@pytest.fixture(scope="module")
+def box(sandbox_manager: SandboxManager) -> Sandbox:
+    return jobs.faults_box(sandbox_manager, nodes=NODES, accounting=False, seed=SEED, replays="the node crash")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("torchpass-per-node-sandbox")
+
+
+def _run(box: Sandbox, base: Path, name: str, *, kill: str = "") -> oracle.Run:
+    """Submit the job with 2 tasks per node, crash the nodes its ranks ask for, wait for its end."""
+    out = base / name
+    out.mkdir()
+    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS))
+    command = jobs.torchpass_command(out, oracle.SCRIPT)
+    options = [
+        f"-N{NODES}",
+        f"--ntasks-per-node={PER_NODE}",
+        "--no-kill",
+        "--clockwork-ft",
+        "--clockwork-spares=standby",
+        f"--output={out}/job.out",
+    ]
+    job_id = jobs.submit(options, command, env)
+    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S)
+    run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}", jobs.job_events(out))
+    jobs.wait_gone(box, job_id)
+    return run
+
+
+def _check(run: oracle.Run, reference: oracle.Run) -> None:
+    run.check_ok()
+    oracle._assert_same_final_state(run, reference, nproc=NPROC, steps=STEPS)
+    oracle._assert_each_step_once(run, nproc=NPROC, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def reference(box: Sandbox, base: Path) -> oracle.Run:
+    run = _run(box, base, "reference")
+    run.check_ok()
+    return run
+
+
+def test_fault_free_job_runs_two_ranks_per_node(reference: oracle.Run) -> None:
+    assert "2 rank(s) per node (one per task: SLURM_NTASKS_PER_NODE=2)" in reference.output, reference.output[-3000:]
+    oracle._assert_each_step_once(reference, nproc=NPROC, steps=STEPS)
+    expected = oracle._final(reference, 0)
+    for slot in range(1, NPROC):
+        assert_bitwise_equal(oracle._final(reference, slot), expected, f"slot {slot}")
+    records = reference.of_kind("torchpass.coordinator")
+    assert records and all(f["world_size"] == NPROC and f["ranks_per_node"] == PER_NODE for f in records)
+    (generation,) = reference.of_kind("torchpass.generation")
+    assert generation["members"] == {str(k * 2 + j): f"a{k}.{j}.{j}" for k in range(4) for j in range(2)}
+
+
+def test_node_crash_replaces_both_ranks_on_the_standby_node(box: Sandbox, base: Path, reference: oracle.Run) -> None:
+    slot = 2  # agent 1's local index 0; its node also runs slot 3
+    step, phase = random.Random(SEED).randint(8, 28), random.Random(SEED + 1).choice(CRASH_PHASES)
+    run = _run(box, base, "node-crash", kill=f"{slot}:{step}:{phase}")
+    assert "crashed: ['node" in run.output, run.output[-3000:]
+    _check(run, reference)
+    failed = {f["slot"]: f["local"] for f in run.of_kind("torchpass.member_failed")}
+    assert failed == {2: 0, 3: 1}, run.of_kind("torchpass.member_failed")
+    (replaced,) = [g for g in run.of_kind("torchpass.generation") if g["replaced"]]
+    assert replaced["replaced"] == {"2": "a4.0.0", "3": "a4.1.1"}, replaced  # agent 4: the standby batch host
+    assert [p["local"] for p in replaced["placed"].values()] == [0, 1], replaced
+    fields = oracle._recovered(run, 2)
+    assert fields["slots"] == [2, 3], fields  # one recovery, both ranks, at the same step
+    assert "silent on every rail" in str(fields["reason"]), fields  # the node daemons' verdict
