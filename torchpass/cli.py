@@ -187,13 +187,25 @@ class RunCommand(click.Command):
 def run_cmd(ctx: click.Context, **params: Any) -> int:
     """Start NPROC ranks and SPARES standby processes running SCRIPT, and the job's coordinator.
 
+    \b
+    On 8 nodes of 8 GPUs, one rank per GPU (64 ranks):
+      sbatch -N8 --gpus-per-node=8 --no-kill --clockwork-ft --wrap 'torchpass run train.py'
+    With a standby node whose 8 GPUs are 8 spare slots (a crashed node's 8 ranks move there at once):
+      sbatch -N9 --gpus-per-node=8 --no-kill --clockwork-ft --clockwork-spares=standby \\
+             --wrap 'torchpass run train.py'
+    On this machine:
+      torchpass run --local --nproc 3 --spares 1 train.py
+
     A rank that dies is replaced by a spare, which receives the training state from a healthy replica; training
-    resumes at the same step. With --local every process runs on this machine and the coordinator file is
-    printed (for `clockwork migrate --coordinator`). Without it, run it in the batch script of an
-    `sbatch --no-kill --clockwork-ft` job: it starts one job step per node (a node crash then ends only its own
-    step), each running a node agent; N nodes train and the others wait as spares (N and S from
-    --nproc/--spares, else one spare for --clockwork-spares=standby; the batch host starts as a spare), and every
-    agent runs a coordinator replica; `clockwork migrate JOBID --rank R` finds the leader.
+    resumes at the same step. In a batch script it starts one job step per node (a node crash then ends only its
+    own step), each running a node agent that supervises G ranks, G from --nproc-per-node, else one per GPU
+    (SLURM_GPUS_PER_NODE, SLURM_GPUS_ON_NODE), else the job's --ntasks-per-node, else 1 (never CPUs per node).
+    Ranks are numbered per node as torchrun does (LOCAL_RANK is the GPU). The first nodes train, the others wait
+    as standby nodes of G spare slots (--spares S nodes, or --nproc N ranks; else one standby node for
+    --clockwork-spares=standby; the batch host starts as a standby node). Every agent runs a coordinator
+    replica; `clockwork migrate JOBID --rank R` finds the leader. With --local every process runs on this
+    machine and the coordinator file is printed (for `clockwork migrate --coordinator`). Options of the command
+    go before SCRIPT, the script's own after it.
     """
     script_args = _script_args(params["args"])
     try:

@@ -7,7 +7,10 @@ job, Slurm keeps the job and its other steps, so this launcher starts one single
 (``srun --nodes=1 --ntasks=1 --nodelist=NODE``): the crashed node's step ends, the others train on.
 
 Each step runs ``torchpass run`` again, with the job's node list and its own index in the environment
-(``TORCHPASS_NODES``, ``TORCHPASS_AGENT_INDEX``); it becomes that node's agent (:mod:`torchpass.agent`).
+(``TORCHPASS_NODES``, ``TORCHPASS_AGENT_INDEX``) and G, the ranks per node decided once here
+(``TORCHPASS_RANKS_PER_NODE``, :mod:`torchpass.node_ranks`); it becomes that node's agent
+(:mod:`torchpass.agent`), which runs the node's G ranks. The step asks for one task whatever
+``--ntasks-per-node`` the job has (``--ntasks-per-node=G`` is one way to ask for G ranks per node).
 
 The batch host (the node running this script) goes last in that list, so it starts as a standby spare and
 the coordinator leads from another node. Slurm ends a job whose batch host fails, even with ``--no-kill``,

@@ -53,6 +53,11 @@ def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return err
 
 
+def _refused_plain(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert cli_main(argv) == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.usefixtures("no_slurm")
 def test_local_run_refuses_an_unknown_option_before_the_script(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
@@ -73,6 +78,11 @@ def test_local_run_refuses_an_unknown_option_before_the_script(
     with pytest.raises(Started):  # `--` ends the options: what follows is the script, even if it starts with -
         cli_main(["run", "--local", "--", "train.py", "--x"])
     assert calls[1][0][1:] == ("train.py", ["--x"])
+    with pytest.raises(Started):  # torchrun's --standalone --nproc-per-node G: G ranks on this machine
+        cli_main(["run", "--local", "--nproc-per-node", "4", "train.py"])
+    assert calls[2][1]["nproc"] == 4
+    err = _refused_plain(capsys, ["run", "--local", "--nproc", "3", "--nproc-per-node", "4", "train.py"])
+    assert "disagree" in err
 
 
 def test_batch_script_refuses_an_unknown_option_before_starting_any_step(
@@ -85,10 +95,16 @@ def test_batch_script_refuses_an_unknown_option_before_starting_any_step(
     calls = _record(monkeypatch, "torchpass.node_steps.NodeSteps.run")
     err = _refused(capsys, ["run", "--spraes", "1", "train.py"])
     assert "unknown option --spraes before the script (did you mean --spares?)" in err
+    err = _refused(capsys, ["run", "--nproc-per-noed", "2", "train.py"])  # the misspelling of the issue
+    assert "unknown option --nproc-per-noed before the script (did you mean --nproc-per-node?)" in err
+    err = _refused_plain(capsys, ["run", "--nproc", "3", "--nproc-per-node", "2", "train.py"])  # not whole nodes
+    assert "--nproc 3 is not a multiple of 2" in err
     assert calls == []
     with pytest.raises(Started):  # the control: the same job with a valid command line starts its steps
         cli_main(["run", "--spares", "1", "train.py"])
-    assert len(calls) == 1
+    with pytest.raises(Started):  # torchrun's spelling, either way: G decided here for every agent
+        cli_main(["run", "--nproc_per_node", "2", "train.py"])
+    assert [args[0].ranks_per_node for args, _ in calls] == [1, 2]
 
 
 def test_node_step_refuses_an_unknown_option_before_the_agent_starts(
