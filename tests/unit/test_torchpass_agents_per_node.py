@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -87,3 +88,29 @@ def test_single_rank_crashes_on_two_nodes_are_both_absorbed_by_the_standby_node(
     assert not run.of_kind("torchpass.agent_lost")
     assert "started a0.2.1 (spare) local index 1 on 127.0.0.1" in run.output
     assert "started a1.2.0 (spare) local index 0 on 127.0.0.2" in run.output
+
+
+def test_transparent_mode_node_crash_with_two_ranks_per_node(base: Path) -> None:
+    """Model-transparent mode (the SPANK plugin's CLOCKWORK_FT=transparent alone) with 2 ranks per node: the
+    unmodified DDP script of :mod:`tests.unit.test_torchpass_transparent` (init_process_group, DDP, Adam, a
+    DataLoader over a DistributedSampler), which finds its rank and node layout in torchrun's variables. Node 1
+    dies in epoch 1, agent and both ranks; the job ends bitwise equal to its own fault-free run."""
+    from tests.unit import test_torchpass_transparent as transparent
+
+    steps = transparent.EPOCHS * (transparent.SAMPLES // NPROC // transparent.BATCH)  # drop_last: 7 per epoch
+    common: dict[str, Any] = {
+        "agents": NODES,
+        "nproc": NPROC,
+        "per_node": PER_NODE,
+        "script": transparent.SCRIPT,
+        "ft": "transparent",
+    }
+    reference = _run_agents(base, "transparent-reference", **common)
+    _check(reference, [0, 0, 0])
+    run = _run_agents(base, "transparent-node-crash", kill="2:9:node", **common)
+    _check(run, [0, -signal.SIGKILL, 0])
+    transparent._assert_same_final_state(reference, reference, nproc=NPROC, steps=steps)
+    transparent._assert_same_final_state(run, reference, nproc=NPROC, steps=steps)
+    (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
+    assert replaced == {"2": "a2.0.0", "3": "a2.1.1"}, replaced
+    assert "clockwork-ft transparent" in run.output
