@@ -233,13 +233,14 @@ class Membership:
         source = self.members.pop(slot)
         src = self.workers[source]
         self.departing, self.departed = source, False
-        self.pending_handoff = Handoff(slot, source, self.spares[0], src.host, src.store_port)
+        target = choose_spares([slot], self.spares)[slot]  # one GPU's move takes one spare slot: best fit
+        self.pending_handoff = Handoff(slot, source, target, src.host, src.store_port)
         self.vacant.add(slot)
         requester = req.wid or req.requester or "cli"
         self.recovery = RecoveryClock(evidence_at=self.out.now.wall, death_seen_at=self.out.now.wall)
         self.recovery.reasons.append(f"migration of slot {slot} ({source}) requested by {requester}")
         self.out.emit("torchpass.migration_requested", slot=slot, source=source, by=requester)
-        target, generation = self.spares[0], max(self.gen + 1, self.gen_floor)
+        generation = max(self.gen + 1, self.gen_floor)
         self.try_declare()  # before the answer: whoever reads the job after it sees the migration decided
         self.out.send(sender, MigrationAccepted(req.id, generation, target))
 

@@ -562,6 +562,27 @@ def test_migration_refusals_say_whether_to_ask_again() -> None:
     assert sim.answer(out, "cli").error == "cannot migrate slot 0: a membership change is already in progress"
 
 
+def test_nodes_of_two_ranks_fill_a_crashed_node_from_one_spare_node_and_a_gpu_move_from_a_lone_slot() -> None:
+    """Slurm ids aK.N.J (agent K, local index J). Node 1's crash (slots 2 and 3) is rebuilt on standby node 3, in
+    local order, although node 2 offers a lone spare slot that was ready first. A migration of one GPU's rank
+    takes a lone spare slot although a whole standby node was ready first, keeping that node whole."""
+    sim = Sim(4)
+    sim.start("a0.0.0", "a0.1.1", "a1.0.0", "a1.1.1")
+    for spare in ("a2.5.1", "a3.1.1", "a3.0.0"):
+        sim.register(spare, "spare")
+    sim.handle(AgentLost(1, {"a1.0.0": Role(2), "a1.1.1": Role(3)}, "node 1 silent", sim.now.wall))
+    assert sim.m.info.replaced == {2: "a3.0.0", 3: "a3.1.1"}
+    failed = [(f["slot"], f["node"], f["local"]) for f in sim.events("torchpass.member_failed")]
+    assert failed == [(2, "agent 1", 0), (3, "agent 1", 1)]  # the coordinator was given no node names here
+
+    sim = Sim(4)
+    sim.start("a0.0.0", "a0.1.1", "a1.0.0", "a1.1.1")
+    for spare in ("a3.1.1", "a3.0.0", "a2.5.1"):
+        sim.register(spare, "spare")
+    sim.ask("cli", Migrate(90, 0))
+    assert sim.m.info.handoff.target == "a2.5.1" and sim.m.info.replaced == {0: "a2.5.1"}
+
+
 def test_the_completion_event_measures_each_phase() -> None:
     sim = Sim(2)
     sim.start("w0", "w1")
