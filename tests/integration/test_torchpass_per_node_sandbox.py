@@ -12,6 +12,10 @@ first rank is at the chosen point of a step loses both of its ranks; the node da
 count the node lost, and the standby node's two spares take both slots in one generation, in local order. The
 job's final parameters, optimizer, scheduler and registered state on every slot are ``torch.equal`` to the
 fault-free job's, and every slot's journal shows each step committed exactly once.
+
+HSDP as sites lay it out (the FSDP oracle's 2 x 2 mesh on 2 nodes of 2 ranks: sharded within a node,
+replicated across nodes): a node crash loses a whole replica, and each shard is rebuilt from its holder in the
+other replica, bitwise.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import pytest
 from clockworkd.sandbox.cluster import Sandbox
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager
+from tests.unit import test_torchpass_fsdp as fsdp
 from tests.unit import test_torchpass_oracle as oracle
-from tests.unit.local_jobs import assert_bitwise_equal
+from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal
 
 NODES = 5
 PER_NODE = 2
@@ -109,3 +114,44 @@ def test_node_crash_replaces_both_ranks_on_the_standby_node(box: Sandbox, base: 
     fields = oracle._recovered(run, 2)
     assert fields["slots"] == [2, 3], fields  # one recovery, both ranks, at the same step
     assert "silent on every rail" in str(fields["reason"]), fields  # the node daemons' verdict
+
+
+# ----- HSDP as sites lay it out: sharded within a node, replicated across nodes --------------------------------
+
+HSDP_CRASH_PHASES = ("crashnode-allgather", "crashnode-reducescatter", "crashnode-allreduce", "crashnode-optimizer")
+
+
+def _run_hsdp(box: Sandbox, base: Path, name: str, *, kill: str = "") -> FinishedJob:
+    """The FSDP oracle's 2 x 2 HSDP job on 2 nodes of 2 ranks and a standby node: each node holds one replica,
+    its two ranks the two shards (mesh rows are contiguous ranks, and so are a node's)."""
+    out = base / name
+    out.mkdir()
+    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_MESH="2x2")
+    command = jobs.torchpass_command(out, fsdp.SCRIPT)
+    options = ["-N3", f"--ntasks-per-node={PER_NODE}", "--no-kill", "--clockwork-ft", "--clockwork-spares=standby"]
+    job_id = jobs.submit([*options, f"--output={out}/job.out"], command, env)
+    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S)
+    run = FinishedJob(out, returncode, f"{output}\ncrashed: {crashed}")
+    run.events = jobs.job_events(out)
+    jobs.wait_gone(box, job_id)
+    return run
+
+
+def test_hsdp_node_crash_rebuilds_a_whole_replica_from_the_other_node(box: Sandbox, base: Path) -> None:
+    """Node 1 holds replica 1 (slots 2 and 3, one shard each); its crash loses the whole replica at once. Both
+    ranks are rebuilt on the standby node in one generation, each shard from its holder in replica 0 (slot 0 for
+    slot 2, slot 1 for slot 3), and the job ends bitwise equal to the fault-free HSDP job."""
+    reference = _run_hsdp(box, base, "hsdp-reference")
+    reference.check_ok()
+    fsdp._assert_each_step_once(reference)
+    rng = random.Random(SEED + 2)
+    step, phase = rng.randrange(2, fsdp.STEPS - 2), rng.choice(HSDP_CRASH_PHASES)
+    kill = f"2:{step}:{phase}:{-1 if phase.endswith('optimizer') else rng.randrange(fsdp.LAYERS)}"
+    print(f"crash {kill}")
+    run = _run_hsdp(box, base, "hsdp-node-crash", kill=kill)
+    assert "crashed: ['node" in run.output, run.output[-3000:]
+    fields = fsdp._check_fault(run, reference, kill)  # bitwise, each step once, every shard from its holder
+    assert fields["slots"] == [2, 3], fields  # the whole replica, in one recovery
+    assert sorted((m["target"], m["source"]) for m in fields["moves"]) == [(2, 0), (3, 1)], fields
+    journals = fsdp._assert_each_step_once(run)
+    assert len({pid for *_, pid in journals[3]}) == 2, "slot 3 was not taken over by another process"
