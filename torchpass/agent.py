@@ -173,6 +173,13 @@ class SlurmAgent:
         if self.daemon_socket and config.fabric_verdicts:
             self.verdicts = VerdictFollower(layout.job_id, self.daemon_socket, self._on_node_verdict)
         self.borrower: Borrower | None = None
+        if self.options.spares is SpareMode.BORROW and layout.ranks_per_node > 1 and layout.index == 0:
+            log.warning(
+                "--clockwork-spares=borrow with %d ranks per node: a borrowed node offers one spare slot, so a "
+                "node crash (%d slots at once) waits for standby spares (--spares) until spare_timeout_s",
+                layout.ranks_per_node,
+                layout.ranks_per_node,
+            )
         if self.options.spares is SpareMode.BORROW:  # a spare, when needed, is borrowed from other work
             self.borrower = Borrower(
                 layout.job_id,
