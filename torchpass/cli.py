@@ -55,6 +55,7 @@ def cli() -> None:
     \b
     Move a rank to a spare: clockwork migrate JOBID --rank R (a Slurm job), or
                             clockwork migrate --coordinator FILE --rank R (a local job).
+    Move a node's ranks:    clockwork migrate JOBID --ranks-on NODE (together, to one spare node).
     Take a snapshot now:    clockwork snapshot take JOBID (or --coordinator FILE).
     """
 

@@ -59,7 +59,7 @@ from torchpass.coordinator_records import (
     local_of,
 )
 from torchpass.lockstep import MemberProgress, find_mismatch
-from torchpass.placement import choose_spares
+from torchpass.placement import choose_move_target, choose_spares
 
 __all__ = ["Membership"]
 
@@ -233,7 +233,7 @@ class Membership:
         source = self.members.pop(slot)
         src = self.workers[source]
         self.departing, self.departed = source, False
-        target = choose_spares([slot], self.spares)[slot]  # one GPU's move takes one spare slot: best fit
+        target = choose_move_target(self.spares, req.group, req.near)  # one GPU's move: one spare slot, best fit
         self.pending_handoff = Handoff(slot, source, target, src.host, src.store_port)
         self.vacant.add(slot)
         requester = req.wid or req.requester or "cli"

@@ -25,7 +25,21 @@ from collections.abc import Sequence
 
 from torchpass.coordinator_records import agent_of, local_of
 
-__all__ = ["choose_spares"]
+__all__ = ["choose_move_target", "choose_spares"]
+
+
+def choose_move_target(spares: Sequence[str], group: int = 1, near: str = "") -> str:
+    """The spare a planned move of one rank takes (``spares`` in ready order, not empty). A single rank's move
+    is a single vacancy (best fit: a lone spare slot first). A whole node's move is one rank at a time: the first
+    (``group`` ranks to move in all) goes to a node with room for the whole group where there is one, and the
+    others follow it to the node of ``near``, the spare the previous one took, while that node has room."""
+    if agent_of(near) >= 0:
+        same = [wid for wid in spares if agent_of(wid) == agent_of(near)]
+        if same:
+            return min(same, key=lambda wid: (local_of(wid), spares.index(wid)))
+    size = max(1, min(group, len(spares)))
+    chosen = choose_spares(list(range(size)), spares)
+    return chosen[0]
 
 
 def choose_spares(vacant: Sequence[int], spares: Sequence[str], fixed: dict[int, str] | None = None) -> dict[int, str]:

@@ -10,14 +10,20 @@ fault-free run's, each step committed exactly once per slot.
 
 from __future__ import annotations
 
+import os
+import pwd
 import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.unit.test_torchpass_agents import AgentsRun, _check, _recovery, _run_agents
+from clockworkd.cli.main import run as clockwork
+from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
+from tests.unit.test_torchpass_agents import JOB_ID, AgentsRun, _check, _recovery, _run_agents
 from tests.unit.test_torchpass_oracle import _assert_each_step_once, _assert_same_final_state
+
+__all__ = ["daemons", "scratch"]  # fixtures used by name below
 
 PER_NODE = 2
 NODES = 3  # 2 training nodes + 1 standby node
@@ -114,3 +120,42 @@ def test_transparent_mode_node_crash_with_two_ranks_per_node(base: Path) -> None
     (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
     assert replaced == {"2": "a2.0.0", "3": "a2.1.1"}, replaced
     assert "clockwork-ft transparent" in run.output
+
+
+def test_whole_node_migration_with_clockwork_migrate_ranks_on(
+    base: Path, reference: AgentsRun, scratch: Path, daemons: list[RunningDaemon], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`clockwork migrate JOBID --ranks-on NODE` before maintenance: both ranks of node 1 (slots 2 and 3) move
+    live, one after the other, together to the standby node, each handing its state over; nothing fails."""
+    config = write_config(scratch)
+    daemon = start_daemon(daemons, config)
+    with daemon.client() as client:
+        client.register_job(JOB_ID, os.getuid(), pwd.getpwuid(os.getuid()).pw_name, ["n1"], {"ft": "aware"})
+    results: list[int] = []
+
+    def migrate_when_training(out: Path) -> None:
+        journal = out / "journal-slot2.txt"
+        if results or not journal.exists() or len(journal.read_text().splitlines()) < 8:
+            return
+        results.append(clockwork(["--config", str(config), "migrate", str(JOB_ID), "--ranks-on", "127.0.0.2"]))
+
+    run = _run_agents(
+        base,
+        "migrate-node",
+        agents=NODES,
+        nproc=NPROC,
+        per_node=PER_NODE,
+        extra_env={"CLOCKWORK_CONFIG": str(config)},
+        while_running=migrate_when_training,
+    )
+    _check(run, [0, 0, 0])
+    out = capsys.readouterr().out
+    assert results == [0], out
+    assert f"job {JOB_ID}: moving the ranks on 127.0.0.2 (2, 3) to one spare node" in out
+    assert "rank 2 moves to spare a2.0.0" in out and "rank 3 moves to spare a2.1.1" in out
+    _assert_same_final_state(run, reference, nproc=NPROC)
+    journals = _assert_each_step_once(run, nproc=NPROC)
+    assert all(len({pid for *_, pid in journals[slot]}) == 2 for slot in (2, 3))
+    migrated = run.of_kind("torchpass.migrated")
+    assert [m["slots"] for m in migrated] == [[2], [3]] and all(m["handoff_ok"] for m in migrated), migrated
+    assert not run.of_kind("torchpass.member_failed")

@@ -583,6 +583,23 @@ def test_nodes_of_two_ranks_fill_a_crashed_node_from_one_spare_node_and_a_gpu_mo
     assert sim.m.info.handoff.target == "a2.5.1" and sim.m.info.replaced == {0: "a2.5.1"}
 
 
+def test_a_whole_nodes_move_lands_on_one_spare_node() -> None:
+    """`clockwork migrate --ranks-on NODE`: one request per rank, the first saying 2 ranks are to move (a node
+    with room for both, not the lone slot ready first), the second naming where the first went (it follows)."""
+    sim = Sim(4)
+    sim.start("a0.0.0", "a0.1.1", "a1.0.0", "a1.1.1")
+    for spare in ("a2.5.1", "a3.1.1", "a3.0.0"):
+        sim.register(spare, "spare")
+    out = sim.ask("cli", Migrate(91, 2, group=2))
+    assert sim.answer(out, "cli").target == "a3.0.0"  # the lower local index of the node with room for both
+    sim.join(step=3)
+    sim.ask("a1.0.0", Departed(92, "a1.0.0", handoff_ok=True))
+    sim.handle(WorkerExited("a1.0.0", Role(2), 0, sim.now.wall))
+    out = sim.ask("cli", Migrate(93, 3, group=1, near="a3.0.0"))
+    assert sim.answer(out, "cli").target == "a3.1.1"  # with it, past the lone slot a best fit would take
+    assert sim.m.members == {0: "a0.0.0", 1: "a0.1.1", 2: "a3.0.0", 3: "a3.1.1"}
+
+
 def test_the_completion_event_measures_each_phase() -> None:
     sim = Sim(2)
     sim.start("w0", "w1")
