@@ -252,6 +252,7 @@ class SlurmAgent:
             "leader_agent": self.mesh.leader,
             "term": self.mesh.term,
             "endpoints": self.layout.coordinator_endpoints(),
+            "nodes": list(self.layout.nodes),  # agent K runs on nodes[K] (clockwork migrate --ranks-on)
             "world_size": self.layout.world_size,
             "spares": self.layout.spares,
             "ranks_per_node": self.layout.ranks_per_node,

@@ -120,6 +120,11 @@ class Membership:
             return False
         return wid in info.members.values() or (info.handoff is not None and info.handoff.source == wid)
 
+    def recovering(self) -> bool:
+        """Whether the newest generation is still forming (until every member joined it): a move declared before
+        then would supersede a generation that never completes, and its story (``torchpass.migrated``) with it."""
+        return self.recovery is not None
+
     def placement(self, rec: WorkerRecord) -> dict[str, Any]:
         """Where a Slurm-mode process runs, for the job's events: its node and local index (its GPU)."""
         if rec.agent < 0:
@@ -220,7 +225,7 @@ class Membership:
         problem, retry = "", True
         if self.state != JobState.RUNNING or self.info is None or not self.progressed:
             problem = f"the job is not running a generation yet (state {self.state})"
-        elif self.vacant or self.pending_handoff is not None or self.departing is not None:
+        elif self.vacant or self.pending_handoff is not None or self.departing is not None or self.recovering():
             problem = "a membership change is already in progress"
         elif slot not in self.members:
             problem, retry = f"no slot {slot} (slots 0..{self.world_size - 1})", False

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import pytest
 
 from clockworkd.sandbox.cluster import Sandbox
 from tests.integration import sandbox_jobs as jobs
-from tests.integration.conftest import SandboxManager
+from tests.integration.conftest import CLOCKWORK, SandboxManager
 from tests.unit import test_torchpass_fsdp as fsdp
 from tests.unit import test_torchpass_oracle as oracle
 from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal
@@ -155,3 +156,36 @@ def test_hsdp_node_crash_rebuilds_a_whole_replica_from_the_other_node(box: Sandb
     assert sorted((m["target"], m["source"]) for m in fields["moves"]) == [(2, 0), (3, 1)], fields
     journals = fsdp._assert_each_step_once(run)
     assert len({pid for *_, pid in journals[3]}) == 2, "slot 3 was not taken over by another process"
+
+
+def test_whole_node_migration_with_clockwork_migrate_ranks_on(box: Sandbox, base: Path, reference: oracle.Run) -> None:
+    """`clockwork migrate JOBID --ranks-on NODE`, run on a node of the job as on a real cluster, while the job
+    trains: both ranks of agent 1's node move live to the standby node, one after the other, each handing its
+    state over; nothing fails and the job ends bitwise equal to the fault-free job."""
+    out = base / "migrate-node"
+    out.mkdir()
+    env = jobs.job_env(box, out, kill="", step_sleep=0.08, CW_TEST_STEPS=str(STEPS))
+    command = jobs.torchpass_command(out, oracle.SCRIPT)
+    options = [f"-N{NODES}", f"--ntasks-per-node={PER_NODE}", "--no-kill", "--clockwork-ft"]
+    job_id = jobs.submit([*options, "--clockwork-spares=standby", f"--output={out}/job.out"], command, env)
+    said: list[str] = []
+
+    def migrate_when_due() -> None:
+        journal = out / "journal-slot2.txt"
+        if said or not journal.exists() or len(journal.read_text().splitlines()) < 8:
+            return
+        records = [e["fields"] for e in jobs.job_events(out) if e["kind"] == "torchpass.coordinator"]
+        node = next(str(f["node"]) for f in records if isinstance(f, dict) and f.get("agent") == 1)
+        argv = [CLOCKWORK, "migrate", str(job_id), "--ranks-on", node]
+        proc = subprocess.run(box.exec_argv("node2", argv), env=env, capture_output=True, text=True, timeout=120)
+        said.append(f"rc {proc.returncode}: {proc.stdout}{proc.stderr}")
+
+    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S, migrate_when_due)
+    run = oracle.Run(out, returncode, f"{output}\nmigrate: {said}", jobs.job_events(out))
+    jobs.wait_gone(box, job_id)
+    assert said and said[0].startswith("rc 0:"), said
+    assert "rank 2 moves to spare a4.0.0" in said[0] and "rank 3 moves to spare a4.1.1" in said[0], said
+    _check(run, reference)
+    migrated = run.of_kind("torchpass.migrated")
+    assert [m["slots"] for m in migrated] == [[2], [3]] and all(m["handoff_ok"] for m in migrated), migrated
+    assert not run.of_kind("torchpass.member_failed") and not crashed

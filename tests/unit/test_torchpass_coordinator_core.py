@@ -592,9 +592,14 @@ def test_a_whole_nodes_move_lands_on_one_spare_node() -> None:
         sim.register(spare, "spare")
     out = sim.ask("cli", Migrate(91, 2, group=2))
     assert sim.answer(out, "cli").target == "a3.0.0"  # the lower local index of the node with room for both
-    sim.join(step=3)
     sim.ask("a1.0.0", Departed(92, "a1.0.0", handoff_ok=True))
-    sim.handle(WorkerExited("a1.0.0", Role(2), 0, sim.now.wall))
+    sim.handle(WorkerExited("a1.0.0", Role(2), 0, sim.now.wall))  # the first has left, its successor not joined
+    out = sim.ask("cli", Migrate(99, 3, group=1, near="a3.0.0"))  # too soon: it would supersede that generation
+    assert sim.answer(out, "cli") == Refusal(
+        99, "cannot migrate slot 3: a membership change is already in progress", retry=True
+    )
+    sim.join(step=3)
+    assert [e["slots"] for e in sim.events("torchpass.migrated")] == [[2]]
     out = sim.ask("cli", Migrate(93, 3, group=1, near="a3.0.0"))
     assert sim.answer(out, "cli").target == "a3.1.1"  # with it, past the lone slot a best fit would take
     assert sim.m.members == {0: "a0.0.0", 1: "a0.1.1", 2: "a3.0.0", 3: "a3.1.1"}

@@ -19,7 +19,7 @@ key, which the record carries (:mod:`clockworkd.jobkey`; the daemon shows a job'
 and root). The coordinator answers at once; the rank moves at its next step boundary.
 
 A whole node's move (``--ranks-on NODE``) finds the node's ranks from the job's coordinator status (worker id
-``aK.N[.J]``: agent K) and the agents' own records (agent K runs on node ``node``), then moves them one at a
+``aK.N[.J]``: agent K) and the record's ``nodes`` (agent K runs on ``nodes[K]``), then moves them one at a
 time, in slot order: each request waits while the previous move is under way, says how many ranks the move has
 left (the first goes to a node with room for them all) and names the spare the previous one took (the others
 follow it there), so the node's ranks land together on one spare node, each handing its live state over.
@@ -199,8 +199,10 @@ _AGENT_WORKER = re.compile(r"a(\d+)\.\d+(?:\.\d+)?")  # a node agent's process: 
 
 def ranks_of_node(record: dict[str, Any], events: list[dict[str, Any]], node: str, timeout_s: float) -> list[int]:
     """The slots whose ranks run on ``node`` now: the coordinator's members (worker ``aK.N[.J]`` runs under agent
-    K) joined with the agents' own records (agent K's ``node``)."""
-    agents = {
+    K) joined with where each agent runs: the record's ``nodes`` (agent K on ``nodes[K]``; every agent's record
+    lists them, so the daemon of any one node of the job knows), else the agents' own records (``node``)."""
+    agents = {k for k, name in enumerate(record.get("nodes") or []) if name == node}
+    agents |= {
         int(fields["agent"])
         for event in events
         if event.get("kind") == COORDINATOR_EVENT
