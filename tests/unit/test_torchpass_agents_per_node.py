@@ -159,3 +159,35 @@ def test_whole_node_migration_with_clockwork_migrate_ranks_on(
     migrated = run.of_kind("torchpass.migrated")
     assert [m["slots"] for m in migrated] == [[2], [3]] and all(m["handoff_ok"] for m in migrated), migrated
     assert not run.of_kind("torchpass.member_failed")
+
+
+def test_lightning_with_two_ranks_per_node(base: Path) -> None:
+    """An unmodified Lightning script (:mod:`tests.unit.test_torchpass_lightning`: ``Trainer(devices=
+    LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE, strategy="ddp")``, as a torchrun user writes it)
+    under agents of 2 ranks per node: Lightning sees 2 devices on each of 2 nodes, and rank 2 (node 1, local 0)
+    killed in its forward pass is rebuilt on the standby node, bitwise equal to the fault-free run per slot."""
+    from tests.unit import test_torchpass_lightning as lightning
+    from tests.unit.local_jobs import assert_slots_like_reference, load_final
+
+    batches = lightning.EPOCHS * (lightning.SAMPLES // (lightning.BATCH * NPROC))
+    steps = batches // lightning.ACCUMULATE
+    common: dict[str, Any] = {
+        "agents": NODES,
+        "nproc": NPROC,
+        "per_node": PER_NODE,
+        "script": lightning.SCRIPT,
+        "ft": "transparent",
+    }
+    reference = _run_agents(base, "lightning-reference", **common)
+    _check(reference, [0, 0, 0])
+    final = load_final(reference.out, 3)
+    assert final["global_step"] == steps and final["epoch"] == lightning.EPOCHS, final
+    # Mid-epoch (batch 2 of 6, in the second accumulation window). A kill on an epoch's last batch with 4 ranks
+    # fails the job with one rank per node too (a lockstep mismatch in a Lightning dist.barrier): not placement.
+    run = _run_agents(base, "lightning-rank-crash", kill="2:2:forward", **common)
+    _check(run, [0, 0, 0])
+    assert (run.out / "killed-2-2-forward").exists(), "the fault was not injected"
+    keys = lightning.FINAL_KEYS
+    assert_slots_like_reference(run, reference, nproc=NPROC, keys=keys, last_step=steps - 1, what="lightning")
+    (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
+    assert replaced == {"2": "a2.0.0"}, replaced
