@@ -191,3 +191,29 @@ def test_lightning_with_two_ranks_per_node(base: Path) -> None:
     assert_slots_like_reference(run, reference, nproc=NPROC, keys=keys, last_step=steps - 1, what="lightning")
     (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
     assert replaced == {"2": "a2.0.0"}, replaced
+
+
+def test_hf_trainer_with_two_ranks_per_node(base: Path) -> None:
+    """An unmodified Hugging Face Trainer script (:mod:`tests.unit.test_torchpass_hf_trainer`: DDP through
+    accelerate, which reads torchrun's variables) under agents of 2 ranks per node: rank 2 (node 1, local 0)
+    killed in its forward pass is rebuilt on the standby node, bitwise equal per slot to the fault-free run."""
+    from tests.unit import test_torchpass_hf_trainer as hf
+    from tests.unit.local_jobs import assert_slots_like_reference, load_final
+
+    steps = hf.EPOCHS * (hf.SAMPLES // (hf.BATCH * NPROC)) // hf.ACCUMULATE
+    common: dict[str, Any] = {
+        "agents": NODES,
+        "nproc": NPROC,
+        "per_node": PER_NODE,
+        "script": hf.SCRIPT,
+        "ft": "transparent",
+    }
+    reference = _run_agents(base, "hf-reference", **common)
+    _check(reference, [0, 0, 0])
+    assert load_final(reference.out, 3)["global_step"] == steps
+    run = _run_agents(base, "hf-rank-crash", kill="2:2:forward", **common)
+    _check(run, [0, 0, 0])
+    assert (run.out / "killed-2-2-forward").exists(), "the fault was not injected"
+    assert_slots_like_reference(run, reference, nproc=NPROC, keys=hf.FINAL_KEYS, last_step=steps - 1, what="trainer")
+    (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
+    assert replaced == {"2": "a2.0.0"}, replaced
