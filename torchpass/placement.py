@@ -9,9 +9,10 @@ vacancy of a membership change at once, and this module chooses the spares:
   whole for the next node crash, and a single rank's crash takes a lone spare slot first (one standby node
   absorbs up to G single-GPU failures from different nodes). When no node has V, the nodes with the most ready
   spares give theirs first, so the replacements are spread over as few nodes as possible.
-* **torchrun's order.** Among the chosen spares the lower local index takes the lower slot, so a node crash
-  rebuilt on one spare node keeps its ranks contiguous and in local order (slot K*G+J on local index J, when
-  the spare node's local indices are all free).
+* **torchrun's order.** A node gives its spares lower local index first, and among the chosen spares the lower
+  local index takes the lower slot, so a node crash rebuilt on one spare node keeps its ranks contiguous and in
+  local order (slot K*G+J on local index J, when the spare node's local indices are all free), and the choice
+  does not depend on which of a node's spares happened to register first.
 * **Nothing else moves.** Ready order decides between equals (the spare that registered first goes first), as
   it did when every node ran one rank; a spare named by a planned migration goes to its slot.
 
@@ -51,8 +52,10 @@ def choose_spares(vacant: Sequence[int], spares: Sequence[str], fixed: dict[int,
     if len(pool) < len(open_slots):
         raise ValueError(f"{len(open_slots)} slot(s) to fill from {len(pool)} spare(s)")
     by_node: dict[int, list[str]] = {}
-    for wid in pool:  # in ready order: each node's list, and the nodes, in the order their spares were ready
+    for wid in pool:  # the nodes in the order their first spare was ready
         by_node.setdefault(agent_of(wid), []).append(wid)
+    for ready in by_node.values():  # within a node, lower local index first (ready order between equals)
+        ready.sort(key=local_of)
     need, chosen = len(open_slots), []
     fitting = [node for node, ready in by_node.items() if len(ready) >= need]
     if fitting:

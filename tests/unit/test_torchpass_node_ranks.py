@@ -143,6 +143,11 @@ def test_single_rank_crashes_take_lone_spare_slots_first_and_keep_spare_nodes_wh
     assert first == {1: "a4.0.0"} and second == {6: "a4.1.1"}
 
 
+def test_a_node_gives_its_lower_local_index_first_whatever_registered_first() -> None:
+    assert choose_spares([6], ["a4.1.1", "a4.0.0"]) == {6: "a4.0.0"}
+    assert choose_spares([1, 6], ["a4.3.1", "a5.1.1", "a4.2.0"]) == {1: "a4.2.0", 6: "a4.3.1"}
+
+
 def test_without_a_node_that_fits_the_fullest_nodes_give_first() -> None:
     spares = ["a5.0.0", "a4.0.0", "a4.1.1"]
     assert choose_spares([0, 1, 2], spares) == {0: "a5.0.0", 1: "a4.0.0", 2: "a4.1.1"}
