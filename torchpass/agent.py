@@ -3,22 +3,24 @@
 Inside ``sbatch --no-kill --clockwork-ft --clockwork-spares=standby -N (N+S)``, ``torchpass run train.py`` in
 the batch script starts one job step per node (:mod:`torchpass.node_steps`), and each becomes its node's
 agent (``srun --ntasks-per-node=1 torchpass run train.py``, one step with a task per node, works too). Agent
-K starts rank slot K when K < N and a spare otherwise, runs a coordinator replica, and takes part in the
+K runs G processes, one per GPU (:mod:`torchpass.node_ranks`): rank slots K*G .. K*G+G-1 when K is one of the
+N/G training nodes, G spares otherwise. It runs a coordinator replica, and takes part in the
 agents' mesh (:mod:`torchpass.mesh`), which elects the replica that leads. There is no process whose loss
 ends the job: the leader's node may crash like any other, and the lowest agent still heard takes over from
 the replicated state.
 
 What an agent does for its node:
 
-* starts its training process (rank or spare) with the environment TorchPass's ranks expect: the
+* starts its training processes (ranks or spares) with the environment TorchPass's ranks expect: the
   coordinator endpoint is the agent's :class:`~torchpass.proxy.CoordinatorProxy` (forwarding to whichever
-  replica leads), the process binds its store server and gloo to the node's address (what the node name
-  resolves to), and it dies with the agent, so the agent's silence is the whole node's;
-* watches that process through a pidfd and tells the leader at once when it exits (through the mesh); when
-  it exits with an error while the node itself is fine, starts a new spare in its place, so a lost process
-  does not cost a node;
-* kills its process when the leader counts it lost (evicted), and leaves the job when the leader counts the
-  whole agent lost (a node that was silent too long: its slot already went to a spare);
+  replica leads), each process binds its store server and gloo to the node's address (what the node name
+  resolves to), knows its local index (``LOCAL_RANK``, its GPU) and dies with the agent, so the agent's
+  silence is the whole node's: its G processes are counted lost together;
+* watches each process through a pidfd and tells the leader at once when one exits (through the mesh); when
+  one exits with an error while the node itself is fine, starts a new spare with the same local index (the
+  same GPU) in its place, so a lost process does not cost a node, and the node offers that GPU as a spare slot;
+* kills a process when the leader counts it lost (evicted), and leaves the job when the leader counts the
+  whole agent lost (a node that was silent too long: its slots already went to spares);
 * follows its node daemon's node-silent verdicts (:mod:`torchpass.node_verdicts`; ``fabric_verdicts``): a node
   the daemons judge dead, in about a tenth of a second, is handed to the mesh at once;
 * reports: every event of the agent, its coordinator replica while it leads and its rank goes to the node
@@ -51,8 +53,10 @@ from torchpass.auth import job_key
 from torchpass.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import Coordinator
+from torchpass.coordinator_records import worker_id
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
 from torchpass.mesh import AgentMesh
+from torchpass.node_ranks import rank_environment
 from torchpass.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
 from torchpass.node_verdicts import VerdictFollower
 from torchpass.protocol import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
@@ -71,6 +75,22 @@ log = logging.getLogger("clockwork.torchpass.agent")
 
 CONFIG_ENV = "CLOCKWORK_CONFIG"
 FINISH_WAIT_S = 10.0  # the leader waits this long for the other agents to see the end before it exits
+
+
+@dataclasses.dataclass
+class _Child:
+    """One of the node's processes: local index ``local`` (its GPU), its worker id and role at start."""
+
+    local: int
+    wid: str
+    role: str
+    proc: subprocess.Popen[bytes]
+    pidfd: int | None
+    code: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.code is None
 
 
 def daemon_control_socket(config_path: str) -> str:
@@ -111,6 +131,7 @@ class SlurmAgent:
         self.python = python
         self.exit_grace_s = exit_grace_s
         self.environ = dict(os.environ if environ is None else environ)
+        rank_environment(self.environ, 0, layout.ranks_per_node)  # a node with too few GPUs stops here
         try:
             self.options = JobOptions.from_environ(self.environ)
         except JobOptionsError as exc:
@@ -140,6 +161,7 @@ class SlurmAgent:
             bind_host=layout.address,
             port=layout.port + 1,
             active=layout.index == 0,
+            node_names=dict(enumerate(layout.nodes)),
         )
         self.mesh = AgentMesh(layout, config, self.coordinator, event_sink=self.event_sink)
         self.coordinator.replicate = self.mesh.publish
@@ -151,6 +173,13 @@ class SlurmAgent:
         if self.daemon_socket and config.fabric_verdicts:
             self.verdicts = VerdictFollower(layout.job_id, self.daemon_socket, self._on_node_verdict)
         self.borrower: Borrower | None = None
+        if self.options.spares is SpareMode.BORROW and layout.ranks_per_node > 1 and layout.index == 0:
+            log.warning(
+                "--clockwork-spares=borrow with %d ranks per node: a borrowed node offers one spare slot, so a "
+                "node crash (%d slots at once) waits for standby spares (--spares) until spare_timeout_s",
+                layout.ranks_per_node,
+                layout.ranks_per_node,
+            )
         if self.options.spares is SpareMode.BORROW:  # a spare, when needed, is borrowed from other work
             self.borrower = Borrower(
                 layout.job_id,
@@ -163,11 +192,7 @@ class SlurmAgent:
                 event_sink=self.event_sink,
             )
             self.coordinator.on_spare_needed = self.borrower.need
-        self._child: subprocess.Popen[bytes] | None = None
-        self._child_wid = ""
-        self._child_role = ""
-        self._child_code: int | None = None
-        self._pidfd: int | None = None
+        self._children: dict[int, _Child] = {}  # local index -> its newest process
         self._started = 0
         self._signal: int | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -227,8 +252,10 @@ class SlurmAgent:
             "leader_agent": self.mesh.leader,
             "term": self.mesh.term,
             "endpoints": self.layout.coordinator_endpoints(),
+            "nodes": list(self.layout.nodes),  # agent K runs on nodes[K] (clockwork migrate --ranks-on)
             "world_size": self.layout.world_size,
             "spares": self.layout.spares,
+            "ranks_per_node": self.layout.ranks_per_node,
         }
         emit(self._jsonl_sink, log, "torchpass.coordinator", **fields)
         if self._daemon_sink is not None:  # not through emit(): that would log the key
@@ -237,8 +264,9 @@ class SlurmAgent:
             except Exception as exc:
                 log.warning("the node daemon did not take the coordinator record: %s: %s", type(exc).__name__, exc)
 
-    def _environment(self, wid: str, role: str) -> dict[str, str]:
+    def _environment(self, wid: str, role: str, local: int) -> dict[str, str]:
         env = dict(self.environ)
+        env.update(rank_environment(self.environ, local, self.layout.ranks_per_node))
         launch = LaunchEnv(
             self.proxy.endpoint,
             wid,
@@ -256,18 +284,18 @@ class SlurmAgent:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _spawn(self, role: str) -> None:
-        wid = f"a{self.layout.index}.{self._started}"
+    def _spawn(self, local: int, role: str) -> None:
+        wid = worker_id(self.layout.index, self._started, local, self.layout.ranks_per_node)
         self._started += 1
         argv = rank_argv(self.python, self.script, self.script_args, transparent=self.transparent)
-        proc = subprocess.Popen(argv, env=self._environment(wid, role))
+        proc = subprocess.Popen(argv, env=self._environment(wid, role, local))
         try:
-            self._pidfd = os.pidfd_open(proc.pid)
+            pidfd: int | None = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):
-            self._pidfd = None
-        self._child, self._child_wid, self._child_role, self._child_code = proc, wid, role, None
+            pidfd = None
+        self._children[local] = _Child(local, wid, role, proc, pidfd)
         self.mesh.child_update(wid, role, None)
-        log.info("started %s (%s) pid %d", wid, role, proc.pid)
+        log.info("started %s (%s) local index %d on %s, pid %d", wid, role, local, self.layout.node, proc.pid)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._signal = signum
@@ -292,19 +320,21 @@ class SlurmAgent:
             self.verdicts.start()
         print(
             f"torchpass: agent {self.layout.index}/{self.layout.agents} on {self.layout.node} ({self.layout.address}), "
-            f"job {self.layout.job_id}: {self.layout.world_size} rank(s), {self.layout.spares} spare(s); "
+            f"job {self.layout.job_id}: {self.layout.world_size} rank(s), {self.layout.spares} spare node(s), "
+            f"{self.layout.ranks_per_node} rank(s) per node; "
             f"coordinator replicas on port {self.layout.port + 1}; clockwork-ft {self.options.ft.value}",
             file=sys.stderr,
         )
         self._announce()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self._spawn(self.layout.initial_role)
+            for local, role in enumerate(self.layout.initial_roles()):
+                self._spawn(local, role)
             return self._supervise()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-            self._terminate_child(grace_s=5.0)
+            self._terminate_children(grace_s=5.0)
             if self.borrower is not None:
                 self.borrower.stop()
             if self.verdicts is not None:
@@ -319,24 +349,26 @@ class SlurmAgent:
 
     # ----- supervision -----------------------------------------------------------------------
 
-    def _child_alive(self) -> bool:
-        return self._child is not None and self._child_code is None
+    def _live(self) -> list[_Child]:
+        return [child for child in self._children.values() if child.alive]
 
     def _supervise(self) -> int:
         ended_at: float | None = None
         while True:
-            fds = [self._wake_r] + ([self._pidfd] if self._pidfd is not None and self._child_alive() else [])
-            select.select(fds, [], [], 0.05 if self._pidfd is None else 0.2)
+            live = self._live()
+            fds = [self._wake_r] + [c.pidfd for c in live if c.pidfd is not None]
+            select.select(fds, [], [], 0.05 if any(c.pidfd is None for c in live) else 0.2)
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 pass
-            self._poll_child()
+            for child in self._live():
+                self._poll_child(child)
             if self._signal is not None:
                 print(f"torchpass: signal {self._signal}: agent {self.layout.index} stops", file=sys.stderr)
                 return 128 + self._signal
             if self.mesh.evicted.is_set():
-                self._terminate_child(grace_s=2.0)
+                self._terminate_children(grace_s=2.0)
                 print(
                     f"torchpass: agent {self.layout.index} was counted lost by the job's coordinator (silent too "
                     "long); its slot went to a spare: leaving the job",
@@ -348,36 +380,40 @@ class SlurmAgent:
             state = self.mesh.job_state()
             if state.ended:
                 ended_at = ended_at or time.monotonic()
-                if self._child_alive() and time.monotonic() - ended_at > self.exit_grace_s:
-                    log.warning("%s still running %.0f s after the job ended", self._child_wid, self.exit_grace_s)
-                    self._terminate_child(grace_s=5.0)
-                if not self._child_alive():
+                live = self._live()
+                if live and time.monotonic() - ended_at > self.exit_grace_s:
+                    running = ", ".join(c.wid for c in live)
+                    log.warning("%s still running %.0f s after the job ended", running, self.exit_grace_s)
+                    self._terminate_children(grace_s=5.0)
+                if not self._live():
                     return self._finish(state)
                 continue
-            if self._child_alive() and self.mesh.worker_alive(self._child_wid) is False:
-                log.warning("the coordinator counts %s as dead (evicted): killing it", self._child_wid)
-                assert self._child is not None
-                self._child.kill()
+            for child in self._live():
+                if self.mesh.worker_alive(child.wid) is False:
+                    log.warning("the coordinator counts %s as dead (evicted): killing it", child.wid)
+                    child.proc.kill()
 
-    def _poll_child(self, respawn: bool = True) -> None:
-        if self._child is None or self._child_code is not None:
+    def _poll_child(self, child: _Child, respawn: bool = True) -> None:
+        if not child.alive:
             return
-        code = self._child.poll()
+        code = child.proc.poll()
         if code is None:
             return
-        self._child_code = code
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-        log.info("%s (%s) exited with %d", self._child_wid, self._child_role, code)
-        self.proxy.forget(self._child_wid)
-        self.mesh.child_update(self._child_wid, self._child_role, code)
+        child.code = code
+        if child.pidfd is not None:
+            os.close(child.pidfd)
+            child.pidfd = None
+        log.info("%s (%s) local index %d exited with %d", child.wid, child.role, child.local, code)
+        self.proxy.forget(child.wid)
+        self.mesh.child_update(child.wid, child.role, code)
         if not respawn or code == 0 or self.mesh.job_state().ended or self.mesh.evicted.is_set():
             return
-        if self._started > self.config.max_failures:
+        respawned = self._started - self.layout.ranks_per_node
+        if respawned >= self.config.max_failures:
             log.warning("not starting another spare on this node: %d processes started already", self._started)
             return
-        self._spawn("spare")  # the node is fine, only its process died: keep it useful as a spare
+        # The node is fine, only this process died: its GPU stays useful as a spare slot.
+        self._spawn(child.local, "spare")
 
     def _finish(self, state: JobState) -> int:
         self.mesh.finished = True
@@ -408,17 +444,19 @@ class SlurmAgent:
         except OSError as error:
             log.warning("cannot tell the launcher the lost nodes (%s): it waits for their steps instead", error)
 
-    def _terminate_child(self, grace_s: float) -> None:
-        if not self._child_alive():
-            if self._pidfd is not None:
-                os.close(self._pidfd)
-                self._pidfd = None
-            return
-        assert self._child is not None
-        self._child.terminate()
-        try:
-            self._child.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            self._child.kill()
-            self._child.wait()
-        self._poll_child(respawn=False)
+    def _terminate_children(self, grace_s: float) -> None:
+        live = self._live()
+        for child in live:
+            child.proc.terminate()
+        deadline = time.monotonic() + grace_s
+        for child in live:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+            self._poll_child(child, respawn=False)
+        for child in self._children.values():
+            if child.pidfd is not None:
+                os.close(child.pidfd)
+                child.pidfd = None

@@ -11,8 +11,10 @@ for a local job): one implementation each. On click, with ``clockwork``'s error 
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import os
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -28,6 +30,8 @@ from torchpass.config import ConfigError, TorchPassConfig, environment_settings
 from torchpass.events import JsonlEventSink
 
 __all__ = ["cli", "main"]
+
+log = logging.getLogger("clockwork.torchpass.cli")
 
 PROG = "torchpass"
 EXIT_USAGE = 2
@@ -51,6 +55,7 @@ def cli() -> None:
     \b
     Move a rank to a spare: clockwork migrate JOBID --rank R (a Slurm job), or
                             clockwork migrate --coordinator FILE --rank R (a local job).
+    Move a node's ranks:    clockwork migrate JOBID --ranks-on NODE (together, to one spare node).
     Take a snapshot now:    clockwork snapshot take JOBID (or --coordinator FILE).
     """
 
@@ -59,13 +64,92 @@ def _script_args(args: Sequence[str]) -> list[str]:
     return list(args[1:] if args[:1] == ("--",) or args[:1] == ["--"] else args)
 
 
-@cli.command("run", context_settings=SCRIPT_ARGS, epilog=_settings_epilog())
+# torchrun's options that have no place in `torchpass run`, and what to do instead.
+TORCHRUN_ONLY = {
+    "--nnodes": "the nodes come from the Slurm allocation (sbatch -N), or --local runs on this machine",
+    "--node-rank": "each node's agent knows its place from Slurm",
+    "--rdzv-backend": "TorchPass runs its own rendezvous",
+    "--rdzv-endpoint": "TorchPass runs its own rendezvous",
+    "--rdzv-id": "TorchPass runs its own rendezvous",
+    "--rdzv-conf": "TorchPass runs its own rendezvous",
+    "--master-addr": "TorchPass runs its own rendezvous",
+    "--master-port": "TorchPass runs its own rendezvous (--port sets the agents' ports under Slurm)",
+    "--standalone": "TorchPass runs its own rendezvous",
+    "--max-restarts": "TorchPass replaces a failed rank itself (the max_failures setting)",
+}
+
+
+class UnknownRunOption(click.UsageError):
+    """An option before the script that `torchpass run` does not know (nothing was started)."""
+
+
+def check_options_before_script(command: click.Command, ctx: click.Context, args: Sequence[str]) -> None:
+    """Refuse an option before SCRIPT that ``command`` does not know, naming the nearest known one (difflib).
+
+    Options after SCRIPT are the script's own, so a command that passes them on unparsed cannot let click reject
+    unknown options; without this check the first unknown one would be taken for the script's path and every
+    rank would fail on "No such file or directory" (under Slurm, each node's agent would start spare after spare).
+    """
+    flags: set[str] = set()
+    valued: set[str] = set()
+    for param in command.get_params(ctx):
+        if isinstance(param, click.Option):
+            names = [*param.opts, *param.secondary_opts]
+            (flags if param.is_flag or param.count else valued).update(names)
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "--" or token == "-" or not token.startswith("-"):
+            return  # the script (or the end of the options) is reached
+        name, has_value = token.split("=", 1)[0], "=" in token
+        if name in flags:
+            i += 1
+        elif name in valued:
+            i += 1 if has_value else 2
+        else:
+            raise UnknownRunOption(_unknown_option_message(name, sorted(flags | valued)), ctx)
+
+
+def _unknown_option_message(name: str, known: list[str]) -> str:
+    longs = [k for k in known if k.startswith("--")]
+    spelled = name.replace("_", "-") if name.startswith("--") else name
+    if spelled in known and spelled != name:
+        hint = f"did you mean {spelled}?"
+    elif spelled in TORCHRUN_ONLY:
+        hint = f"{spelled} is torchrun's: {TORCHRUN_ONLY[spelled]}"
+    else:
+        close = difflib.get_close_matches(spelled, longs, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"the known options: {', '.join(longs)}"
+    return (
+        f"unknown option {name} before the script ({hint}); nothing was started. The command's own options go "
+        "before SCRIPT, the script's after it."
+    )
+
+
+class RunCommand(click.Command):
+    """A command whose arguments after SCRIPT are the script's: an unknown option before it is an error."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        check_options_before_script(self, ctx, args)
+        return super().parse_args(ctx, args)
+
+
+@cli.command("run", cls=RunCommand, context_settings=SCRIPT_ARGS, epilog=_settings_epilog())
 @click.option("--local", is_flag=True, help="Run every process on this machine (gloo on 127.0.0.1).")
 @click.option(
     "--nproc",
     type=click.IntRange(min=1),
     metavar="N",
-    help="Training ranks (slots); --local default 2, Slurm: nodes - spares.",
+    help="Training ranks (slots); --local default 2, Slurm: (nodes - spares) x G, whole nodes.",
+)
+@click.option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
+    type=click.IntRange(min=1),
+    metavar="G",
+    help="Slurm: ranks per node (torchrun's spelling); default one per GPU (SLURM_GPUS_PER_NODE, else "
+    "SLURM_GPUS_ON_NODE), else --ntasks-per-node of the job, else 1. --local: the same as --nproc.",
 )
 @click.option(
     "--spares",
@@ -104,13 +188,25 @@ def _script_args(args: Sequence[str]) -> list[str]:
 def run_cmd(ctx: click.Context, **params: Any) -> int:
     """Start NPROC ranks and SPARES standby processes running SCRIPT, and the job's coordinator.
 
+    \b
+    On 8 nodes of 8 GPUs, one rank per GPU (64 ranks):
+      sbatch -N8 --gpus-per-node=8 --no-kill --clockwork-ft --wrap 'torchpass run train.py'
+    With a standby node whose 8 GPUs are 8 spare slots (a crashed node's 8 ranks move there at once):
+      sbatch -N9 --gpus-per-node=8 --no-kill --clockwork-ft --clockwork-spares=standby \\
+             --wrap 'torchpass run train.py'
+    On this machine:
+      torchpass run --local --nproc 3 --spares 1 train.py
+
     A rank that dies is replaced by a spare, which receives the training state from a healthy replica; training
-    resumes at the same step. With --local every process runs on this machine and the coordinator file is
-    printed (for `clockwork migrate --coordinator`). Without it, run it in the batch script of an
-    `sbatch --no-kill --clockwork-ft` job: it starts one job step per node (a node crash then ends only its own
-    step), each running a node agent; N nodes train and the others wait as spares (N and S from
-    --nproc/--spares, else one spare for --clockwork-spares=standby; the batch host starts as a spare), and every
-    agent runs a coordinator replica; `clockwork migrate JOBID --rank R` finds the leader.
+    resumes at the same step. In a batch script it starts one job step per node (a node crash then ends only its
+    own step), each running a node agent that supervises G ranks, G from --nproc-per-node, else one per GPU
+    (SLURM_GPUS_PER_NODE, SLURM_GPUS_ON_NODE), else the job's --ntasks-per-node, else 1 (never CPUs per node).
+    Ranks are numbered per node as torchrun does (LOCAL_RANK is the GPU). The first nodes train, the others wait
+    as standby nodes of G spare slots (--spares S nodes, or --nproc N ranks; else one standby node for
+    --clockwork-spares=standby; the batch host starts as a standby node). Every agent runs a coordinator
+    replica; `clockwork migrate JOBID --rank R` finds the leader. With --local every process runs on this
+    machine and the coordinator file is printed (for `clockwork migrate --coordinator`). Options of the command
+    go before SCRIPT, the script's own after it.
     """
     script_args = _script_args(params["args"])
     try:
@@ -121,11 +217,16 @@ def run_cmd(ctx: click.Context, **params: Any) -> int:
         return _run_slurm(params, script_args, transparent, list(ctx.obj or []))
     from torchpass.launcher import LocalLauncher
 
+    per_node, nproc = params["nproc_per_node"], params["nproc"]
+    if per_node is not None and nproc is not None and per_node != nproc:
+        raise click.UsageError(f"--local runs one node: --nproc {nproc} and --nproc-per-node {per_node} disagree")
+    nproc = per_node if nproc is None else nproc
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     launcher = LocalLauncher(
         params["script"],
         script_args,
-        nproc=2 if params["nproc"] is None else params["nproc"],
+        nproc=2 if nproc is None else nproc,
         spares=1 if params["spares"] is None else params["spares"],
         config=_config(params),
         event_sink=JsonlEventSink(params["events"]) if params["events"] else None,
@@ -149,8 +250,9 @@ def _config(params: Mapping[str, Any]) -> TorchPassConfig:
 
 def _run_slurm(params: Mapping[str, Any], script_args: list[str], transparent: bool, argv: list[str]) -> int:
     from torchpass.agent import SlurmAgent
+    from torchpass.node_ranks import ranks_per_node
     from torchpass.node_steps import NodeSteps, in_batch_script
-    from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step
+    from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step, training_nodes
 
     if not in_batch_script() and not in_slurm_step():
         raise click.UsageError(
@@ -159,9 +261,17 @@ def _run_slurm(params: Mapping[str, Any], script_args: list[str], transparent: b
         )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[agent]: %(message)s")
     try:
-        if in_batch_script():
-            return NodeSteps(argv).run()  # every node's step runs `torchpass` with the same arguments
-        layout = SlurmLayout.from_environ(spares=params["spares"], nproc=params["nproc"], port=params["port"])
+        batch = in_batch_script()
+        per_node = ranks_per_node(os.environ, params["nproc_per_node"], batch=batch)
+        if params["nproc"] is not None:
+            training_nodes(params["nproc"], per_node.count)  # refused here, before any step starts
+        if batch:  # every node's step runs `torchpass` with the same arguments, and G decided once here
+            log.info("%s", per_node)
+            return NodeSteps(argv, ranks_per_node=per_node.count).run()
+        layout = SlurmLayout.from_environ(
+            spares=params["spares"], nproc=params["nproc"], port=params["port"], ranks_per_node=per_node.count
+        )
+        log.info("%s", per_node)
         agent = SlurmAgent(
             params["script"],
             script_args,

@@ -129,9 +129,11 @@ class Coordinator(SocketThread):
         on_evict: Callable[[str], None] | None = None,
         active: bool = True,
         replicate: Callable[[dict[str, Any]], None] | None = None,
+        node_names: dict[int, str] | None = None,
     ) -> None:
         super().__init__()
         self.core = CoordinatorCore(world_size, config, _now(), active=active)
+        self.core.membership.node_names = dict(node_names or {})  # Slurm mode: events name a rank's node
         self.config = config
         self.event_sink = event_sink
         self.bind_host = bind_host

@@ -48,6 +48,8 @@ __all__ = [
     "WorkerRecord",
     "agent_of",
     "completion_fields",
+    "local_of",
+    "worker_id",
 ]
 
 
@@ -59,10 +61,23 @@ class Now:
     wall: float
 
 
+def worker_id(agent: int, started: int, local: int, per_node: int) -> str:
+    """The worker id of agent ``agent``'s process number ``started`` with local index ``local``: ``aK.N`` on a
+    node of one rank, ``aK.N.J`` on a node of several (J: its local index, its GPU)."""
+    return f"a{agent}.{started}" if per_node == 1 else f"a{agent}.{started}.{local}"
+
+
 def agent_of(wid: str) -> int:
-    """The agent index in a Slurm-mode worker id (``aK.N``), or -1 (local mode's ``wN``)."""
+    """The agent index in a Slurm-mode worker id (``aK.N`` or ``aK.N.J``), or -1 (local mode's ``wN``)."""
     head = wid.split(".", 1)[0]
     return int(head[1:]) if head.startswith("a") and head[1:].isdigit() else -1
+
+
+def local_of(wid: str) -> int:
+    """The local index on its node (its GPU) in a Slurm-mode worker id: J of ``aK.N.J``, 0 for ``aK.N`` (a node
+    of one rank) and for local mode's ``wN``."""
+    parts = wid.split(".")
+    return int(parts[2]) if len(parts) == 3 and agent_of(wid) >= 0 and parts[2].isdigit() else 0
 
 
 @dataclass

@@ -56,8 +56,10 @@ from torchpass.coordinator_records import (
     WaitKind,
     WorkerRecord,
     completion_fields,
+    local_of,
 )
 from torchpass.lockstep import MemberProgress, find_mismatch
+from torchpass.placement import choose_move_target, choose_spares
 
 __all__ = ["Membership"]
 
@@ -83,6 +85,7 @@ class Membership:
         self.failures = 0
         self.workers: dict[str, WorkerRecord] = {}
         self.dead_agents: set[int] = set()
+        self.node_names: dict[int, str] = {}  # Slurm mode: agent -> its node, to name where a rank failed
         self.initial: dict[int, str] = {}  # slot -> wid of the first generation's members, as they register
         self.parked: dict[str, ParkedPoll] = {}
         self.joined: dict[str, Joined] = {}
@@ -117,6 +120,17 @@ class Membership:
         if info is None:
             return False
         return wid in info.members.values() or (info.handoff is not None and info.handoff.source == wid)
+
+    def recovering(self) -> bool:
+        """Whether the newest generation is still forming (until every member joined it): a move declared before
+        then would supersede a generation that never completes, and its story (``torchpass.migrated``) with it."""
+        return self.recovery is not None
+
+    def placement(self, rec: WorkerRecord) -> dict[str, Any]:
+        """Where a Slurm-mode process runs, for the job's events: its node and local index (its GPU)."""
+        if rec.agent < 0:
+            return {}
+        return {"node": self.node_names.get(rec.agent, f"agent {rec.agent}"), "local": local_of(rec.wid)}
 
     def push(self, wid: str, message: Push) -> None:
         """Send ``message`` to ``wid``'s control socket, when it is alive and its socket is known."""
@@ -212,7 +226,7 @@ class Membership:
         problem, retry = "", True
         if self.state != JobState.RUNNING or self.info is None or not self.progressed:
             problem = f"the job is not running a generation yet (state {self.state})"
-        elif self.vacant or self.pending_handoff is not None or self.departing is not None:
+        elif self.vacant or self.pending_handoff is not None or self.departing is not None or self.recovering():
             problem = "a membership change is already in progress"
         elif slot not in self.members:
             problem, retry = f"no slot {slot} (slots 0..{self.world_size - 1})", False
@@ -225,13 +239,14 @@ class Membership:
         source = self.members.pop(slot)
         src = self.workers[source]
         self.departing, self.departed = source, False
-        self.pending_handoff = Handoff(slot, source, self.spares[0], src.host, src.store_port)
+        target = choose_move_target(self.spares, req.group, req.near)  # one GPU's move: one spare slot, best fit
+        self.pending_handoff = Handoff(slot, source, target, src.host, src.store_port)
         self.vacant.add(slot)
         requester = req.wid or req.requester or "cli"
         self.recovery = RecoveryClock(evidence_at=self.out.now.wall, death_seen_at=self.out.now.wall)
         self.recovery.reasons.append(f"migration of slot {slot} ({source}) requested by {requester}")
         self.out.emit("torchpass.migration_requested", slot=slot, source=source, by=requester)
-        target, generation = self.spares[0], max(self.gen + 1, self.gen_floor)
+        generation = max(self.gen + 1, self.gen_floor)
         self.try_declare()  # before the answer: whoever reads the job after it sees the migration decided
         self.out.send(sender, MigrationAccepted(req.id, generation, target))
 
@@ -303,6 +318,7 @@ class Membership:
             generation=self.gen,
             last_step=rec.step,
             failures=self.failures,
+            **self.placement(rec),
         )
         if self.failures > self.config.max_failures:
             self.fail(
@@ -353,15 +369,12 @@ class Membership:
                     generation=self.gen,
                 )
             return
-        replaced: dict[int, str] = {}
-        for slot in sorted(self.vacant):
-            if self.pending_handoff is not None and slot == self.pending_handoff.slot:
-                wid = self.pending_handoff.target
-                self.spares.remove(wid)
-            else:
-                wid = self.spares.pop(0)
+        handoff = self.pending_handoff
+        fixed = {handoff.slot: handoff.target} if handoff is not None and handoff.slot in self.vacant else {}
+        replaced = choose_spares(sorted(self.vacant), self.spares, fixed)  # a node's ranks stay together
+        for slot, wid in sorted(replaced.items()):
+            self.spares.remove(wid)
             self.members[slot] = wid
-            replaced[slot] = wid
             self.out.decide(SpareTaken(wid))
         self.vacant.clear()
         self.vacant_since = None
@@ -400,6 +413,11 @@ class Membership:
             replaced={str(k): v for k, v in replaced.items()},
             store=f"{host.host}:{host.store_port} (slot {host_slot})",
             handoff=None if info.handoff is None else info.handoff.source,
+            **(
+                {"placed": {str(k): self.placement(self.workers[v]) for k, v in replaced.items()}}
+                if self.node_names
+                else {}
+            ),
         )
         notify = set(self.members.values())
         if info.handoff is not None:

@@ -47,6 +47,7 @@ from clockworkd.coordinator_wire import JobState
 from torchpass.auth import connect_as_client, serve
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator import Coordinator
+from torchpass.coordinator_records import worker_id
 from torchpass.events import EventSink, emit
 from torchpass.slurm_layout import SlurmLayout
 from torchpass.socket_thread import SocketThread
@@ -329,8 +330,10 @@ class AgentMesh(SocketThread):
     def _hints(self, agent: int) -> dict[str, str]:
         """The processes ``agent`` ran, as its heartbeats said (its first one when it said nothing)."""
         children = {wid: str(c.get("role", "?")) for wid, c in self._peers[agent].children.items()}
-        if not children:
-            children[f"a{agent}.0"] = f"slot:{agent}" if agent < self.layout.world_size else "spare"
+        if not children:  # its first G processes, one per local index
+            per_node = self.layout.ranks_per_node
+            for local in range(per_node):
+                children[worker_id(agent, local, local, per_node)] = self.layout.role_of(agent, local)
         return children
 
     def _silence_ms(self, peer: _Peer, now: float) -> float:
@@ -370,6 +373,7 @@ class AgentMesh(SocketThread):
             silent_ms=self._silence_ms(peer, now),
             by=self.me,
             verdict=None if verdict is None else verdict[0],
+            processes=self._hints(peer.index),
         )
         self.coordinator.agent_lost(peer.index, self._hints(peer.index), why, at)
 
@@ -415,6 +419,7 @@ class AgentMesh(SocketThread):
                 silent_ms=self._silence_ms(peer, now),
                 by=self.me,
                 verdict=self._verdicts[agent][0] if agent in self._verdicts else None,
+                processes=self._hints(agent),
             )
         self.coordinator.leader_hint = self.leader_endpoint()
         at = old.heard_wall if old.heard_wall is not None else time.time()

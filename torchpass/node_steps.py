@@ -7,7 +7,10 @@ job, Slurm keeps the job and its other steps, so this launcher starts one single
 (``srun --nodes=1 --ntasks=1 --nodelist=NODE``): the crashed node's step ends, the others train on.
 
 Each step runs ``torchpass run`` again, with the job's node list and its own index in the environment
-(``TORCHPASS_NODES``, ``TORCHPASS_AGENT_INDEX``); it becomes that node's agent (:mod:`torchpass.agent`).
+(``TORCHPASS_NODES``, ``TORCHPASS_AGENT_INDEX``) and G, the ranks per node decided once here
+(``TORCHPASS_RANKS_PER_NODE``, :mod:`torchpass.node_ranks`); it becomes that node's agent
+(:mod:`torchpass.agent`), which runs the node's G ranks. The step asks for one task whatever
+``--ntasks-per-node`` the job has (``--ntasks-per-node=G`` is one way to ask for G ranks per node).
 
 The batch host (the node running this script) goes last in that list, so it starts as a standby spare and
 the coordinator leads from another node. Slurm ends a job whose batch host fails, even with ``--no-kill``,
@@ -40,7 +43,14 @@ from pathlib import Path
 from types import FrameType
 
 from torchpass.auth import ENV_JOB_KEY, JobKey
-from torchpass.slurm_layout import ENV_AGENT_INDEX, ENV_LOST_NODES_FILE, ENV_NODES, SlurmLayoutError, expand_hostlist
+from torchpass.slurm_layout import (
+    ENV_AGENT_INDEX,
+    ENV_LOST_NODES_FILE,
+    ENV_NODES,
+    ENV_RANKS_PER_NODE,
+    SlurmLayoutError,
+    expand_hostlist,
+)
 
 __all__ = [
     "AGENT_EXIT_DONE",
@@ -95,6 +105,7 @@ class NodeSteps:
     python: str = sys.executable
     finish_grace_s: float = 15.0
     lost_grace_s: float = 1.0  # for the steps on nodes the job counted lost
+    ranks_per_node: int = 0  # G, decided once here for every agent (0: each agent decides)
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     _signal: int | None = None
 
@@ -114,9 +125,12 @@ class NodeSteps:
         out = []
         for index, node in enumerate(nodes):
             env = dict(self.environ, **{ENV_NODES: ",".join(nodes), ENV_AGENT_INDEX: str(index), ENV_JOB_KEY: key.hex})
+            if self.ranks_per_node:
+                env[ENV_RANKS_PER_NODE] = str(self.ranks_per_node)
             if node == batch_host:
                 env[ENV_LOST_NODES_FILE] = str(self._lost_nodes_file)
             cmd = [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=0"]
+            cmd += ["--ntasks-per-node=1"]  # one agent, whatever --ntasks-per-node the job has (its G ranks)
             cmd += [f"--cpus-per-task={cpus[node]}"] if cpus[node] else []
             cmd += ["--job-name=torchpass-agent", self.python, "-m", "torchpass", *self.argv]
             out.append((node, cmd, env))

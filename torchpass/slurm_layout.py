@@ -17,7 +17,13 @@ before the agents can talk:
 The node's stable address is what its name resolves to (not a NIC address: LinkPass moves the routes of that
 address between NICs), so the agent's sockets, the ranks' store servers and gloo all bind to it.
 
-How many of the tasks are spares: ``--spares S`` or ``--nproc N`` on the command line; else the
+Each agent runs G ranks (:mod:`torchpass.node_ranks` says how G is chosen: one per GPU by default). Rank slots
+are numbered as torchrun numbers them, contiguous per node: training agent K holds slots K*G .. K*G+G-1 at the
+start, its local index J being slot K*G+J; a spare agent runs G spare processes, local indices 0..G-1. A slot is
+a (node, local index) pair only at the start: a replacement keeps the slot number and runs where its spare was.
+
+How many of the tasks are spares: ``--spares S`` (nodes) or ``--nproc N`` (ranks: N/G nodes) on the command
+line; else the
 ``--clockwork-spares`` mode the SPANK plugin exported to the job (``CLOCKWORK_SPARES``, or
 ``SLURM_SPANK_CLOCKWORK_SPARES`` under ``--export=NONE``): ``standby`` means one spare node, ``none`` none.
 ``borrow`` means no standby spare: when one is needed the agents borrow a node from preemptible work
@@ -44,6 +50,7 @@ __all__ = [
     "ENV_AGENT_INDEX",
     "ENV_LOST_NODES_FILE",
     "ENV_NODES",
+    "ENV_RANKS_PER_NODE",
     "PORT_BASE",
     "PORT_SPAN",
     "SlurmLayout",
@@ -52,6 +59,7 @@ __all__ = [
     "expand_hostlist",
     "in_slurm_step",
     "resolve_address",
+    "training_nodes",
 ]
 
 log = logging.getLogger("clockwork.torchpass.slurm")
@@ -64,6 +72,7 @@ STANDBY_SPARES_DEFAULT = 1
 # Set by the batch-script launcher (:mod:`torchpass.node_steps`) for its one-task-per-node steps:
 ENV_NODES = "TORCHPASS_NODES"  # the job's nodes, comma separated: agent K runs on the K-th
 ENV_AGENT_INDEX = "TORCHPASS_AGENT_INDEX"  # this step's agent index
+ENV_RANKS_PER_NODE = "TORCHPASS_RANKS_PER_NODE"  # G, decided once by the launcher (torchpass.node_ranks)
 #: Given by the batch launcher to the agent on its own node only: where that agent writes, once the job ended, the
 #: nodes whose agents the job counted lost (one per line), so that the launcher need not wait for their steps.
 ENV_LOST_NODES_FILE = "TORCHPASS_LOST_NODES_FILE"
@@ -107,12 +116,24 @@ class SlurmLayout:
     """This agent's place in the job step and the addresses of every agent."""
 
     job_id: int
-    index: int  # SLURM_PROCID: agent index; agent K < world_size starts rank slot K
-    world_size: int  # N: training slots
-    spares: int  # S: standby agents (SLURM_NTASKS = N + S)
+    index: int  # SLURM_PROCID: agent index; agent K < world_size / G starts rank slots K*G .. K*G+G-1
+    world_size: int  # N: training slots (ranks), training nodes x G
+    spares: int  # S: standby agents, each with G spare processes (agents = N / G + S)
     nodes: tuple[str, ...]  # node name of agent K
     addresses: tuple[str, ...]  # stable address of agent K's node
     port: int  # mesh port on every node; the coordinator replica uses port + 1
+    ranks_per_node: int = 1  # G: processes per agent, one per GPU
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
+            raise SlurmLayoutError(
+                f"{self.world_size} rank(s) do not fill whole nodes of {self.ranks_per_node} rank(s) each"
+            )
+
+    @property
+    def training_agents(self) -> int:
+        """How many agents hold rank slots at the start (the others are spare nodes)."""
+        return self.world_size // self.ranks_per_node
 
     @property
     def agents(self) -> int:
@@ -131,8 +152,19 @@ class SlurmLayout:
 
     @property
     def initial_role(self) -> str:
-        """``slot:K`` for the first N agents, ``spare`` for the others."""
-        return f"slot:{self.index}" if self.index < self.world_size else "spare"
+        """The role of this agent's first process (local index 0): see :meth:`role_of`."""
+        return self.role_of(self.index, 0)
+
+    def role_of(self, agent: int, local: int) -> str:
+        """The starting role of ``agent``'s process with local index ``local``: ``slot:K*G+J`` on a training
+        node (contiguous per node, as torchrun numbers ranks), ``spare`` on a spare node."""
+        if not 0 <= local < self.ranks_per_node:
+            raise ValueError(f"local index {local} is not one of 0..{self.ranks_per_node - 1}")
+        return f"slot:{agent * self.ranks_per_node + local}" if agent < self.training_agents else "spare"
+
+    def initial_roles(self) -> list[str]:
+        """The starting roles of this agent's G processes, by local index."""
+        return [self.role_of(self.index, local) for local in range(self.ranks_per_node)]
 
     def mesh_endpoint(self, agent: int) -> str:
         """Where agent ``agent`` listens for its peers' heartbeats."""
@@ -154,8 +186,10 @@ class SlurmLayout:
         spares: int | None = None,
         nproc: int | None = None,
         port: int | None = None,
+        ranks_per_node: int = 1,
     ) -> SlurmLayout:
-        """Read the layout srun gave this task; ``spares``/``nproc``/``port`` are the command line's."""
+        """Read the layout srun gave this task; ``spares`` (nodes), ``nproc`` (ranks) and ``port`` are the command
+        line's, ``ranks_per_node`` G (:func:`torchpass.node_ranks.ranks_per_node`)."""
         env = os.environ if environ is None else environ
         if not in_slurm_step(env):
             raise SlurmLayoutError(
@@ -174,7 +208,8 @@ class SlurmLayout:
             mode = JobOptions.from_environ(env).spares
         except JobOptionsError as exc:
             raise SlurmLayoutError(str(exc)) from None
-        count = _spare_count(ntasks, spares, nproc, mode)
+        nodes_asked = None if nproc is None else training_nodes(nproc, ranks_per_node)
+        count = _spare_count(ntasks, spares, nodes_asked, mode)
         own = env.get("SLURMD_NODENAME") or socket.gethostname().split(".", 1)[0]
         if own != nodes[index] and own.split(".", 1)[0] != nodes[index]:
             raise SlurmLayoutError(
@@ -189,7 +224,18 @@ class SlurmLayout:
         chosen = port if port is not None else default_port(job_id)
         if not 1024 <= chosen < 65535:
             raise SlurmLayoutError(f"port {chosen} out of range (1024..65534)")
-        return cls(job_id, index, ntasks - count, count, tuple(nodes), addresses, chosen)
+        world = (ntasks - count) * ranks_per_node
+        return cls(job_id, index, world, count, tuple(nodes), addresses, chosen, ranks_per_node)
+
+
+def training_nodes(nproc: int, per_node: int) -> int:
+    """How many nodes ``--nproc`` ranks fill (under Slurm they fill whole nodes)."""
+    if per_node < 1 or nproc % per_node:
+        raise SlurmLayoutError(
+            f"--nproc {nproc} is not a multiple of {per_node} rank(s) per node: under Slurm the training ranks fill "
+            "whole nodes (give --nproc as nodes x ranks per node, or leave it out)"
+        )
+    return nproc // per_node
 
 
 def _step_tasks(env: Mapping[str, str]) -> tuple[int, int, list[str]]:
@@ -221,9 +267,11 @@ def _int(env: Mapping[str, str], name: str, fallback: str = "") -> int:
 
 
 def _spare_count(ntasks: int, spares: int | None, nproc: int | None, mode: SpareMode | None) -> int:
-    """How many of ``ntasks`` agents are spares (see the module docstring for the rules)."""
+    """How many of ``ntasks`` agents are spares (see the module docstring for the rules; ``nproc`` in nodes)."""
     if spares is not None and nproc is not None and spares + nproc != ntasks:
-        raise SlurmLayoutError(f"--nproc {nproc} + --spares {spares} != {ntasks} tasks in the step")
+        raise SlurmLayoutError(
+            f"{nproc} training node(s) (--nproc) + --spares {spares} != {ntasks} tasks in the step (one per node)"
+        )
     if spares is None and nproc is not None:
         spares = ntasks - nproc
     if spares is None:

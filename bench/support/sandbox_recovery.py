@@ -28,15 +28,27 @@ from clockworkd.sandbox.cluster import Sandbox
 WORKLOAD = Path(__file__).resolve().with_name("torchpass_workload.py")
 
 
-def parse_args(description: str, runs_help: str, quick_help: str) -> argparse.Namespace:
-    """The benchmarks' common options (``--quick``: one short run of each kind, about a minute)."""
+def parse_args(
+    description: str, runs_help: str, quick_help: str, *, ranks_per_node: bool = False
+) -> argparse.Namespace:
+    """The benchmarks' common options (``--quick``: one short run of each kind, about a minute); with
+    ``ranks_per_node``, ``--ranks-per-node G`` too (0 when the benchmark does not take it)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5, help=runs_help)
+    if ranks_per_node:
+        parser.add_argument(
+            "--ranks-per-node",
+            type=int,
+            default=1,
+            metavar="G",
+            help="also run the job with G ranks per node (torchpass run --nproc-per-node G), beside 1 (default 1)",
+        )
     parser.add_argument("--steps", type=int, default=80, help="steps per job (default 80)")
     parser.add_argument("--crash-step", type=int, default=40, help="the step at which the node crashes (default 40)")
     parser.add_argument("--hidden", type=int, default=256, help="MLP width (default 256)")
     parser.add_argument("--quick", action="store_true", help=quick_help)
     args = parser.parse_args()
+    args.ranks_per_node = getattr(args, "ranks_per_node", 0)
     if args.quick:
         args.runs, args.steps, args.crash_step = 1, 40, 20
     return args
@@ -71,14 +83,16 @@ def job_env(box: Sandbox) -> dict[str, str]:
     return env
 
 
-def crash_command(out: Path, args: argparse.Namespace, settings: tuple[str, ...] = ()) -> str:
-    """The batch script: ``torchpass run`` of the workload, events and step logs under ``out``, rank 1 asking for
-    its node's crash at ``--crash-step``; ``settings`` are TorchPass ``--set KEY=VALUE`` options."""
+def crash_command(out: Path, args: argparse.Namespace, settings: tuple[str, ...] = (), per_node: int = 1) -> str:
+    """The batch script: ``torchpass run`` of the workload, events and step logs under ``out``, the first rank of
+    agent 1's node (rank 1, or rank G with ``per_node`` G ranks per node) asking for its node's crash at
+    ``--crash-step``; ``settings`` are TorchPass ``--set KEY=VALUE`` options."""
     workload = f"{WORKLOAD} torchpass --out {out} --steps {args.steps} --warmup 0 --hidden {args.hidden}"
     sets = "".join(f"--set {setting} " for setting in settings)
+    layout = f"--nproc-per-node {per_node} " if per_node > 1 else ""
     return (
-        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl {sets}{workload} "
-        f"--node-crash-step {args.crash_step}"
+        f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl {layout}{sets}{workload} "
+        f"--node-crash-step {args.crash_step} --node-crash-rank {per_node}"
     )
 
 
@@ -91,7 +105,7 @@ def submit(options: list[str], command: str, env: dict[str, str]) -> int:
 
 
 def crash_and_wait(box: Sandbox, out: Path, job_id: int) -> float:
-    """Crash the node rank 1 names in ``crash-request`` once it does, bring it back once the job is over (a
+    """Crash the node a rank names in ``crash-request`` once it does, bring it back once the job is over (a
     crashed node keeps its job COMPLETING until then), wait for the job's end (300 s in all); when the crash
     happened (``time.time()``; 0.0 when no rank asked for one)."""
     slurm = box.slurm()

@@ -75,6 +75,7 @@ class Recorder:
         self.warmup = args.warmup
         self.crashes = [int(s) for s in args.crash_steps.split(",") if s]
         self.node_crash_step = args.node_crash_step
+        self.node_crash_rank = args.node_crash_rank
         self.log = open(self.out / f"steps-{rank}.log", "a")  # open for the process's life
         self.t_warm: float | None = None
         self.timed = 0
@@ -101,7 +102,7 @@ class Recorder:
                 os.write(fd, f"{time.time()} rank {self.rank}\n".encode())
                 os.close(fd)
                 os.kill(os.getpid(), signal.SIGKILL)
-        if step == self.node_crash_step and self.rank == 1:
+        if step == self.node_crash_step and self.rank == self.node_crash_rank:
             try:
                 fd = os.open(self.out / "crash-request", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
@@ -390,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--crash-steps", default="", help="comma-separated steps at which one rank SIGKILLs itself")
-    parser.add_argument("--node-crash-step", type=int, default=-1, help="sandbox: rank 1's node crashes at this step")
+    parser.add_argument("--node-crash-step", type=int, default=-1, help="sandbox: a rank's node crashes at this step")
+    parser.add_argument("--node-crash-rank", type=int, default=1, help="sandbox: the rank whose node crashes (1)")
     parser.add_argument("--ckpt", default="", help="ddp: checkpoint file (resume from it; save every --ckpt-every)")
     parser.add_argument("--ckpt-every", type=int, default=50)
     parser.add_argument("--min-replicas", type=int, default=0, help="torchft: min_replica_size (default: all)")

@@ -216,11 +216,14 @@ def request_migration(
     *,
     wait_s: float = 0.0,
     on_wait: Callable[[str], None] | None = None,
+    group: int = 1,
+    near: str = "",
 ) -> dict[str, Any]:
     """Ask the job's leading coordinator to migrate ``rank``; the reply (``target``, ``generation``).
 
     While the coordinator says "not now" (no spare is ready yet, another membership change is in progress),
-    ask again for up to ``wait_s`` seconds; ``on_wait`` hears the first such answer."""
+    ask again for up to ``wait_s`` seconds; ``on_wait`` hears the first such answer. ``group`` and ``near``:
+    one rank of a whole node's move (:class:`clockworkd.coordinator_requests.Migrate`)."""
     world = int(record.get("world_size", 0))
     if world and not 0 <= rank < world:
         raise ClockworkError(f"rank {rank} is out of range: the job trains on ranks 0..{world - 1}", exit_code=2)
@@ -228,7 +231,10 @@ def request_migration(
     told = False
     while True:
         try:
-            return ask_leader(record, {"op": "migrate", "slot": rank, "requester": requester}, timeout_s, "migrated")
+            fields: dict[str, Any] = {"op": "migrate", "slot": rank, "requester": requester}
+            if group > 1 or near:
+                fields.update(group=group, near=near)
+            return ask_leader(record, fields, timeout_s, "migrated")
         except CoordinatorBusy as exc:
             if time.monotonic() + RETRY_INTERVAL_S > deadline:
                 raise ClockworkError(f"{exc} (waited {wait_s:g} s)" if wait_s else str(exc)) from None

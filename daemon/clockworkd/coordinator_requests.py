@@ -152,13 +152,16 @@ class Finished:
 @dataclass(frozen=True)
 class Migrate:
     """Move ``slot`` to a spare at its next step boundary (from a rank: ``wid``; from the command line:
-    ``requester``)."""
+    ``requester``). A whole node's move is one request per rank: ``group`` ranks are still to move with this
+    one, and ``near`` is the spare the previous one went to, so that they all land on one node."""
 
     OP: ClassVar[str] = "migrate"
     id: int
     slot: int
     wid: str = ""
     requester: str = ""
+    group: int = 1
+    near: str = ""
 
 
 @dataclass(frozen=True)

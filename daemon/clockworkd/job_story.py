@@ -114,7 +114,8 @@ def build_story(
         kind, f = str(event.get("kind", "")), event.get("fields") or {}
         at, node = float(event.get("time", 0)), str(event.get("node", ""))
         if kind == "torchpass.member_failed":
-            detail = f"rank {f.get('slot')}: {f.get('why', '?')}"
+            where = f" on {f['node']} local {f['local']}" if f.get("node") and f.get("local") is not None else ""
+            detail = f"rank {f.get('slot')}{where}: {f.get('why', '?')}"
             incident = Incident(at, node, "rank replaced", detail, "open", fields=f)
             incidents.append(incident)
             open_failures[int(f.get("slot", -1))] = incident

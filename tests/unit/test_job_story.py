@@ -173,3 +173,12 @@ def test_a_rollback_to_a_peer_copy_is_told_with_the_steps_computed_again() -> No
     (replaced,) = build_story(9, events, {}, nodes=4).incidents
     assert "with shard 2 of the 1x4 mesh from rank 3" in replaced.resolution
     assert replaced.resolution.endswith("resumed at step 4; rolled back in memory, 2 step(s) computed again")
+
+
+def test_a_rank_of_a_many_gpu_node_is_named_by_its_node_and_local_index() -> None:
+    """A node of G ranks: the story says on which node and which local index (GPU) a rank failed."""
+    failed = _event(1, 10.0, "node1", "torchpass.member_failed", slot=5, why="agent 2 (node3) silent")
+    failed["fields"].update(node="node3", local=1)  # where the rank ran (the event's own node is the leader's)
+    events = [failed, _event(2, 11.0, "node1", "torchpass.recovered", slots=[5], source_slots=[1], total_ms=80.0)]
+    (replaced,) = build_story(9, events, {}, nodes=4).incidents
+    assert replaced.detail == "rank 5 on node3 local 1: agent 2 (node3) silent"

@@ -76,6 +76,8 @@ def _run_agents(
     while_running: Callable[[Path], None] | None = None,
     script: Path = SCRIPT,
     ft: str = "aware",
+    nproc: int = NPROC,
+    per_node: int = 1,
 ) -> AgentsRun:
     out = base / name
     out.mkdir()
@@ -112,7 +114,8 @@ def _run_agents(
             "torchpass",
             "run",
             "--nproc",
-            str(NPROC),
+            str(nproc),
+            *(("--nproc-per-node", str(per_node)) if per_node > 1 else ()),
             "--port",
             str(port),
             "--events",

@@ -564,6 +564,49 @@ def test_migration_refusals_say_whether_to_ask_again() -> None:
     assert sim.answer(out, "cli").error == "cannot migrate slot 0: a membership change is already in progress"
 
 
+def test_nodes_of_two_ranks_fill_a_crashed_node_from_one_spare_node_and_a_gpu_move_from_a_lone_slot() -> None:
+    """Slurm ids aK.N.J (agent K, local index J). Node 1's crash (slots 2 and 3) is rebuilt on standby node 3, in
+    local order, although node 2 offers a lone spare slot that was ready first. A migration of one GPU's rank
+    takes a lone spare slot although a whole standby node was ready first, keeping that node whole."""
+    sim = Sim(4)
+    sim.start("a0.0.0", "a0.1.1", "a1.0.0", "a1.1.1")
+    for spare in ("a2.5.1", "a3.1.1", "a3.0.0"):
+        sim.register(spare, "spare")
+    sim.handle(AgentLost(1, {"a1.0.0": Role(2), "a1.1.1": Role(3)}, "node 1 silent", sim.now.wall))
+    assert sim.m.info.replaced == {2: "a3.0.0", 3: "a3.1.1"}
+    failed = [(f["slot"], f["node"], f["local"]) for f in sim.events("torchpass.member_failed")]
+    assert failed == [(2, "agent 1", 0), (3, "agent 1", 1)]  # the coordinator was given no node names here
+
+    sim = Sim(4)
+    sim.start("a0.0.0", "a0.1.1", "a1.0.0", "a1.1.1")
+    for spare in ("a3.1.1", "a3.0.0", "a2.5.1"):
+        sim.register(spare, "spare")
+    sim.ask("cli", Migrate(90, 0))
+    assert sim.m.info.handoff.target == "a2.5.1" and sim.m.info.replaced == {0: "a2.5.1"}
+
+
+def test_a_whole_nodes_move_lands_on_one_spare_node() -> None:
+    """`clockwork migrate --ranks-on NODE`: one request per rank, the first saying 2 ranks are to move (a node
+    with room for both, not the lone slot ready first), the second naming where the first went (it follows)."""
+    sim = Sim(4)
+    sim.start("a0.0.0", "a0.1.1", "a1.0.0", "a1.1.1")
+    for spare in ("a2.5.1", "a3.1.1", "a3.0.0"):
+        sim.register(spare, "spare")
+    out = sim.ask("cli", Migrate(91, 2, group=2))
+    assert sim.answer(out, "cli").target == "a3.0.0"  # the lower local index of the node with room for both
+    sim.ask("a1.0.0", Departed(92, "a1.0.0", handoff_ok=True))
+    sim.handle(WorkerExited("a1.0.0", Role(2), 0, sim.now.wall))  # the first has left, its successor not joined
+    out = sim.ask("cli", Migrate(99, 3, group=1, near="a3.0.0"))  # too soon: it would supersede that generation
+    assert sim.answer(out, "cli") == Refusal(
+        99, "cannot migrate slot 3: a membership change is already in progress", retry=True
+    )
+    sim.join(step=3)
+    assert [e["slots"] for e in sim.events("torchpass.migrated")] == [[2]]
+    out = sim.ask("cli", Migrate(93, 3, group=1, near="a3.0.0"))
+    assert sim.answer(out, "cli").target == "a3.1.1"  # with it, past the lone slot a best fit would take
+    assert sim.m.members == {0: "a0.0.0", 1: "a0.1.1", 2: "a3.0.0", 3: "a3.1.1"}
+
+
 def test_the_completion_event_measures_each_phase() -> None:
     sim = Sim(2)
     sim.start("w0", "w1")

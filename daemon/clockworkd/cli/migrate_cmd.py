@@ -1,4 +1,5 @@
-"""``clockwork migrate JOBID --rank R``: move one rank of a running TorchPass job to a spare, live.
+"""``clockwork migrate JOBID --rank R``: move one rank of a running TorchPass job to a spare, live;
+``clockwork migrate JOBID --ranks-on NODE``: move every rank of a node, before maintenance.
 
 How the job's coordinator is found: every TorchPass node agent posts a ``torchpass.coordinator`` event to its
 node daemon when it starts and whenever the coordinator's leader changes (``{leader, endpoints, world_size,
@@ -16,11 +17,18 @@ ZeroMQ DEALER; the reply repeats the id) without importing TorchPass: the CLI mu
 dependency direction is torchpass -> clockworkd, never the reverse. It is CURVE-authenticated with the job's
 key, which the record carries (:mod:`clockworkd.jobkey`; the daemon shows a job's events only to its owner
 and root). The coordinator answers at once; the rank moves at its next step boundary.
+
+A whole node's move (``--ranks-on NODE``) finds the node's ranks from the job's coordinator status (worker id
+``aK.N[.J]``: agent K) and the record's ``nodes`` (agent K runs on ``nodes[K]``), then moves them one at a
+time, in slot order: each request waits while the previous move is under way, says how many ranks the move has
+left (the first goes to a node with room for them all) and names the spare the previous one took (the others
+follow it there), so the node's ranks land together on one spare node, each handing its live state over.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import click
@@ -31,6 +39,7 @@ from clockworkd.cli.job_events import job_nodes as _job_nodes
 from clockworkd.coordinator_client import (
     COORDINATOR_EVENT,
     COORDINATOR_HELP,
+    ask_leader,
     coordinator_record,
     local_record,
     request_migration,
@@ -71,6 +80,11 @@ class NotTorchPassJobError(ClockworkError):
 
 def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[str, Any]:
     """The job's coordinator record, from this node's daemon (or ``node``'s), else from the job's nodes."""
+    return _coordinator_of(job_id, find_job_events(state, job_id, node))
+
+
+def find_job_events(state: CliContext, job_id: int, node: str | None) -> list[dict[str, Any]]:
+    """The job's events, from this node's daemon (or ``node``'s), else from the job's nodes."""
     loaded = state.load().config
     cfg = loaded.daemon
     here = local_node_name(cfg)
@@ -91,6 +105,10 @@ def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[s
             f"nodes (e.g. srun --jobid {job_id} --overlap -N1 clockwork migrate {job_id} --rank R), or name one "
             "with --node"
         )
+    return list(events)
+
+
+def _coordinator_of(job_id: int, events: list[dict[str, Any]]) -> dict[str, Any]:
     record = coordinator_record(events)
     if record is None:
         raise NotTorchPassJobError(
@@ -103,7 +121,13 @@ def find_coordinator(state: CliContext, job_id: int, node: str | None) -> dict[s
 @click.command()
 @click.argument("job_id", type=click.IntRange(min=1), required=False)
 @coordinator_option
-@click.option("--rank", "--slot", "rank", type=click.IntRange(min=0), required=True, help="The rank (slot) to move.")
+@click.option("--rank", "--slot", "rank", type=click.IntRange(min=0), help="The rank (slot) to move.")
+@click.option(
+    "--ranks-on",
+    "ranks_on",
+    metavar="NODE",
+    help="Move every rank running on NODE, together to one spare node (a Slurm job; instead of --rank).",
+)
 @click.option("--node", "node_name", metavar="NODE", help="Whose daemon to ask (default: this host's).")
 @click.option(
     "--timeout",
@@ -127,27 +151,73 @@ def migrate(
     state: CliContext,
     job_id: int | None,
     coordinator: str | None,
-    rank: int,
+    rank: int | None,
+    ranks_on: str | None,
     node_name: str | None,
     timeout_s: float,
     wait_s: float,
 ) -> None:
     """Move rank RANK of TorchPass job JOB_ID (or of the local job --coordinator names) to a spare at its
-    next step boundary.
+    next step boundary; or every rank on node NODE (--ranks-on), together to one spare node.
 
     The rank sends its live training state straight to the spare, which takes its place; the rank then exits
     cleanly and training continues at the next step, with no checkpoint and no step done twice.
     """
-    record = job_coordinator(state, job_id, coordinator, node_name)
-    reply = request_migration(
-        record,
-        rank,
-        timeout_s,
-        requester=f"clockwork migrate (uid {os.getuid()})",
-        wait_s=wait_s,
-        on_wait=lambda why: click.echo(f"clockwork: {why}; asking again for up to {wait_s:g} s", err=True),
-    )
-    click.echo(
-        f"{f'job {job_id}' if job_id else coordinator}: rank {rank} moves to spare {reply.get('target')} in "
-        f"generation {reply.get('generation')} (at its next step boundary)"
-    )
+    if (rank is None) == (ranks_on is None):
+        raise click.UsageError("give --rank R (one rank) or --ranks-on NODE (every rank of a node), one of them")
+    if ranks_on is not None:
+        if job_id is None:
+            raise click.UsageError("--ranks-on NODE moves the ranks of a node of a Slurm job: give its JOB_ID")
+        events = find_job_events(state, job_id, node_name)
+        record = _coordinator_of(job_id, events)
+        slots = ranks_of_node(record, events, ranks_on, timeout_s)
+        click.echo(f"job {job_id}: moving the ranks on {ranks_on} ({', '.join(map(str, slots))}) to one spare node")
+    else:
+        assert rank is not None
+        record, slots = job_coordinator(state, job_id, coordinator, node_name), [rank]
+    near = ""
+    for k, slot in enumerate(slots):
+        reply = request_migration(
+            record,
+            slot,
+            timeout_s,
+            requester=f"clockwork migrate (uid {os.getuid()})",
+            wait_s=wait_s,
+            on_wait=lambda why: click.echo(f"clockwork: {why}; asking again for up to {wait_s:g} s", err=True),
+            group=len(slots) - k,
+            near=near,
+        )
+        near = str(reply.get("target") or "")
+        click.echo(
+            f"{f'job {job_id}' if job_id else coordinator}: rank {slot} moves to spare {reply.get('target')} in "
+            f"generation {reply.get('generation')} (at its next step boundary)"
+        )
+
+
+_AGENT_WORKER = re.compile(r"a(\d+)\.\d+(?:\.\d+)?")  # a node agent's process: aK.N, or aK.N.J (local index J)
+
+
+def ranks_of_node(record: dict[str, Any], events: list[dict[str, Any]], node: str, timeout_s: float) -> list[int]:
+    """The slots whose ranks run on ``node`` now: the coordinator's members (worker ``aK.N[.J]`` runs under agent
+    K) joined with where each agent runs: the record's ``nodes`` (agent K on ``nodes[K]``; every agent's record
+    lists them, so the daemon of any one node of the job knows), else the agents' own records (``node``)."""
+    agents = {k for k, name in enumerate(record.get("nodes") or []) if name == node}
+    agents |= {
+        int(fields["agent"])
+        for event in events
+        if event.get("kind") == COORDINATOR_EVENT
+        and isinstance(fields := event.get("fields"), dict)
+        and fields.get("node") == node
+        and "agent" in fields
+    }
+    if not agents:
+        raise ClockworkError(f"no agent of this job ran on {node} (the nodes are the job's Slurm nodes)", exit_code=2)
+    status = ask_leader(record, {"op": "status"}, timeout_s, "asked")["status"]
+    slots = []
+    for slot, wid in status["members"].items():
+        match = _AGENT_WORKER.fullmatch(str(wid))
+        if match is not None and int(match.group(1)) in agents:
+            slots.append(int(slot))
+    if not slots:
+        raise ClockworkError(f"no rank of the job runs on {node} now", exit_code=2)
+    return sorted(slots)
