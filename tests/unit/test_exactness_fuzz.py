@@ -264,12 +264,14 @@ def test_a_pass_over_the_data_ends_only_once_its_last_step_is_held_everywhere(tm
     assert "the vote on the peer copies of step 3 failed" in log, result.line()
 
 
-def test_a_planned_migration_abandons_no_step_and_never_stops_an_hsdp_job(tmp_path: Path) -> None:
+def test_a_planned_migration_aborts_no_collective_and_never_stops_an_hsdp_job(tmp_path: Path) -> None:
     """Seed 3184 (HSDP 2x2, aware, no collective over every rank after the gradients): a planned migration of slot
     2 and no failure. Its generation aborted the collectives in flight, so the ranks of one shard, past their last
     collective, committed the step and the others abandoned it: one shard was held only at the newer step, the
     other only at the older, and now and then the job stopped with 'no member holds shard 1' although nothing
-    failed. A planned generation now lets every rank finish its step: no step is abandoned at all."""
+    failed. A planned generation now aborts no collective (the backend logs every abort: 4-8 in each run before):
+    every rank finishes its step and follows at the boundary. A rank that had begun the next one finds its peers
+    gone and redoes it, which is consistent, since no rank can complete a step a peer never began."""
     case = draw_case(3184)
     assert case.layout == "hsdp2x2" and [f.kind for f in case.faults] == ["migrate"] and not case.clip
     result = run_case(case, tmp_path / "seed-3184", keep=True)
@@ -277,4 +279,4 @@ def test_a_planned_migration_abandons_no_step_and_never_stops_an_hsdp_job(tmp_pa
     judged = [tmp_path / "seed-3184" / name for name in ("faulted-again", "faulted")]  # a run that missed it: again
     faulted = next(folder for folder in judged if folder.exists())
     assert '"kind": "torchpass.migrated"' in (faulted / "events.jsonl").read_text(), result.line()
-    assert "step abandoned" not in (faulted / "launcher.log").read_text(), result.line()
+    assert "aborted gloo group" not in (faulted / "launcher.log").read_text(), result.line()
