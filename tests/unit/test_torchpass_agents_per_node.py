@@ -88,7 +88,10 @@ def test_single_rank_crashes_on_two_nodes_are_both_absorbed_by_the_standby_node(
     _assert_same_final_state(run, reference, nproc=NPROC)
     _assert_each_step_once(run, nproc=NPROC)
     replaced = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
-    assert replaced == [{"1": "a2.0.0"}, {"2": "a2.1.1"}], replaced
+    # Both on the standby node (agent 2), one slot each; which slot a crash takes first depends on which of the
+    # node's spares registered first (under load either may), so the order is not asserted.
+    assert [list(r) for r in replaced] == [["1"], ["2"]], replaced
+    assert sorted(wid for r in replaced for wid in r.values()) == ["a2.0.0", "a2.1.1"], replaced
     failed = [(f["slot"], f["node"], f["local"]) for f in run.of_kind("torchpass.member_failed")]
     assert failed == [(1, "127.0.0.1", 1), (2, "127.0.0.2", 0)], failed
     assert not run.of_kind("torchpass.agent_lost")
@@ -190,7 +193,7 @@ def test_lightning_with_two_ranks_per_node(base: Path) -> None:
     keys = lightning.FINAL_KEYS
     assert_slots_like_reference(run, reference, nproc=NPROC, keys=keys, last_step=steps - 1, what="lightning")
     (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
-    assert replaced == {"2": "a2.0.0"}, replaced
+    assert list(replaced) == ["2"] and replaced["2"] in ("a2.0.0", "a2.1.1"), replaced  # the standby node
 
 
 def test_hf_trainer_with_two_ranks_per_node(base: Path) -> None:
@@ -216,4 +219,4 @@ def test_hf_trainer_with_two_ranks_per_node(base: Path) -> None:
     assert (run.out / "killed-2-2-forward").exists(), "the fault was not injected"
     assert_slots_like_reference(run, reference, nproc=NPROC, keys=hf.FINAL_KEYS, last_step=steps - 1, what="trainer")
     (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
-    assert replaced == {"2": "a2.0.0"}, replaced
+    assert list(replaced) == ["2"] and replaced["2"] in ("a2.0.0", "a2.1.1"), replaced  # the standby node
