@@ -25,6 +25,7 @@ import logging
 import time
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -47,6 +48,16 @@ class StepChannel(Protocol):
     urgent_gen: int
     step: int
     collective: tuple[int, int, str] | None
+
+
+@dataclass(frozen=True)
+class _UndoCopies:
+    """What a rollback puts back beside the parameters and the optimizer's moments."""
+
+    buffers: list[torch.Tensor]
+    groups: list[list[dict[str, Any]]]  # optimizer hyper-parameters (an LR scheduler edits them)
+    registered: dict[str, Any]  # registered objects' state_dicts
+    scalers: list[tuple[torch.amp.GradScaler, list[torch.Tensor | None]]]  # scale and growth tracker
 
 
 class StepLifecycle:
@@ -79,6 +90,9 @@ class StepLifecycle:
         self._registered: dict[str, Any] = {}  # generic registered state at the last commit
         # Grad scalers, with their scale and growth tracker at the last commit (None: not created yet).
         self._scalers: list[tuple[torch.amp.GradScaler, list[torch.Tensor | None]]] = []
+        # What the script did between the last commit and the step it then began (a pass's epilogue: an LR
+        # scheduler stepped once per epoch), as the undo copies at that step's start: (that step, the copies).
+        self._moved_on: tuple[int, _UndoCopies] | None = None
         self._staged: StagedBuffers | None = None  # slot 0's buffers, broadcast after a forward (buffers.py)
         # Copies of the committed state still reading the parameters (snapshots, peer copies): an update waits.
         self.before_update_hooks: list[Callable[[], None]] = []
@@ -231,7 +245,10 @@ class StepLifecycle:
         for check in self.commit_checks:
             reason = check(self.step, self.failed_after_update)
             if reason:
-                self.failed_after_update = ""
+                # The check undid the update: this rank holds the committed state again, and serves it in the
+                # recovery (not spoiled: fresh-clone CI, seed 28, a peer_copy_sync vote that failed left every
+                # survivor receiving its own copy of the step before, whose scheduler predates the pass's end).
+                self.failed_after_update, self.optimizer_steps = "", 0
                 self.abandon(reason)
                 return
 
@@ -316,6 +333,16 @@ class StepLifecycle:
             self._registered[name] = copy.deepcopy(self._parts.extra[name].state_dict())
         self._scalers = [(scaler, self._scaler_copy(scaler)) for scaler, _ in self._scalers]
 
+    def remember_moved_on(self, step: int) -> None:
+        """At the start of ``step``, after the script ran on past the last commit (a pass's epilogue): the
+        rollback point moves here, and a state replaced with the committed one (a peer's copy, this rank's own
+        copy, both taken at the commit) gets the epilogue's effects back in :meth:`restart_at`. Without it, a
+        survivor rolled back to the last step of a pass lost its LR scheduler's end-of-epoch step, which its
+        loop does not run again: every rank ended silently different (fresh-clone CI, seed 28)."""
+        self.remember()
+        buffers = [shadow.clone() for shadow in self._buffer_shadow]  # remember() copies into these in place
+        self._moved_on = (step, _UndoCopies(buffers, self._group_shadow, dict(self._registered), self._scalers))
+
     def roll_back(self) -> None:
         """Undo what the abandoned step changed locally (a grad scaler's scale included: a step may span several of its
         updates); the optimizer, scheduler and scaler skipped theirs."""
@@ -335,29 +362,35 @@ class StepLifecycle:
                 len(self._parts.optimizers),
             )
         self.drop_staged_buffers()
+        self._restore(_UndoCopies(self._buffer_shadow, self._group_shadow, self._registered, self._scalers))
+        self.check_carried()
+        self._zero_grads()
+
+    def _restore(self, undo: _UndoCopies) -> None:
         with torch.no_grad():
-            for live, shadow in zip(self._buffers, self._buffer_shadow, strict=True):
+            for live, shadow in zip(self._buffers, undo.buffers, strict=True):
                 live.copy_(shadow)
-        for optimizer, groups in zip(self._parts.optimizers, self._group_shadow, strict=True):
+        for optimizer, groups in zip(self._parts.optimizers, undo.groups, strict=True):
             for group, saved in zip(optimizer.param_groups, groups, strict=True):
                 group.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in saved.items()})
-        for name, saved_state in self._registered.items():
+        for name, saved_state in undo.registered.items():
             self._parts.extra[name].load_state_dict(copy.deepcopy(saved_state))
         with torch.no_grad():
-            for scaler, (scale, tracker) in self._scalers:
+            for scaler, (scale, tracker) in undo.scalers:
                 if scale is None or tracker is None or scaler._scale is None or scaler._growth_tracker is None:
                     scaler._scale = None if scale is None else scale.clone()  # None: created again at init_scale
                     scaler._growth_tracker = None if tracker is None else tracker.clone()
                 else:
                     scaler._scale.copy_(scale)
                     scaler._growth_tracker.copy_(tracker)
-        self.check_carried()
-        self._zero_grads()
 
     def restart_at(self, step: int) -> None:
         """After the state was replaced (joined a generation, restored a snapshot): no gradients, the undo
-        copies taken from the new state, and ``step`` next."""
+        copies taken from the new state (with what this rank's script did after its commit and before ``step``
+        put back: :meth:`remember_moved_on`), and ``step`` next."""
         self._zero_grads()
+        if self._moved_on is not None and self._moved_on[0] == step:
+            self._restore(self._moved_on[1])
         self.remember()
         self.step = step
         self.state_spoiled = False

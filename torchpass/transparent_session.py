@@ -447,10 +447,10 @@ class Session:
 
     def _begin_step(self) -> int:
         ctx = self.ctx
+        step = ctx.committed_step + 1
         if self.moved_between:  # an abandoned step rolls back to here, keeping what the epilogue did
             self.moved_between = False
-            ctx.lifecycle.remember()
-        step = ctx.committed_step + 1
+            ctx.lifecycle.remember_moved_on(step)
         ctx.begin(step)
         return step
 

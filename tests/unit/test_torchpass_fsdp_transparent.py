@@ -216,12 +216,19 @@ def test_sigkill_in_backward_rebuilds_the_shard(base: Path, reference: FinishedJ
     assert move["source"] == slot ^ 2 and move["what"] == f"shard {slot % 2} of the 2x2 mesh", recovered
 
 
-def test_pure_fsdp_with_peer_copy_sync_recomputes_no_committed_step(base: Path) -> None:
+@pytest.fixture(scope="module")
+def reference_1x4(base: Path) -> FinishedJob:
+    """The fault-free run over a 1-D mesh (pure FSDP)."""
+    run = _run(base, "reference_1x4", mesh="1x4", settings=("peer_copies=0",))
+    run.check_ok()
+    return run
+
+
+def test_pure_fsdp_with_peer_copy_sync_recomputes_no_committed_step(base: Path, reference_1x4: FinishedJob) -> None:
     """Pure FSDP (1 x 4), ``peer_copy_sync``: a rank killed right after its update, before the copy of that step
     exists. The step's commit waits for every copy, so the step is redone from the one before (its batches
     again) and none is computed twice; the lost shard comes from its ring successor's copy."""
-    reference = _run(base, "reference_1x4", mesh="1x4", settings=("peer_copies=0",))
-    reference.check_ok()
+    reference = reference_1x4
     draw = random.Random(SEED + 1)
     slot, step = draw.randrange(NPROC), draw.randrange(2, STEPS - 1)
     kill = f"{slot}:{step}"
@@ -231,3 +238,28 @@ def test_pure_fsdp_with_peer_copy_sync_recomputes_no_committed_step(base: Path) 
     assert recovered["recomputed_steps"] == 0 and recovered["step"] == step - 1, recovered
     (move,) = [m for m in recovered["moves"] if m["target"] == slot]
     assert move["source"] == (slot + 1) % NPROC and move["bytes"] > 0, recovered
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["peer-copies", "peer-copy-sync"])
+def test_rollback_to_a_pass_end_keeps_the_epilogue(base: Path, reference_1x4: FinishedJob, sync: bool) -> None:
+    """Pure FSDP: a rank killed right after the update of the first step of the second pass, before the copy of
+    that step is kept. Every shard is held at the pass's last step only, so the step is redone from there, from
+    copies taken before the script's epilogue stepped the LR scheduler, which the loops do not run again.
+
+    Without the vote, the survivors roll back to their own copies: the scheduler's step (and the learning rate
+    it set) must come back with them. With ``peer_copy_sync``, the failed vote has already undone each
+    survivor's update: its state is the committed one and must be served as such, not replaced with its copy.
+    Either way every rank ended silently different before (fresh-clone CI, seed 28)."""
+    slot = random.Random(SEED + 2).randrange(NPROC)
+    first_of_pass = STEPS // EPOCHS + 1  # AdamW's count after the first update of the second pass
+    kill = f"{slot}:{first_of_pass}"
+    print(f"kill {kill} right after its update")
+    settings = ("peer_copy_sync=true",) if sync else ()
+    run = _run(base, f"epilogue-{sync}", kill=kill, updated=True, mesh="1x4", settings=settings)
+    recovered = _recovered_bitwise(run, reference_1x4, kill)
+    assert recovered["step"] == first_of_pass - 1, recovered
+    restored = sorted(m["target"] for m in recovered["moves"] if m["source"] == m["target"])
+    if sync:  # only the lost shard moves
+        assert [m["target"] for m in recovered["moves"]] == [slot] and not restored, recovered
+    else:  # every survivor restored its own copy
+        assert restored == sorted(set(range(NPROC)) - {slot}), recovered
