@@ -35,7 +35,7 @@ from typing import Any
 
 from support import sandbox_recovery as recovery
 
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.sandbox.cluster import Sandbox
 
 NODES = 5
 

@@ -26,10 +26,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clockworkd.config.schema import SandboxConfig
+from clockwork.contracts.config.schema import SandboxConfig
 from clockworkd.lens.clockseam import ClockSeam
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
 
 GOAL_P99_US = 20.0
 

@@ -8,13 +8,13 @@ out=${1:-${OUT:-/tmp/gpu-checks}}
 mkdir -p "$out"
 if compgen -G ".devwheels/*.whl" >/dev/null; then python3 -m pip install -q --no-deps .devwheels/*.whl; fi
 export PYTHONPATH="$PWD:$PWD/daemon" PYTHONUNBUFFERED=1
-# The GPU machine's torch is whatever it came with (not the 2.13 TorchPass is tested with, torchpass.torch_compat):
+# The GPU machine's torch is whatever it came with (not the 2.13 TorchPass is tested with, torchpass.rank.torch_compat):
 # these checks are there to run the GPU paths on it, so they run on it with the warning, the release printed below.
 export TORCHPASS_UNTESTED_TORCH=${TORCHPASS_UNTESTED_TORCH:-1}
 nvidia-smi -L
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
 echo "== NVML as the audit reads it"
-python3 -c 'import json; from clockworkd.audit.node_checks import gpu_health; print(json.dumps(gpu_health()))' \
+python3 -c 'import json; from clockwork.audit.node_checks import gpu_health; print(json.dumps(gpu_health()))' \
     | tee "$out/nvml_audit.json"
 for extra in bench/gpu_checks.d/*.sh; do [ -e "$extra" ] && { echo "== $extra"; bash "$extra" "$out"; }; done
 echo "== TorchPass over NCCL: planned migration on the GPU"

@@ -51,7 +51,7 @@ def run_job(out: Path, backend: str, steps: int, migrate_at: int | None, fsdp: b
                 progress = (out / "progress").read_text().split() if (out / "progress").exists() else []
                 if progress and int(progress[0]) >= migrate_at and coord.exists():
                     ask = subprocess.run(
-                        [sys.executable, "-m", "clockworkd.cli.main", "migrate", "--coordinator", str(coord),
+                        [sys.executable, "-m", "clockwork.cli.main", "migrate", "--coordinator", str(coord),
                          "--rank", "0"],
                         env=env, capture_output=True, text=True, timeout=60,
                     )  # fmt: skip

@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
 
 KINDS = ("rate", "loss", "blackhole", "port")
 

@@ -33,12 +33,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from clockworkd.config.schema import SandboxConfig
+from clockwork.contracts.config.schema import SandboxConfig
 from clockworkd.lens.prober import DRAIN_EVERY_S
 from clockworkd.lens.wire import PROBE_BYTES
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
-from clockworkd.sandbox.shell import in_netns
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
+from clockwork.sandbox.shell import in_netns
 
 GOAL_PCT = 3.0
 TICK = os.sysconf("SC_CLK_TCK")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from clockworkd.lens import peers
-from clockworkd.lens.model import LinkId, NicId, PathVerdict, Suspect
+from clockwork.contracts.lens_model import LinkId, NicId, PathVerdict, Suspect
 from clockworkd.lens.tomography import Localizer
 from clockworkd.lens.topology import Topology
 

@@ -51,9 +51,9 @@ from support.linkpass_trials import FAULTS, NODES, Bench, Trial, say
 from support.owned_processes import Procs
 from support.step_stalls import fmt_ms, ms, percentile
 
-from clockworkd.config import load_config
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.contracts.config import load_config
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.sandbox.cluster import Sandbox
 
 SCENARIO_NAMES = {"link": "link down", "port": "port down", "blackhole": "blackhole"}
 GOALS_MS = {"down_p50": 300.0, "down_p99": 1000.0, "blackhole_p99": 1000.0, "failback_p99": 300.0}

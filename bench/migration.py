@@ -96,7 +96,7 @@ def one_run(
             migrate = [
                 sys.executable,
                 "-m",
-                "clockworkd.cli.main",
+                "clockwork.cli.main",
                 "migrate",
                 "--coordinator",
                 str(out / "coordinator"),

@@ -19,8 +19,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.sandbox.cluster import Sandbox
 
 
 def trial(cfg: SandboxConfig) -> tuple[float, float]:

@@ -53,11 +53,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from clockworkd.atomic_file import fsync_file
-from clockworkd.snapshots.store import list_snapshots
+from clockwork.contracts.atomic_file import fsync_file
+from clockwork.contracts.snapshots.store import list_snapshots
 from torchpass.config import TorchPassConfig
 from torchpass.snapshot import Snapshotter, restore
-from torchpass.state import StateParts
+from torchpass.rank.state import StateParts
 
 LOG = logging.LoggerAdapter(logging.getLogger("bench.snapshot"), {})
 

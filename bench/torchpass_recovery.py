@@ -41,7 +41,7 @@ from typing import Any
 
 from support import sandbox_recovery as recovery
 
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.sandbox.cluster import Sandbox
 
 GOAL_STEP_S = 0.5
 GOAL_DETECT_MS = 200.0

@@ -32,7 +32,7 @@ import torch
 import zmq
 from torch import nn
 
-from clockworkd.jobkey import ENV_JOB_KEY, JobKey
+from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey
 from torchpass.auth import serve
 from torchpass.rollout import Publisher
 

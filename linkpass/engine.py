@@ -41,7 +41,7 @@ NEVER = -1e18
 
 Emit = Callable[[str, dict[str, Any]], None]
 #: Replaces a file durably (old or new content after a crash, never half). The host gives it:
-#: linkpass imports nothing of clockworkd, whose :func:`clockworkd.atomic_file.write_bytes` is the one way.
+#: linkpass imports nothing of clockworkd, whose :func:`clockwork.contracts.atomic_file.write_bytes` is the one way.
 WriteFile = Callable[[Path, bytes], None]
 
 

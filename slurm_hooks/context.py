@@ -12,7 +12,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from clockworkd.job_options import JobOptions, JobOptionsError
+from clockwork.contracts.job_options import JobOptions, JobOptionsError
 
 log = logging.getLogger("clockwork.hooks")
 

@@ -14,12 +14,12 @@ import logging
 import os
 from pathlib import Path
 
-from clockworkd.client import DaemonClient
-from clockworkd.config import load_config
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.errors import ClockworkError
-from clockworkd.logging_setup import configure_logging
-from clockworkd.slurm import from_config
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.config import load_config
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.errors import ClockworkError
+from clockwork.contracts.logging_setup import configure_logging
+from clockwork.contracts.slurm import from_config
 from slurm_hooks.supervisor import ensure_daemon
 
 log = logging.getLogger("clockwork.health")

@@ -14,14 +14,14 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from clockworkd.borrow.comments import with_borrowed
-from clockworkd.client import DaemonClient
-from clockworkd.config import LoadedConfig, load_config
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.errors import ClockworkError
-from clockworkd.job_options import SpareMode
-from clockworkd.logging_setup import configure_logging
-from clockworkd.slurm import expand_hostlist, from_config
+from clockwork.contracts.borrow_comments import with_borrowed
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.config import LoadedConfig, load_config
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.errors import ClockworkError
+from clockwork.contracts.job_options import SpareMode
+from clockwork.contracts.logging_setup import configure_logging
+from clockwork.contracts.slurm import expand_hostlist, from_config
 from slurm_hooks import events, report
 from slurm_hooks.context import HookContext, from_env, resolve_context
 from slurm_hooks.supervisor import ensure_daemon

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from clockworkd.client import DaemonClient
-from clockworkd.config.schema import DaemonConfig
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.errors import DaemonError, DaemonUnavailableError
-from clockworkd.instance_lock import running_pid
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.errors import DaemonError, DaemonUnavailableError
+from clockwork.contracts.instance_lock import running_pid
 
 log = logging.getLogger("clockwork.hooks")
 

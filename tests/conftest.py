@@ -82,7 +82,7 @@ def _integration_prerequisites(request: pytest.FixtureRequest) -> None:
 def job_key(monkeypatch: pytest.MonkeyPatch) -> str:
     """A TorchPass job key in this process's environment, as a launcher sets it (hex); for tests that run
     coordinators, meshes or proxies in-process. Child processes inherit it."""
-    from clockworkd.jobkey import ENV_JOB_KEY, JobKey
+    from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey
 
     key = JobKey.new().hex
     monkeypatch.setenv(ENV_JOB_KEY, key)

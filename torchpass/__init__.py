@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchpass.config import ConfigError, TorchPassConfig
-    from torchpass.context import Context, init
-    from torchpass.data import StepLoader
+    from torchpass.rank.context import Context, init
+    from torchpass.rank.data import StepLoader
     from torchpass.errors import TorchPassError
     from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink
 
@@ -43,10 +43,10 @@ __all__ = [
 _WHERE = {
     "ConfigError": "torchpass.config",
     "TorchPassConfig": "torchpass.config",
-    "Context": "torchpass.context",
+    "Context": "torchpass.rank.context",
     "TorchPassError": "torchpass.errors",
-    "init": "torchpass.context",
-    "StepLoader": "torchpass.data",
+    "init": "torchpass.rank.context",
+    "StepLoader": "torchpass.rank.data",
     "DaemonEventSink": "torchpass.events",
     "EventSink": "torchpass.events",
     "JsonlEventSink": "torchpass.events",

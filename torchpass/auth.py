@@ -1,6 +1,6 @@
 """Every TorchPass socket is CURVE-encrypted and admits only processes holding the job's key.
 
-The key (:class:`clockworkd.jobkey.JobKey`) comes from ``TORCHPASS_JOB_KEY``: the launcher makes one per job
+The key (:class:`clockwork.contracts.jobkey.JobKey`) comes from ``TORCHPASS_JOB_KEY``: the launcher makes one per job
 (``torchpass run`` in a batch script or with ``--local``) and passes it to every agent and rank; a
 ``srun torchpass run`` step must be given one by the user. Listening sockets call :func:`serve` before they
 bind, connecting sockets :func:`connect_as_client` before they connect. Without a key nothing is served:
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import zmq
 
-from clockworkd.coordinator_client import read_coordinator_file, write_coordinator_file
-from clockworkd.jobkey import ENV_JOB_KEY, JobKey, JobKeyError
+from clockwork.contracts.coordinator_client import read_coordinator_file, write_coordinator_file
+from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey, JobKeyError
 
 __all__ = [
     "ENV_JOB_KEY",

@@ -1,12 +1,12 @@
 """The ``torchpass`` command: run a job (``torchpass run``), look at a running local one (``torchpass status``).
 
-``torchpass run --local`` runs every process on this machine (:mod:`torchpass.launcher`). Without
+``torchpass run --local`` runs every process on this machine (:mod:`torchpass.launch.launcher`). Without
 ``--local``, in the batch script of an ``sbatch --clockwork-ft --clockwork-spares=standby --no-kill`` job, it
-starts one job step per node (:mod:`torchpass.node_steps`), each running ``torchpass run`` again as that
-node's agent (:mod:`torchpass.agent`); a task per node of one srun step becomes an agent directly. Moving a
+starts one job step per node (:mod:`torchpass.launch.node_steps`), each running ``torchpass run`` again as that
+node's agent (:mod:`torchpass.launch.agent`); a task per node of one srun step becomes an agent directly. Moving a
 rank and taking a snapshot are ``clockwork migrate`` and ``clockwork snapshot take`` (``--coordinator FILE``
 for a local job): one implementation each. On click, with ``clockwork``'s error and exit-code handling
-(:mod:`clockworkd.cli.invoke`). The command imports no torch; the ranks do.
+(:mod:`clockwork.contracts.invoke`). The command imports no torch; the ranks do.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import click
 
-from clockworkd.cli.invoke import invoke
-from clockworkd.coordinator_client import COORDINATOR_HELP, ask_leader, local_record
-from clockworkd.job_options import FtMode, JobOptions, JobOptionsError
+from clockwork.contracts.invoke import invoke
+from clockwork.contracts.coordinator_client import COORDINATOR_HELP, ask_leader, local_record
+from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError
 from torchpass.auth import JobKeyError
 from torchpass.config import ConfigError, TorchPassConfig, environment_settings
 from torchpass.events import JsonlEventSink
@@ -215,7 +215,7 @@ def run_cmd(ctx: click.Context, **params: Any) -> int:
         raise click.UsageError(str(exc)) from None
     if not params["local"]:
         return _run_slurm(params, script_args, transparent, list(ctx.obj or []))
-    from torchpass.launcher import LocalLauncher
+    from torchpass.launch.launcher import LocalLauncher
 
     per_node, nproc = params["nproc_per_node"], params["nproc"]
     if per_node is not None and nproc is not None and per_node != nproc:
@@ -249,10 +249,10 @@ def _config(params: Mapping[str, Any]) -> TorchPassConfig:
 
 
 def _run_slurm(params: Mapping[str, Any], script_args: list[str], transparent: bool, argv: list[str]) -> int:
-    from torchpass.agent import SlurmAgent
-    from torchpass.node_ranks import ranks_per_node
-    from torchpass.node_steps import NodeSteps, in_batch_script
-    from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step, training_nodes
+    from torchpass.launch.agent import SlurmAgent
+    from torchpass.launch.node_ranks import ranks_per_node
+    from torchpass.launch.node_steps import NodeSteps, in_batch_script
+    from torchpass.launch.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step, training_nodes
 
     if not in_batch_script() and not in_slurm_step():
         raise click.UsageError(
@@ -294,8 +294,8 @@ def guest_cmd(script: str, args: tuple[str, ...]) -> int:
     Started by a --clockwork-spares=borrow job's agent into the holder allocation on a borrowed node (srun
     --jobid=HOLDER --overlap): runs SCRIPT as a spare of the training job's coordinator. Not for use by hand.
     """
-    from torchpass.guest import GuestAgent
-    from torchpass.slurm_layout import SlurmLayoutError
+    from torchpass.launch.guest import GuestAgent
+    from torchpass.launch.slurm_layout import SlurmLayoutError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[guest]: %(message)s")
     try:

@@ -4,7 +4,7 @@ The launcher builds it (defaults, then ``--config FILE``, then ``--set KEY=VALUE
 rank as JSON in ``TORCHPASS_CONFIG``, so the coordinator and all ranks always agree on timeouts and seeds.
 A rank may override fields in :func:`torchpass.init`. Unknown keys are errors everywhere: a misspelt
 timeout silently falling back to a default is exactly the kind of surprise a fault-tolerance layer must not
-have. Fields are the project's one mechanism (:mod:`clockworkd.config_fields`): ``setting()`` documents each
+have. Fields are the project's one mechanism (:mod:`clockwork.contracts.config.fields`): ``setting()`` documents each
 (``doc``, ``choices``, ``min``) and ``coerce()`` checks every value, for a file, ``--set`` or the code alike,
 with the daemon's own messages.
 """
@@ -19,7 +19,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from clockworkd.config_fields import FieldValueError, coerce, setting
+from clockwork.contracts.config.fields import FieldValueError, coerce, setting
 
 __all__ = ["ENV_CONFIG", "ConfigError", "TorchPassConfig", "environment_settings", "parse_duration"]
 

@@ -1,6 +1,6 @@
 """The one error TorchPass raises to a training script: the job cannot go on on this rank, and why.
 
-Its own module because the context, joining (:mod:`torchpass.rejoin`) and transparent mode all raise it, and
+Its own module because the context, joining (:mod:`torchpass.rank.rejoin`) and transparent mode all raise it, and
 the context imports the other two."""
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ class DaemonEventSink:
 
     Where the daemon listens: ``control_socket`` when given (a node agent resolves it once and passes it to its
     ranks), else Clockwork's configuration (``config_path``, else ``$CLOCKWORK_CONFIG``) through
-    :meth:`clockworkd.client.DaemonClient.for_this_node`: TorchPass reads no Clockwork configuration itself.
+    :meth:`clockwork.contracts.daemon_client.DaemonClient.for_this_node`: TorchPass reads no Clockwork configuration itself.
 
     Posting happens on a background thread with a bounded queue: the coordinator emits events in the middle
     of a recovery and must never wait for its own telemetry. While the daemon is unreachable (or refuses, e.g.
@@ -160,7 +160,7 @@ class DaemonEventSink:
             self._log.warning("clockworkd did not take event %s (%d dropped so far): %s", kind, self.dropped, why)
 
     def _client(self) -> Any:
-        from clockworkd.client import DaemonClient  # lazy: torchpass -> clockworkd client only
+        from clockwork.contracts.daemon_client import DaemonClient  # lazy: torchpass -> clockworkd client only
 
         if self.control_socket is not None:
             return DaemonClient(self.control_socket, self.timeout_s)

@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from clockworkd.coordinator_wire import ProtocolError, decode
+from clockwork.contracts.coordinator_wire import ProtocolError, decode
 
 __all__ = ["SocketThread", "router_messages"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.processes import wait_until
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.processes import wait_until
 from support.owned_processes import Procs, kill_groups
 from support.step_stalls import parse_step_lines
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from .fuzz_grammar import Case, Fault
 
 PID_FILE = re.compile(r"pid-slot(\d+)-(\d+)$")
-SPARE_READY = "spare ready, waiting for a slot"  # a spare's log line (torchpass.context) once it can take a slot
+SPARE_READY = "spare ready, waiting for a slot"  # a spare's log line (torchpass.rank.context) once it can take a slot
 POLL_S = 0.005
 MIGRATE_TIMEOUT_S = 30.0  # the migrate command asks again for up to 20 s while no spare is ready
 
@@ -192,7 +192,7 @@ class FaultRun:
     def _migrate(self, acted: Acted) -> None:
         """``clockwork migrate --coordinator FILE --rank N``, run in this process (the same CLI code, without an
         interpreter's start-up, which would outlast a short job's training)."""
-        from clockworkd.cli.main import run as clockwork
+        from clockwork.cli.main import run as clockwork
 
         slot, coordinator = acted.fault.slot, self.folder / "coordinator"
         if not self._wait(coordinator.exists):

@@ -13,9 +13,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
-from clockworkd.sandbox.processes import wait_until
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
+from clockwork.sandbox.processes import wait_until
 from support.owned_processes import Procs
 
 

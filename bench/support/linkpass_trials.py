@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.sandbox.cluster import Sandbox
 from support.allreduce_ranks import Loop
 from support.linkpass_fabric import Daemons, routes_on_rail0
 from support.owned_processes import Procs

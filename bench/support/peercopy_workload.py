@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     import torchpass as tp
-    from torchpass.transfer_plan import ShardedReplicas
+    from torchpass.rank.transfer_plan import ShardedReplicas
 
     out = Path(args.out)
     model = make_model(args.hidden, args.layers)

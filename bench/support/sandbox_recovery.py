@@ -22,8 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.sandbox.cluster import Sandbox
 
 WORKLOAD = Path(__file__).resolve().with_name("torchpass_workload.py")
 

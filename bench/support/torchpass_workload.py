@@ -282,7 +282,7 @@ def train_replica_check(args: argparse.Namespace) -> None:
     (``bench/replica_check.py``). After two warm-up segments the forms rotate off, K = 1, off, K = the configured
     default, off, ... so every segment with the net on lies between two without it (a last segment, holding the
     wait for every rank to finish, is not counted); the net's period is set on every rank at the same step
-    (``ctx.net.every``, the one number :meth:`torchpass.replica_check.ReplicaNet.due` reads), so the ranks always
+    (``ctx.net.every``, the one number :meth:`torchpass.rank.replica_check.ReplicaNet.due` reads), so the ranks always
     agree on which steps are checked. The segments with the net on have odd indices, so with ``--segment`` K or
     K / 2 each default-K segment holds exactly one check (step + 1 divisible by K). Rank 0 writes
     ``replica_check.json``: each segment's form, wall and CPU seconds, and the checks it ran with their own time

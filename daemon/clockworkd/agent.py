@@ -27,14 +27,14 @@ import click
 
 from clockworkd import __version__
 from clockworkd.borrow.host import start_borrow
-from clockworkd.config import load_config
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.errors import ClockworkError
-from clockworkd.gpuhealth_host import start_health
-from clockworkd.lens_host import start_lens
-from clockworkd.linkpass_host import start_linkpass
-from clockworkd.logging_setup import configure_logging
-from clockworkd.nodewatch_host import start_nodewatch
+from clockwork.contracts.config import load_config
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.errors import ClockworkError
+from clockworkd.gpuhealth.host import start_health
+from clockworkd.lens.host import start_lens
+from clockworkd.failover.host import start_linkpass
+from clockwork.contracts.logging_setup import configure_logging
+from clockworkd.nodewatch.host import start_nodewatch
 from clockworkd.server import Daemon
 
 

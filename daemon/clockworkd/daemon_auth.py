@@ -21,7 +21,7 @@ from enum import Enum
 
 import zmq
 
-from clockworkd.protocol import FORBIDDEN, ProtocolError, Request
+from clockwork.contracts.daemon_wire import FORBIDDEN, ProtocolError, Request
 from clockworkd.registry import JobRecord
 
 __all__ = ["LOCAL_CLASSES", "Access", "Caller", "OpAccess", "authorise", "caller_of", "parse_peer_credentials"]

@@ -2,7 +2,7 @@
 what the ops a hosted component answers see of the daemon.
 
 Apart from the daemon (:mod:`clockworkd.server`) so that the hosts (``*_host.py``) and the components' op modules
-(:mod:`clockworkd.nodewatch_ops`, :mod:`clockworkd.borrow.ops`) can name these without importing the daemon, which
+(:mod:`clockworkd.nodewatch.ops`, :mod:`clockworkd.borrow.ops`) can name these without importing the daemon, which
 imports them: no import cycle. The loop polls a component's fds, calls ``tick`` at its deadline and shows its
 ``status``; nothing of it may block the loop.
 """

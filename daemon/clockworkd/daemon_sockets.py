@@ -27,9 +27,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from clockworkd.config.schema import DaemonConfig
-from clockworkd.curve_keys import CurveKeyError, load_daemon_keys
-from clockworkd.daemon_paths import DaemonPaths
+from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.curve_keys import CurveKeyError, load_daemon_keys
+from clockwork.contracts.daemon_paths import DaemonPaths
 
 __all__ = ["MAX_FRAMES", "ZAP_DOMAIN", "DaemonSockets", "hard_message_limit", "recv_capped"]
 

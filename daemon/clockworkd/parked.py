@@ -14,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from clockworkd.protocol import encode_ok
+from clockwork.contracts.daemon_wire import encode_ok
 
 __all__ = ["MAX_PARKED", "Park", "ParkedRequests"]
 

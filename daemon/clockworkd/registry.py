@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from clockworkd import atomic_file
+from clockwork.contracts import atomic_file
 
 log = logging.getLogger("clockwork.daemon")
 

@@ -15,7 +15,7 @@ Sockets (:mod:`clockworkd.daemon_sockets` binds them; ``RUN_DIR`` = ``[daemon] r
 
 Who may run an op is declared with the op, by the component that answers it (:mod:`clockworkd.daemon_ops`): the
 daemon core's ops in :meth:`Daemon.ops` here, the hosted components' in their ``ops`` modules
-(:mod:`clockworkd.lens.ops`, :mod:`clockworkd.gpuhealth.ops`, :mod:`clockworkd.nodewatch_ops`,
+(:mod:`clockworkd.lens.ops`, :mod:`clockworkd.gpuhealth.ops`, :mod:`clockworkd.nodewatch.ops`,
 :mod:`clockworkd.borrow.ops`; LinkPass answers no op of its own). The daemon builds its table from those
 declarations and refuses to start when an op of the wire schema has none; :mod:`clockworkd.daemon_auth` applies
 them before any handler runs (deny by default). Today: root and ``slurm_user`` may do everything locally. Any
@@ -49,19 +49,19 @@ import zmq
 
 from clockworkd import __version__
 from clockworkd.borrow.ops import BorrowOps
-from clockworkd.config.schema import DaemonConfig
+from clockwork.contracts.config.schema import DaemonConfig
 from clockworkd.daemon_auth import Access, Caller, OpAccess, authorise, caller_of
 from clockworkd.daemon_component import Component, OpsContext
 from clockworkd.daemon_ops import OpSpec, op_table
-from clockworkd.daemon_paths import DaemonPaths
+from clockwork.contracts.daemon_paths import DaemonPaths
 from clockworkd.daemon_sockets import DaemonSockets, recv_capped
-from clockworkd.errors import DaemonError
+from clockwork.contracts.errors import DaemonError
 from clockworkd.gpuhealth.ops import HealthOps
-from clockworkd.instance_lock import InstanceLock, socket_in_use
+from clockwork.contracts.instance_lock import InstanceLock, socket_in_use
 from clockworkd.lens.ops import LensOps
-from clockworkd.nodewatch_ops import NodeWatchOps
+from clockworkd.nodewatch.ops import NodeWatchOps
 from clockworkd.parked import Park, ParkedRequests
-from clockworkd.protocol import (
+from clockwork.contracts.daemon_wire import (
     BAD_REQUEST,
     DEFAULT_EVENTS_PER_REPLY,
     FORBIDDEN,

@@ -45,7 +45,7 @@ from clockworkd.gpuhealth.readings import GpuReading  # noqa: E402
 def _policy() -> Any:
     """The default policy, when its module's imports are available (it needs only the standard library)."""
     from clockworkd.gpuhealth.policy import Policy
-    from clockworkd.gpuhealth.settings import HealthConfig
+    from clockwork.contracts.config.health import HealthConfig
 
     return Policy(HealthConfig())
 
@@ -132,7 +132,7 @@ interval_s = 0.5
     problems: list[str] = []
     try:
         reply: dict[str, Any] = {}
-        cli = [sys.executable, "-c", "from clockworkd.cli.main import main; main()"]
+        cli = [sys.executable, "-c", "from clockwork.cli.main import main; main()"]
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             proc = subprocess.run(

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from clockworkd.client import DaemonClient
-from clockworkd.config import load_config
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.errors import ClockworkError
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.config import load_config
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.errors import ClockworkError
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
 from tests.conftest import until
 
 CLOCKWORK = str(Path(sys.executable).parent / "clockwork")

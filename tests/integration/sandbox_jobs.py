@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.sandbox.cluster import Sandbox
 from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
 from tests.conftest import until
 from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, slurm_env
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.client import DaemonClient
-from clockworkd.errors import DaemonError
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.errors import DaemonError
+from clockwork.sandbox.cluster import Sandbox
 from tests.conftest import until
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, wait_job
@@ -209,8 +209,8 @@ def _as_nobody(box: Sandbox, job_id: int, node: str) -> subprocess.CompletedProc
     control = daemon_paths(box, node).control_socket
     script = box.paths.root / "borrow-intruder.py"
     script.write_text(
-        "import sys\nfrom pathlib import Path\nfrom clockworkd.client import DaemonClient\n"
-        "from clockworkd.errors import DaemonError\n"
+        "import sys\nfrom pathlib import Path\nfrom clockwork.contracts.daemon_client import DaemonClient\n"
+        "from clockwork.contracts.errors import DaemonError\n"
         "try:\n    DaemonClient(Path(sys.argv[1]), timeout_s=5).borrow(int(sys.argv[2]))\n    print('ALLOWED')\n"
         "except DaemonError as exc:\n    print(exc.code)\n"
     )

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clockworkd.sandbox.cluster import REPO_ROOT, Sandbox
+from clockwork.sandbox.cluster import REPO_ROOT, Sandbox
 from slurm_hooks import events
 from tests.integration.conftest import CLOCKWORK, on_node, slurm_env, wait_job
 

@@ -9,7 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.sandbox.cluster import Sandbox
 from tests.integration.conftest import CLOCKWORK, SandboxManager, worker_sandbox_config
 from tests.integration.test_lifecycle import assert_nothing_left
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.sandbox.cluster import Sandbox
 from tests.integration.conftest import CLOCKWORK, on_node
 
 

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clockworkd.client import DaemonClient
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.sandbox.cluster import Sandbox
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import CLOCKWORK, daemon_paths, slurm_env
 from tests.integration.test_torchpass_sandbox import (

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.client import DaemonClient
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.sandbox.cluster import Sandbox
 from slurm_hooks import events
 from tests.integration.conftest import CLOCKWORK, daemon_paths, daemon_pid, on_node, slurm_env, wait_job
 
@@ -129,8 +129,8 @@ def test_another_user_cannot_act_on_a_job_through_the_control_socket(sandbox: Sa
     script.write_text(
         "import sys\n"
         "from pathlib import Path\n"
-        "from clockworkd.client import DaemonClient\n"
-        "from clockworkd.errors import DaemonError\n"
+        "from clockwork.contracts.daemon_client import DaemonClient\n"
+        "from clockwork.contracts.errors import DaemonError\n"
         "client = DaemonClient(Path(sys.argv[1]), timeout_s=5)\n"
         "for op in ('unregister_job', 'job_events'):\n"
         "    try:\n"

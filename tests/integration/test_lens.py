@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from clockworkd.lens.clockseam import ClockSeam
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
 from tests.conftest import until
 from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, on_node, slurm_env
 

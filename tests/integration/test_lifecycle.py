@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.errors import SandboxError
-from clockworkd.sandbox import fabric, processes
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.layout import Layout
+from clockwork.contracts.errors import SandboxError
+from clockwork.sandbox import fabric, processes
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.layout import Layout
 from tests.integration.conftest import CLOCKWORK, SandboxManager, worker_sandbox_config
 
 

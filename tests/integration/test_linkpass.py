@@ -30,11 +30,11 @@ from typing import Any
 
 import pytest
 
-from clockworkd.client import DaemonClient
-from clockworkd.errors import ClockworkError
-from clockworkd.instance_lock import running_pid
-from clockworkd.sandbox.cluster import REPO_ROOT, Sandbox
-from clockworkd.sandbox.processes import alive
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.errors import ClockworkError
+from clockwork.contracts.instance_lock import running_pid
+from clockwork.sandbox.cluster import REPO_ROOT, Sandbox
+from clockwork.sandbox.processes import alive
 from tests.conftest import until
 from tests.integration.conftest import CLOCKWORK, daemon_paths, daemon_pid, slurm_env, wait_job
 

@@ -29,10 +29,10 @@ from typing import Any
 
 import pytest
 
-from clockworkd.client import DaemonClient
-from clockworkd.sandbox import processes
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.sandbox import processes
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
 from tests.conftest import until
 from tests.integration.conftest import SandboxManager, daemon_paths
 

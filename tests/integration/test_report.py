@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from clockworkd.sandbox.cluster import REPO_ROOT, Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
+from clockwork.sandbox.cluster import REPO_ROOT, Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
 from tests.conftest import until
 from tests.integration.conftest import CLOCKWORK, slurm_env, wait_job
 

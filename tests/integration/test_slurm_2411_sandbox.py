@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 
-from clockworkd.client import DaemonClient
-from clockworkd.sandbox.cluster import SPANK_SO, Sandbox
-from clockworkd.sandbox.daemons import NodeDaemons
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.sandbox.cluster import SPANK_SO, Sandbox
+from clockwork.sandbox.daemons import NodeDaemons
 from tests.conftest import until
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, wait_job

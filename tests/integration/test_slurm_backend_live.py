@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from clockworkd.config import load_config
-from clockworkd.errors import SlurmError
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.slurm import from_config
-from clockworkd.slurm.cli_backend import CliBackend
+from clockwork.contracts.config import load_config
+from clockwork.contracts.errors import SlurmError
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.contracts.slurm import from_config
+from clockwork.contracts.slurm.cli_backend import CliBackend
 from tests.integration.conftest import wait_job
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from clockworkd.sandbox.cluster import Sandbox, spank_plugin
+from clockwork.sandbox.cluster import Sandbox, spank_plugin
 from slurm_hooks import events
 from tests.integration.conftest import slurm_env, wait_job
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.sandbox.cluster import Sandbox
+from clockwork.sandbox.cluster import Sandbox
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager
 from tests.unit import test_torchpass_transparent as transparent

@@ -3,7 +3,7 @@
 The figures follow from the faults asked for the way the fabric would produce them: a lossy port drops
 that share of what crosses it each way; a port with a small MTU drops full-size frames both ways; a slow
 link caps every transfer through it; a dead NIC reports carrier off and nothing crosses it. Tests judge
-these with :func:`clockworkd.audit.verdict.judge` and check that the fault is named, and nothing else.
+these with :func:`clockwork.audit.verdict.judge` and check that the fault is named, and nothing else.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.client import DaemonClient
-from clockworkd.config import load_config
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.errors import DaemonError
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.config import load_config
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.errors import DaemonError
 
 CLOCKWORKD = Path(sys.executable).with_name("clockworkd")
 START_TIMEOUT_S = 15.0

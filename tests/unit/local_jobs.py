@@ -37,7 +37,7 @@ class JobResult:
         """The steps of the complete snapshots in ``folder``, at least one. A ``planned`` step without one was
         skipped by a rank still writing the snapshot before (training never waits for the disk), as its
         ``torchpass.snapshot_skipped`` event says: on a loaded machine that happens, and is no failure."""
-        from clockworkd.snapshots.store import list_snapshots
+        from clockwork.contracts.snapshots.store import list_snapshots
 
         steps = [info.step for info in list_snapshots(folder) if info.complete]
         assert steps, f"no complete snapshot in {folder}"

@@ -1,4 +1,4 @@
-"""clockworkd.atomic_file: the one way a file is replaced (old or new content, never half; nothing left behind)."""
+"""clockwork.contracts.atomic_file: the one way a file is replaced (old or new content, never half; nothing left behind)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd import atomic_file
+from clockwork.contracts import atomic_file
 
 
 def _mode(path: Path) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from clockworkd.audit import drill
+from clockwork.audit import drill
 
 STEP_S = 0.02  # the drill's sleep between two looks at the route
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from clockworkd.audit import html_report
-from clockworkd.audit.settings import AuditConfig
-from clockworkd.audit.verdict import judge
+from clockwork.audit import html_report
+from clockwork.contracts.config.audit import AuditConfig
+from clockwork.audit.verdict import judge
 from tests.conftest import in_ci
 from tests.unit.audit_raw import make_raw
 

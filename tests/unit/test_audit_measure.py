@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from clockworkd.audit import measure
+from clockwork.audit import measure
 from tests.conftest import in_ci
 
 

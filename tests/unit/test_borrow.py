@@ -22,20 +22,20 @@ import msgpack
 import pytest
 
 from clockworkd.borrow.candidates import QueueJob, choose, holder_name, parse_queue_json
-from clockworkd.borrow.comments import preempted_comment
+from clockwork.contracts.borrow_comments import preempted_comment
 from clockworkd.borrow.manager import BorrowManager, BorrowRefused
-from clockworkd.borrow.settings import BorrowConfig
+from clockwork.contracts.config.borrow import BorrowConfig
 from clockworkd.borrow.slurm_ops import CliBorrowSlurm
-from clockworkd.config import load_config
-from clockworkd.config.schema import DaemonConfig
+from clockwork.contracts.config import load_config
+from clockwork.contracts.config.schema import DaemonConfig
 from clockworkd.daemon_auth import Caller
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.errors import ConfigError
-from clockworkd.protocol import FORBIDDEN, encode_request
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.errors import ConfigError
+from clockwork.contracts.daemon_wire import FORBIDDEN, encode_request
 from clockworkd.registry import JobRecord, Registry
 from clockworkd.server import Daemon
-from clockworkd.slurm.backend import NodeInfo
-from clockworkd.slurm.cli_backend import CliBackend
+from clockwork.contracts.slurm.backend import NodeInfo
+from clockwork.contracts.slurm.cli_backend import CliBackend
 
 DATA = Path(__file__).parent / "data" / "slurm"
 NOW = 1_800_000_000.0
@@ -528,7 +528,7 @@ def test_the_owners_borrow_is_recorded_in_the_jobs_events(daemon: Daemon, fake: 
 
 
 def test_the_training_jobs_comment_keeps_its_borrows_through_the_epilog() -> None:
-    from clockworkd.borrow.comments import add_borrowed, borrowed_part, with_borrowed
+    from clockwork.contracts.borrow_comments import add_borrowed, borrowed_part, with_borrowed
 
     once = add_borrowed("", "node5", 500, 900)
     twice = add_borrowed(once, "node6", 501, 901)
@@ -542,7 +542,7 @@ def test_the_training_jobs_comment_keeps_its_borrows_through_the_epilog() -> Non
 
 
 def test_node_status_shows_counts_only(fake: FakeSlurm) -> None:
-    from clockworkd.cli.node_cmd import _borrow_line
+    from clockwork.cli.node_cmd import _borrow_line
 
     fake.set_queue(BEFORE, AFTER)
     manager, _ = _manager(fake)

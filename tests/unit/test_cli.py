@@ -21,10 +21,10 @@ from click.testing import CliRunner
 from clockworkd import __version__
 from clockworkd.agent import agent
 from clockworkd.agent import main as agent_main
-from clockworkd.cli.main import SUBCOMMANDS, run
-from clockworkd.config import sections
-from clockworkd.config.example import render
-from clockworkd.sandbox import cluster
+from clockwork.cli.main import SUBCOMMANDS, run
+from clockwork.contracts.config import sections
+from clockwork.contracts.config.example import render
+from clockwork.sandbox import cluster
 
 ALL_KEYS = [f"{name}.{f.name}" for name, cls in sections().items() for f in dataclasses.fields(cls)]
 
@@ -163,7 +163,7 @@ def test_sandbox_slurm_release_follows_the_precedence(
     assert run(["sandbox", "prepare", "--slurm", "22.05"]) == 0
     assert capsys.readouterr().out == host
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    monkeypatch.setattr("clockworkd.sandbox.slurm_release.CACHE_DIR", clean_env.parent / "cache")  # not built
+    monkeypatch.setattr("clockwork.sandbox.slurm_release.CACHE_DIR", clean_env.parent / "cache")  # not built
     assert run(["sandbox", "prepare"]) == 77  # 24.11 from the environment: its root is built as root only
     assert "clockwork sandbox prepare needs root" in capsys.readouterr().err
     assert run(["sandbox", "prepare", "--slurm", "23.02"]) == 2

@@ -9,7 +9,7 @@
 - no module named utils.py;
 - torch's private API (``torch._C``, c10d's ``_world``, ``_abort_process_group``, ``_get_default_group``, a mesh's
   ``_pg_registry``, ``DeviceMesh(_init_backend=...)``, FSDP2's parameter groups) is used only in
-  torchpass/torch_compat.py, which checks the torch release it was tested with;
+  torchpass/rank/torch_compat.py, which checks the torch release it was tested with;
 - every module has a docstring, package markers included.
 """
 
@@ -162,10 +162,10 @@ def test_relative_and_submodule_imports_resolve() -> None:
 
 def test_graph_sees_the_real_imports() -> None:
     graph = _import_graph()
-    assert {"clockworkd.cli.main", "slurm_hooks.runner", "linkpass", "torchpass"} <= set(graph)
-    assert "clockworkd.cli.context" in graph["clockworkd.cli.main"]
-    assert "clockworkd.sandbox.fabric" in graph["clockworkd.sandbox.cluster"]  # from clockworkd.sandbox import fabric
-    assert "clockworkd.config" in graph["slurm_hooks.runner"]  # from clockworkd.config import load_config
+    assert {"clockwork.cli.main", "slurm_hooks.runner", "linkpass", "torchpass"} <= set(graph)
+    assert "clockwork.cli.context" in graph["clockwork.cli.main"]
+    assert "clockwork.sandbox.fabric" in graph["clockwork.sandbox.cluster"]  # from clockwork.sandbox import fabric
+    assert "clockwork.contracts.config" in graph["slurm_hooks.runner"]  # from clockwork.contracts.config import load_config
 
 
 # ----- the rules ------------------------------------------------------------------------------
@@ -206,20 +206,20 @@ def test_dependency_direction(package: str, forbidden: tuple[str, ...]) -> None:
 # handler, the one atomic file writer). Never the daemon itself (server, agent, Lens, LinkPass hosts): a rank
 # must not load it, and the daemon may change without touching TorchPass.
 TORCHPASS_MAY_IMPORT = {
-    "clockworkd.atomic_file",
-    "clockworkd.cli.invoke",
-    "clockworkd.client",
-    "clockworkd.config_fields",
-    "clockworkd.coordinator_client",
-    "clockworkd.coordinator_replies",
-    "clockworkd.coordinator_requests",
-    "clockworkd.coordinator_wire",
-    "clockworkd.errors",
-    "clockworkd.hostlist",
-    "clockworkd.job_options",
-    "clockworkd.jobkey",
-    "clockworkd.snapshots.messages",
-    "clockworkd.snapshots.store",
+    "clockwork.contracts.atomic_file",
+    "clockwork.contracts.invoke",
+    "clockwork.contracts.daemon_client",
+    "clockwork.contracts.config.fields",
+    "clockwork.contracts.coordinator_client",
+    "clockwork.contracts.coordinator_replies",
+    "clockwork.contracts.coordinator_requests",
+    "clockwork.contracts.coordinator_wire",
+    "clockwork.contracts.errors",
+    "clockwork.contracts.hostlist",
+    "clockwork.contracts.job_options",
+    "clockwork.contracts.jobkey",
+    "clockwork.contracts.snapshots.messages",
+    "clockwork.contracts.snapshots.store",
 }
 
 
@@ -270,7 +270,7 @@ def test_torch_private_api_only_in_torch_compat() -> None:
             code = line.split("#", 1)[0]
             if TORCH_PRIVATE.search(code) and not code.strip().startswith(("``", '"', "'")):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not offenders, "torch private API outside torchpass/torch_compat.py:\n" + "\n".join(offenders)
+    assert not offenders, "torch private API outside torchpass/rank/torch_compat.py:\n" + "\n".join(offenders)
 
 
 # Files that may unpickle: a snapshot read back from the job's own disk (its format is pickled state, like

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from clockworkd.config import DEFAULT_PATH, ClockworkConfig, load_config, parse_assignment, sections
-from clockworkd.config.example import render
-from clockworkd.config.loader import CONFIG_ENV, config_path
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.errors import ConfigError
+from clockwork.contracts.config import DEFAULT_PATH, ClockworkConfig, load_config, parse_assignment, sections
+from clockwork.contracts.config.example import render
+from clockwork.contracts.config.loader import CONFIG_ENV, config_path
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "etc" / "clockwork.toml"

@@ -26,10 +26,10 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clockworkd.client import DaemonClient
-from clockworkd.curve_keys import CurveKeys, generate
-from clockworkd.errors import DaemonError, DaemonUnavailableError
-from clockworkd.protocol import decode_event, decode_reply, encode_request, event_topic
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.curve_keys import CurveKeys, generate
+from clockwork.contracts.errors import DaemonError, DaemonUnavailableError
+from clockwork.contracts.daemon_wire import decode_event, decode_reply, encode_request, event_topic
 from tests.conftest import in_ci, until
 from tests.unit.daemon_harness import (
     CLOCKWORKD,
@@ -190,8 +190,8 @@ def test_events_are_published(scratch: Path, daemons: list[RunningDaemon]) -> No
 CROSS_USER_SCRIPT = r"""
 import json, sys
 from pathlib import Path
-from clockworkd.client import DaemonClient
-from clockworkd.errors import DaemonError
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.errors import DaemonError
 
 client = DaemonClient(Path(sys.argv[1]), 3.0)
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from clockworkd.config.schema import DaemonConfig
+from clockwork.contracts.config.schema import DaemonConfig
 from clockworkd.daemon_auth import Access, Caller, OpAccess, authorise
 from clockworkd.daemon_ops import OpDeclarationError, OpSpec, op_table
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.protocol import (
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.daemon_wire import (
     FORBIDDEN,
     POST_EVENT,
     SCHEMA,

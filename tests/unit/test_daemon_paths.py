@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.config import load_config
-from clockworkd.config.schema import DaemonConfig
-from clockworkd.daemon_paths import DaemonPaths, local_node_name
-from clockworkd.errors import ConfigError
+from clockwork.contracts.config import load_config
+from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.daemon_paths import DaemonPaths, local_node_name
+from clockwork.contracts.errors import ConfigError
 
 
 def test_defaults() -> None:

@@ -9,9 +9,9 @@ import dataclasses
 import re
 from pathlib import Path
 
-from clockworkd.config.schema import ClockworkConfig, DaemonConfig
-from clockworkd.daemon_paths import DaemonPaths
-from clockworkd.protocol import SCHEMA
+from clockwork.contracts.config.schema import ClockworkConfig, DaemonConfig
+from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.daemon_wire import SCHEMA
 from clockworkd.server import Daemon
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

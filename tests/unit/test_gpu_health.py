@@ -19,15 +19,15 @@ from typing import Any
 
 import pytest
 
-from clockworkd.config import load_config
-from clockworkd.errors import ConfigError
+from clockwork.contracts.config import load_config
+from clockwork.contracts.errors import ConfigError
 from clockworkd.gpuhealth.faultfile import FaultFileSource
 from clockworkd.gpuhealth.nvml import NvmlSource
 from clockworkd.gpuhealth.policy import Policy
 from clockworkd.gpuhealth.ranks import gpu_of, ranks_in, read_environ
 from clockworkd.gpuhealth.readings import GpuReading
-from clockworkd.gpuhealth.settings import HealthConfig
-from clockworkd.sandbox import gpu_faults
+from clockwork.contracts.config.health import HealthConfig
+from clockwork.sandbox import gpu_faults
 
 
 def _gpu(index: int = 0, **values: Any) -> GpuReading:
@@ -582,14 +582,14 @@ def test_sandbox_fault_gpu_usage(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
 ) -> None:
     """Usage errors come before anything touches a sandbox (none exists at tmp_path)."""
-    from clockworkd.cli.main import run
+    from clockwork.cli.main import run
 
     assert run(["sandbox", "--state", str(tmp_path), "fault", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_sandbox_fault_help_lists_the_gpu_forms(capsys: pytest.CaptureFixture[str]) -> None:
-    from clockworkd.cli.main import run
+    from clockwork.cli.main import run
 
     assert run(["sandbox", "fault", "--help"]) == 0
     out = capsys.readouterr().out

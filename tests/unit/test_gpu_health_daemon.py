@@ -22,14 +22,14 @@ from typing import Any
 import pytest
 import zmq
 
-from clockworkd.cli.main import run
-from clockworkd.sandbox import gpu_faults
+from clockwork.cli.main import run
+from clockwork.sandbox import gpu_faults
 from slurm_hooks.healthcheck import gpu_health_problems
 from tests.conftest import until
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 from tests.unit.test_migrate_cli import JOB, USER, _post_record, job
 from tests.unit.test_torchpass_coordinator import Events
-from torchpass.coordinator import Coordinator
+from torchpass.coordinator.service import Coordinator
 
 pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
 
@@ -82,7 +82,7 @@ def rank_process(watched: tuple[Path, RunningDaemon, Path]) -> Iterator[subproce
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from clockworkd.client import DaemonClient\n"
+        "from clockwork.contracts.daemon_client import DaemonClient\n"
         f"with DaemonClient(Path({str(daemon.paths.control_socket)!r})) as c:\n"
         f"    c.post_event({JOB}, 'torchpass.joined', {{'slot': 1, 'generation': 0, 'resume_step': 0}})\n"
         "print('joined', flush=True)\n"
@@ -251,7 +251,7 @@ def test_disabled_watch(capsys: pytest.CaptureFixture[str], scratch: Path, daemo
 AS_OTHER_USER = r"""
 import json, sys
 from pathlib import Path
-from clockworkd.client import DaemonClient
+from clockwork.contracts.daemon_client import DaemonClient
 
 with DaemonClient(Path(sys.argv[1]), 3.0) as client:
     print(json.dumps(client.gpus()))

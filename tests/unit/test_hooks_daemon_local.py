@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.client import DaemonClient
-from clockworkd.config import load_config
-from clockworkd.daemon_paths import DaemonPaths
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.config import load_config
+from clockwork.contracts.daemon_paths import DaemonPaths
 from slurm_hooks import events, runner
 
 ENV = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clockworkd.hostlist import MAX_HOSTS, expand_hostlist
+from clockwork.contracts.hostlist import MAX_HOSTS, expand_hostlist
 
 # Expected values were produced with Slurm 22.05.8: `scontrol show hostnames EXPR`.
 SCONTROL_GOLDEN = [

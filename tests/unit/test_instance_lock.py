@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.errors import DaemonError
-from clockworkd.instance_lock import InstanceLock, read_pid, running_pid, socket_in_use
+from clockwork.contracts.errors import DaemonError
+from clockwork.contracts.instance_lock import InstanceLock, read_pid, running_pid, socket_in_use
 
 
 def test_acquire_writes_pid_and_release_removes_the_file(tmp_path: Path) -> None:

@@ -1,10 +1,10 @@
-"""--clockwork-ft and --clockwork-spares as the SPANK plugin exports them, parsed once (clockworkd.job_options)."""
+"""--clockwork-ft and --clockwork-spares as the SPANK plugin exports them, parsed once (clockwork.contracts.job_options)."""
 
 from __future__ import annotations
 
 import pytest
 
-from clockworkd.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
+from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
 from slurm_hooks.context import from_env
 from slurm_hooks.runner import wants_clockwork
 

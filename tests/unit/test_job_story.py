@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from clockworkd.job_story import build_story
+from clockwork.cli.job_story import build_story
 
 
 def _event(seq: int, at: float, node: str, kind: str, **fields: Any) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def test_a_repair_slower_than_a_restart_saves_nothing_and_a_rollback_is_shown() 
 
 
 def test_fleet_summary_counts_faults_by_kind_node_and_link() -> None:
-    from clockworkd.job_story import fleet_summary
+    from clockwork.cli.job_story import fleet_summary
 
     first = build_story(9, EVENTS, {}, nodes=4, checkpoint_interval_s=1800, restart_cost_s=600)
     second = build_story(

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clockworkd.errors import ConfigError
+from clockwork.contracts.errors import ConfigError
 from clockworkd.lens.clockgraph import SuspectTracker, solve_graph
 from clockworkd.lens.clockpair import Envelope, PairEstimate, _EnvelopeDesign, estimate_pair
 from clockworkd.lens.clockseam import ClockSeam, ClockSeamError, load_seams

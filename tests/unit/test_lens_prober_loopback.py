@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from clockworkd.lens import clockseam, wire
-from clockworkd.lens.model import PathStats, PathVerdict
+from clockwork.contracts.lens_model import PathStats, PathVerdict
 from clockworkd.lens.prober import PHASES, Lens
-from clockworkd.lens.settings import LensConfig
+from clockwork.contracts.config.lens import LensConfig
 from clockworkd.lens.topology import Topology
 from linkpass.fabric import FabricMap
 from tests.conftest import in_ci
@@ -148,7 +148,7 @@ def _path(snap: dict[str, Any], src: str, dst: str) -> dict[str, Any] | None:
 # ----- import --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["clockworkd.lens.settings", "clockworkd.lens.prober"])
+@pytest.mark.parametrize("module", ["clockwork.contracts.config.lens", "clockworkd.lens.prober"])
 def test_prober_imports_on_its_own(module: str) -> None:
     """``import clockworkd.lens.prober`` in a fresh interpreter (as a bench script or tool would)."""
     proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=60)

@@ -23,7 +23,7 @@ from rich.text import Text
 
 from clockworkd.lens.history import HistoryWriter, read_history
 from clockworkd.lens.metrics import METRIC_NAMES, MetricsServer, render_text
-from clockworkd.lens.render import clock_table, matrix_table, merge, plot, suspects_table
+from clockwork.cli.lens_render import clock_table, matrix_table, merge, plot, suspects_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "etc" / "grafana" / "clockwork-lens.json"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 
-from clockworkd.lens import model, peers
-from clockworkd.lens.model import PathVerdict
+from clockwork.contracts import lens_model as model
+from clockworkd.lens import peers
+from clockwork.contracts.lens_model import PathVerdict
 from clockworkd.lens.tomography import Localizer, localize
 from clockworkd.lens.topology import Topology
 from tests.unit.test_lens_topology import sandbox_fabric

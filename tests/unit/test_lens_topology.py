@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.lens import model
+from clockwork.contracts import lens_model as model
 from clockworkd.lens.topology import Attachment, Topology, TopologyError
 from linkpass.fabric import FabricMap
 

@@ -107,7 +107,7 @@ def test_sysctl_parsing_and_reading() -> None:
 
 def test_home_rails_go_through_the_hosts_durable_writer(tmp_path: Path) -> None:
     """linkpass imports nothing of clockworkd: its host hands it the one atomic writer, which must be used."""
-    from clockworkd import atomic_file
+    from clockwork.contracts import atomic_file
     from linkpass.engine import LinkPass
     from linkpass.settings import LinkPassConfig
 

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from clockworkd.cli import migrate_cmd
-from clockworkd.cli.main import run
-from clockworkd.jobkey import ENV_JOB_KEY, JobKey
+from clockwork.cli import migrate_cmd
+from clockwork.cli.main import run
+from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 from tests.unit.test_torchpass_coordinator import Events, FakeRank
 from torchpass.config import TorchPassConfig
-from torchpass.coordinator import Coordinator
+from torchpass.coordinator.service import Coordinator
 
 pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.cli.main import run
+from clockwork.cli.main import run
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 
 __all__ = ["daemons", "scratch"]  # fixtures used by name below

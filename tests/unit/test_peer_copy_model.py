@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from clockworkd.cli.main import run
-from clockworkd.peer_copy_model import PeerCopyInputs, peer_copy
+from clockwork.cli.main import run
+from clockwork.cli.peer_copy_model import PeerCopyInputs, peer_copy
 
 
 def test_shard_host_memory_and_the_nic_share() -> None:

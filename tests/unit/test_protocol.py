@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clockworkd.protocol import (
+from clockwork.contracts.daemon_wire import (
     BAD_REQUEST,
     BAD_VERSION,
     OPS,

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from clockworkd.coordinator_wire import encode
-from clockworkd.jobkey import ENV_JOB_KEY, JobKey
+from clockwork.contracts.coordinator_wire import encode
+from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey
 from torchpass.rollout import Publisher, Subscriber, _Version
 
 

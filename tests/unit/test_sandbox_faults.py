@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.errors import ConfigError
-from clockworkd.sandbox.faults import (
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.errors import ConfigError
+from clockwork.sandbox.faults import (
     KINDS,
     NFT_TABLE,
     Fault,
@@ -19,7 +19,7 @@ from clockworkd.sandbox.faults import (
     parse_rate,
     validate,
 )
-from clockworkd.sandbox.layout import Layout, build_layout
+from clockwork.sandbox.layout import Layout, build_layout
 
 RATE_UNITS = ("bit", "kbit", "mbit", "gbit", "bps", "kbps", "mbps", "gbps")
 

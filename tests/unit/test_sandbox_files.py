@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.config import load_config
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.sandbox.layout import Layout, build_layout
-from clockworkd.sandbox.paths import StatePaths
-from clockworkd.sandbox.slurm_files import (
+from clockwork.contracts.config import load_config
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.sandbox.layout import Layout, build_layout
+from clockwork.sandbox.paths import StatePaths
+from clockwork.sandbox.slurm_files import (
     HOOKS,
     hook_wrapper,
     hosts,

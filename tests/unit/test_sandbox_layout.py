@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from clockworkd.config.schema import SandboxConfig
-from clockworkd.errors import ConfigError
-from clockworkd.sandbox.layout import Layout, build_layout
+from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.errors import ConfigError
+from clockwork.sandbox.layout import Layout, build_layout
 
 
 @pytest.fixture

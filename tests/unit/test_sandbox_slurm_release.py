@@ -1,4 +1,4 @@
-"""Which Slurm a sandbox runs (clockworkd.sandbox.slurm_release): the host's packages or a release from a root.
+"""Which Slurm a sandbox runs (clockwork.sandbox.slurm_release): the host's packages or a release from a root.
 
 The root of Slurm 24.11 is what ``make slurm-24.11`` builds (CI builds it before the tests); its client wrappers are
 run for real where root can make mount namespaces, which shows that a command started from the host runs the root's
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.errors import SandboxError
-from clockworkd.sandbox.cluster import SPANK_SO, spank_plugin
-from clockworkd.sandbox.slurm_release import CACHE_DIR, RELEASES, release
+from clockwork.contracts.errors import SandboxError
+from clockwork.sandbox.cluster import SPANK_SO, spank_plugin
+from clockwork.sandbox.slurm_release import CACHE_DIR, RELEASES, release
 from tests.conftest import in_ci
 
 CLIENTS = {"sbatch", "srun", "salloc", "squeue", "scontrol", "sinfo", "sacct", "sacctmgr", "scancel"}
@@ -51,7 +51,7 @@ def test_a_root_release_is_laid_over_usr_from_outside_it() -> None:
 
 
 def test_a_missing_root_says_how_to_build_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr("clockworkd.sandbox.slurm_release.CACHE_DIR", tmp_path)
+    monkeypatch.setattr("clockwork.sandbox.slurm_release.CACHE_DIR", tmp_path)
     slurm = release("24.11")
     assert not slurm.ready()
     with pytest.raises(SandboxError, match=r"clockwork sandbox prepare --slurm 24.11.*make slurm-24.11"):

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from clockworkd.errors import ConfigError, SlurmError
-from clockworkd.slurm import (
+from clockwork.contracts.errors import ConfigError, SlurmError
+from clockwork.contracts.slurm import (
     CliBackend,
     JobInfo,
     NodeInfo,
@@ -27,7 +27,7 @@ from clockworkd.slurm import (
     SlurmBackend,
     make_backend,
 )
-from clockworkd.slurm.pyslurm_backend import pyslurm_release
+from clockwork.contracts.slurm.pyslurm_backend import pyslurm_release
 
 
 class FakeRPCError(Exception):

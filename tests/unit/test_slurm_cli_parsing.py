@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from clockworkd.errors import SlurmError
-from clockworkd.slurm import SlurmBackend
-from clockworkd.slurm.backend import JobInfo, NodeInfo, node_state
-from clockworkd.slurm.cli_backend import (
+from clockwork.contracts.errors import SlurmError
+from clockwork.contracts.slurm import SlurmBackend
+from clockwork.contracts.slurm.backend import JobInfo, NodeInfo, node_state
+from clockwork.contracts.slurm.cli_backend import (
     CliBackend,
     SlurmTimeoutError,
     format_wait_status,

@@ -186,7 +186,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert len(pids) == 2
     leftovers = [p for pid in pids for p in Path("/dev/shm").glob(f"torchpass-snapshot-{pid}-*")]
     assert not leftovers, f"a killed job left its snapshot arenas in /dev/shm: {leftovers}"
-    from clockworkd.snapshots.store import list_snapshots
+    from clockwork.contracts.snapshots.store import list_snapshots
 
     assert [(i.step, i.complete) for i in list_snapshots(snapdir)] == [(7, True), (15, True)], _log(out)
     return snapdir
@@ -204,7 +204,7 @@ def test_restore_latest_after_the_whole_job_was_killed(reference: list[str], kil
 
 
 def test_requeued_job_skips_a_damaged_snapshot(reference: list[str], killed: Path, tmp_path: Path) -> None:
-    from clockworkd.snapshots.store import entry_file_offset, file_entries
+    from clockwork.contracts.snapshots.store import entry_file_offset, file_entries
 
     snapdir = tmp_path / "snapshots"
     shutil.copytree(killed, snapdir)
@@ -239,7 +239,7 @@ def test_nothing_good_to_restore_fails_the_job(killed: Path, tmp_path: Path) -> 
 
 
 def test_periodic_and_on_demand_snapshots(tmp_path: Path) -> None:
-    from clockworkd.snapshots.store import list_snapshots, load_manifest, verify_snapshot
+    from clockwork.contracts.snapshots.store import list_snapshots, load_manifest, verify_snapshot
 
     out = tmp_path / "periodic"
     snapdir = out / "snapshots"
@@ -254,7 +254,7 @@ def test_periodic_and_on_demand_snapshots(tmp_path: Path) -> None:
                 [
                     sys.executable,
                     "-m",
-                    "clockworkd.cli.main",
+                    "clockwork.cli.main",
                     "snapshot",
                     "take",
                     "--coordinator",

@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-from clockworkd.cli.main import run as clockwork
-from clockworkd.snapshots.store import (
+from clockwork.cli.main import run as clockwork
+from clockwork.contracts.snapshots.store import (
     entry_file_offset,
     list_snapshots,
     shard_name,
@@ -33,7 +33,7 @@ from clockworkd.snapshots.store import (
 from tests.conftest import in_ci
 from torchpass.config import TorchPassConfig
 from torchpass.snapshot import RestoreError, Snapshotter, restore
-from torchpass.state import StateParts
+from torchpass.rank.state import StateParts
 
 LOG = logging.LoggerAdapter(logging.getLogger("test.snapshot"), {})
 

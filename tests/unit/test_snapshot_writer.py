@@ -20,9 +20,9 @@ import h5py
 import numpy as np
 import pytest
 
-from clockworkd.snapshots import direct_io
-from clockworkd.snapshots.messages import Entry
-from clockworkd.snapshots.store import (
+from clockwork.contracts.snapshots import direct_io
+from clockwork.contracts.snapshots.messages import Entry
+from clockwork.contracts.snapshots.store import (
     SnapshotCorrupt,
     entry_file_offset,
     file_entries,
@@ -30,7 +30,7 @@ from clockworkd.snapshots.store import (
     verify_snapshot,
     write_manifest,
 )
-from clockworkd.snapshots.writer import write_shard
+from clockwork.contracts.snapshots.writer import write_shard
 
 DIRECT_ALIGN = direct_io.DIRECT_ALIGN
 SIZES = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, 3 * DIRECT_ALIGN + 5, (3 << 20) + 7, 8 << 20]
@@ -97,7 +97,7 @@ def test_direct_writes_are_cut_at_the_cap_and_lose_nothing(
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(direct_io, "IO_CHUNK", 3 * DIRECT_ALIGN)
-    monkeypatch.setattr("clockworkd.snapshots.writer.IO_CHUNK", 3 * DIRECT_ALIGN)
+    monkeypatch.setattr("clockwork.contracts.snapshots.writer.IO_CHUNK", 3 * DIRECT_ALIGN)
     monkeypatch.setattr(direct_io.os, "pwritev", counting)
     mapping, entries = arena
     path = tmp_path / "rank-00000.h5"

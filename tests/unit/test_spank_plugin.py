@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.sandbox.slurm_release import release
+from clockwork.sandbox.slurm_release import release
 from tests.conftest import in_ci
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""torchpass.torch_compat: the torch release check, and FSDP2's held-back gradients found and dropped.
+"""torchpass.rank.torch_compat: the torch release check, and FSDP2's held-back gradients found and dropped.
 
 The release check runs at import: a release other than the tested one is refused with both versions named,
 unless ``TORCHPASS_UNTESTED_TORCH=1`` asks to run anyway (a warning then). The FSDP2 helpers are checked on a real
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpass import torch_compat
+from torchpass.rank import torch_compat
 from torchpass.errors import TorchPassError
 
 

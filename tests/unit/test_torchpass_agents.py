@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from clockworkd.cli.main import run as clockwork
-from clockworkd.jobkey import JobKey
+from clockwork.cli.main import run as clockwork
+from clockwork.contracts.jobkey import JobKey
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 from tests.unit.test_torchpass_oracle import (
     NPROC,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from clockworkd.cli.main import run as clockwork
+from clockwork.cli.main import run as clockwork
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 from tests.unit.test_torchpass_agents import JOB_ID, AgentsRun, _check, _recovery, _run_agents
 from tests.unit.test_torchpass_oracle import _assert_each_step_once, _assert_same_final_state

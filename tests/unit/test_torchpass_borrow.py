@@ -18,10 +18,10 @@ import pytest
 import zmq
 
 from tests.conftest import until
-from torchpass.borrow import Borrower, guest_command, guest_environment
+from torchpass.launch.borrow import Borrower, guest_command, guest_environment
 from torchpass.config import TorchPassConfig
-from torchpass.coordinator import Coordinator
-from torchpass.guest import GuestAgent, LeaderFinder
+from torchpass.coordinator.service import Coordinator
+from torchpass.launch.guest import GuestAgent, LeaderFinder
 
 pytestmark = pytest.mark.usefixtures("job_key")
 
@@ -164,7 +164,7 @@ def zctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
 
 
 def _register(zctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, wid: str, role: str, port: int) -> None:
-    from torchpass.control import CoordinatorRpc
+    from torchpass.rank.control import CoordinatorRpc
 
     rpc = CoordinatorRpc(zctx, endpoint, 2.0, identity=f"{wid}.r".encode())
     try:
@@ -243,7 +243,7 @@ def test_the_guest_finds_the_leader_through_a_passive_replica(zctx: zmq.Context[
 
 SPARE_SCRIPT = """
 import os, sys, zmq
-from torchpass.control import CoordinatorRpc
+from torchpass.rank.control import CoordinatorRpc
 ctx = zmq.Context()
 wid = os.environ["TORCHPASS_WORKER_ID"]
 rpc = CoordinatorRpc(ctx, os.environ["TORCHPASS_COORDINATOR"], 5.0, identity=wid.encode() + b".r")
@@ -280,7 +280,7 @@ def test_the_guest_runs_a_spare_that_reaches_the_leading_coordinator(tmp_path: P
 
 
 def test_the_guest_refuses_to_run_by_hand() -> None:
-    from torchpass.slurm_layout import SlurmLayoutError
+    from torchpass.launch.slurm_layout import SlurmLayoutError
 
     with pytest.raises(SlurmLayoutError, match="TORCHPASS_GUEST_ENDPOINTS"):
         GuestAgent("train.py", [], TorchPassConfig(), environ={"PATH": "/bin"})

@@ -62,7 +62,7 @@ def _refused_plain(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 def test_local_run_refuses_an_unknown_option_before_the_script(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    calls = _record(monkeypatch, "torchpass.launcher.LocalLauncher.__init__")
+    calls = _record(monkeypatch, "torchpass.launch.launcher.LocalLauncher.__init__")
     err = _refused(capsys, ["run", "--local", "--sparse", "1", "train.py"])
     assert "unknown option --sparse before the script (did you mean --spares?)" in err
     err = _refused(capsys, ["run", "--local", "--nnodes=2", "train.py"])  # torchrun's: say what to do instead
@@ -92,7 +92,7 @@ def test_batch_script_refuses_an_unknown_option_before_starting_any_step(
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("SLURM_STEP_ID", raising=False)
     monkeypatch.delenv("SLURM_STEPID", raising=False)
-    calls = _record(monkeypatch, "torchpass.node_steps.NodeSteps.run")
+    calls = _record(monkeypatch, "torchpass.launch.node_steps.NodeSteps.run")
     err = _refused(capsys, ["run", "--spraes", "1", "train.py"])
     assert "unknown option --spraes before the script (did you mean --spares?)" in err
     err = _refused(capsys, ["run", "--nproc-per-noed", "2", "train.py"])  # the misspelling of the issue
@@ -112,7 +112,7 @@ def test_node_step_refuses_an_unknown_option_before_the_agent_starts(
 ) -> None:
     for name, value in STEP_ENV.items():
         monkeypatch.setenv(name, value)
-    calls = _record(monkeypatch, "torchpass.slurm_layout.SlurmLayout.from_environ")
+    calls = _record(monkeypatch, "torchpass.launch.slurm_layout.SlurmLayout.from_environ")
     err = _refused(capsys, ["run", "--evnets", "e.jsonl", "train.py"])
     assert "unknown option --evnets before the script (did you mean --events?)" in err
     assert calls == []

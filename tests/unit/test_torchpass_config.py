@@ -31,7 +31,7 @@ def test_unknown_keys_are_errors_everywhere(tmp_path: Path) -> None:
 
 
 def test_types_choices_and_bounds_are_checked() -> None:
-    """The daemon's rule (clockworkd.config_fields.coerce), with the same messages."""
+    """The daemon's rule (clockwork.contracts.config.fields.coerce), with the same messages."""
     with pytest.raises(ConfigError, match=r"backend: invalid value 'mpi' \(expected one of gloo, nccl, auto\)"):
         TorchPassConfig(backend="mpi")
     with pytest.raises(ConfigError, match=r"seed: invalid value '1' \(expected an integer\)"):

@@ -3,7 +3,7 @@
 A failure's (or a rebuild's) generation aborts the collectives in flight at once and makes the lifecycle stale, so
 the step is abandoned everywhere. A planned one (a migration: every member of the current generation is alive) only
 raises ``latest_gen``: the step in progress finishes on every rank, which follows it at the boundary
-(:meth:`torchpass.step.StepLifecycle.stale`). Driven through the messages the coordinator sends, as msgpack maps."""
+(:meth:`torchpass.rank.step.StepLifecycle.stale`). Driven through the messages the coordinator sends, as msgpack maps."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from clockworkd.coordinator_replies import GenerationPush, HeartbeatAck
-from clockworkd.coordinator_wire import JobState, decode
-from torchpass.control import ControlChannel
+from clockwork.contracts.coordinator_replies import GenerationPush, HeartbeatAck
+from clockwork.contracts.coordinator_wire import JobState, decode
+from torchpass.rank.control import ControlChannel
 
 
 @pytest.fixture

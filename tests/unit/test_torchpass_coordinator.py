@@ -1,6 +1,6 @@
 """The coordinator's decisions, driven by fake ranks over its real ZeroMQ socket (no torch, no processes).
 
-Each fake rank speaks the wire protocol exactly as :mod:`torchpass.context` does (a request DEALER and a
+Each fake rank speaks the wire protocol exactly as :mod:`torchpass.rank.context` does (a request DEALER and a
 control DEALER), so these tests pin the protocol: who gets which generation, when spares are used, how a
 collective error without a death is handled, what a migration announces, when the job is done or failed.
 """
@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import zmq
 
-from clockworkd.cli.main import run as clockwork
-from clockworkd.coordinator_wire import GenerationInfo, decode, encode
+from clockwork.cli.main import run as clockwork
+from clockwork.contracts.coordinator_wire import GenerationInfo, decode, encode
 from tests.conftest import until
 from torchpass.auth import connect_as_client
 from torchpass.cli import main as cli_main
 from torchpass.config import TorchPassConfig
-from torchpass.control import CoordinatorRefused, CoordinatorRpc, JobStopped
-from torchpass.coordinator import DONE, FAILED, Coordinator
+from torchpass.rank.control import CoordinatorRefused, CoordinatorRpc, JobStopped
+from torchpass.coordinator.service import DONE, FAILED, Coordinator
 
 pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
 
@@ -458,7 +458,7 @@ def test_one_command_per_action(capsys: pytest.CaptureFixture[str], tmp_path: An
 
 def test_only_holders_of_the_job_key_are_answered(zctx: zmq.Context[zmq.Socket[bytes]]) -> None:
     """A plain TCP client and a CURVE client with another job's key get no answer; the job's own does."""
-    from clockworkd.jobkey import JobKey
+    from clockwork.contracts.jobkey import JobKey
     from torchpass.auth import job_key
 
     events = Events()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from clockworkd.coordinator_replies import (
+from clockwork.contracts.coordinator_replies import (
     GenerationAnswer,
     GenerationPush,
     HeartbeatAck,
@@ -27,7 +27,7 @@ from clockworkd.coordinator_replies import (
     StopAnswer,
     StopPush,
 )
-from clockworkd.coordinator_requests import (
+from clockwork.contracts.coordinator_requests import (
     AwaitGeneration,
     Broken,
     Departed,
@@ -40,10 +40,10 @@ from clockworkd.coordinator_requests import (
     SnapshotAsk,
     Status,
 )
-from clockworkd.coordinator_wire import JobState, Role
+from clockwork.contracts.coordinator_wire import JobState, Role
 from torchpass.config import TorchPassConfig
-from torchpass.coordinator_core import CoordinatorCore
-from torchpass.coordinator_records import (
+from torchpass.coordinator.core import CoordinatorCore
+from torchpass.coordinator.records import (
     AgentLost,
     CheckHeartbeats,
     Decision,
@@ -63,7 +63,7 @@ from torchpass.coordinator_records import (
     WorkerExited,
     WorkerExpected,
 )
-from torchpass.snapshot_plan import SNAPSHOT_ATTEMPTS
+from torchpass.coordinator.snapshot_plan import SNAPSHOT_ATTEMPTS
 
 Step = tuple[Any, ...]
 

@@ -14,7 +14,7 @@ import pytest
 
 from torchpass.frameworks import detect
 from torchpass.frameworks.hf_trainer import HFTrainerAdapter
-from torchpass.frameworks.warmup import framework_modules, imported_by, preimport, rebind_in_loaded_modules
+from torchpass.launch.warmup import framework_modules, imported_by, preimport, rebind_in_loaded_modules
 
 SCRIPT = """
 import os, json
@@ -72,7 +72,7 @@ def test_names_bound_before_the_interposer_are_rebound_and_undone() -> None:
         undo.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    # ``python -m torchpass.transparent`` is filed as __main__ and, by multiprocessing, as __mp_main__: the
+    # ``python -m torchpass.transparent.bootstrap`` is filed as __main__ and, by multiprocessing, as __mp_main__: the
     # bootstrap's own reference to the real class must stay the real class.
     bootstrap = types.ModuleType("__mp_main__")
     bootstrap.__spec__ = importlib.machinery.ModuleSpec("torchpass.transparent", None)

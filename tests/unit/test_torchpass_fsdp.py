@@ -66,7 +66,7 @@ def _rank_main() -> int:
 
     import torchpass as tp
     from torchpass.snapshot import snapshot_directory
-    from torchpass.transfer_plan import ShardedReplicas
+    from torchpass.rank.transfer_plan import ShardedReplicas
 
     out = Path(os.environ["CW_TEST_DIR"])
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from clockworkd.snapshots.store import list_snapshots, load_manifest, verify_snapshot
+from clockwork.contracts.snapshots.store import list_snapshots, load_manifest, verify_snapshot
 from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final
 from tests.unit.test_torchpass_fsdp import NPROC, STEPS, _journal, _run
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpass.fsdp import LifecycleGuard, ShardPlan, sharded_modules
-from torchpass.shard_mesh import MeshGroups
-from torchpass.transfer_plan import ShardedReplicas
+from torchpass.sharded.fsdp import LifecycleGuard, ShardPlan, sharded_modules
+from torchpass.sharded.shard_mesh import MeshGroups
+from torchpass.rank.transfer_plan import ShardedReplicas
 
 
 class _Guard:
@@ -126,7 +126,7 @@ def test_a_refused_or_failed_collective_in_a_step_never_raises(world: None) -> N
 
 
 class _Lifecycle:
-    """The StepLifecycle attributes the guard reads (torchpass.step)."""
+    """The StepLifecycle attributes the guard reads (torchpass.rank.step)."""
 
     def __init__(self) -> None:
         self.step, self.updated, self.failed_after_update, self.abandoned, self.newer = 3, False, "", "", False
@@ -163,7 +163,7 @@ def test_the_guard_abandons_before_the_update_and_defers_after_it() -> None:
 
 
 class _Channel:
-    """What a StepLifecycle reads from the control channel (torchpass.step.StepChannel)."""
+    """What a StepLifecycle reads from the control channel (torchpass.rank.step.StepChannel)."""
 
     latest_gen, urgent_gen, step, collective = 0, 0, -1, None
 
@@ -173,8 +173,8 @@ def test_a_failed_commit_check_abandons_the_step_once_with_its_reason() -> None:
     abandoned (redone) instead of committed; the checks run once per step."""
     import logging
 
-    from torchpass.state import StateParts
-    from torchpass.step import StepLifecycle
+    from torchpass.rank.state import StateParts
+    from torchpass.rank.step import StepLifecycle
 
     lifecycle = StepLifecycle(_Channel(), StateParts(), lambda: 0, logging.LoggerAdapter(logging.getLogger()), None)
     seen: list[tuple[int, str]] = []
@@ -222,7 +222,7 @@ def test_nccl_mesh_subgroups_are_non_blocking_and_members_only(monkeypatch: pyte
     abort of every group when a newer generation is announced reaches them, and a rank outside one gets None."""
     from types import SimpleNamespace
 
-    from torchpass.backends import NcclBackend
+    from torchpass.rank.backends import NcclBackend
     from torchpass.config import TorchPassConfig
 
     class Options:

@@ -7,7 +7,7 @@ default group resets it. The survivor whose formation failed named every later g
 than the newcomer, so they waited for each other's rendezvous keys under different names, every rebuild timed
 out, and the job failed after ``max_resets`` rebuilds with "the same collective keeps failing there".
 
-Two processes run :class:`torchpass.backends.GlooBackend` as a rank does: ``a`` fails to form generation 1 (its
+Two processes run :class:`torchpass.rank.backends.GlooBackend` as a rank does: ``a`` fails to form generation 1 (its
 peer never comes; a 2 s timeout), then ``a`` and a fresh ``b`` form generation 2 and all-reduce over it.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 RANK = textwrap.dedent(
     """
     import sys, torch, torch.distributed as dist
-    from torchpass.backends import GlooBackend
+    from torchpass.rank.backends import GlooBackend
     from torchpass.config import TorchPassConfig
 
     role, port = sys.argv[1], int(sys.argv[2])

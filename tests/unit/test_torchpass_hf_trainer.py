@@ -251,7 +251,7 @@ def test_sigkills_at_random_moments_end_bitwise_equal(base: Path, reference: Run
 def test_planned_migration_moves_a_trainer_rank_live(base: Path, reference: Run) -> None:
     """``clockwork migrate`` while the Trainer trains: slot 1 moves to the spare at a window boundary, its
     counters and callbacks' state with it, and the job ends bitwise equal to the fault-free run."""
-    from clockworkd.cli.main import run as clockwork
+    from clockwork.cli.main import run as clockwork
 
     out = base / "migrate"
     out.mkdir()

@@ -258,7 +258,7 @@ def test_a_kill_on_an_epochs_last_batch_ends_bitwise_equal(base: Path, reference
 def test_planned_migration_moves_a_lightning_rank_live(base: Path, reference: Run) -> None:
     """``clockwork migrate`` while Lightning trains: slot 1 moves to the spare at a step boundary, its
     counters and callbacks' state with it, and the job ends bitwise equal to the fault-free run."""
-    from clockworkd.cli.main import run as clockwork
+    from clockwork.cli.main import run as clockwork
 
     out = base / "migrate"
     out.mkdir()

@@ -308,7 +308,7 @@ def test_sigkills_at_random_moments_rebuild_the_shard_bitwise(base: Path, refere
 def test_planned_migration_moves_a_lightning_fsdp_rank_with_its_shard(base: Path, reference: Run) -> None:
     """``clockwork migrate`` while Lightning trains: slot 1 moves to the spare at a step boundary with its shard,
     counters and callbacks' state, and the job ends bitwise equal to the fault-free run."""
-    from clockworkd.cli.main import run as clockwork
+    from clockwork.cli.main import run as clockwork
 
     out = base / "migrate"
     out.mkdir()

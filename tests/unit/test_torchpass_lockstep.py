@@ -1,10 +1,10 @@
-"""The coordinator's verdict on ranks whose own collectives do not line up (torchpass.lockstep), by table."""
+"""The coordinator's verdict on ranks whose own collectives do not line up (torchpass.coordinator.lockstep), by table."""
 
 from __future__ import annotations
 
 import pytest
 
-from torchpass.lockstep import CollectiveWait, MemberProgress, find_mismatch, parse_wait
+from torchpass.coordinator.lockstep import CollectiveWait, MemberProgress, find_mismatch, parse_wait
 
 MARGIN = 1.0
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass.coordinator_records import agent_of, local_of, worker_id
-from torchpass.node_ranks import gpu_count, rank_environment, ranks_per_node
-from torchpass.node_steps import NodeSteps
-from torchpass.placement import choose_spares
-from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, training_nodes
+from torchpass.coordinator.records import agent_of, local_of, worker_id
+from torchpass.launch.node_ranks import gpu_count, rank_environment, ranks_per_node
+from torchpass.launch.node_steps import NodeSteps
+from torchpass.coordinator.placement import choose_spares
+from torchpass.launch.slurm_layout import SlurmLayout, SlurmLayoutError, training_nodes
 
 # ----- G: the order of the sources ---------------------------------------------------------------
 
@@ -179,7 +179,7 @@ def test_a_planned_migration_keeps_its_target() -> None:
 def test_the_agent_tells_each_rank_its_place_and_keeps_slurms_gpus() -> None:
     """What node 1's agent of a 2-rank-per-node job puts in the environment of its rank with local index 1
     (built, not started: nothing binds until the agent runs)."""
-    from torchpass.agent import SlurmAgent
+    from torchpass.launch.agent import SlurmAgent
     from torchpass.config import TorchPassConfig
 
     nodes = ("127.0.0.1", "127.0.0.2", "127.0.0.3")

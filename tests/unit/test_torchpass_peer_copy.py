@@ -1,4 +1,4 @@
-"""A rank's peer copies (torchpass.peer_copy) without a job: two ranks' PeerCopies in one process on loopback.
+"""A rank's peer copies (torchpass.sharded.peer_copy) without a job: two ranks' PeerCopies in one process on loopback.
 A round captures the committed state while the parameters may still change only after ``before_update``; the
 copy reaches the ring successor bitwise; a rank rolls its live state back to its own copy of an earlier step,
 optimizer state included; and the agreement row says what each holds."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from clockworkd.jobkey import ENV_JOB_KEY, JobKey
+from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey
 from torchpass.config import TorchPassConfig
-from torchpass.peer_copy import PeerCopies, ring_holders
-from torchpass.state import StateParts
+from torchpass.sharded.peer_copy import PeerCopies, ring_holders
+from torchpass.rank.state import StateParts
 
 LOG = logging.LoggerAdapter(logging.getLogger("test.peer_copy"), {})
 

@@ -1,4 +1,4 @@
-"""The peer-copy stream (torchpass.peer_wire) on real loopback sockets, without a job: a copy arrives bitwise and
+"""The peer-copy stream (torchpass.sharded.peer_wire) on real loopback sockets, without a job: a copy arrives bitwise and
 is acknowledged, the last complete copy survives a newer one being written, a stranger without the job's key is
 refused, and a frame arriving while the copies are frozen is dropped and its sender told so."""
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from torchpass.peer_wire import ACK, CopyLink, CopyListener, ReceivedCopies, WireError
+from torchpass.sharded.peer_wire import ACK, CopyLink, CopyListener, ReceivedCopies, WireError
 
 SECRET = os.urandom(32)
 

@@ -1,4 +1,4 @@
-"""The runtime net's pieces that need no job (torchpass/replica_check.py): the checksum, what is compared and how it
+"""The runtime net's pieces that need no job (torchpass/rank/replica_check.py): the checksum, what is compared and how it
 is named, the verdict on gathered tables, and the transfer check on a real state round trip.
 
 The checksum is held to a plain reference (NumPy's wrapping 64-bit arithmetic over the same words) for sizes on
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import torchpass.replica_check as rc
-from torchpass.replica_check import (
+import torchpass.rank.replica_check as rc
+from torchpass.rank.replica_check import (
     ReplicaMismatch,
     ReplicaNet,
     byte_checksums,
@@ -31,8 +31,8 @@ from torchpass.replica_check import (
     payload_checksums,
     state_table,
 )
-from torchpass.state import StateError, StateParts, apply_state, as_bytes, describe, destinations_for, payload_offsets
-from torchpass.transfer_plan import ShardedReplicas
+from torchpass.rank.state import StateError, StateParts, apply_state, as_bytes, describe, destinations_for, payload_offsets
+from torchpass.rank.transfer_plan import ShardedReplicas
 
 LOG = logging.LoggerAdapter(logging.getLogger("test.replica_check"), {})
 MASK = (1 << 64) - 1
@@ -218,7 +218,7 @@ def test_a_payload_checksums_as_its_live_tensors() -> None:
 
 
 def _mirror(parts: StateParts, meta: dict[str, Any], tensors: list[torch.Tensor]) -> StateParts:
-    """A receiver's parts loaded with a state as :func:`torchpass.state.recv_state` loads it (no process group)."""
+    """A receiver's parts loaded with a state as :func:`torchpass.rank.state.recv_state` loads it (no process group)."""
     model, opt = _trained()
     with torch.no_grad():
         model.embed.weight.mul_(0.5)  # something else before the state lands

@@ -26,11 +26,11 @@ import zmq
 from tests.conftest import until
 from tests.unit.test_torchpass_coordinator import Events, FakeRank
 from torchpass.config import TorchPassConfig
-from torchpass.coordinator import FAILED, RUNNING, Coordinator
-from torchpass.mesh import AgentMesh
-from torchpass.node_steps import NodeSteps, cpus_per_node, in_batch_script
-from torchpass.proxy import CoordinatorProxy
-from torchpass.slurm_layout import (
+from torchpass.coordinator.service import FAILED, RUNNING, Coordinator
+from torchpass.launch.mesh import AgentMesh
+from torchpass.launch.node_steps import NodeSteps, cpus_per_node, in_batch_script
+from torchpass.launch.proxy import CoordinatorProxy
+from torchpass.launch.slurm_layout import (
     SlurmLayout,
     SlurmLayoutError,
     default_port,

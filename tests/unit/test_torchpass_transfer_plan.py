@@ -1,4 +1,4 @@
-"""Who sends which part of the state to whom when a generation forms (torchpass.transfer_plan), by table.
+"""Who sends which part of the state to whom when a generation forms (torchpass.rank.transfer_plan), by table.
 
 Each row is the agreement's table (what every slot holds: per part, the committed step of its copy, or None)
 and the plan that must come out of it. Pure: no torch, no sockets."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass.transfer_plan import (
+from torchpass.rank.transfer_plan import (
     Holdings,
     PartLayout,
     Replicated,

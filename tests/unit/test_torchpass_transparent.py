@@ -306,7 +306,7 @@ def test_two_failures_in_different_epochs(base: Path, reference: Run) -> None:
 def test_planned_migration_with_torchpass_migrate(base: Path, reference: Run) -> None:
     """``clockwork migrate --coordinator`` while the unmodified script trains: slot 2 moves to the spare at a step
     boundary."""
-    from clockworkd.cli.main import run as clockwork
+    from clockwork.cli.main import run as clockwork
 
     out = base / "migrate"
     out.mkdir()

@@ -24,10 +24,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import torchpass as tp
-from torchpass.data import StepLoader, batch_source
-from torchpass.protocol import ENV_COORDINATOR, LaunchEnv
-from torchpass.rng import reseed, step_seed
-from torchpass.state import StateParts, TensorRef, _chunks, _fill, _overlaps, _strip, describe, payload_offsets
+from torchpass.rank.data import StepLoader, batch_source
+from torchpass.rank_env import ENV_COORDINATOR, LaunchEnv
+from torchpass.rank.rng import reseed, step_seed
+from torchpass.rank.state import StateParts, TensorRef, _chunks, _fill, _overlaps, _strip, describe, payload_offsets
 
 # ----- RNG and data position --------------------------------------------------------------------
 
@@ -190,7 +190,7 @@ def test_a_launched_rank_prints_whole_lines_under_pythonunbuffered() -> None:
     script = textwrap.dedent(
         """
         import os, sys
-        from torchpass.rank_output import whole_lines_on_shared_output
+        from torchpass.rank.output import whole_lines_on_shared_output
         def line():
             print("part", end="")
             os.write(1, b"|raw|")
@@ -222,7 +222,7 @@ _ABORT_SCRIPT = textwrap.dedent(
     """
     import datetime, os, signal, sys, threading, time
     import torch, torch.distributed as dist
-    from torchpass.backends import GlooBackend
+    from torchpass.rank.backends import GlooBackend
     from torchpass.config import TorchPassConfig
 
     rank, port, collective_timeout_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
@@ -277,7 +277,7 @@ _BUCKETS_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, torch, torch.distributed as dist
     from torch import nn
-    from torchpass.ddp import TorchPassDDP
+    from torchpass.rank.ddp import TorchPassDDP
 
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
 
@@ -343,8 +343,8 @@ _AVERAGES_SCRIPT = textwrap.dedent(
     """
     import datetime, json, os, sys, torch, torch.distributed as dist
     from torch import nn
-    from torchpass.ddp import TorchPassDDP
-    from torchpass.torch_compat import FixedBuckets
+    from torchpass.rank.ddp import TorchPassDDP
+    from torchpass.rank.torch_compat import FixedBuckets
 
     rank, world = int(sys.argv[2]), 3
     dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=world,

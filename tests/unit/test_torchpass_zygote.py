@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpass.zygote import Zygote, ZygoteError
+from torchpass.launch.zygote import Zygote, ZygoteError
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Transparent mode for the training frameworks people use: what each one needs beyond an unmodified DDP script.
 
-Transparent mode (:mod:`torchpass.transparent`) finds a script's step boundaries, data position and training
+Transparent mode (:mod:`torchpass.transparent.bootstrap`) finds a script's step boundaries, data position and training
 state through the PyTorch objects it builds. A framework builds the same objects (a ``DistributedDataParallel``,
 ``torch.optim`` optimizers and schedulers, a ``DataLoader`` over a ``DistributedSampler``), so most of the mode
 works unchanged under it, but a framework also keeps state of its own and drives its loop differently:

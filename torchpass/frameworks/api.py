@@ -8,14 +8,14 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import DataLoader
 
-    from torchpass.context import Context
-    from torchpass.transparent_data import DataPosition
+    from torchpass.rank.context import Context
+    from torchpass.transparent.data import DataPosition
 
 __all__ = ["FrameworkAdapter", "PassView", "SessionView"]
 
 
 class PassView(Protocol):
-    """One pass over the tracked loader, as an adapter sees it (:class:`torchpass.transparent_data.TrackedPass`)."""
+    """One pass over the tracked loader, as an adapter sees it (:class:`torchpass.transparent.data.TrackedPass`)."""
 
     pass_no: int
     epoch: int

@@ -31,13 +31,13 @@ TorchPass makes of it:
   closed right after it (the epoch loop's ``on_advance_end``); when that step was abandoned, the rolled-back
   counters make Lightning fetch the same batch again.
 * **Gradient accumulation** (``accumulate_grad_batches``): a step spans the window, so a failure inside a
-  window redoes the window (:mod:`torchpass.transparent`).
+  window redoes the window (:mod:`torchpass.transparent.bootstrap`).
 
 **FSDP2: ModelParallelStrategy.** ``ModelParallelStrategy(data_parallel_size=W, tensor_parallel_size=1)`` builds
 its mesh with ``init_device_mesh(..., (W, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))`` right after
 ``init_process_group``, and the script's ``configure_model`` shards with ``fully_shard(...,
 mesh=self.device_mesh["data_parallel"])``: pure FSDP over every rank. :meth:`LightningAdapter.mesh_shape` makes
-that request TorchPass's one-dimensional mesh named ``data_parallel`` (:mod:`torchpass.transparent_fsdp`), which
+that request TorchPass's one-dimensional mesh named ``data_parallel`` (:mod:`torchpass.transparent.fsdp`), which
 the slice returns as it is, so each rank's shard is what moves, rebuilt from a ring neighbour's peer copy after a
 crash. Lightning sizes its ``DistributedSampler`` from that mesh too. Its sanity check of the validation loop is
 skipped: its forward passes all-gather the shards before any process group exists, and it changes no training
@@ -45,7 +45,7 @@ state. ``ModelCheckpoint`` is refused: under this strategy it saves through ``to
 whose own collectives (``gather_object`` over c10d's ``all_gather``) raise when a peer dies, so a crash during a
 save would take the survivors and then every spare with it. Tensor parallelism (``tensor_parallel_size`` > 1)
 is refused, and so is ``FSDPStrategy``: it is FSDP1 (``FullyShardedDataParallel``), which has no TorchPass mesh
-to follow a recovery. Snapshots of a sharded model are not available yet (:mod:`torchpass.fsdp`).
+to follow a recovery. Snapshots of a sharded model are not available yet (:mod:`torchpass.sharded.fsdp`).
 
 Refused at start, with the reason: a strategy other than DDP and ModelParallelStrategy (DeepSpeed, FSDPStrategy,
 which names ModelParallelStrategy as the alternative), and ``reload_dataloaders_every_n_epochs`` (each epoch

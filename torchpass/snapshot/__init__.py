@@ -3,7 +3,7 @@ bad one.
 
 Taking one (:class:`Snapshotter`, at a step boundary right after a commit, on every rank at the same step):
 
-1. the state TorchPass already moves between ranks (:func:`torchpass.state.describe`: model parameters and
+1. the state TorchPass already moves between ranks (:func:`torchpass.rank.state.describe`: model parameters and
    buffers, optimizers, registered objects, the committed step, which is also the data position) is laid out
    in a shared-memory arena (:mod:`~torchpass.snapshot.arena`, a file under /dev/shm mapped by the rank and
    by its writer process), each replicated tensor staged by one data-parallel replica only, plus each rank's
@@ -15,7 +15,7 @@ Taking one (:class:`Snapshotter`, at a step boundary right after a commit, on ev
    the rest is copied at the boundary. Parameters and optimizer state must therefore change only inside the
    wrapped ``optimizer.step()``;
 3. the snapshot thread hands the arena to the writer process (:mod:`~torchpass.snapshot.writer_client`,
-   :mod:`clockworkd.snapshots.writer`), which checksums, writes and fsyncs the shard while training goes on;
+   :mod:`clockwork.contracts.snapshots.writer`), which checksums, writes and fsyncs the shard while training goes on;
    rank 0's writer waits for every shard, writes the manifest (the snapshot now exists) and applies retention
    (:mod:`~torchpass.snapshot.snapshotter`).
 

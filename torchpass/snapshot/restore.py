@@ -4,7 +4,7 @@ Ranks agree with one all-reduce per candidate (``agree``); a damaged or partial 
 sharded over another mesh shape, is reported (``torchpass.snapshot_rejected``) and the previous one is tried.
 None good is an error, never a silent fresh start. Loading gives back every byte of the state, so training
 resumed at (snapshot step + 1) ends bitwise equal to a run that never stopped: batches and RNG streams are
-functions of the step (:mod:`torchpass.data`, :mod:`torchpass.rng`); the saved RNG states are restored too, for
+functions of the step (:mod:`torchpass.rank.data`, :mod:`torchpass.rank.rng`); the saved RNG states are restored too, for
 randomness drawn outside ``ctx.steps``.
 
 The state description is pickled into the snapshot, like ``torch.load(weights_only=False)``: load only
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clockworkd.snapshots.store import (
+from clockwork.contracts.snapshots.store import (
     MANIFEST,
     SnapshotCorrupt,
     list_snapshots,
@@ -35,8 +35,8 @@ from clockworkd.snapshots.store import (
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit, emit_at
 from torchpass.snapshot.location import snapshot_directory
-from torchpass.state import StateParts, apply_state, as_bytes, destinations_for
-from torchpass.transfer_plan import ShardedReplicas
+from torchpass.rank.state import StateParts, apply_state, as_bytes, destinations_for
+from torchpass.rank.transfer_plan import ShardedReplicas
 
 __all__ = ["MeshMismatch", "RestoreError", "mesh_problem", "restart_advice", "restore"]
 
@@ -210,7 +210,7 @@ def restore(
 
 
 def restart_advice(config: TorchPassConfig) -> str:
-    """What a job that lost its state (:class:`torchpass.transfer_plan.StateLost`) can restart from: the newest
+    """What a job that lost its state (:class:`torchpass.rank.transfer_plan.StateLost`) can restart from: the newest
     complete snapshot, or that snapshots are off. Said where the job's failure is reported."""
     if config.snapshot_every_steps <= 0 and config.snapshot_interval_s <= 0:
         return (

@@ -22,16 +22,16 @@ from pathlib import Path
 
 import torch
 
-from clockworkd.snapshots.messages import FinalizeSpec, Phase, WriteRequest
-from clockworkd.snapshots.store import FAILED_PREFIX, NICE_INCREMENT, snapshot_path
+from clockwork.contracts.snapshots.messages import FinalizeSpec, Phase, WriteRequest
+from clockwork.contracts.snapshots.store import FAILED_PREFIX, NICE_INCREMENT, snapshot_path
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit, emit_at
 from torchpass.snapshot.arena import SharedArena
 from torchpass.snapshot.location import snapshot_directory
 from torchpass.snapshot.staging import Staged, lay_out, stage
 from torchpass.snapshot.writer_client import WriterProcess
-from torchpass.state import StateParts
-from torchpass.transfer_plan import ShardedReplicas
+from torchpass.rank.state import StateParts
+from torchpass.rank.transfer_plan import ShardedReplicas
 
 __all__ = ["Snapshotter"]
 

@@ -1,11 +1,11 @@
 """What one rank puts into a snapshot, where in the arena, and the copies that put it there.
 
-The layout (:func:`plan_entries`): the replicated state (:func:`torchpass.state.describe`: model, optimizers,
+The layout (:func:`plan_entries`): the replicated state (:func:`torchpass.rank.state.describe`: model, optimizers,
 registered objects; the same on every data-parallel replica) is spread over the replicas, each tensor staged and
 written by one of them (greedy by size, the same plan on every rank) as entry ``t/NNNNNN``, rank 0 also stages
 the state's description (``meta``), and each rank adds its own state (RNG generators, slot, data position).
 
-A sharded model (FSDP2 over an R x S mesh, :class:`torchpass.transfer_plan.ShardedReplicas`) has S different
+A sharded model (FSDP2 over an R x S mesh, :class:`torchpass.rank.transfer_plan.ShardedReplicas`) has S different
 states, one per shard, each with its own description (its tensors are the local shards): shard ``s``'s go under
 ``s/SSSSS/`` (``s/SSSSS/t/NNNNNN`` and ``s/SSSSS/meta``), spread by the same greedy plan over the R replicas
 holding it; under pure FSDP (R = 1) each rank writes its own shard. Every entry starts on an :data:`ALIGN`
@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from clockworkd.snapshots.messages import Entry
-from clockworkd.snapshots.store import shard_prefix
+from clockwork.contracts.snapshots.messages import Entry
+from clockwork.contracts.snapshots.store import shard_prefix
 from torchpass.snapshot.arena import ALIGN, SharedArena
-from torchpass.state import StateParts, as_bytes, describe, update_only_tensors
-from torchpass.transfer_plan import ShardedReplicas
+from torchpass.rank.state import StateParts, as_bytes, describe, update_only_tensors
+from torchpass.rank.transfer_plan import ShardedReplicas
 
 __all__ = [
     "EntryPlan",

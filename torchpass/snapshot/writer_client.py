@@ -1,4 +1,4 @@
-"""The rank's end of its snapshot writer process (:mod:`clockworkd.snapshots.writer`): start it, send it a
+"""The rank's end of its snapshot writer process (:mod:`clockwork.contracts.snapshots.writer`): start it, send it a
 request, read the answers to that request.
 
 Why a process and not a thread: the checksums, h5py calls and disk waits would otherwise take the rank's GIL
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-from clockworkd.snapshots.messages import WriterAnswer, WriteRequest
+from clockwork.contracts.snapshots.messages import WriterAnswer, WriteRequest
 
 __all__ = ["WriterProcess"]
 
@@ -26,7 +26,7 @@ class WriterProcess:
         """Start the process unless it is running."""
         if self._process is None or self._process.poll() is not None:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "clockworkd.snapshots.writer"],
+                [sys.executable, "-m", "clockwork.contracts.snapshots.writer"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

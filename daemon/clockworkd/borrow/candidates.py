@@ -11,9 +11,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clockworkd.borrow.settings import BorrowConfig, names
-from clockworkd.hostlist import expand_hostlist
-from clockworkd.slurm.backend import NodeInfo
+from clockwork.contracts.config.borrow import BorrowConfig, names
+from clockwork.contracts.hostlist import expand_hostlist
+from clockwork.contracts.slurm.backend import NodeInfo
 
 __all__ = [
     "HOLDER_PREFIX",

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clockworkd.borrow.manager import BorrowManager
-from clockworkd.borrow.settings import BorrowConfig
+from clockwork.contracts.config.borrow import BorrowConfig
 from clockworkd.borrow.slurm_ops import CliBorrowSlurm
-from clockworkd.config.schema import SlurmConfig
-from clockworkd.slurm.cli_backend import CliBackend
+from clockwork.contracts.config.schema import SlurmConfig
+from clockwork.contracts.slurm.cli_backend import CliBackend
 
 if TYPE_CHECKING:
     from clockworkd.server import Daemon

@@ -17,7 +17,7 @@ from clockworkd.borrow.manager import BorrowManager, BorrowRefused
 from clockworkd.daemon_auth import Access, Caller, OpAccess
 from clockworkd.daemon_component import OpsContext
 from clockworkd.daemon_ops import OpSpec
-from clockworkd.protocol import BORROW, BORROW_RELEASE, BORROW_STATUS, FORBIDDEN, ProtocolError
+from clockwork.contracts.daemon_wire import BORROW, BORROW_RELEASE, BORROW_STATUS, FORBIDDEN, ProtocolError
 
 __all__ = ["BorrowOps"]
 

@@ -1,7 +1,7 @@
 """The Slurm commands a borrow needs, on top of the CLI backend: the queue, the holder, give-back.
 
 Kept apart from the policy so the manager can be driven by a fake in unit tests and the real CLI (with fake
-client executables where no Slurm runs) elsewhere. Every call may raise :class:`clockworkd.errors.SlurmError`.
+client executables where no Slurm runs) elsewhere. Every call may raise :class:`clockwork.contracts.errors.SlurmError`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from clockworkd.borrow.candidates import QueueJob, holder_name, parse_queue_json
-from clockworkd.slurm.backend import JobInfo, NodeInfo
-from clockworkd.slurm.cli_backend import CliBackend
+from clockwork.contracts.slurm.backend import JobInfo, NodeInfo
+from clockwork.contracts.slurm.cli_backend import CliBackend
 
 __all__ = ["BorrowSlurm", "CliBorrowSlurm", "HolderSpec"]
 

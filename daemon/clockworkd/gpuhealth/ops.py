@@ -12,7 +12,7 @@ from typing import Any
 from clockworkd.daemon_auth import Access, Caller, OpAccess
 from clockworkd.daemon_component import OpsContext
 from clockworkd.daemon_ops import OpSpec
-from clockworkd.protocol import GPUS
+from clockwork.contracts.daemon_wire import GPUS
 from clockworkd.registry import UnknownJobError
 
 __all__ = ["HealthOps"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clockworkd.gpuhealth.readings import GpuReading
-from clockworkd.gpuhealth.settings import HealthConfig, parse_actions, parse_xids
-from clockworkd.gpuhealth.signals import ACTION_RANK, SEVERITY, SIGNALS
+from clockwork.contracts.config.health import HealthConfig, parse_actions, parse_xids
+from clockwork.contracts.config.health_signals import ACTION_RANK, SEVERITY, SIGNALS
 
 LEVEL, STATE, EVENT = "level", "state", "event"
 

@@ -13,7 +13,7 @@ The GPU of a live rank, in order of trust:
 2. the rank's environment (``/proc/PID/environ``; the daemon runs as root): TorchPass binds a rank to
    ``cuda:LOCAL_RANK`` (``LOCAL_RANK`` unset = 0), which ``CUDA_VISIBLE_DEVICES`` maps to a GPU index or UUID
    when set. On the CPU sandbox, where nothing uses a GPU, this gives GPU index = local rank on the node (its
-   local index J of the node's G ranks under Slurm: :mod:`torchpass.node_ranks`).
+   local index J of the node's G ranks under Slurm: :mod:`torchpass.launch.node_ranks`).
 
 When neither answers, the rank's GPU is unknown: the watch warns the job but moves nothing.
 """

@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from clockworkd.lens import clockgraph, clockpair, wire
-from clockworkd.lens.model import NicId, nic_id, split_nic
+from clockwork.contracts.lens_model import NicId, nic_id, split_nic
 from linkpass.fabric import FabricMap
 
 log = logging.getLogger("clockwork.lens")

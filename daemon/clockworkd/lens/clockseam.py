@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from clockworkd.errors import ConfigError
+from clockwork.contracts.errors import ConfigError
 
 __all__ = ["ClockSeam", "ClockSeamError", "load_seams"]
 

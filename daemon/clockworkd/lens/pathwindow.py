@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from clockworkd.lens.model import NicId, PathStats, PathVerdict
+from clockwork.contracts.lens_model import NicId, PathStats, PathVerdict
 
 BASELINE_ALPHA = 0.05  # EWMA weight of one healthy window in a path's baseline
 TRAIN_STALE_S = 5.0  # a train older than this no longer says anything about the path

@@ -22,8 +22,8 @@ import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from clockworkd.lens import model
-from clockworkd.lens.model import LinkId, NicId
+from clockwork.contracts import lens_model as model
+from clockwork.contracts.lens_model import LinkId, NicId
 from clockworkd.lens.topology import Topology
 
 Plan = dict[NicId, tuple[NicId, ...]]

@@ -19,7 +19,7 @@ import numpy as np
 
 from clockworkd.lens import fastio
 from clockworkd.lens.clockseam import ClockSeam
-from clockworkd.lens.model import NicId, nic_id, split_nic
+from clockwork.contracts.lens_model import NicId, nic_id, split_nic
 from clockworkd.lens.pathwindow import PathWindow, Samples
 from clockworkd.lens.peers import Plan
 from linkpass.fabric import FabricMap

@@ -33,7 +33,7 @@ from clockworkd.lens.fastio import (
     R_SESSION,
     R_TX,
 )
-from clockworkd.lens.model import NicId
+from clockwork.contracts.lens_model import NicId
 from clockworkd.lens.pathwindow import file_blocks
 from clockworkd.lens.probepaths import ECHO_RING, LocalNic, ProbePaths
 

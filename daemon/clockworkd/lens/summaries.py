@@ -19,7 +19,7 @@ from typing import Any
 from clockworkd.lens import fastio, wire
 from clockworkd.lens.clockkeeper import ClockKeeper
 from clockworkd.lens.clockpair import PairEstimate
-from clockworkd.lens.model import NicId, PathStats, PathVerdict
+from clockwork.contracts.lens_model import NicId, PathStats, PathVerdict
 from clockworkd.lens.probepaths import LocalNic
 
 log = logging.getLogger("clockwork.lens")

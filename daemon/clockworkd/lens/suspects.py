@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from clockworkd.lens.model import Suspect, split_nic
-from clockworkd.lens.settings import LensConfig
+from clockwork.contracts.lens_model import Suspect, split_nic
+from clockwork.contracts.config.lens import LensConfig
 
 log = logging.getLogger("clockwork.lens")
 

@@ -29,8 +29,8 @@ from itertools import chain
 
 import numpy as np
 
-from clockworkd.lens import model
-from clockworkd.lens.model import NicId, PathVerdict, Suspect
+from clockwork.contracts import lens_model as model
+from clockwork.contracts.lens_model import NicId, PathVerdict, Suspect
 from clockworkd.lens.topology import Topology
 
 MIN_SHARE = 0.5  # a link with fewer bad than good probed paths through it is exonerated

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clockworkd.lens import model
-from clockworkd.lens.model import LinkId, NicId
+from clockwork.contracts import lens_model as model
+from clockwork.contracts.lens_model import LinkId, NicId
 from linkpass.fabric import FabricMap
 
 RAIL_SWITCH_PREFIX = "rail:"

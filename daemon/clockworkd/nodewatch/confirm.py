@@ -16,9 +16,9 @@ import socket
 import threading
 from collections.abc import Callable
 
-from clockworkd.client import DaemonClient
-from clockworkd.curve_keys import CurveKeys
-from clockworkd.errors import ClockworkError
+from clockwork.contracts.daemon_client import DaemonClient
+from clockwork.contracts.curve_keys import CurveKeys
+from clockwork.contracts.errors import ClockworkError
 from clockworkd.nodewatch.judge import Answer, Outcome, PeerView
 
 __all__ = ["ConfirmWorker", "PeerDirectory"]

@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from clockworkd.node_verdict import NodeVerdict
-from clockworkd.nodewatch.settings import NodeWatchConfig
+from clockwork.contracts.node_verdict import NodeVerdict
+from clockwork.contracts.config.nodewatch import NodeWatchConfig
 
 __all__ = ["Answer", "Judge", "Outcome", "PeerView", "Step", "outcome_of"]
 

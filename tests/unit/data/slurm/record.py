@@ -35,11 +35,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clockworkd.config import load_config
-from clockworkd.sandbox import processes
-from clockworkd.sandbox.cluster import Sandbox
-from clockworkd.slurm.backend import JobInfo
-from clockworkd.slurm.cli_backend import SACCT_FIELDS
+from clockwork.contracts.config import load_config
+from clockwork.sandbox import processes
+from clockwork.sandbox.cluster import Sandbox
+from clockwork.contracts.slurm.backend import JobInfo
+from clockwork.contracts.slurm.cli_backend import SACCT_FIELDS
 
 HERE = Path(__file__).resolve().parent
 LIVE_COMMENT = "clockwork: recorded live"

@@ -1,6 +1,0 @@
-"""Clockwork's configuration: schema (one dataclass per component) and loader (precedence, validation)."""
-
-from clockworkd.config.loader import DEFAULT_PATH, LoadedConfig, load_config, parse_assignment
-from clockworkd.config.schema import ClockworkConfig, sections
-
-__all__ = ["DEFAULT_PATH", "ClockworkConfig", "LoadedConfig", "load_config", "parse_assignment", "sections"]

@@ -1,0 +1,320 @@
+"""Rank and spare processes forked from a process that has already imported torch (the launcher's zygote).
+
+Why: ``import torch`` (with ``torch.distributed`` and the ``torch._dynamo`` that DDP pulls in) costs about
+5 s of CPU per process on a small node, every rank, every spare and every replacement. A local job with three
+ranks and two spares paid it five times at start and once more per failure, and a spare was only useful once
+it had paid it. The zygote pays it once: each process is then a ``fork`` (milliseconds) that runs the script
+as ``python SCRIPT ARGS`` (or ``python -m torchpass.transparent.bootstrap SCRIPT ARGS``) would, in a process whose
+pages it shares until they are written. PyTorch's own DataLoader forks workers after ``import torch`` the
+same way; nothing here initialises CUDA or starts a thread pool before the fork.
+
+The zygote (``python -m torchpass.launch.zygote FD MODULE...``, the modules it preloads) reads requests from a socket
+(one JSON line each: argv, environment, working directory), answers each with the child's pid, and reports
+each child's exit status as ``subprocess.Popen`` would (negative: killed by that signal). It dies with its
+launcher (``PR_SET_PDEATHSIG``) and exits when the launcher closes the socket, at once: the interpreter's own
+exit with torch loaded costs ~0.6 s that the launcher would wait for. The children die with it (they set the
+same on their parent).
+
+:class:`Zygote` is the launcher's side; :class:`ForkedProcess` the handle it gives out, with the part of
+``Popen``'s interface the launcher uses. This module imports torch only in the zygote process itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import logging
+import os
+import runpy
+import select
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+import setproctitle
+
+from torchpass.rank_env import die_with_parent
+
+__all__ = ["PRELOAD", "ForkedProcess", "Zygote", "ZygoteError"]
+
+log = logging.getLogger("clockwork.torchpass.zygote")
+
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo")  # what every rank imports anyway
+OPTIONAL = "--optional"  # on the zygote's command line: the modules after it may fail to import
+READY = "ready"
+START_TIMEOUT_S = 120.0  # the zygote's own import of torch on a loaded node
+
+
+class ZygoteError(RuntimeError):
+    """The zygote is not running (it failed to start, or died): the launcher starts processes itself."""
+
+
+# ----- the zygote process -------------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, doc: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(doc).encode() + b"\n")
+
+
+def _run_child(sock: socket.socket, request: dict[str, Any], zygote_pid: int) -> None:
+    """In the forked child: become ``python ARGV`` in the request's environment; never returns."""
+    sock.close()
+    die_with_parent(zygote_pid)  # fork cleared it: the child dies with the zygote, which dies with the launcher
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the handlers a fresh interpreter has
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    code = 1
+    try:
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        # sys.path was built from the zygote's PYTHONPATH at its start: add what the child's adds.
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[1:1] = extra
+        argv: list[str] = list(request["argv"])
+        # `ps` shows the command the child stands for, not the zygote's (its pages are the zygote's).
+        setproctitle.setproctitle(shlex.join([sys.executable, *argv]))
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    # What the interpreter does at exit, in its order: wait for non-daemon threads, run atexit callbacks.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
+    _exit_now(code & 0xFF)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Leave at once, streams flushed, without the interpreter's teardown (the children do the same)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(sock, {"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def serve(fd: int, preload: Sequence[str]) -> None:
+    """The zygote's loop (``python -m torchpass.launch.zygote FD MODULE...``)."""
+    die_with_parent()
+    # Before any child clears its environment: setproctitle finds its room (argv and environ) the first time.
+    named = " ".join(name for name in preload if name != OPTIONAL)
+    setproctitle.setproctitle(f"torchpass zygote (preloaded: {named or 'nothing'})")
+    sock = socket.socket(fileno=fd)
+    optional = False
+    for name in preload:
+        if name == OPTIONAL:
+            optional = True
+        elif not optional:
+            importlib.import_module(name)
+        else:
+            try:  # a framework the script imports: without it each child imports it itself (and fails there)
+                importlib.import_module(name)
+            except Exception as exc:
+                log.warning("zygote: preloading %s failed (%s); each process imports it itself", name, exc)
+    wake_r, wake_w = socket.socketpair()
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select through the wakeup fd
+    zygote_pid = os.getpid()
+    _send(sock, {"op": READY, "pid": zygote_pid})
+    buffer = b""
+    while True:
+        ready, _, _ = select.select([sock, wake_r], [], [])
+        if wake_r in ready:
+            wake_r.recv(4096)
+        _reap(sock)
+        if sock not in ready:
+            continue
+        data = sock.recv(1 << 16)
+        if not data:
+            # The launcher closed its end: the job is over. The zygote holds nothing to clean up, and a normal
+            # interpreter exit with torch (and a framework) loaded takes ~0.6 s of CPU that the launcher waits for.
+            _exit_now(0)
+        buffer += data
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                wake_r.close()
+                wake_w.close()
+                _run_child(sock, request, zygote_pid)
+            _send(sock, {"op": "started", "id": request["id"], "pid": pid})
+
+
+# ----- the launcher's side ------------------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A process the zygote forked: ``pid``, ``returncode``, ``poll``, ``wait``, ``terminate``, ``kill``."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self.zygote = zygote
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.zygote.pump(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            if not self.zygote.pump(left) and self.returncode is None:
+                raise ZygoteError(f"the zygote died before reporting pid {self.pid}")
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """Starts ``python -m torchpass.launch.zygote`` and asks it for processes (from one thread only)."""
+
+    def __init__(
+        self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD, optional: Sequence[str] = ()
+    ) -> None:
+        ours, theirs = socket.socketpair()
+        self.sock = ours
+        self.proc = subprocess.Popen(
+            [python, "-m", "torchpass.launch.zygote", str(theirs.fileno()), *preload, OPTIONAL, *optional],
+            env=dict(env),
+            pass_fds=(theirs.fileno(),),
+        )
+        theirs.close()
+        self.children: dict[int, ForkedProcess] = {}
+        self._exited: dict[int, int] = {}  # exit reports that came before their "started" answer
+        self._answers: dict[int, int] = {}
+        self._buffer = b""
+        self._next_id = 0
+        self.alive = True
+        ready = self._next_message(START_TIMEOUT_S)
+        if ready is None or ready.get("op") != READY:
+            self.close()
+            raise ZygoteError(f"the zygote did not start (exit status {self.proc.poll()})")
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> ForkedProcess:
+        """A new process running ``python ARGV`` (without the interpreter) in ``env``."""
+        if not self.alive:
+            raise ZygoteError("the zygote is not running")
+        request_id = self._next_id
+        self._next_id += 1
+        try:
+            _send(self.sock, {"id": request_id, "argv": list(argv), "env": dict(env), "cwd": os.getcwd()})
+        except OSError as exc:
+            self.alive = False
+            raise ZygoteError(f"the zygote is gone: {exc}") from None
+        while request_id not in self._answers:
+            if not self.pump(START_TIMEOUT_S):
+                raise ZygoteError("the zygote died while starting a process")
+        child = ForkedProcess(self, self._answers.pop(request_id))
+        child.returncode = self._exited.pop(child.pid, None)
+        self.children[child.pid] = child
+        return child
+
+    def pump(self, timeout: float | None) -> bool:
+        """Read what the zygote said within ``timeout`` seconds; False once it is gone."""
+        message = self._next_message(timeout)
+        while message is not None:
+            if message.get("op") == "started":
+                self._answers[int(message["id"])] = int(message["pid"])
+            elif message.get("op") == "exited":
+                pid, code = int(message["pid"]), int(message["code"])
+                child = self.children.get(pid)
+                if child is None:
+                    self._exited[pid] = code
+                else:
+                    child.returncode = code
+            message = self._next_message(0)
+        return self.alive
+
+    def _next_message(self, timeout: float | None) -> dict[str, Any] | None:
+        while b"\n" not in self._buffer:
+            if not self.alive:
+                return None
+            ready, _, _ = select.select([self.sock], [], [], timeout)
+            if not ready:
+                return None
+            data = self.sock.recv(1 << 16)
+            if not data:
+                self._on_death()
+                return None
+            self._buffer += data
+            timeout = 0
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        doc = json.loads(line)
+        return doc if isinstance(doc, dict) else None
+
+    def _on_death(self) -> None:
+        self.alive = False
+        code = self.proc.wait()
+        log.warning("the zygote exited with %s", code)
+        for child in self.children.values():  # its children died with it (PR_SET_PDEATHSIG)
+            if child.returncode is None:
+                child.returncode = -signal.SIGKILL
+
+    def close(self) -> None:
+        """End the zygote (its remaining children die with it)."""
+        self.alive = False
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,404 @@
+"""Sharded training (FSDP2 and HSDP) under TorchPass: the model-aware wrapper and how its shards move.
+
+``ctx.wrap_fsdp(model, mesh_shape=(R, S), shard=...)`` runs ``fully_shard`` as the user would, on the
+submodules named by ``shard`` (deepest first) and then on the root, over the
+:class:`~torch.distributed.device_mesh.DeviceMesh` TorchPass owns (:mod:`torchpass.sharded.shard_mesh`): R replicas
+of a model cut into S shards, slot ``r * S + s`` holding shard ``s`` of replica ``r``; ``R = 1`` is pure FSDP.
+``fully_shard``'s own options (``mp_policy``, ``reshard_after_forward``, ``offload_policy``, ...) pass
+through. Optimizers over the sharded (DTensor) parameters, LR schedulers, ``clip_grad_norm_`` over DTensors and
+mixed precision then work as under plain FSDP2.
+
+The plan is replayed, not rebuilt: a newcomer runs the script, which calls ``wrap_fsdp`` with the same
+arguments, so its modules are sharded exactly as the dead rank's were (the shard is a function of the slot,
+which it takes over). Survivors keep their FSDP modules across a recovery; only the mesh's groups are formed
+again (:meth:`torchpass.sharded.shard_mesh.MeshGroups.bind`, from :meth:`ShardTransport.form`).
+
+What moves (:class:`ShardTransport`): the state of slot (r, s) is *part* ``s``: its local shards of every
+parameter and of every piece of optimizer state, plus what is not sharded (the step, LR schedulers, grad
+scalers, registered objects, buffers). A newcomer in (r, s) receives part ``s`` from a live holder (r', s) of
+the most advanced step. Pure FSDP keeps a copy of every shard in its ring neighbours' host memory
+(:mod:`torchpass.sharded.peer_copy`; ``peer_copies``, ``peer_copy_every_steps``): a newcomer gets its shard from one,
+and when that copy is older than the committed step every rank rolls back to it in memory. HSDP keeps such copies
+too with ``peer_copies_in_hsdp`` (each replica's row is its ring): the plan still takes a shard from a live replica
+while one is left, and from a copy, rolling back the same way, once every holder of it died at once. When no
+member holds part ``s`` at any step every other part is held at (every holder lost without copies, or a shard and
+its copies), nothing is invented: the job stops with that reason (:class:`torchpass.rank.transfer_plan.StateLost`),
+which names the newest snapshot to restart from (or says that snapshots are off). Snapshots hold every shard, each
+written by one of its holders, and a restore gives slot (r, s) shard s (:mod:`torchpass.snapshot`).
+
+Buffers are not synchronised by FSDP2: a buffer a forward pass updates (BatchNorm's running statistics) then
+differs per rank, and a replica's copy is not the dead rank's. ``wrap_fsdp`` warns about such modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from torchpass.rank.backends import CommBackend
+from torchpass.config import TorchPassConfig
+from torchpass.errors import TorchPassError
+from torchpass.events import EventSink
+from torchpass.sharded.peer_copy import PeerCopies
+from torchpass.rank_env import LaunchEnv
+from torchpass.rank.rejoin import ProcessGroupTransport
+from torchpass.rank.replica_check import ReplicaNet
+from torchpass.sharded.shard_mesh import MeshGroups
+from torchpass.rank.state import StateError, StateParts
+from torchpass.rank.step import StepLifecycle
+from torchpass.rank.torch_compat import check_fsdp_internals
+from torchpass.rank.transfer_plan import Holdings, ShardedReplicas
+
+__all__ = [
+    "LifecycleGuard",
+    "ShardHost",
+    "ShardPlan",
+    "ShardSpec",
+    "ShardTransport",
+    "ShardedState",
+    "sharded_modules",
+]
+
+log = logging.getLogger("clockwork.torchpass.fsdp")
+
+# What ``shard=`` may be: module classes, a predicate on (qualified name, module), or the modules themselves.
+ShardSpec = type | tuple[type, ...] | Callable[[str, nn.Module], bool] | Iterable[nn.Module]
+
+
+class LifecycleGuard:
+    """The mesh proxies' guard (:class:`torchpass.sharded.shard_mesh.StepGuard`) over the rank's step lifecycle: the
+    same rules as the DDP hook and ``ctx.all_reduce`` (before the update a failure abandons the step; after it the
+    step commits and the rank recovers right after)."""
+
+    def __init__(self, lifecycle: StepLifecycle) -> None:
+        self.lifecycle = lifecycle
+
+    def protecting(self) -> bool:
+        """Inside ``ctx.steps`` (the step counter is -1 before the first step and after the last)."""
+        return self.lifecycle.step >= 0
+
+    def admit(self) -> bool:
+        """Whether a collective may start (see :meth:`torchpass.rank.step.StepLifecycle.collective_allowed`)."""
+        lifecycle = self.lifecycle
+        if lifecycle.updated:
+            if lifecycle.failed_after_update or lifecycle.stale():
+                lifecycle.fail_after_update("a newer generation was announced after the step's update")
+                return False
+            return True
+        return lifecycle.collective_allowed()
+
+    def failed(self, error: BaseException | str) -> None:
+        """Abandon the step, or after its update commit it and recover right after."""
+        lifecycle = self.lifecycle
+        if lifecycle.updated:
+            lifecycle.fail_after_update(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+        else:
+            lifecycle.abandon(error)
+
+
+class ShardPlan:
+    """How one job shards its model: the mesh's shape, which submodules get their own ``fully_shard``, and
+    ``fully_shard``'s options. Applied once per process (:meth:`apply`), identically on every slot."""
+
+    def __init__(self, shape: ShardedReplicas, shard: ShardSpec | None, options: dict[str, Any]) -> None:
+        reserved = sorted({"mesh"} & set(options))
+        if reserved:
+            raise TypeError("ctx.wrap_fsdp builds the mesh itself (mesh_shape=...); do not pass mesh=")
+        self.shape = shape
+        self.shard = shard
+        self.options = options
+
+    def apply(self, model: nn.Module, groups: MeshGroups) -> list[str]:
+        """``fully_shard`` the chosen submodules (deepest first) and then the root; the names sharded."""
+        if isinstance(model, FSDPModule):
+            raise TypeError("the model is already sharded: give ctx.wrap_fsdp the plain module")
+        chosen = sharded_modules(model, self.shard)
+        with groups.before_first_generation():
+            for _, module in chosen:
+                fully_shard(module, mesh=groups.mesh, **self.options)
+            fully_shard(model, mesh=groups.mesh, **self.options)
+        warn_unsynchronised_buffers(model, self.shape.replicas)
+        return [name for name, _ in chosen] + [""]
+
+
+class ShardHost(Protocol):
+    """What sharding a model needs from the rank (:class:`torchpass.rank.context.Context` provides it)."""
+
+    @property
+    def slot(self) -> int:
+        """This rank's slot: its coordinates in the mesh."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """The job's slots."""
+        ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where the collectives run (the mesh's device type)."""
+        ...
+
+    @property
+    def lifecycle(self) -> StepLifecycle:
+        """The step in progress: what the mesh's collectives consult and report failures to."""
+        ...
+
+    @property
+    def config(self) -> TorchPassConfig:
+        """The job's settings (snapshots, buffer copies, peer copies)."""
+        ...
+
+    @property
+    def env(self) -> LaunchEnv:
+        """How the launcher started this rank (its address: where peer copies are sent to it)."""
+        ...
+
+    @property
+    def log(self) -> logging.LoggerAdapter:  # type: ignore[type-arg]
+        """The rank's logger."""
+        ...
+
+    @property
+    def event_sink(self) -> EventSink | None:
+        """Where the rank's events go."""
+        ...
+
+    def on_committed_state(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(step)`` after each committed step, once the step's state is final (after the script's
+        own ``on_commit`` callbacks, whose changes to registered state belong to the step)."""
+        ...
+
+
+class ShardedState:
+    """The mesh TorchPass owns for a job's sharded model, on one rank, and how this rank's shard moves: made once
+    per job (``ctx.wrap_fsdp``, or transparent mode's ``init_device_mesh``). Its mesh groups are guarded by the
+    rank's step lifecycle; ``parts`` (the rank's state) gets the mesh, which received optimizer state is rebuilt
+    over, and the name of this rank's shard; :meth:`adopt` makes a ``fully_shard``-ed module the state's model."""
+
+    def __init__(
+        self, shape: ShardedReplicas, host: ShardHost, parts: StateParts, names: tuple[str, ...] | None = None
+    ) -> None:
+        if shape.world_size != host.world_size:
+            raise TorchPassError(f"a {shape} mesh needs {shape.world_size} ranks; the job has {host.world_size}")
+        self.host = host
+        self.groups = MeshGroups(shape, host.slot, host.device.type, flat=shape.replicas == 1, names=names)
+        self.groups.guard = LifecycleGuard(host.lifecycle)
+        self.layout = shape
+        self.parts = parts
+        parts.mesh = self.groups.mesh
+        parts.label = shape.part_name(shape.coordinate(host.slot)[1])
+        self.peers: PeerCopies | None = None
+        # Pure FSDP keeps peer copies unless peer_copies = 0; HSDP only on request (its replicas hold every shard)
+        wanted = shape.replicas == 1 or host.config.peer_copies_in_hsdp
+        copies = host.config.peer_copies if wanted and shape.shards > 1 else 0
+        self.part_layout = dataclasses.replace(shape, peer_copies=copies)  # what the generations' plan sees
+        if copies:
+            self.peers = PeerCopies(host.config, host.slot, shape.shards, host.env.host, host.log, host.event_sink)
+            host.lifecycle.before_update_hooks.append(self.peers.before_update)
+            host.on_committed_state(self._after_commit)
+
+    def _after_commit(self, step: int) -> None:
+        """A round of peer copies after every K-th commit (a snapshot's rule: step + 1 divisible by K); with
+        ``peer_copy_sync`` the round ran before the commit (:meth:`ShardTransport.copied_everywhere`)."""
+        if self.peers is not None and self.peers.due(step) and not self.peers.sync:
+            self.peers.capture(self.parts, step)
+
+    def adopt(self, model: nn.Module) -> None:
+        """``model`` (sharded over this mesh: the outermost ``fully_shard``-ed module) is the job's model: its
+        state moves and its buffers roll back with an abandoned step."""
+        check_fsdp_internals(model)
+        self.parts.model = model
+        self.host.lifecycle.watch_zero_grad(model)
+        self.host.lifecycle.track_model(list(model.buffers()) if self.host.config.snapshot_buffers else [], None)
+        log.info("model sharded over a %s mesh (slot %d: %s)", self.layout, self.host.slot, self.parts.label)
+
+    def transport(self, backend: CommBackend, chunk_bytes: int, net: ReplicaNet | None = None) -> ShardTransport:
+        """How this rank's shard moves (:class:`ShardTransport`), over ``backend``'s generations (``net``: checking
+        every transfer)."""
+        transport = ShardTransport(backend, self.groups, self.parts, chunk_bytes, self.peers, net)
+        if self.peers is not None:
+            self.host.lifecycle.commit_checks.append(transport.copied_everywhere)
+        return transport
+
+
+def sharded_modules(model: nn.Module, shard: ShardSpec | None) -> list[tuple[str, nn.Module]]:
+    """The submodules ``shard`` names (not the root), deepest first, as ``fully_shard`` must see them."""
+    if shard is None:
+        return []
+    named = [(name, module) for name, module in model.named_modules() if name]
+    if isinstance(shard, type) or (isinstance(shard, tuple) and all(isinstance(t, type) for t in shard)):
+        chosen = [(name, module) for name, module in named if isinstance(module, shard)]
+    elif callable(shard) and not isinstance(shard, nn.Module):
+        chosen = [(name, module) for name, module in named if shard(name, module)]
+    else:
+        wanted = {id(module) for module in shard}  # type: ignore[union-attr]
+        chosen = [(name, module) for name, module in named if id(module) in wanted]
+        if len(chosen) != len(wanted):
+            raise ValueError("shard= names modules that are not submodules of the model")
+    depth = {name: name.count(".") for name, _ in chosen}
+    return sorted(reversed(chosen), key=lambda item: -depth[item[0]])
+
+
+def unsynchronised_buffers(model: nn.Module, replicas: int) -> str:
+    """Why the model's buffers are not protected ("" when they are). A buffer that a forward pass updates
+    (BatchNorm's running statistics) differs per rank under FSDP2, which does not synchronise buffers. Pure FSDP
+    rebuilds a rank from its own state (a peer copy, or the shard a migrating rank hands over), so its statistics
+    come back exactly; HSDP rebuilds it from another replica's rank, whose statistics are that rank's own."""
+    tracking = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+    if not tracking or replicas == 1:
+        return ""
+    return (
+        f"{len(tracking)} module(s) with running statistics ({', '.join(tracking[:3])}): FSDP2 does not "
+        "synchronise buffers, so each rank's statistics are its own, and a rank rebuilt from another replica gets "
+        "that replica's statistics, not its own (its weights and optimizer state are exact)"
+    )
+
+
+def warn_unsynchronised_buffers(model: nn.Module, replicas: int) -> None:
+    """Warn when :func:`unsynchronised_buffers` finds buffers a replica cannot stand in for."""
+    why = unsynchronised_buffers(model, replicas)
+    if why:
+        warnings.warn(why, stacklevel=3)
+
+
+class ShardTransport(ProcessGroupTransport):
+    """The state transport of a sharded model (:class:`torchpass.rank.rejoin.StateTransport`): DDP's, over the
+    generation's default group, with the mesh's groups formed beside it and the rank's own shard as its only
+    part (part ``s`` for slot (r, s)). Same wire as DDP's (:func:`torchpass.rank.state.send_state`): each DTensor
+    travels as its local shard and lands straight in the live parameters."""
+
+    def __init__(
+        self,
+        backend: CommBackend,
+        groups: MeshGroups,
+        parts: StateParts,
+        chunk_bytes: int,
+        peers: PeerCopies | None = None,
+        net: ReplicaNet | None = None,
+    ) -> None:
+        self.shard = groups.shape.coordinate(groups.slot)[1]
+        super().__init__(backend, {self.shard: parts}, chunk_bytes, net)
+        self.groups = groups
+        self.peers = peers
+        self.live: int | None = None  # the step of this rank's live shard, as last reported
+        self.depth = peers.depth if peers is not None else 0
+
+    def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
+        """The generation's default group, then its mesh groups, which the proxies forward to from now on. (A
+        migration's two-member group, in a job of two ranks, binds them too: harmless, the next generation
+        binds again before any collective of the model runs.)"""
+        super().form(store, rank, world_size, generation, skip_ports)
+        if world_size == self.groups.shape.world_size:
+            self.groups.bind(generation, self.backend.new_subgroup)
+            if self.peers is not None:  # where each slot's peer copies go in this generation
+                host, port = self.peers.address
+                store.set(f"peercopy/{rank}", f"{host} {port}")
+                listeners = {}
+                for slot in range(world_size):
+                    peer_host, peer_port = store.get(f"peercopy/{slot}").decode().split()
+                    listeners[slot] = (peer_host, int(peer_port))
+                self.peers.set_peers(listeners)
+
+    def held(self, has_state: bool, committed: int) -> Holdings:
+        """This rank's shard at ``committed`` (or nothing); no other part."""
+        self.live = committed if has_state else None
+        if self.peers is not None:  # and the peer copies it keeps (frozen until the transfers are done)
+            self.peers.freeze()
+            return self.peers.holdings(has_state, committed)
+        steps: list[int | None] = [None] * self.groups.shape.shards
+        steps[self.shard] = committed if has_state else None
+        return Holdings(tuple(steps))
+
+    def send_part(self, part: int, committed: int, peer: int) -> int:
+        """This rank's shard (at ``committed``) to ``peer``; the bytes sent."""
+        copy = self.peers.copy_of(part, committed) if self.peers is not None else None
+        if part == self.shard and (self.live == committed or copy is None):  # live (a fresh start's too)
+            return super().send_part(part, committed, peer)
+        if self.peers is not None and copy is not None:
+            return self.peers.send_copy(part, committed, peer, self.backend.device, self.chunk_bytes)
+        raise StateError(f"asked to send shard {part} at step {committed}; this rank holds no such copy")
+
+    def recv_part(self, part: int, peer: int) -> tuple[int, int]:
+        """This rank's shard from ``peer``, into the live parameters; (committed step, bytes)."""
+        if part != self.shard:
+            raise StateError(f"asked to receive shard {part}; this rank holds shard {self.shard}")
+        received = super().recv_part(part, peer)
+        self.live = received[0]
+        return received
+
+    def restore_part(self, part: int, step: int) -> int:
+        """Roll this rank's shard back to its own peer copy of ``step`` (in place)."""
+        if self.peers is None or part != self.shard:
+            raise StateError(f"no copy of shard {part} at step {step} is kept here")
+        parts = self.parts[part]
+        check = self.net.checker(parts, "this rank's own copy") if self.net is not None else None
+        with torch.no_grad():
+            loaded = self.peers.restore(parts, step, self.backend.device, check)
+        self.live = step
+        return loaded
+
+    def copied_everywhere(self, step: int, failed_after_update: str) -> str:
+        """``peer_copy_sync``'s condition of a commit: every rank's copy of ``step`` acknowledged by its neighbours,
+        which a vote of all ranks (the minimum of one integer each) establishes. Otherwise (a rank died, a copy
+        was refused, a collective failed after the update) this rank's update is undone from its own copy of
+        the step before, and the reason returned: the step is redone, and no committed step ever is. The vote
+        runs on the generation's default group, which a newer generation's announcement aborts."""
+        if self.peers is None or not self.peers.sync:
+            return ""  # the copies overlap the next step (the commit hook starts them)
+        reason = failed_after_update or self._vote(step)
+        if reason:
+            with torch.no_grad():
+                self.peers.restore(self.parts[self.shard], step - 1, self.backend.device)
+            self.live = step - 1
+        return reason
+
+    def done(self, step: int) -> None:
+        """Keep neighbours' copies again (dropping any of steps after ``step``: a future computed again), and
+        capture this rank's shard at once when it has no copy of it yet (a fresh start, a newcomer) or when a
+        newcomer is now among its neighbours. Without that round the newcomer held no copy of this shard until
+        the next commit's round, and losing this rank before it (a second kill right after a recovery) left no
+        member holding the shard: the job stopped where it could have recovered (fuzzer seed 500076)."""
+        if self.peers is None:
+            return
+        self.peers.thaw(step)
+        if not self.peers.has_own_copy() or self.peers.ring_changed():
+            self.peers.wait_sent(self.peers.timeout_s)  # a round to the old neighbours (a dead one fails at once)
+            self.peers.capture(self.parts[self.shard], step)
+
+    def held_everywhere(self, step: int) -> str:
+        """After ``step`` committed: every rank's copy of it acknowledged by this generation's neighbours, which
+        a vote of all ranks (the minimum of one integer each) establishes; the reason when not. Transparent mode
+        asks this where a pass over the data ends: a survivor that left the pass cannot redo its last step, so
+        no later recovery may roll back before it (:meth:`torchpass.transparent.session.Session.next_batch`)."""
+        if self.peers is None:
+            return ""
+        return self._vote(step)
+
+    def _vote(self, step: int) -> str:
+        acknowledged = self.peers is not None and self.peers.copy_now(self.parts[self.shard], step)
+        flag = torch.tensor([int(acknowledged)], dtype=torch.int32, device=self.backend.device)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        except Exception as exc:
+            return f"the vote on the peer copies of step {step} failed: {type(exc).__name__}: {exc}"
+        return "" if int(flag.item()) else f"a peer copy of step {step} was not acknowledged by the neighbours"
+
+    def leave(self) -> None:
+        """Destroy the generation's groups (the mesh's with them)."""
+        self.groups.unbind()
+        if self.peers is not None:
+            self.peers.thaw()
+        super().leave()
