@@ -48,7 +48,7 @@ system-packages:
 $(STAMP): pyproject.toml setup.py $(wildcard daemon/clockworkd/lens/csrc/*.[ch])
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[torch,dev,frameworks]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[node,torch,dev,frameworks]'
 	@$(VENV)/bin/python -c 'import torch; assert torch.__version__.startswith("2.13.0"), torch.__version__'
 	@touch $@
 

@@ -26,10 +26,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clockwork.contracts.config.schema import SandboxConfig
-from clockworkd.lens.clockseam import ClockSeam
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.sandbox.cluster import Sandbox
 from clockwork.sandbox.daemons import NodeDaemons
+from clockworkd.lens.clockseam import ClockSeam
 
 GOAL_P99_US = 20.0
 

@@ -33,12 +33,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from clockwork.contracts.config.schema import SandboxConfig
-from clockworkd.lens.prober import DRAIN_EVERY_S
-from clockworkd.lens.wire import PROBE_BYTES
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.sandbox.cluster import Sandbox
 from clockwork.sandbox.daemons import NodeDaemons
 from clockwork.sandbox.shell import in_netns
+from clockworkd.lens.prober import DRAIN_EVERY_S
+from clockworkd.lens.wire import PROBE_BYTES
 
 GOAL_PCT = 3.0
 TICK = os.sysconf("SC_CLK_TCK")

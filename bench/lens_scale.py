@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from clockworkd.lens import peers
 from clockwork.contracts.lens_model import LinkId, NicId, PathVerdict, Suspect
+from clockworkd.lens import peers
 from clockworkd.lens.tomography import Localizer
 from clockworkd.lens.topology import Topology
 

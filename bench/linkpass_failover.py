@@ -52,7 +52,7 @@ from support.owned_processes import Procs
 from support.step_stalls import fmt_ms, ms, percentile
 
 from clockwork.contracts.config import load_config
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.sandbox.cluster import Sandbox
 
 SCENARIO_NAMES = {"link": "link down", "port": "port down", "blackhole": "blackhole"}

@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.sandbox.cluster import Sandbox
 
 

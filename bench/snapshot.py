@@ -56,8 +56,8 @@ from torch import nn
 from clockwork.contracts.atomic_file import fsync_file
 from clockwork.contracts.snapshots.store import list_snapshots
 from torchpass.config import TorchPassConfig
-from torchpass.snapshot import Snapshotter, restore
 from torchpass.rank.state import StateParts
+from torchpass.snapshot import Snapshotter, restore
 
 LOG = logging.LoggerAdapter(logging.getLogger("bench.snapshot"), {})
 

@@ -14,8 +14,8 @@ import logging
 import os
 from pathlib import Path
 
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.config import load_config
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import ClockworkError
 from clockwork.contracts.logging_setup import configure_logging

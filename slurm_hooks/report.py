@@ -63,7 +63,8 @@ def summary(report: dict[str, Any], path: Path) -> str:
 
 
 def write(report: dict[str, Any], reports_dir: Path) -> Path:
-    """Write atomically (:mod:`clockwork.contracts.atomic_file`): a reader never sees half a report, nor a crash an empty one."""
+    """Write atomically (:mod:`clockwork.contracts.atomic_file`): a reader never sees half a report, nor a crash an
+    empty one."""
     reports_dir.mkdir(parents=True, exist_ok=True)
     path = reports_dir / f"{report['job_id']}.json"
     atomic_file.write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")

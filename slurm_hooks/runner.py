@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from clockwork.contracts.borrow_comments import with_borrowed
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.config import LoadedConfig, load_config
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import ClockworkError
 from clockwork.contracts.job_options import SpareMode

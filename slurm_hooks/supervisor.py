@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from clockwork.contracts.config.core import DaemonConfig
 from clockwork.contracts.daemon_client import DaemonClient
-from clockwork.contracts.config.schema import DaemonConfig
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import DaemonError, DaemonUnavailableError
 from clockwork.contracts.instance_lock import running_pid

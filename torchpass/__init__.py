@@ -1,6 +1,7 @@
 """TorchPass: a failed rank costs seconds, not a rollback.
 
-The training-side library of Clockwork (the only package that imports torch). In a training script::
+The training-side library of Clockwork (the only package that imports torch, and only in its ``rank``,
+``sharded``, ``transparent``, ``frameworks``, ``snapshot`` and ``rollout`` subpackages). In a training script::
 
     import torchpass as tp
 
@@ -23,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torchpass.config import ConfigError, TorchPassConfig
-    from torchpass.rank.context import Context, init
-    from torchpass.rank.data import StepLoader
     from torchpass.errors import TorchPassError
     from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink
+    from torchpass.rank.context import Context
+    from torchpass.rank.data import StepLoader
+    from torchpass.rank.start import init
 
 __all__ = [
     "ConfigError",
@@ -45,7 +47,7 @@ _WHERE = {
     "TorchPassConfig": "torchpass.config",
     "Context": "torchpass.rank.context",
     "TorchPassError": "torchpass.errors",
-    "init": "torchpass.rank.context",
+    "init": "torchpass.rank.start",
     "StepLoader": "torchpass.rank.data",
     "DaemonEventSink": "torchpass.events",
     "EventSink": "torchpass.events",

@@ -22,8 +22,8 @@ from typing import Any
 
 import click
 
-from clockwork.contracts.invoke import invoke
 from clockwork.contracts.coordinator_client import COORDINATOR_HELP, ask_leader, local_record
+from clockwork.contracts.invoke import invoke
 from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError
 from torchpass.auth import JobKeyError
 from torchpass.config import ConfigError, TorchPassConfig, environment_settings

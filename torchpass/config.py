@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clockwork.contracts.config.fields import FieldValueError, coerce, setting
+from clockwork.contracts.errors import ConfigError
 
 __all__ = ["ENV_CONFIG", "ConfigError", "TorchPassConfig", "environment_settings", "parse_duration"]
 
@@ -60,10 +61,6 @@ def environment_settings(environ: Mapping[str, str] | None = None) -> dict[str, 
     if env.get(SNAPSHOT_DIR_VARIABLE):
         out["snapshot_dir"] = env[SNAPSHOT_DIR_VARIABLE]
     return out
-
-
-class ConfigError(ValueError):
-    """A configuration value or key is wrong; the message names the key and what is allowed."""
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ A sink is any callable ``sink(kind, fields)``. The coordinator calls its sink fo
 (``torchpass.generation``, ``torchpass.member_failed``, ``torchpass.recovered``, ``torchpass.migrated``,
 ...); each rank calls its own for what it sees locally (``torchpass.step_abandoned``, ``torchpass.joined``,
 ...). Sinks are called synchronously but never allowed to break training: a raising sink is logged and
-ignored. The daemon sink talks to ``clockworkd`` through its client only, imported lazily. TorchPass uses only
-clockworkd's torch-free client-side modules, never the daemon itself (tests/unit/test_code_rules.py lists them).
+ignored. The daemon sink talks to ``clockworkd`` through its client only
+(:mod:`clockwork.contracts.daemon_client`), imported lazily. TorchPass imports of Clockwork only
+``clockwork.contracts``, never the daemon itself (tests/unit/test_code_rules.py).
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class DaemonEventSink:
 
     Where the daemon listens: ``control_socket`` when given (a node agent resolves it once and passes it to its
     ranks), else Clockwork's configuration (``config_path``, else ``$CLOCKWORK_CONFIG``) through
-    :meth:`clockwork.contracts.daemon_client.DaemonClient.for_this_node`: TorchPass reads no Clockwork configuration itself.
+    :meth:`clockwork.contracts.daemon_client.DaemonClient.for_this_node`: TorchPass reads no Clockwork configuration
+    itself.
 
     Posting happens on a background thread with a bounded queue: the coordinator emits events in the middle
     of a recovery and must never wait for its own telemetry. While the daemon is unreachable (or refuses, e.g.

@@ -2,8 +2,8 @@
 
 Plain data, no torch, so the launcher and the node agents stay light. The messages ranks, coordinator and
 command line exchange are :mod:`clockwork.contracts.coordinator_wire`'s and the two message modules beside it
-(:mod:`clockwork.contracts.coordinator_requests`, :mod:`clockwork.contracts.coordinator_replies`): one definition for TorchPass and
-the daemon.
+(:mod:`clockwork.contracts.coordinator_requests`, :mod:`clockwork.contracts.coordinator_replies`): one definition for
+TorchPass and the daemon.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ ENV_LOCAL = "TORCHPASS_LOCAL"  # "1": local launcher; the rank dies with it (PR_
 ENV_AGENT = "TORCHPASS_AGENT"  # Slurm mode: index of the node agent that started this process (it dies with it)
 ENV_GLOO_HOST = "TORCHPASS_GLOO_HOST"  # Slurm mode: the address gloo's device binds to (the node's address)
 ENV_DAEMON_SOCKET = "TORCHPASS_DAEMON_SOCKET"  # the node daemon's control socket, for rank events ('' = none)
-TRANSPARENT_MODULE = "torchpass.transparent"  # the rank bootstrap of model-transparent mode
+TRANSPARENT_MODULE = "torchpass.transparent.bootstrap"  # the rank bootstrap of model-transparent mode
 
 
 def rank_argv(python: str, script: str, script_args: list[str], *, transparent: bool) -> list[str]:

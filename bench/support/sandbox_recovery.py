@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.sandbox.cluster import Sandbox
 
 WORKLOAD = Path(__file__).resolve().with_name("torchpass_workload.py")

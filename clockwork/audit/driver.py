@@ -28,8 +28,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from clockwork.contracts.config.audit import AuditConfig
 from clockwork.audit.worker import ENV_DRIVER, ENV_KEY
+from clockwork.contracts.config.audit import AuditConfig
 from clockwork.contracts.errors import ClockworkError
 from clockwork.contracts.jobkey import JobKey
 

@@ -12,7 +12,7 @@ import time
 from html import escape
 from typing import Any
 
-from clockwork.cli.lens_render import natural_key
+from clockwork.contracts.lens_view import natural_key
 
 GREEN, YELLOW, RED, GREY = (44, 160, 44), (255, 191, 0), (214, 39, 40), (224, 224, 224)
 CELL_W, CELL_H, LABEL_W, HEAD_H = 58, 30, 70, 46

@@ -10,8 +10,8 @@ import logging
 from typing import Any
 
 from clockwork.audit.measure import nic_facts
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.config.schema import ClockworkConfig
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.errors import ClockworkError
 from linkpass import sysctls
 

@@ -15,8 +15,8 @@ from collections import defaultdict
 from statistics import median
 from typing import Any
 
+from clockwork.contracts import lens_view
 from clockwork.contracts.config.audit import AuditConfig
-from clockwork.cli import lens_render as render
 
 UP, DOWN = "uplink", "downlink"
 CHECKS = (
@@ -285,7 +285,7 @@ def judge(raw: dict[str, Any], cfg: AuditConfig) -> dict[str, Any]:
     # A link that is slow to cross delays every frame, so it raises the floor of each window (its fastest
     # probe); a busy receiver delays some probes in its own scheduler, which moves the median but seldom the
     # floor. Delay is judged on the floor (the median where a daemon reports no floor); the matrix shows medians.
-    merged = render.merge((rep.get("daemon") or {}).get("lens_snapshot") for rep in reports.values())
+    merged = lens_view.merge((rep.get("daemon") or {}).get("lens_snapshot") for rep in reports.values())
     owd: dict[tuple[str, str], float] = {}
     owd_floor: dict[tuple[str, str], float] = {}
     for (src, dst), path in merged.paths.items():

@@ -18,9 +18,9 @@ import zmq
 
 from clockwork.audit import drill, measure
 from clockwork.audit.node_checks import node_report
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.config import load_config
-from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.config.core import DaemonConfig
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import expand, local_node_name
 from clockwork.contracts.errors import ClockworkError
 from clockwork.contracts.jobkey import JobKey

@@ -16,11 +16,12 @@ from typing import Any
 import click
 from rich.console import Console
 
+from clockwork.cli import lens_render as render
 from clockwork.cli.context import CliContext, pass_ctx
+from clockwork.contracts import lens_view
 from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import expand, local_node_name
 from clockwork.contracts.errors import ClockworkError, DaemonUnavailableError
-from clockwork.cli import lens_render as render
 from linkpass.fabric import FabricError, FabricMap
 
 METRICS = ("p50", "min", "p99", "loss", "rtt")
@@ -37,7 +38,7 @@ def _candidates(state: CliContext, nodes: tuple[str, ...]) -> list[str]:
         fabric = FabricMap.load(expand(loaded.linkpass.fabric_file, here))
     except FabricError:
         return [here]
-    return sorted(fabric.nodes, key=render.natural_key)
+    return sorted(fabric.nodes, key=lens_view.natural_key)
 
 
 def collect(state: CliContext, nodes: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -94,7 +95,7 @@ def lens() -> None:
 @pass_ctx
 def suspects(state: CliContext, nodes: tuple[str, ...], as_json: bool) -> None:
     """The links (or switch ports) Lens holds responsible for bad paths now; exit code 0 either way."""
-    merged = render.merge(collect(state, nodes))
+    merged = lens_view.merge(collect(state, nodes))
     if as_json:
         click.echo(json.dumps(merged.suspects, indent=2, sort_keys=True))
         return
@@ -111,7 +112,7 @@ def suspects(state: CliContext, nodes: tuple[str, ...], as_json: bool) -> None:
 @pass_ctx
 def matrix(state: CliContext, metric: str, nodes: tuple[str, ...], as_json: bool) -> None:
     """One-way delay, loss or round trip between every pair of NICs (rows send, columns receive)."""
-    merged = render.merge(collect(state, nodes))
+    merged = lens_view.merge(collect(state, nodes))
     if as_json:
         click.echo(json.dumps([merged.paths[k] for k in sorted(merged.paths)], indent=2, sort_keys=True))
         return
@@ -124,7 +125,7 @@ def matrix(state: CliContext, metric: str, nodes: tuple[str, ...], as_json: bool
 @pass_ctx
 def clock(state: CliContext, nodes: tuple[str, ...], as_json: bool) -> None:
     """Each node's clock offset to the reference clock, with its uncertainty."""
-    merged = render.merge(collect(state, nodes))
+    merged = lens_view.merge(collect(state, nodes))
     if as_json:
         doc = {"reference": merged.reference, "clock": merged.clock, "loop_residual_us": merged.loop_residual_us}
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
@@ -138,5 +139,5 @@ def clock(state: CliContext, nodes: tuple[str, ...], as_json: bool) -> None:
 @pass_ctx
 def plot(state: CliContext, out: Path, nodes: tuple[str, ...]) -> None:
     """Heatmaps of one-way delay and loss per rail, suspects, clock offsets: one PNG."""
-    written = render.plot(render.merge(collect(state, nodes)), out)
+    written = render.plot(lens_view.merge(collect(state, nodes)), out)
     click.echo(f"wrote {written}")

@@ -1,8 +1,7 @@
 """What a person looks at: the cluster's Fleet Lens snapshots merged, as terminal tables and a PNG.
 
-Every node daemon reports only the paths it *receives*, its view of the clocks and the suspects it
-computed; the CLI gathers one snapshot per daemon and :func:`merge` turns them into one cluster view.
-Everything here is a pure function of that view (no I/O except :func:`plot` writing its file), so
+The CLI gathers one snapshot per daemon and :func:`clockwork.contracts.lens_view.merge` turns them into one
+cluster view. Everything here is a pure function of that view (no I/O except :func:`plot` writing its file), so
 the CLI, tests and notebooks all draw the same pictures.
 
 Matrices are laid out rail by rail (a rail is the NIC name after the ``/``: every node's ``nic1``
@@ -16,10 +15,8 @@ its import time, and hosts without a display get the Agg backend.
 from __future__ import annotations
 
 import math
-import re
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from statistics import median
 from typing import Any, Literal
@@ -28,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from clockwork.contracts.lens_model import NicId, split_nic
+from clockwork.contracts.lens_view import Merged, natural_key, nic_sort_key, number, rail_of, verdict_of
 
 Metric = Literal["p50", "min", "p99", "loss", "rtt"]
 
@@ -55,109 +53,6 @@ _SCORE_WARN = 0.25
 GREEN, YELLOW, RED, GREY = "green", "yellow", "bold red", "grey50"
 
 
-@dataclass
-class Merged:
-    """The cluster view from every daemon's snapshot.
-
-    ``paths`` maps (src, dst) to the path dict (``PathStats.to_dict()`` plus ``verdict``);
-    ``suspects`` is highest confidence first; ``clock`` maps node to its offset estimate against
-    ``reference``; ``loop_residual_us`` and ``counters`` are per reporting node.
-    """
-
-    paths: dict[tuple[NicId, NicId], dict[str, Any]] = field(default_factory=dict)
-    suspects: list[dict[str, Any]] = field(default_factory=list)
-    clock: dict[str, dict[str, Any]] = field(default_factory=dict)
-    reference: str | None = None
-    nodes: list[str] = field(default_factory=list)
-    time: float | None = None
-    loop_residual_us: dict[str, float | None] = field(default_factory=dict)
-    counters: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def nics(self) -> list[NicId]:
-        """Every NIC that appears in a path, rail by rail, nodes in natural order."""
-        return sorted({nic for pair in self.paths for nic in pair}, key=nic_sort_key)
-
-    def bad_paths(self) -> list[tuple[NicId, NicId]]:
-        return [pair for pair, path in self.paths.items() if is_bad(path)]
-
-
-def natural_key(name: str) -> tuple[Any, ...]:
-    """Sort key that puts node2 before node10 (people number nodes, strings do not)."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
-
-
-def rail_of(nic: NicId) -> str:
-    return split_nic(nic)[1]
-
-
-def nic_sort_key(nic: NicId) -> tuple[Any, ...]:
-    node, rail = split_nic(nic)
-    return (natural_key(rail), natural_key(node))
-
-
-def _verdict(path: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The path's verdict, empty when the receiver has none yet (no baseline) or sent junk."""
-    verdict = path.get("verdict")
-    return verdict if isinstance(verdict, Mapping) else {}
-
-
-def is_bad(path: Mapping[str, Any]) -> bool:
-    return _verdict(path).get("bad") is True
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        return None
-    return float(value)
-
-
-def merge(snapshots: Iterable[Mapping[str, Any] | None]) -> Merged:
-    """One cluster view from the daemons' snapshots (``None`` for a daemon that did not answer).
-
-    A path is reported by its receiver only; should two snapshots carry the same path, the newer one
-    wins. Each daemon localizes faults from what it sees, so the same link can be suspected by
-    several: the highest confidence is kept. Clock offsets are a cluster-wide solution whose best
-    copy is the reference holder's, else the first daemon's that has one.
-    """
-    snaps = [s for s in snapshots if isinstance(s, Mapping)]
-    merged = Merged()
-    times = [t for s in snaps if (t := _num(s.get("time"))) is not None]
-    merged.time = max(times) if times else None
-    merged.nodes = sorted({str(s.get("node")) for s in snaps if s.get("node")}, key=natural_key)
-
-    for snap in sorted(snaps, key=lambda s: _num(s.get("time")) or 0.0):
-        node = str(snap.get("node") or "")
-        for path in snap.get("paths") or ():
-            if isinstance(path, Mapping) and path.get("src") and path.get("dst"):
-                merged.paths[(str(path["src"]), str(path["dst"]))] = dict(path)
-        if node:
-            merged.loop_residual_us[node] = _num(snap.get("loop_residual_us"))
-            counters = snap.get("counters")
-            merged.counters[node] = dict(counters) if isinstance(counters, Mapping) else {}
-
-    best: dict[str, dict[str, Any]] = {}
-    for snap in snaps:
-        for sus in snap.get("suspects") or ():
-            if not isinstance(sus, Mapping) or not sus.get("link"):
-                continue
-            link = str(sus["link"])
-            conf = _num(sus.get("confidence")) or 0.0
-            if link not in best or conf > (_num(best[link].get("confidence")) or 0.0):
-                best[link] = dict(sus)
-    merged.suspects = sorted(best.values(), key=lambda s: (-(_num(s.get("confidence")) or 0.0), str(s["link"])))
-
-    references = [str(s["reference"]) for s in snaps if s.get("reference")]
-    merged.reference = references[0] if references else None
-    with_clock = [s for s in snaps if isinstance(s.get("clock"), Mapping) and s["clock"]]
-    holders = [s for s in with_clock if s.get("node") == merged.reference]
-    source = next(iter(holders or with_clock), None)
-    if source is not None:
-        merged.clock = {str(n): dict(e) for n, e in source["clock"].items() if isinstance(e, Mapping)}
-        merged.reference = str(source.get("reference") or merged.reference or "") or None
-    return merged
-
-
 # ----- terminal tables ------------------------------------------------------------------------
 
 
@@ -180,7 +75,7 @@ def _rail_medians(merged: Merged, key: str) -> dict[str, float]:
     """Median of one metric over each rail's paths: the yardstick for 'unusually slow' in that rail."""
     by_rail: dict[str, list[float]] = {}
     for (src, dst), path in merged.paths.items():
-        if (v := _num(path.get(key))) is not None and v > 0:
+        if (v := number(path.get(key))) is not None and v > 0:
             by_rail.setdefault(_pair_rail(src, dst), []).append(v)
     return {rail: median(values) for rail, values in by_rail.items()}
 
@@ -191,10 +86,10 @@ def _pair_rail(src: NicId, dst: NicId) -> str:
 
 def _health(path: Mapping[str, Any], metric: str, value: float | None, rail_median: float | None) -> str:
     """green/yellow/red for one cell: the verdict first, then the value against its rail."""
-    verdict = _verdict(path)
+    verdict = verdict_of(path)
     if verdict.get("bad") is True:
         return RED
-    warn = (_num(verdict.get("score")) or 0.0) >= _SCORE_WARN
+    warn = (number(verdict.get("score")) or 0.0) >= _SCORE_WARN
     if value is not None:
         if metric == "loss":
             if value >= _LOSS_BAD:
@@ -213,7 +108,7 @@ def _cell(merged: Merged, src: NicId, dst: NicId, metric: str, medians: dict[str
     path = merged.paths.get((src, dst))
     if path is None:
         return Text("—", style=GREY)
-    value = _num(path.get(_METRIC_KEY[metric]))
+    value = number(path.get(_METRIC_KEY[metric]))
     style = _health(path, metric, value, medians.get(_pair_rail(src, dst)))
     if value is None:
         return Text("dead", style=RED) if _is_dead(path) else Text("?", style=GREY if style == GREEN else style)
@@ -290,7 +185,7 @@ def suspects_table(merged: Merged) -> Table:
         table.add_row(Text("none: no link explains a bad path", style=GREEN), "", "", "", "", "")
         return table
     for sus in merged.suspects:
-        conf = _num(sus.get("confidence"))
+        conf = number(sus.get("confidence"))
         style = RED if conf is not None and conf >= 0.7 else YELLOW
         conf_text = "?" if conf is None else f"{conf:.2f} " + "█" * round(conf * 10)
         port = f"{sus.get('switch', '')}:{sus.get('port', '')}" if sus.get("switch") else ""
@@ -320,7 +215,7 @@ def clock_table(merged: Merged) -> Table:
         return table
     for node in nodes:
         est = merged.clock[node]
-        offset, unc = _num(est.get("offset_us")), _num(est.get("uncertainty_us"))
+        offset, unc = number(est.get("offset_us")), number(est.get("uncertainty_us"))
         if unc is None:
             unc_text = Text("unknown", style=GREY)
         else:
@@ -363,7 +258,7 @@ def _suspect_lines(merged: Merged) -> list[tuple[str, str]]:
     """(link, "direction; kinds; confidence") per suspect: two lines each, so long names fit the panel."""
     lines = []
     for sus in merged.suspects:
-        conf = _num(sus.get("confidence"))
+        conf = number(sus.get("confidence"))
         kinds = ", ".join(str(k) for k in sus.get("kinds") or ()) or "?"
         pct = "?" if conf is None else f"{conf:.0%}"
         lines.append((str(sus.get("link", "?")), f"{sus.get('direction', '?')}; {kinds}; {pct}"))
@@ -374,8 +269,8 @@ def _is_dead(path: Mapping[str, Any] | None) -> bool:
     """A path measured but with nothing received: no delay to show, which must not read as 'no data'."""
     if not path:
         return False
-    verdict = _verdict(path)
-    return (_num(path.get("loss")) or 0.0) >= 1.0 or "dead" in (verdict.get("kinds") or ())
+    verdict = verdict_of(path)
+    return (number(path.get("loss")) or 0.0) >= 1.0 or "dead" in (verdict.get("kinds") or ())
 
 
 def plot(merged: Merged, out: Path) -> Path:
@@ -410,8 +305,8 @@ def plot(merged: Merged, out: Path) -> Path:
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(len(heights), 2 * per_row, height_ratios=heights)
 
-    delays = [v for p in merged.paths.values() if (v := _num(p.get("owd_p50_us"))) is not None and v > 0]
-    losses = [v * 100 for p in merged.paths.values() if (v := _num(p.get("loss"))) is not None]
+    delays = [v for p in merged.paths.values() if (v := number(p.get("owd_p50_us"))) is not None and v > 0]
+    losses = [v * 100 for p in merged.paths.values() if (v := number(p.get("loss"))) is not None]
     if delays and max(delays) / min(delays) > 20:
         delay_norm: Normalize = LogNorm(vmin=min(delays), vmax=max(delays))
     else:
@@ -434,7 +329,7 @@ def plot(merged: Merged, out: Path) -> Path:
             for i, src in enumerate(srcs):
                 for j, dst in enumerate(dsts):
                     path = merged.paths.get((src, dst))
-                    value = _num(path.get(key)) if path else None
+                    value = number(path.get(key)) if path else None
                     if value is not None:
                         data[i, j] = value * scale
             image = ax.imshow(data, cmap=cmap, norm=norm, aspect="auto", interpolation="nearest")
@@ -480,8 +375,8 @@ def plot(merged: Merged, out: Path) -> Path:
     # Clock offsets: one bar per node, the error bar its uncertainty, the reference in grey.
     ax = fig.add_subplot(grid[-1, :per_row])
     nodes = sorted(merged.clock, key=natural_key)
-    offsets = [_num(merged.clock[n].get("offset_us")) for n in nodes]
-    uncs = [_num(merged.clock[n].get("uncertainty_us")) for n in nodes]
+    offsets = [number(merged.clock[n].get("offset_us")) for n in nodes]
+    uncs = [number(merged.clock[n].get("uncertainty_us")) for n in nodes]
     largest = max((abs(o) for o in offsets if o is not None), default=0.0)
     unit, div = ("ms", 1e3) if largest >= 1000 else ("µs", 1.0)
     if nodes:

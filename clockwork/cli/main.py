@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from clockworkd import __version__
+from clockwork import __version__
 from clockwork.cli.context import CliContext, parse_sets
 from clockwork.contracts.invoke import invoke
 
@@ -23,7 +23,7 @@ from clockwork.contracts.invoke import invoke
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "config": ("clockwork.cli.config_cmd", "config"),
     "sandbox": ("clockwork.cli.sandbox_cmd", "sandbox"),
-    "demo": ("clockwork.sandbox.demo", "demo"),
+    "demo": ("clockwork.cli.demo_cmd", "demo"),
     "node": ("clockwork.cli.node_cmd", "node"),
     "keys": ("clockwork.cli.keys_cmd", "keys"),
     "lens": ("clockwork.cli.lens_cmd", "lens"),

@@ -20,11 +20,11 @@ import click
 
 from clockwork.cli.context import CliContext, pass_ctx
 from clockwork.cli.job_events import events_from, job_nodes
+from clockwork.cli.job_story import FleetSummary, JobStory, build_story, fleet_summary
 from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths, local_node_name
 from clockwork.contracts.errors import ClockworkError
 from clockwork.contracts.hostlist import expand_hostlist
-from clockwork.cli.job_story import FleetSummary, JobStory, build_story, fleet_summary
 
 
 def _gather(loaded: Any, job_id: int, nodes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:

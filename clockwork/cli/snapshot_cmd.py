@@ -22,7 +22,13 @@ from clockwork.cli.context import CliContext, pass_ctx
 from clockwork.cli.migrate_cmd import coordinator_option, job_coordinator
 from clockwork.contracts.coordinator_client import ask_leader
 from clockwork.contracts.errors import ClockworkError
-from clockwork.contracts.snapshots.store import MANIFEST, list_snapshots, load_manifest, remove_snapshot, verify_snapshot
+from clockwork.contracts.snapshots.store import (
+    MANIFEST,
+    list_snapshots,
+    load_manifest,
+    remove_snapshot,
+    verify_snapshot,
+)
 from clockwork.contracts.snapshots.store import SnapshotCorrupt as _Corrupt
 
 ENV_DIR = "CLOCKWORK_SNAPSHOT_DIR"

@@ -1,7 +1,7 @@
 """What a TorchPass job's coordinator sends: typed replies to requests, pushes to a rank's control thread.
 
-Apart from the requests (:mod:`clockwork.contracts.coordinator_requests`) because the two directions are read by different
-sides: the coordinator builds what is here and sends it with ``to_wire()``, a rank reads the pushes back with
+Apart from the requests (:mod:`clockwork.contracts.coordinator_requests`) because the two directions are read by
+different sides: the coordinator builds what is here and sends it with ``to_wire()``, a rank reads the pushes back with
 :func:`parse_push`. The framing and the values the messages carry (generations, job states) are
 :mod:`clockwork.contracts.coordinator_wire`'s.
 

@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from clockwork.contracts.errors import ProtocolError
+
 __all__ = [
     "MAX_MESSAGE_BYTES",
     "SPARE",
@@ -48,10 +50,6 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES = 1 << 20
-
-
-class ProtocolError(ValueError):
-    """A message that is not a msgpack map with a string ``op``, is too large, or lacks what its op needs."""
 
 
 def encode(op: str, **values: Any) -> bytes:

@@ -14,13 +14,13 @@ from typing import Any
 
 import zmq
 
-from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.config.core import DaemonConfig
 from clockwork.contracts.curve_keys import CurveKeys
 from clockwork.contracts.daemon_paths import DaemonPaths
+from clockwork.contracts.daemon_wire import MAX_REPLY_BYTES, ProtocolError, decode_reply, encode_request
 from clockwork.contracts.errors import DaemonError, DaemonUnavailableError
 from clockwork.contracts.instance_lock import socket_in_use
 from clockwork.contracts.node_verdict import NodeVerdict, NodeVerdicts, VerdictFormatError
-from clockwork.contracts.daemon_wire import MAX_REPLY_BYTES, ProtocolError, decode_reply, encode_request
 
 
 class DaemonClient:

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.config.core import DaemonConfig
 from clockwork.contracts.errors import ConfigError
 
 CONTROL_SOCKET = "control.sock"

@@ -21,6 +21,8 @@ from typing import Any
 
 import msgpack
 
+from clockwork.contracts.errors import ProtocolError
+
 VERSION = 1
 
 # Error codes (the ``error.code`` of a failed reply).
@@ -48,15 +50,6 @@ _KIND = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _NODE = re.compile(r"^[A-Za-z0-9_.-]{1,256}$")
 
 
-class ProtocolError(Exception):
-    """A message that breaks the protocol; ``code`` and ``message`` go into the error reply as they are."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
 @dataclass(frozen=True)
 class Request:
     """A decoded, fully checked request: its op and its fields (optional ones only when given)."""
@@ -82,7 +75,7 @@ Checker = Callable[[str, str, Any], Any]
 
 def _bad(op: str, name: str, expected: str, value: Any) -> ProtocolError:
     return ProtocolError(
-        BAD_REQUEST, f"{op}: field '{name}' must be {expected}, got {_type_name(value)} {_short(value)}"
+        f"{op}: field '{name}' must be {expected}, got {_type_name(value)} {_short(value)}", code=BAD_REQUEST
     )
 
 
@@ -160,7 +153,7 @@ def _event_fields(op: str, name: str, value: Any) -> dict[str, Any]:
         raise _bad(op, name, "a map", value)
     problem = check_json_value(value)
     if problem:
-        raise ProtocolError(BAD_REQUEST, f"{op}: field '{name}': {problem}")
+        raise ProtocolError(f"{op}: field '{name}': {problem}", code=BAD_REQUEST)
     return value
 
 
@@ -264,36 +257,38 @@ OPS = tuple(SCHEMA)
 def check_request(op: Any, fields: Mapping[Any, Any]) -> Request:
     """Check an op and its fields against the schema (the part of decoding after msgpack)."""
     if not isinstance(op, str):
-        raise ProtocolError(BAD_REQUEST, f"'op' must be a string naming the operation, got {_type_name(op)}")
+        raise ProtocolError(f"'op' must be a string naming the operation, got {_type_name(op)}", code=BAD_REQUEST)
     if op not in SCHEMA:
-        raise ProtocolError(BAD_REQUEST, f"unknown op {_short(op)} (known: {', '.join(SCHEMA)})")
+        raise ProtocolError(f"unknown op {_short(op)} (known: {', '.join(SCHEMA)})", code=BAD_REQUEST)
     spec = SCHEMA[op].fields
     for name in fields:
         if name not in spec:
             known = ", ".join(spec) or "none"
-            raise ProtocolError(BAD_REQUEST, f"{op}: unknown field {_short(name)} (known fields: {known})")
+            raise ProtocolError(f"{op}: unknown field {_short(name)} (known fields: {known})", code=BAD_REQUEST)
     args: dict[str, Any] = {}
     for name, (check, required) in spec.items():
         if name in fields:
             args[name] = check(op, name, fields[name])
         elif required:
-            raise ProtocolError(BAD_REQUEST, f"{op}: missing field '{name}'")
+            raise ProtocolError(f"{op}: missing field '{name}'", code=BAD_REQUEST)
     return Request(op, args)
 
 
 def _unpack(data: bytes, max_bytes: int, what: str) -> dict[str, Any]:
     if len(data) > max_bytes:
-        raise ProtocolError(TOO_LARGE, f"{what} of {len(data)} bytes is over the limit of {max_bytes} bytes")
+        raise ProtocolError(f"{what} of {len(data)} bytes is over the limit of {max_bytes} bytes", code=TOO_LARGE)
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises many types (ExtraData, StackError, UnicodeDecodeError, ...)
-        raise ProtocolError(BAD_REQUEST, f"{what} is not one msgpack object: {_short(str(exc))}") from None
+        raise ProtocolError(f"{what} is not one msgpack object: {_short(str(exc))}", code=BAD_REQUEST) from None
     if not isinstance(obj, dict):
-        raise ProtocolError(BAD_REQUEST, f"{what} must be a msgpack map, got {_type_name(obj)}")
+        raise ProtocolError(f"{what} must be a msgpack map, got {_type_name(obj)}", code=BAD_REQUEST)
     if "v" not in obj:
-        raise ProtocolError(BAD_REQUEST, f"{what} has no schema version 'v' (this daemon speaks v={VERSION})")
+        raise ProtocolError(f"{what} has no schema version 'v' (this daemon speaks v={VERSION})", code=BAD_REQUEST)
     if type(obj["v"]) is not int or obj["v"] != VERSION:
-        raise ProtocolError(BAD_VERSION, f"schema version {_short(obj['v'])} is not supported (expected {VERSION})")
+        raise ProtocolError(
+            f"schema version {_short(obj['v'])} is not supported (expected {VERSION})", code=BAD_VERSION
+        )
     return obj
 
 
@@ -301,7 +296,7 @@ def decode_request(data: bytes, max_bytes: int) -> Request:
     """Parse and check one request frame; raises :class:`ProtocolError` naming the first problem."""
     obj = _unpack(data, max_bytes, "request")
     if "op" not in obj:
-        raise ProtocolError(BAD_REQUEST, f"request has no 'op' (known: {', '.join(SCHEMA)})")
+        raise ProtocolError(f"request has no 'op' (known: {', '.join(SCHEMA)})", code=BAD_REQUEST)
     fields = {k: v for k, v in obj.items() if k not in ("v", "op")}
     return check_request(obj["op"], fields)
 
@@ -326,7 +321,7 @@ def decode_reply(data: bytes, max_bytes: int = MAX_REPLY_BYTES) -> dict[str, Any
     """Parse a reply; a failed reply is returned as it is (``ok`` false), a malformed one raises."""
     obj = _unpack(data, max_bytes, "reply")
     if type(obj.get("ok")) is not bool:
-        raise ProtocolError(BAD_REQUEST, "reply has no boolean 'ok'")
+        raise ProtocolError("reply has no boolean 'ok'", code=BAD_REQUEST)
     if not obj["ok"]:
         error = obj.get("error")
         if (
@@ -334,7 +329,7 @@ def decode_reply(data: bytes, max_bytes: int = MAX_REPLY_BYTES) -> dict[str, Any
             or not isinstance(error.get("code"), str)
             or not isinstance(error.get("message"), str)
         ):
-            raise ProtocolError(BAD_REQUEST, "failed reply without an error {code, message}")
+            raise ProtocolError("failed reply without an error {code, message}", code=BAD_REQUEST)
     return obj
 
 
@@ -354,7 +349,7 @@ def encode_event(event: Mapping[str, Any]) -> list[bytes]:
 def decode_event(frames: list[bytes], max_bytes: int = MAX_REPLY_BYTES) -> dict[str, Any]:
     """The event record of two published frames (without ``v``)."""
     if len(frames) != 2:
-        raise ProtocolError(BAD_REQUEST, f"an event is 2 frames (topic, record), got {len(frames)}")
+        raise ProtocolError(f"an event is 2 frames (topic, record), got {len(frames)}", code=BAD_REQUEST)
     obj = _unpack(frames[1], max_bytes, "event")
     obj.pop("v")
     return obj

@@ -1,8 +1,17 @@
-"""Exceptions that carry their own exit code.
+"""Exceptions that carry their own exit code: one definition of each for every Clockwork package.
 
-Every user-facing failure in Clockwork is a :class:`ClockworkError`. The CLI has one top-level handler
-that prints ``clockwork: <message>`` and exits with the error's code, so code deep in the stack never
-calls ``sys.exit`` or prints to stderr itself (the click pattern).
+Every user-facing failure in Clockwork is a :class:`ClockworkError`. The command lines have one top-level
+handler (:mod:`clockwork.contracts.invoke`) that prints ``clockwork: <message>`` and exits with the error's code,
+so code deep in the stack never calls ``sys.exit`` or prints to stderr itself (the click pattern).
+
+Exit codes: 1 any other failure (:class:`ProtocolError` and :class:`WireError` among them), 2 configuration,
+3 sandbox, 4 Slurm, 5 the node daemon refused, 6 no node daemon answered, 77 needs root.
+
+Three of them are shared across the packages on purpose, each defined once here: :class:`ConfigError` (the node
+side's configuration file and TorchPass's settings alike), :class:`ProtocolError` (a message that breaks its
+protocol: the daemon's wire, the coordinator's wire, a rank's launch environment) and :class:`WireError` (bytes
+from a socket that are refused or a stream that broke: Fleet Lens's packets and summaries, TorchPass's
+peer-copy stream).
 """
 
 from __future__ import annotations
@@ -23,10 +32,34 @@ class ClockworkError(Exception):
         return str(self)
 
 
-class ConfigError(ClockworkError):
-    """The configuration (file, environment or command line) holds an unknown key or a bad value."""
+class ConfigError(ClockworkError, ValueError):
+    """The configuration (file, environment or command line) holds an unknown key or a bad value; the message
+    names the key and what is allowed. A ValueError too: TorchPass's settings readers raised one before."""
 
     exit_code = 2
+
+
+class ProtocolError(ClockworkError, ValueError):
+    """A message that arrived whole but breaks its protocol: not decodable, too large, an unknown op, a missing or
+    unreadable field, a launch environment a rank cannot read.
+
+    ``code`` is the machine-readable reason an error reply carries (the daemon's wire: ``bad_request``,
+    ``too_large``, ``bad_version``, ``forbidden``, ...); the message says what was wrong and goes into the reply
+    as it is (:attr:`message`).
+    """
+
+    def __init__(self, message: str, *, code: str = "bad_request", exit_code: int | None = None) -> None:
+        super().__init__(message, exit_code=exit_code)
+        self.code = code
+
+
+class WireError(ClockworkError, ConnectionError):
+    """Bytes on a socket that this end refuses, or a stream that broke off: a packet, summary or frame that does
+    not authenticate or does not parse, a peer that closed mid-stream or did not keep what it was sent.
+
+    Unlike a :class:`ProtocolError`, nothing answers it: the packet is dropped and counted, or the connection is
+    closed. A ConnectionError (so an OSError), as the socket failures it stands beside.
+    """
 
 
 class NeedRootError(ClockworkError):

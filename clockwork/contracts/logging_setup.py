@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from clockwork.contracts.config.schema import LogConfig
+from clockwork.contracts.config.core import LogConfig
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
 

@@ -1,7 +1,7 @@
 """A node-silent verdict as the node daemon hands it to a job's TorchPass agents (wire format, pure).
 
 Kept in a module of its own, with nothing but the typed record and its checked conversion, so that TorchPass
-(which may use only clockworkd's client-side modules) reads the same type the daemon writes.
+(which imports of Clockwork only ``clockwork.contracts``) reads the same type the daemon writes.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ from typing import Any
 
 from clockwork.contracts import curve_keys
 from clockwork.contracts.config import load_config
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.contracts.errors import NeedRootError, SandboxError, SlurmError
+from clockwork.contracts.slurm.cli_backend import CliBackend
 from clockwork.sandbox import fabric, faults, gpu_faults, processes, slurm_files
 from clockwork.sandbox.fabric import baseline_routes as fabric_baseline_routes
 from clockwork.sandbox.layout import CLUSTER, CONTROLLER, Layout, NodeSpec, build_layout
@@ -31,11 +32,10 @@ from clockwork.sandbox.prefixes import controller_prefix, node_prefix
 from clockwork.sandbox.shell import missing_programs, run
 from clockwork.sandbox.slurm_release import SlurmRelease, release
 from clockwork.sandbox.state import SandboxState
-from clockwork.contracts.slurm.cli_backend import CliBackend
 
 log = logging.getLogger("clockwork.sandbox")
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SPANK_SO = REPO_ROOT / "spank" / "clockwork.so"
 """The SPANK plugin built against the host's Slurm headers (``make -C spank``)."""
 

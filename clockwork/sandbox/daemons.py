@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.config import load_config
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import ClockworkError, SandboxError
 from clockwork.contracts.instance_lock import running_pid

@@ -1,4 +1,4 @@
-"""``clockwork demo``: the product's three promises on the embedded cluster, told step by step for a newcomer.
+"""The demo (`clockwork demo`): the product's three promises on the embedded cluster, told step by step.
 
 Scene 1 (LinkPass): a 3-node gloo data-parallel training job submitted with sbatch, launched with srun, its loss
 curve streamed to the terminal; halfway through, a NIC of one of its nodes goes dark (its switch port loses
@@ -26,7 +26,7 @@ from typing import Any
 
 import click
 
-from clockwork.cli.context import CliContext, pass_ctx
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.contracts.errors import ClockworkError, SandboxError
 from clockwork.sandbox.cluster import REPO_ROOT, Sandbox
 from clockwork.sandbox.daemons import NodeDaemons
@@ -253,17 +253,12 @@ def _short(line: str) -> str:
     return f"{kind} " + ", ".join(f"{k} {data[k]}" for k in keep if k in data)
 
 
-@click.command()
-@click.option("--steps", default=40, show_default=True, help="Training steps of the demo job (scene 1).")
-@click.option("--ft-steps", default=300, show_default=True, help="Training steps of the fault-tolerant job.")
-@click.option(
-    "--keep", is_flag=True, help="Leave the sandbox running afterwards (stop it with `clockwork sandbox down`)."
-)
-@pass_ctx
-def demo(state: CliContext, steps: int, ft_steps: int, keep: bool) -> None:
-    """Run the demo on a fresh 4-node sandbox cluster, then tear it down."""
-    state.set("sandbox.nodes", 4)
-    box = Sandbox(state.load().config.sandbox)
+def run_demo(config: SandboxConfig, steps: int = 40, ft_steps: int = 300, keep: bool = False) -> None:
+    """Run the demo on a fresh sandbox cluster built from ``config`` (4 nodes), then tear it down unless ``keep``.
+
+    ``steps``: training steps of scene 1's job; ``ft_steps``: of the fault-tolerant job. What ``clockwork demo``
+    runs (:mod:`clockwork.cli.demo_cmd`)."""
+    box = Sandbox(config)
     if not TRAIN_SCRIPT.exists():
         raise SandboxError(f"{TRAIN_SCRIPT} is missing: run the demo from a checkout of the repository")
     _say("Clockwork demo: a real Slurm cluster on this machine, and a training job across it.\n")

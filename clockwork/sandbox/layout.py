@@ -20,7 +20,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.contracts.errors import ConfigError
 
 FABRIC_NS = "cw-fabric"

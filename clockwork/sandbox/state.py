@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from clockwork.contracts import atomic_file
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 
 
 @dataclass

@@ -25,15 +25,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 
-from clockworkd import __version__
-from clockworkd.borrow.host import start_borrow
+from clockwork import __version__
 from clockwork.contracts.config import load_config
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import ClockworkError
+from clockwork.contracts.logging_setup import configure_logging
+from clockworkd.borrow.host import start_borrow
+from clockworkd.failover.host import start_linkpass
 from clockworkd.gpuhealth.host import start_health
 from clockworkd.lens.host import start_lens
-from clockworkd.failover.host import start_linkpass
-from clockwork.contracts.logging_setup import configure_logging
 from clockworkd.nodewatch.host import start_nodewatch
 from clockworkd.server import Daemon
 

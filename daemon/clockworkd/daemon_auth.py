@@ -123,38 +123,38 @@ def authorise(
     access = rules.get(op)
     if access is None or not access.classes:
         raise ProtocolError(
-            FORBIDDEN, f"{op} declares no access class: refused to everyone (access is deny by default)"
+            f"{op} declares no access class: refused to everyone (access is deny by default)", code=FORBIDDEN
         )
     if caller.plane == "peer":
         if Access.PEER not in access.classes:
             peer_ops = sorted(name for name, rule in rules.items() if Access.PEER in rule.classes)
             raise ProtocolError(
-                FORBIDDEN,
                 f"{caller.describe()} may not {op}: the daemon-to-daemon socket serves only " + ", ".join(peer_ops),
+                code=FORBIDDEN,
             )
         return
     local = access.classes & LOCAL_CLASSES
     if not local:
-        raise ProtocolError(FORBIDDEN, f"uid {caller.uid} may not {op}: it is served to peer daemons only")
+        raise ProtocolError(f"uid {caller.uid} may not {op}: it is served to peer daemons only", code=FORBIDDEN)
     if caller.privileged:
         return
     if local == {Access.PRIVILEGED}:
         target = f" job {args['job_id']}" if "job_id" in args else ""
         raise ProtocolError(
-            FORBIDDEN,
             f"uid {caller.uid} may not {op}{target}: only root and the Slurm user ({slurm_user}) may",
+            code=FORBIDDEN,
         )
     for name in sorted(access.privileged_fields & set(args)):
         target = f" of job {args['job_id']}" if "job_id" in args else ""
         raise ProtocolError(
-            FORBIDDEN,
             f"uid {caller.uid} may not set '{name}' in {op}{target} (only root, the Slurm user and peer daemons may)",
+            code=FORBIDDEN,
         )
     if Access.LOCAL_ANY in local:
         return
     job = job_of(args["job_id"])  # JOB_OWNER (declarations are checked to have a required job_id)
     if job.uid != caller.uid:
         raise ProtocolError(
-            FORBIDDEN,
             f"uid {caller.uid} (pid {caller.pid}) may not {op} job {job.job_id}: it belongs to uid {job.uid}",
+            code=FORBIDDEN,
         )

@@ -3,8 +3,8 @@ access class and its handler; and the check that builds the daemon's table from 
 
 Why one declaration: an op used to be named in four places (the wire schema, the access lists, the server's
 handler table, the client), and an op left out of the access lists was open to every local user. Now the wire
-schema (:data:`clockwork.contracts.daemon_wire.SCHEMA`) says what a request looks like, and the component (the daemon core in
-:mod:`clockworkd.server`, the hosted components' ``ops`` modules) says, in one :class:`OpSpec`, who may run it
+schema (:data:`clockwork.contracts.daemon_wire.SCHEMA`) says what a request looks like, and the component (the daemon
+core in :mod:`clockworkd.server`, the hosted components' ``ops`` modules) says, in one :class:`OpSpec`, who may run it
 and what answers it. :func:`op_table` refuses to build a table in which an op of the schema has no declaration or
 no access class, so a daemon with an unclassified op does not start; :func:`clockworkd.daemon_auth.authorise`
 refuses such an op anyway (deny by default).
@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from clockwork.contracts.daemon_wire import SCHEMA, RequestType
 from clockworkd.daemon_auth import LOCAL_CLASSES, Access, Caller, OpAccess
 from clockworkd.parked import Park
-from clockwork.contracts.daemon_wire import SCHEMA, RequestType
 
 __all__ = ["Handler", "OpDeclarationError", "OpSpec", "OpsProvider", "op_table"]
 
@@ -33,8 +33,8 @@ class OpDeclarationError(Exception):
 
 @dataclass(frozen=True)
 class OpSpec:
-    """One op as its component declares it: the request type (from :mod:`clockwork.contracts.daemon_wire`), who may run it,
-    and the handler that answers it."""
+    """One op as its component declares it: the request type (from :mod:`clockwork.contracts.daemon_wire`), who may run
+    it, and the handler that answers it."""
 
     request: RequestType
     access: OpAccess

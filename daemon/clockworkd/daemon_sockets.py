@@ -27,7 +27,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.config.core import DaemonConfig
 from clockwork.contracts.curve_keys import CurveKeyError, load_daemon_keys
 from clockwork.contracts.daemon_paths import DaemonPaths
 

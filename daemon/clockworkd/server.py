@@ -47,20 +47,9 @@ from typing import Any
 
 import zmq
 
-from clockworkd import __version__
-from clockworkd.borrow.ops import BorrowOps
-from clockwork.contracts.config.schema import DaemonConfig
-from clockworkd.daemon_auth import Access, Caller, OpAccess, authorise, caller_of
-from clockworkd.daemon_component import Component, OpsContext
-from clockworkd.daemon_ops import OpSpec, op_table
+from clockwork import __version__
+from clockwork.contracts.config.core import DaemonConfig
 from clockwork.contracts.daemon_paths import DaemonPaths
-from clockworkd.daemon_sockets import DaemonSockets, recv_capped
-from clockwork.contracts.errors import DaemonError
-from clockworkd.gpuhealth.ops import HealthOps
-from clockwork.contracts.instance_lock import InstanceLock, socket_in_use
-from clockworkd.lens.ops import LensOps
-from clockworkd.nodewatch.ops import NodeWatchOps
-from clockworkd.parked import Park, ParkedRequests
 from clockwork.contracts.daemon_wire import (
     BAD_REQUEST,
     DEFAULT_EVENTS_PER_REPLY,
@@ -82,6 +71,17 @@ from clockwork.contracts.daemon_wire import (
     encode_event,
     encode_ok,
 )
+from clockwork.contracts.errors import DaemonError
+from clockwork.contracts.instance_lock import InstanceLock, socket_in_use
+from clockworkd.borrow.ops import BorrowOps
+from clockworkd.daemon_auth import Access, Caller, OpAccess, authorise, caller_of
+from clockworkd.daemon_component import Component, OpsContext
+from clockworkd.daemon_ops import OpSpec, op_table
+from clockworkd.daemon_sockets import DaemonSockets, recv_capped
+from clockworkd.gpuhealth.ops import HealthOps
+from clockworkd.lens.ops import LensOps
+from clockworkd.nodewatch.ops import NodeWatchOps
+from clockworkd.parked import Park, ParkedRequests
 from clockworkd.registry import ENDED, RUNNING, EventLogFullError, JobRecord, Registry, UnknownJobError
 
 __all__ = ["Daemon"]
@@ -337,7 +337,7 @@ class Daemon:
         except ProtocolError as exc:
             self.counters["malformed"] += 1
             level = logging.WARNING if exc.code in (BAD_REQUEST, TOO_LARGE) else logging.INFO
-            log.log(level, "node %s: bad request from %s: %s", self.node, caller.describe(), exc)
+            log.log(level, "node %s: bad request from %s: %s: %s", self.node, caller.describe(), exc.code, exc)
             return encode_error(exc.code, exc.message)
         try:
             authorise(request, caller, self._access, self.job, self.cfg.slurm_user)  # refuses undeclared ops

@@ -44,8 +44,8 @@ from clockworkd.gpuhealth.readings import GpuReading  # noqa: E402
 
 def _policy() -> Any:
     """The default policy, when its module's imports are available (it needs only the standard library)."""
-    from clockworkd.gpuhealth.policy import Policy
     from clockwork.contracts.config.health import HealthConfig
+    from clockworkd.gpuhealth.policy import Policy
 
     return Policy(HealthConfig())
 

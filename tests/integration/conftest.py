@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.config import load_config
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import ClockworkError
 from clockwork.sandbox.cluster import Sandbox

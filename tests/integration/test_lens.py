@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from clockworkd.lens.clockseam import ClockSeam
 from clockwork.sandbox.cluster import Sandbox
 from clockwork.sandbox.daemons import NodeDaemons
+from clockworkd.lens.clockseam import ClockSeam
 from tests.conftest import until
 from tests.integration.conftest import CLOCKWORK, lens_baselines_learned, on_node, slurm_env
 

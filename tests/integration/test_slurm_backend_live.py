@@ -11,9 +11,9 @@ import pytest
 
 from clockwork.contracts.config import load_config
 from clockwork.contracts.errors import SlurmError
-from clockwork.sandbox.cluster import Sandbox
 from clockwork.contracts.slurm import from_config
 from clockwork.contracts.slurm.cli_backend import CliBackend
+from clockwork.sandbox.cluster import Sandbox
 from tests.integration.conftest import wait_job
 
 

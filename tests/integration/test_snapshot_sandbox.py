@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from clockwork.sandbox.cluster import Sandbox
 from clockwork.contracts.snapshots.store import list_snapshots, verify_snapshot
+from clockwork.sandbox.cluster import Sandbox
 from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
 from tests.unit import test_snapshot_job as job_script
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.config import load_config
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import DaemonError
 

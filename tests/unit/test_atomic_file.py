@@ -1,4 +1,5 @@
-"""clockwork.contracts.atomic_file: the one way a file is replaced (old or new content, never half; nothing left behind)."""
+"""clockwork.contracts.atomic_file: the one way a file is replaced (old or new content, never half; nothing left
+behind)."""
 
 from __future__ import annotations
 

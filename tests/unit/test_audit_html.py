@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from clockwork.audit import html_report
-from clockwork.contracts.config.audit import AuditConfig
 from clockwork.audit.verdict import judge
+from clockwork.contracts.config.audit import AuditConfig
 from tests.conftest import in_ci
 from tests.unit.audit_raw import make_raw
 

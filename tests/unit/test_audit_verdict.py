@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from clockwork.contracts.config.audit import AuditConfig
 from clockwork.audit.verdict import judge
+from clockwork.contracts.config.audit import AuditConfig
 from tests.unit.audit_raw import make_raw
 
 CFG = AuditConfig()

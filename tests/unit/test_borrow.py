@@ -21,21 +21,21 @@ from typing import Any
 import msgpack
 import pytest
 
-from clockworkd.borrow.candidates import QueueJob, choose, holder_name, parse_queue_json
 from clockwork.contracts.borrow_comments import preempted_comment
-from clockworkd.borrow.manager import BorrowManager, BorrowRefused
-from clockwork.contracts.config.borrow import BorrowConfig
-from clockworkd.borrow.slurm_ops import CliBorrowSlurm
 from clockwork.contracts.config import load_config
-from clockwork.contracts.config.schema import DaemonConfig
-from clockworkd.daemon_auth import Caller
+from clockwork.contracts.config.borrow import BorrowConfig
+from clockwork.contracts.config.core import DaemonConfig
 from clockwork.contracts.daemon_paths import DaemonPaths
-from clockwork.contracts.errors import ConfigError
 from clockwork.contracts.daemon_wire import FORBIDDEN, encode_request
-from clockworkd.registry import JobRecord, Registry
-from clockworkd.server import Daemon
+from clockwork.contracts.errors import ConfigError
 from clockwork.contracts.slurm.backend import NodeInfo
 from clockwork.contracts.slurm.cli_backend import CliBackend
+from clockworkd.borrow.candidates import QueueJob, choose, holder_name, parse_queue_json
+from clockworkd.borrow.manager import BorrowManager, BorrowRefused
+from clockworkd.borrow.slurm_ops import CliBorrowSlurm
+from clockworkd.daemon_auth import Caller
+from clockworkd.registry import JobRecord, Registry
+from clockworkd.server import Daemon
 
 DATA = Path(__file__).parent / "data" / "slurm"
 NOW = 1_800_000_000.0

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from clockworkd import __version__
-from clockworkd.agent import agent
-from clockworkd.agent import main as agent_main
+from clockwork import __version__
 from clockwork.cli.main import SUBCOMMANDS, run
 from clockwork.contracts.config import sections
 from clockwork.contracts.config.example import render
 from clockwork.sandbox import cluster
+from clockworkd.agent import agent
+from clockworkd.agent import main as agent_main
 
 ALL_KEYS = [f"{name}.{f.name}" for name, cls in sections().items() for f in dataclasses.fields(cls)]
 

@@ -1,15 +1,27 @@
 """Static rules over the source tree, checked with ``ast`` (nothing is imported or executed).
 
+The packages (docs/architecture.md, "Packages"): ``clockwork.contracts`` (torch-free code that ranks, hooks, daemon and
+CLI share), ``clockwork.cli``, ``clockwork.sandbox``, ``clockwork.audit``, ``clockworkd`` (the node daemon alone),
+``slurm_hooks``, ``linkpass`` and ``torchpass``. Every import counts, including ones inside functions.
+
 - torch is imported only by torchpass/ (and examples/, an ordinary user script; bench/, whose scripts run real
-  training; tests/ may test either);
-- dependency direction: linkpass depends on no other Clockwork package, clockworkd not on slurm_hooks
-  or torchpass (every import counts, including ones inside functions), and torchpass only on clockworkd's
-  torch-free client-side modules (TORCHPASS_MAY_IMPORT);
-- no import cycles among clockworkd.*, slurm_hooks.*, linkpass.*, torchpass.*;
+  training; tests/ may test either), and inside torchpass only by its torch subpackages (rank/, sharded/,
+  transparent/, frameworks/, snapshot/, rollout/): coordinator/, launch/ and the shared top-level modules import
+  none, and load none that does (followed through every import, package markers included);
+- dependency direction:
+  - a rank's code (torchpass) imports of Clockwork only ``clockwork.contracts``: never the daemon, the CLI, the
+    sandbox, the audit, the hooks or linkpass;
+  - ``clockwork.contracts`` imports no other Clockwork package (of linkpass only its settings dataclass);
+  - ``clockworkd`` imports no CLI, sandbox, audit, hooks or torchpass; the CLI, the sandbox, the audit and the hooks
+    import no ``clockworkd`` (they reach a daemon through the contracts' client and start it as a program);
+  - nothing imports ``clockwork.sandbox`` but ``clockwork.cli``; linkpass imports no other Clockwork package;
+  - the ``clockwork`` marker imports nothing;
+- no import cycles among all of them;
 - no module named utils.py;
 - torch's private API (``torch._C``, c10d's ``_world``, ``_abort_process_group``, ``_get_default_group``, a mesh's
   ``_pg_registry``, ``DeviceMesh(_init_backend=...)``, FSDP2's parameter groups) is used only in
   torchpass/rank/torch_compat.py, which checks the torch release it was tested with;
+- nothing is unpickled but a snapshot read back from disk;
 - every module has a docstring, package markers included.
 """
 
@@ -25,6 +37,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {
+    "clockwork": ROOT / "clockwork",
     "clockworkd": ROOT / "daemon" / "clockworkd",
     "slurm_hooks": ROOT / "slurm_hooks",
     "linkpass": ROOT / "linkpass",
@@ -32,6 +45,8 @@ PACKAGES = {
 }
 SKIP_DIRS = {"build", "dist", "__pycache__", "node_modules"}
 TORCH_ALLOWED = {"torchpass", "examples", "bench", "tests"}
+#: The subpackages of torchpass that may import torch; everything else in torchpass imports none and loads none.
+TORCH_SUBPACKAGES = ("rank", "sharded", "transparent", "frameworks", "snapshot", "rollout")
 
 
 def _source_files(base: Path = ROOT) -> Iterator[Path]:
@@ -67,11 +82,26 @@ def _parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
 
-def _imported_names(tree: ast.Module, module: str, is_package: bool, known: set[str]) -> set[str]:
-    """Absolute names of what a module imports; ``from X import y`` gives ``X.y`` when that is a module."""
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (never run)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    return skipped
+
+
+def _imported_names(
+    tree: ast.Module, module: str, is_package: bool, known: set[str], *, run_only: bool = False
+) -> set[str]:
+    """Absolute names of what a module imports; ``from X import y`` gives ``X.y`` when that is a module.
+    ``run_only``: leave out what is imported under ``if TYPE_CHECKING:``."""
     package = module if is_package else module.rpartition(".")[0]
+    skipped = _type_checking_only(tree) if run_only else set()
     names = set()
     for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -94,16 +124,39 @@ def _imported_names(tree: ast.Module, module: str, is_package: bool, known: set[
     return names
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """Project module -> the project modules it imports."""
+def _import_graph(*, run_only: bool = False) -> dict[str, set[str]]:
+    """Project module -> the project modules it imports (``run_only``: what running it loads, so also the package
+    markers above each of those, and not what it imports for type checking only)."""
     modules = _project_modules()
     known = set(modules)
     graph = {}
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        imported = _imported_names(_parse(path), name, is_package, known)
+        imported = _imported_names(_parse(path), name, is_package, known, run_only=run_only)
+        if run_only:
+            imported |= {parent for dep in imported for parent in _parents(dep)} | set(_parents(name))
         graph[name] = {dep for dep in imported if dep in known and dep != name}
     return graph
+
+
+def _parents(module: str) -> list[str]:
+    """``a.b.c`` -> [``a``, ``a.b``]: the package markers importing it runs first."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _in(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def _imports_of(package: str) -> Iterator[tuple[Path, str]]:
+    """(file, imported name) for every import in ``package`` (a dotted name: its modules and subpackages)."""
+    top = package.split(".")[0]
+    base = PACKAGES[top].joinpath(*package.split(".")[1:])
+    for path in _source_files(base) if base.is_dir() else [base.with_suffix(".py")]:
+        module, is_package = _module_name(path)
+        for name in _imported_names(_parse(path), module, is_package, set()):
+            yield path, name
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -165,7 +218,9 @@ def test_graph_sees_the_real_imports() -> None:
     assert {"clockwork.cli.main", "slurm_hooks.runner", "linkpass", "torchpass"} <= set(graph)
     assert "clockwork.cli.context" in graph["clockwork.cli.main"]
     assert "clockwork.sandbox.fabric" in graph["clockwork.sandbox.cluster"]  # from clockwork.sandbox import fabric
-    assert "clockwork.contracts.config" in graph["slurm_hooks.runner"]  # from clockwork.contracts.config import load_config
+    assert "clockwork.contracts.config" in graph["slurm_hooks.runner"]  # from ...contracts.config import load_config
+    assert "clockworkd.lens.host" in graph["clockworkd.agent"]
+    assert "torchpass.rank.step" in graph["torchpass.rank.context"]
 
 
 # ----- the rules ------------------------------------------------------------------------------
@@ -183,56 +238,117 @@ def test_torch_only_in_torchpass_and_examples() -> None:
     assert not offenders, "torch imported outside torchpass/: " + ", ".join(offenders)
 
 
-@pytest.mark.parametrize(
-    ("package", "forbidden"),
-    [
-        ("linkpass", ("clockworkd", "slurm_hooks", "torchpass")),
-        ("clockworkd", ("slurm_hooks", "torchpass")),
-    ],
-)
-def test_dependency_direction(package: str, forbidden: tuple[str, ...]) -> None:
-    offenders = []
-    for path in _source_files(PACKAGES[package]):
-        module, is_package = _module_name(path)
-        for name in _imported_names(_parse(path), module, is_package, set()):
-            if name.split(".")[0] in forbidden:
-                offenders.append(f"{path.relative_to(ROOT)} imports {name}")
-    assert not offenders, "\n".join(offenders)
-
-
-# What TorchPass may use of clockworkd: its torch-free, client-side modules (the job key, the coordinator's wire
-# protocol and its one client, option and hostlist parsing, the snapshot format and the messages to its writer
-# process, the settings helper, the daemon's client for the event sink and borrowing, the command-line error
-# handler, the one atomic file writer). Never the daemon itself (server, agent, Lens, LinkPass hosts): a rank
-# must not load it, and the daemon may change without touching TorchPass.
-TORCHPASS_MAY_IMPORT = {
-    "clockwork.contracts.atomic_file",
-    "clockwork.contracts.invoke",
-    "clockwork.contracts.daemon_client",
-    "clockwork.contracts.config.fields",
-    "clockwork.contracts.coordinator_client",
-    "clockwork.contracts.coordinator_replies",
-    "clockwork.contracts.coordinator_requests",
-    "clockwork.contracts.coordinator_wire",
-    "clockwork.contracts.errors",
-    "clockwork.contracts.hostlist",
-    "clockwork.contracts.job_options",
-    "clockwork.contracts.jobkey",
-    "clockwork.contracts.snapshots.messages",
-    "clockwork.contracts.snapshots.store",
-}
-
-
-def test_torchpass_uses_only_clockworkds_client_side_modules() -> None:
+def test_torch_only_in_torchpass_torch_subpackages() -> None:
+    """Inside torchpass, torch is imported only by rank/, sharded/, transparent/, frameworks/, snapshot/, rollout/."""
     offenders = []
     for path in _source_files(PACKAGES["torchpass"]):
         module, is_package = _module_name(path)
+        if _in(module, *(f"torchpass.{sub}" for sub in TORCH_SUBPACKAGES)):
+            continue
         for name in _imported_names(_parse(path), module, is_package, set()):
-            if name.split(".")[0] == "clockworkd" and not any(
-                name == allowed or name.startswith(allowed + ".") for allowed in TORCHPASS_MAY_IMPORT
-            ):
+            if name == "torch" or name.startswith("torch."):
+                offenders.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not offenders, "torch imported outside torchpass's torch subpackages: " + ", ".join(offenders)
+
+
+def test_coordinator_launch_and_shared_modules_load_no_torch() -> None:
+    """What the coordinator, the launchers and the node agents run never loads a module that imports torch, through
+    any chain of imports (a package marker that re-exports one included)."""
+    graph = _import_graph(run_only=True)
+    modules = _project_modules()
+    torch_modules = {
+        name
+        for name, path in modules.items()
+        if any(
+            _in(imported, "torch")
+            for imported in _imported_names(_parse(path), name, path.name == "__init__.py", set(), run_only=True)
+        )
+    }
+    starts = [m for m in graph if _in(m, "torchpass.coordinator", "torchpass.launch")]
+    starts += [
+        m
+        for m in graph
+        if m.count(".") == 1 and m.startswith("torchpass.") and m.split(".")[1] not in TORCH_SUBPACKAGES
+    ]
+    assert {"torchpass.coordinator.service", "torchpass.launch.agent", "torchpass.cli"} <= set(starts)
+    offenders = []
+    for start in sorted(starts):
+        seen, todo, via = {start}, [start], {start: start}
+        while todo:
+            module = todo.pop()
+            for dep in sorted(graph.get(module, ())):
+                if dep not in seen:
+                    seen.add(dep)
+                    via[dep] = module
+                    todo.append(dep)
+        for hit in sorted(seen & torch_modules)[:1]:
+            chain = [hit]
+            while chain[-1] != start:
+                chain.append(via[chain[-1]])
+            offenders.append(" <- ".join(chain))
+    assert not offenders, "torch-free modules that load torchpass's torch modules:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("linkpass", ("clockwork", "clockworkd", "slurm_hooks", "torchpass")),
+        (
+            "clockwork.contracts",
+            ("clockworkd", "clockwork.cli", "clockwork.sandbox", "clockwork.audit", "slurm_hooks", "torchpass"),
+        ),
+        ("clockworkd", ("clockwork.cli", "clockwork.sandbox", "clockwork.audit", "slurm_hooks", "torchpass")),
+        ("clockwork.cli", ("clockworkd", "slurm_hooks", "torchpass")),
+        ("clockwork.sandbox", ("clockworkd", "clockwork.cli", "clockwork.audit", "slurm_hooks", "torchpass")),
+        ("clockwork.audit", ("clockworkd", "clockwork.cli", "clockwork.sandbox", "slurm_hooks", "torchpass")),
+        ("slurm_hooks", ("clockworkd", "clockwork.cli", "clockwork.sandbox", "clockwork.audit", "torchpass")),
+        ("torchpass", ("clockworkd", "clockwork.cli", "clockwork.sandbox", "clockwork.audit", "slurm_hooks")),
+    ],
+)
+def test_dependency_direction(package: str, forbidden: tuple[str, ...]) -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}" for path, name in _imports_of(package) if _in(name, *forbidden)
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_a_rank_imports_only_the_contracts_of_clockwork() -> None:
+    """torchpass (what every training rank runs) imports of Clockwork only ``clockwork.contracts``, and no linkpass:
+    a rank must not load the daemon, and the daemon may change without touching TorchPass."""
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path, name in _imports_of("torchpass")
+        if name.split(".")[0] in ("clockwork", "clockworkd", "linkpass", "slurm_hooks")
+        and not _in(name, "clockwork.contracts")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_contracts_take_only_linkpass_settings() -> None:
+    """The contracts' configuration schema includes LinkPass's section, defined in linkpass (which must not import
+    Clockwork); nothing else of linkpass."""
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path, name in _imports_of("clockwork.contracts")
+        if _in(name, "linkpass") and name != "linkpass.settings"
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_only_the_cli_imports_the_sandbox() -> None:
+    offenders = []
+    for top in PACKAGES:
+        for path, name in _imports_of(top):
+            module = _module_name(path)[0]
+            if _in(name, "clockwork.sandbox") and not _in(module, "clockwork.sandbox", "clockwork.cli"):
                 offenders.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_clockwork_marker_imports_nothing() -> None:
+    """``import clockwork.contracts`` in a rank must not load the CLI, the sandbox or the audit."""
+    tree = _parse(PACKAGES["clockwork"] / "__init__.py")
+    assert not any(isinstance(node, ast.Import | ast.ImportFrom) for node in ast.walk(tree))
 
 
 def test_no_import_cycles() -> None:

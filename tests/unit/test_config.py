@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from clockwork.contracts.config import DEFAULT_PATH, ClockworkConfig, load_config, parse_assignment, sections
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.contracts.config.example import render
 from clockwork.contracts.config.loader import CONFIG_ENV, config_path
-from clockwork.contracts.config.schema import SandboxConfig
 from clockwork.contracts.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

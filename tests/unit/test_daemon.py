@@ -26,10 +26,10 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.curve_keys import CurveKeys, generate
-from clockwork.contracts.errors import DaemonError, DaemonUnavailableError
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_wire import decode_event, decode_reply, encode_request, event_topic
+from clockwork.contracts.errors import DaemonError, DaemonUnavailableError
 from tests.conftest import in_ci, until
 from tests.unit.daemon_harness import (
     CLOCKWORKD,

@@ -12,9 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from clockwork.contracts.config.schema import DaemonConfig
-from clockworkd.daemon_auth import Access, Caller, OpAccess, authorise
-from clockworkd.daemon_ops import OpDeclarationError, OpSpec, op_table
+from clockwork.contracts.config.core import DaemonConfig
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.daemon_wire import (
     FORBIDDEN,
@@ -26,6 +24,8 @@ from clockwork.contracts.daemon_wire import (
     check_request,
     encode_request,
 )
+from clockworkd.daemon_auth import Access, Caller, OpAccess, authorise
+from clockworkd.daemon_ops import OpDeclarationError, OpSpec, op_table
 from clockworkd.registry import JobRecord, Registry, UnknownJobError
 from clockworkd.server import Daemon
 

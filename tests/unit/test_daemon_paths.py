@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from clockwork.contracts.config import load_config
-from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.config.core import DaemonConfig
 from clockwork.contracts.daemon_paths import DaemonPaths, local_node_name
 from clockwork.contracts.errors import ConfigError
 

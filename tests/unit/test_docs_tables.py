@@ -9,7 +9,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from clockwork.contracts.config.schema import ClockworkConfig, DaemonConfig
+from clockwork.contracts.config.core import DaemonConfig
+from clockwork.contracts.config.schema import ClockworkConfig
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.daemon_wire import SCHEMA
 from clockworkd.server import Daemon

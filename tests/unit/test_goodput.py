@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from clockwork.cli.main import run
 from clockwork.cli.goodput import PUBLISHED_MTTF, GoodputInputs, daly_wall_hours, mttf_hours, simulate
+from clockwork.cli.main import run
 
 
 def test_mttf_passes_through_the_published_points_and_falls_with_scale() -> None:

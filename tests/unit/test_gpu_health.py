@@ -20,14 +20,14 @@ from typing import Any
 import pytest
 
 from clockwork.contracts.config import load_config
+from clockwork.contracts.config.health import HealthConfig
 from clockwork.contracts.errors import ConfigError
+from clockwork.sandbox import gpu_faults
 from clockworkd.gpuhealth.faultfile import FaultFileSource
 from clockworkd.gpuhealth.nvml import NvmlSource
 from clockworkd.gpuhealth.policy import Policy
 from clockworkd.gpuhealth.ranks import gpu_of, ranks_in, read_environ
 from clockworkd.gpuhealth.readings import GpuReading
-from clockwork.contracts.config.health import HealthConfig
-from clockwork.sandbox import gpu_faults
 
 
 def _gpu(index: int = 0, **values: Any) -> GpuReading:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.config import load_config
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths
 from slurm_hooks import events, runner
 

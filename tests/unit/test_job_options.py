@@ -1,4 +1,5 @@
-"""--clockwork-ft and --clockwork-spares as the SPANK plugin exports them, parsed once (clockwork.contracts.job_options)."""
+"""--clockwork-ft and --clockwork-spares as the SPANK plugin exports them, parsed once
+(clockwork.contracts.job_options)."""
 
 from __future__ import annotations
 

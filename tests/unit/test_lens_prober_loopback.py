@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from clockworkd.lens import clockseam, wire
-from clockwork.contracts.lens_model import PathStats, PathVerdict
-from clockworkd.lens.prober import PHASES, Lens
 from clockwork.contracts.config.lens import LensConfig
+from clockwork.contracts.lens_model import PathStats, PathVerdict
+from clockworkd.lens import clockseam, wire
+from clockworkd.lens.prober import PHASES, Lens
 from clockworkd.lens.topology import Topology
 from linkpass.fabric import FabricMap
 from tests.conftest import in_ci

@@ -21,9 +21,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from clockwork.cli.lens_render import clock_table, matrix_table, plot, suspects_table
+from clockwork.contracts.lens_view import merge
 from clockworkd.lens.history import HistoryWriter, read_history
 from clockworkd.lens.metrics import METRIC_NAMES, MetricsServer, render_text
-from clockwork.cli.lens_render import clock_table, matrix_table, merge, plot, suspects_table
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "etc" / "grafana" / "clockwork-lens.json"

@@ -6,8 +6,8 @@ import random
 from collections.abc import Iterable, Mapping
 
 from clockwork.contracts import lens_model as model
-from clockworkd.lens import peers
 from clockwork.contracts.lens_model import PathVerdict
+from clockworkd.lens import peers
 from clockworkd.lens.tomography import Localizer, localize
 from clockworkd.lens.topology import Topology
 from tests.unit.test_lens_topology import sandbox_fabric

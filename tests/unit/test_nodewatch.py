@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from clockwork.contracts.config.nodewatch import NodeWatchConfig
 from clockwork.contracts.errors import ConfigError
 from clockwork.contracts.node_verdict import NodeVerdict, VerdictFormatError
 from clockworkd.nodewatch.echo import checksum, echo_request, parse_echo_reply
 from clockworkd.nodewatch.judge import Answer, Judge, Outcome, PeerView, outcome_of
-from clockwork.contracts.config.nodewatch import NodeWatchConfig
 
 TICK = 0.01
 CFG = NodeWatchConfig()  # silent after 100 ms, kernel probed from 30 ms

@@ -20,7 +20,7 @@ from torch import nn
 
 from clockwork.contracts.coordinator_wire import encode
 from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey
-from torchpass.rollout import Publisher, Subscriber, _Version
+from torchpass.rollout.push import Publisher, Subscriber, _Version
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.contracts.errors import ConfigError
 from clockwork.sandbox.faults import (
     KINDS,

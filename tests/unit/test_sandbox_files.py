@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from clockwork.contracts.config import load_config
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.sandbox.layout import Layout, build_layout
 from clockwork.sandbox.paths import StatePaths
 from clockwork.sandbox.slurm_files import (

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from clockwork.contracts.config.schema import SandboxConfig
+from clockwork.contracts.config.core import SandboxConfig
 from clockwork.contracts.errors import ConfigError
 from clockwork.sandbox.layout import Layout, build_layout
 

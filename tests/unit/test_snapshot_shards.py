@@ -16,10 +16,10 @@ from clockwork.contracts.snapshots.messages import Entry, FinalizeSpec, WriteReq
 from clockwork.contracts.snapshots.store import FORMAT, SnapshotCorrupt, manifest_body, shard_name, write_manifest
 from clockwork.contracts.snapshots.writer import write_shard
 from torchpass.config import TorchPassConfig
+from torchpass.rank.transfer_plan import ShardedReplicas
 from torchpass.snapshot import restart_advice
 from torchpass.snapshot.restore import mesh_problem
 from torchpass.snapshot.staging import plan_entries, plan_owners
-from torchpass.rank.transfer_plan import ShardedReplicas
 
 SIZES = [400, 40, 4000, 4, 400, 8, 1200]  # bytes of each tensor (the same structure on every shard)
 

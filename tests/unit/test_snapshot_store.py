@@ -32,8 +32,8 @@ from clockwork.contracts.snapshots.store import (
 )
 from tests.conftest import in_ci
 from torchpass.config import TorchPassConfig
-from torchpass.snapshot import RestoreError, Snapshotter, restore
 from torchpass.rank.state import StateParts
+from torchpass.snapshot import RestoreError, Snapshotter, restore
 
 LOG = logging.LoggerAdapter(logging.getLogger("test.snapshot"), {})
 

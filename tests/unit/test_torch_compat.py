@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpass.rank import torch_compat
 from torchpass.errors import TorchPassError
+from torchpass.rank import torch_compat
 
 
 def test_the_tested_release_passes(monkeypatch: pytest.MonkeyPatch) -> None:

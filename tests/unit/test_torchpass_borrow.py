@@ -18,9 +18,9 @@ import pytest
 import zmq
 
 from tests.conftest import until
-from torchpass.launch.borrow import Borrower, guest_command, guest_environment
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.service import Coordinator
+from torchpass.launch.borrow import Borrower, guest_command, guest_environment
 from torchpass.launch.guest import GuestAgent, LeaderFinder
 
 pytestmark = pytest.mark.usefixtures("job_key")

@@ -3,7 +3,8 @@
 A failure's (or a rebuild's) generation aborts the collectives in flight at once and makes the lifecycle stale, so
 the step is abandoned everywhere. A planned one (a migration: every member of the current generation is alive) only
 raises ``latest_gen``: the step in progress finishes on every rank, which follows it at the boundary
-(:meth:`torchpass.rank.step.StepLifecycle.stale`). Driven through the messages the coordinator sends, as msgpack maps."""
+(:meth:`torchpass.rank.step.StepLifecycle.stale`). Driven through the messages the coordinator sends, as msgpack
+maps."""
 
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ from tests.conftest import until
 from torchpass.auth import connect_as_client
 from torchpass.cli import main as cli_main
 from torchpass.config import TorchPassConfig
-from torchpass.rank.control import CoordinatorRefused, CoordinatorRpc, JobStopped
 from torchpass.coordinator.service import DONE, FAILED, Coordinator
+from torchpass.rank.control import CoordinatorRefused, CoordinatorRpc, JobStopped
 
 pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
 

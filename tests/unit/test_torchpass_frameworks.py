@@ -75,7 +75,7 @@ def test_names_bound_before_the_interposer_are_rebound_and_undone() -> None:
     # ``python -m torchpass.transparent.bootstrap`` is filed as __main__ and, by multiprocessing, as __mp_main__: the
     # bootstrap's own reference to the real class must stay the real class.
     bootstrap = types.ModuleType("__mp_main__")
-    bootstrap.__spec__ = importlib.machinery.ModuleSpec("torchpass.transparent", None)
+    bootstrap.__spec__ = importlib.machinery.ModuleSpec("torchpass.transparent.bootstrap", None)
     bootstrap.REAL = original  # type: ignore[attr-defined]
     saved_alias = sys.modules.get("__mp_main__")
     sys.modules["__mp_main__"] = bootstrap

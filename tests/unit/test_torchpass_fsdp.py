@@ -65,8 +65,8 @@ def _rank_main() -> int:
     from torch.utils.data import TensorDataset
 
     import torchpass as tp
-    from torchpass.snapshot import snapshot_directory
     from torchpass.rank.transfer_plan import ShardedReplicas
+    from torchpass.snapshot import snapshot_directory
 
     out = Path(os.environ["CW_TEST_DIR"])
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchpass.rank.transfer_plan import ShardedReplicas
 from torchpass.sharded.fsdp import LifecycleGuard, ShardPlan, sharded_modules
 from torchpass.sharded.shard_mesh import MeshGroups
-from torchpass.rank.transfer_plan import ShardedReplicas
 
 
 class _Guard:
@@ -222,8 +222,8 @@ def test_nccl_mesh_subgroups_are_non_blocking_and_members_only(monkeypatch: pyte
     abort of every group when a newer generation is announced reaches them, and a rank outside one gets None."""
     from types import SimpleNamespace
 
-    from torchpass.rank.backends import NcclBackend
     from torchpass.config import TorchPassConfig
+    from torchpass.rank.backends import NcclBackend
 
     class Options:
         def __init__(self) -> None:

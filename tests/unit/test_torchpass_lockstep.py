@@ -1,4 +1,5 @@
-"""The coordinator's verdict on ranks whose own collectives do not line up (torchpass.coordinator.lockstep), by table."""
+"""The coordinator's verdict on ranks whose own collectives do not line up (torchpass.coordinator.lockstep), by
+table."""
 
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from torchpass.coordinator.placement import choose_spares
 from torchpass.coordinator.records import agent_of, local_of, worker_id
 from torchpass.launch.node_ranks import gpu_count, rank_environment, ranks_per_node
 from torchpass.launch.node_steps import NodeSteps
-from torchpass.coordinator.placement import choose_spares
 from torchpass.launch.slurm_layout import SlurmLayout, SlurmLayoutError, training_nodes
 
 # ----- G: the order of the sources ---------------------------------------------------------------
@@ -179,8 +179,8 @@ def test_a_planned_migration_keeps_its_target() -> None:
 def test_the_agent_tells_each_rank_its_place_and_keeps_slurms_gpus() -> None:
     """What node 1's agent of a 2-rank-per-node job puts in the environment of its rank with local index 1
     (built, not started: nothing binds until the agent runs)."""
-    from torchpass.launch.agent import SlurmAgent
     from torchpass.config import TorchPassConfig
+    from torchpass.launch.agent import SlurmAgent
 
     nodes = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
     layout = SlurmLayout(4242, 1, 4, 1, nodes, nodes, 30000, 2)

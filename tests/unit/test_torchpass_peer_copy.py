@@ -14,8 +14,8 @@ from torch import nn
 
 from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey
 from torchpass.config import TorchPassConfig
-from torchpass.sharded.peer_copy import PeerCopies, ring_holders
 from torchpass.rank.state import StateParts
+from torchpass.sharded.peer_copy import PeerCopies, ring_holders
 
 LOG = logging.LoggerAdapter(logging.getLogger("test.peer_copy"), {})
 

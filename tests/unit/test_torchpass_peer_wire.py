@@ -1,5 +1,5 @@
-"""The peer-copy stream (torchpass.sharded.peer_wire) on real loopback sockets, without a job: a copy arrives bitwise and
-is acknowledged, the last complete copy survives a newer one being written, a stranger without the job's key is
+"""The peer-copy stream (torchpass.sharded.peer_wire) on real loopback sockets, without a job: a copy arrives bitwise
+and is acknowledged, the last complete copy survives a newer one being written, a stranger without the job's key is
 refused, and a frame arriving while the copies are frozen is dropped and its sender told so."""
 
 from __future__ import annotations

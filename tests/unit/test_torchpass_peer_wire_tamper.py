@@ -21,11 +21,11 @@ from torch import nn
 
 from clockwork.contracts.jobkey import ENV_JOB_KEY, JobKey
 from torchpass.config import TorchPassConfig
+from torchpass.rank.state import StateParts, TensorRef, describe
+from torchpass.rank.state_codec import MetaCodecError, decode_meta, encode_meta
 from torchpass.sharded.peer_copy import PeerCopies
 from torchpass.sharded.peer_wire import CHUNK, CopyLink, CopyListener, FrameRefused, ReceivedCopies, WireError
 from torchpass.sharded.sealed_stream import LENGTH, NONCE_BYTES, PROOF_BYTES, TAG_BYTES, RecordRefused, SealedStream
-from torchpass.rank.state import StateParts, TensorRef, describe
-from torchpass.rank.state_codec import MetaCodecError, decode_meta, encode_meta
 
 SECRET = os.urandom(32)
 LOG = logging.LoggerAdapter(logging.getLogger("test.peer_wire_tamper"), {})

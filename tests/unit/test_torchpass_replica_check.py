@@ -1,5 +1,5 @@
-"""The runtime net's pieces that need no job (torchpass/rank/replica_check.py): the checksum, what is compared and how it
-is named, the verdict on gathered tables, and the transfer check on a real state round trip.
+"""The runtime net's pieces that need no job (torchpass/rank/replica_check.py): the checksum, what is compared and how
+it is named, the verdict on gathered tables, and the transfer check on a real state round trip.
 
 The checksum is held to a plain reference (NumPy's wrapping 64-bit arithmetic over the same words) for sizes on
 every path (small tensors summed together, large ones as a matrix, blocks, a padded last word), and to the cases
@@ -31,7 +31,15 @@ from torchpass.rank.replica_check import (
     payload_checksums,
     state_table,
 )
-from torchpass.rank.state import StateError, StateParts, apply_state, as_bytes, describe, destinations_for, payload_offsets
+from torchpass.rank.state import (
+    StateError,
+    StateParts,
+    apply_state,
+    as_bytes,
+    describe,
+    destinations_for,
+    payload_offsets,
+)
 from torchpass.rank.transfer_plan import ShardedReplicas
 
 LOG = logging.LoggerAdapter(logging.getLogger("test.replica_check"), {})

@@ -25,9 +25,9 @@ from torch.utils.data import TensorDataset
 
 import torchpass as tp
 from torchpass.rank.data import StepLoader, batch_source
-from torchpass.rank_env import ENV_COORDINATOR, LaunchEnv
 from torchpass.rank.rng import reseed, step_seed
 from torchpass.rank.state import StateParts, TensorRef, _chunks, _fill, _overlaps, _strip, describe, payload_offsets
+from torchpass.rank_env import ENV_COORDINATOR, LaunchEnv
 
 # ----- RNG and data position --------------------------------------------------------------------
 

@@ -39,6 +39,8 @@ from clockwork.contracts.coordinator_requests import (
 )
 from clockwork.contracts.coordinator_wire import UNKNOWN, JobState
 from torchpass.config import TorchPassConfig
+from torchpass.coordinator.lockstep import CollectiveWait
+from torchpass.coordinator.membership import Membership
 from torchpass.coordinator.records import (
     AgentLost,
     CheckHeartbeats,
@@ -56,8 +58,6 @@ from torchpass.coordinator.records import (
     WorkerExited,
     WorkerExpected,
 )
-from torchpass.coordinator.lockstep import CollectiveWait
-from torchpass.coordinator.membership import Membership
 from torchpass.coordinator.snapshot_plan import SnapshotPlanner
 
 __all__ = ["CoordinatorCore"]
@@ -123,8 +123,8 @@ class CoordinatorCore:
         return self.out.take()
 
     def plan_snapshot(self, reason: str, now: Now, *, asked: int = 0) -> tuple[int | None, list[Decision]]:
-        """Plan a snapshot step now (see :meth:`torchpass.coordinator.snapshot_plan.SnapshotPlanner.plan`); the step (None
-        while the members' pace is unknown) and the decisions (its push to every member)."""
+        """Plan a snapshot step now (see :meth:`torchpass.coordinator.snapshot_plan.SnapshotPlanner.plan`); the step
+        (None while the members' pace is unknown) and the decisions (its push to every member)."""
         self.out.begin(now)
         step = self.snapshots.plan(reason, asked=asked)
         return step, self.out.take()

@@ -48,7 +48,8 @@ class MemberProgress:
 
 def parse_wait(value: object, reported_at: float) -> CollectiveWait | None:
     """The ``uc`` field of a heartbeat ([step, ordinal, name], or nothing); anything else reads as nothing
-    (:func:`clockwork.contracts.coordinator_requests.parse_collective`, which the coordinator's heartbeat parser uses)."""
+    (:func:`clockwork.contracts.coordinator_requests.parse_collective`, which the coordinator's heartbeat parser
+    uses)."""
     wait = parse_collective(value)
     return None if wait is None else CollectiveWait(*wait, reported_at)
 

@@ -45,6 +45,8 @@ from clockwork.contracts.coordinator_replies import (
 from clockwork.contracts.coordinator_requests import AwaitGeneration, Broken, Finished, Joined, Migrate, Register
 from clockwork.contracts.coordinator_wire import GenerationInfo, Handoff, JobState, Role
 from torchpass.config import TorchPassConfig
+from torchpass.coordinator.lockstep import MemberProgress, find_mismatch
+from torchpass.coordinator.placement import choose_move_target, choose_spares
 from torchpass.coordinator.records import (
     Evict,
     JobEnded,
@@ -58,8 +60,6 @@ from torchpass.coordinator.records import (
     completion_fields,
     local_of,
 )
-from torchpass.coordinator.lockstep import MemberProgress, find_mismatch
-from torchpass.coordinator.placement import choose_move_target, choose_spares
 
 __all__ = ["Membership"]
 
@@ -494,7 +494,8 @@ class Membership:
                 self.out.decide(Evict(rec.wid))
 
     def check_lockstep(self) -> None:
-        """Fail the job at once when a member waits in a collective its peers went past (torchpass.coordinator.lockstep)."""
+        """Fail the job at once when a member waits in a collective its peers went past
+        (torchpass.coordinator.lockstep)."""
         if self.state != JobState.RUNNING or self.vacant or self.info is None:
             return
         members = [

@@ -2,9 +2,9 @@
 
 It owns no training state and sits on no data path: ranks talk to it only when membership changes (start,
 failure, migration, end), never per step. What it decides, and why, is :mod:`torchpass.coordinator.membership` (the
-generations), :mod:`torchpass.coordinator.snapshot_plan` (snapshot steps) and :mod:`torchpass.coordinator.core` (dispatch,
-timers, leadership), all pure. This module is the shell around them: one ROUTER socket and one thread. Whatever
-happens (a message on the socket, a call from another thread, a timer) becomes a typed event
+generations), :mod:`torchpass.coordinator.snapshot_plan` (snapshot steps) and :mod:`torchpass.coordinator.core`
+(dispatch, timers, leadership), all pure. This module is the shell around them: one ROUTER socket and one thread.
+Whatever happens (a message on the socket, a call from another thread, a timer) becomes a typed event
 (:mod:`torchpass.coordinator.records`) handed to the core with the time, and the decisions that come back are
 carried out in order: messages sent, events emitted, the launcher's callbacks called.
 

@@ -15,8 +15,8 @@ from clockwork.contracts.coordinator_replies import Refusal, SnapshotPlanned, Sn
 from clockwork.contracts.coordinator_requests import SnapshotAsk
 from clockwork.contracts.coordinator_wire import JobState
 from torchpass.config import TorchPassConfig
-from torchpass.coordinator.records import Outbox, WorkerRecord
 from torchpass.coordinator.membership import Membership
+from torchpass.coordinator.records import Outbox, WorkerRecord
 
 __all__ = ["SNAPSHOT_ATTEMPTS", "SnapshotPlanner"]
 

@@ -50,16 +50,15 @@ from types import FrameType
 from clockwork.contracts.coordinator_wire import JobState
 from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
 from torchpass.auth import job_key
-from torchpass.launch.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
 from torchpass.config import ENV_CONFIG, TorchPassConfig
-from torchpass.coordinator.service import Coordinator
 from torchpass.coordinator.records import worker_id
+from torchpass.coordinator.service import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
+from torchpass.launch.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
 from torchpass.launch.mesh import AgentMesh
 from torchpass.launch.node_ranks import rank_environment
 from torchpass.launch.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
 from torchpass.launch.node_verdicts import VerdictFollower
-from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
 from torchpass.launch.proxy import CoordinatorProxy
 from torchpass.launch.slurm_layout import (
     ENV_AGENT_INDEX,
@@ -68,6 +67,7 @@ from torchpass.launch.slurm_layout import (
     SlurmLayout,
     SlurmLayoutError,
 )
+from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
 
 __all__ = ["SlurmAgent", "daemon_control_socket"]
 

@@ -27,12 +27,12 @@ from types import FrameType
 
 import zmq
 
-from torchpass.launch.borrow import ENV_GUEST_ENDPOINTS, ENV_GUEST_JOB, ENV_GUEST_WORLD
 from torchpass.config import ENV_CONFIG, TorchPassConfig
-from torchpass.rank.control import CoordinatorLost, CoordinatorRefused, CoordinatorRpc, JobStopped
-from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv
+from torchpass.launch.borrow import ENV_GUEST_ENDPOINTS, ENV_GUEST_JOB, ENV_GUEST_WORLD
 from torchpass.launch.proxy import CoordinatorProxy
 from torchpass.launch.slurm_layout import SlurmLayoutError, resolve_address
+from torchpass.rank.control import CoordinatorLost, CoordinatorRefused, CoordinatorRpc, JobStopped
+from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv
 
 __all__ = ["GuestAgent", "LeaderFinder"]
 

@@ -39,8 +39,8 @@ from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator.service import DONE, Coordinator
 from torchpass.events import EventSink
 from torchpass.launch.warmup import framework_modules
-from torchpass.rank_env import LaunchEnv, rank_argv
 from torchpass.launch.zygote import ForkedProcess, Zygote, ZygoteError
+from torchpass.rank_env import LaunchEnv, rank_argv
 
 __all__ = ["LocalLauncher", "loopback_interface"]
 
@@ -103,7 +103,7 @@ class LocalLauncher:
             coordinator_file or Path(tempfile.gettempdir()) / f"torchpass-{os.getpid()}.coordinator"
         )
         self.exit_grace_s = exit_grace_s
-        self.transparent = transparent  # ranks run the unmodified script under torchpass.transparent
+        self.transparent = transparent  # ranks run the unmodified script under torchpass.transparent.bootstrap
         self.children: dict[str, _Child] = {}
         self._next_id = 0
         self._spawned_spares = 0

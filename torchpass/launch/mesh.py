@@ -46,8 +46,8 @@ import zmq
 from clockwork.contracts.coordinator_wire import JobState
 from torchpass.auth import connect_as_client, serve
 from torchpass.config import TorchPassConfig
-from torchpass.coordinator.service import Coordinator
 from torchpass.coordinator.records import worker_id
+from torchpass.coordinator.service import Coordinator
 from torchpass.events import EventSink, emit
 from torchpass.launch.slurm_layout import SlurmLayout
 from torchpass.socket_thread import SocketThread

@@ -31,8 +31,9 @@ line; else the
 
 The agents' two ports (the agent mesh, and the coordinator replica one above it) are the same on every node,
 derived from the job id unless ``--port`` says otherwise, so each agent knows every peer's endpoints from the
-node list alone. The hostlist syntax (``node[01-04,07],gpu3``) is expanded in-process (:mod:`clockwork.contracts.hostlist`)
-because TorchPass must not depend on Slurm's libraries or commands. This module imports no torch.
+node list alone. The hostlist syntax (``node[01-04,07],gpu3``) is expanded in-process
+(:mod:`clockwork.contracts.hostlist`) because TorchPass must not depend on Slurm's libraries or commands. This module
+imports no torch.
 """
 
 from __future__ import annotations

@@ -28,15 +28,10 @@ out of ``ctx.steps``).
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import gc
-import importlib
-import os
 import time
 import types
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,27 +39,28 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from clockwork.contracts.coordinator_wire import GenerationInfo
-from torchpass.auth import ENV_JOB_KEY, JobKey
-from torchpass.rank.backends import CommBackend, make_backend
-from torchpass.rank.buffers import StagedBuffers
 from torchpass.config import TorchPassConfig
+from torchpass.errors import TorchPassError
+from torchpass.events import EventSink
+from torchpass.rank.backends import CommBackend
+from torchpass.rank.buffers import StagedBuffers
 from torchpass.rank.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
-from torchpass.coordinator.service import Coordinator
 from torchpass.rank.data import batch_source
 from torchpass.rank.ddp import TorchPassDDP
-from torchpass.errors import TorchPassError
-from torchpass.events import DaemonEventSink, EventSink, tee
-from torchpass.sharded.fsdp import ShardedState, ShardPlan
-from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, die_with_parent
-from torchpass.rank.output import RankLog, configure_logging, whole_lines_on_shared_output
-from torchpass.rank.rejoin import CoordinatorLink, Membership, ProcessGroupTransport, Rejoiner
+from torchpass.rank.output import RankLog
+from torchpass.rank.rejoin import CoordinatorLink, ProcessGroupTransport, RankPosition, Rejoiner
 from torchpass.rank.replica_check import ReplicaNet
-from torchpass.snapshot import RestoreError, Snapshotter, restart_advice, restore, restore_target
 from torchpass.rank.state import StateParts
 from torchpass.rank.step import StepLifecycle, carried_gradients_reason
 from torchpass.rank.transfer_plan import Replicated, ShardedReplicas
+from torchpass.rank_env import LaunchEnv
+from torchpass.sharded.fsdp import ShardedState, ShardPlan
+from torchpass.snapshot import RestoreError, Snapshotter, restart_advice, restore, restore_target
 
-__all__ = ["Context", "TorchPassError", "init"]
+if TYPE_CHECKING:
+    from torchpass.coordinator.service import Coordinator
+
+__all__ = ["Context", "TorchPassError"]
 
 _T = TypeVar("_T")
 _FOREVER_S = 10 * 365 * 24 * 3600.0
@@ -87,7 +83,7 @@ class Context:
         self.env = env
         self.worker_id = env.worker_id
         self.world_size = env.world_size
-        self.membership = Membership(slot=env.initial_slot if env.initial_slot is not None else -1)
+        self.position = RankPosition(slot=env.initial_slot if env.initial_slot is not None else -1)
         self.is_replacement = env.initial_slot is None
         self.event_sink = event_sink
         self.log = RankLog(lambda: f"slot {self.slot} g{self.generation} step {self.step} {self.worker_id}")
@@ -113,7 +109,7 @@ class Context:
             link=self.link,
             transport=ProcessGroupTransport(backend, {0: self._parts}, chunk, net),
             layout=Replicated(),
-            membership=self.membership,
+            position=self.position,
             lifecycle=self.lifecycle,
             own_store_port=store_server.port,
             log=self.log,
@@ -132,17 +128,17 @@ class Context:
     @property
     def rank(self) -> int:
         """This rank's slot (its rank in every generation's process group)."""
-        return self.membership.slot
+        return self.position.slot
 
     @property
     def slot(self) -> int:
         """This rank's slot (-1 for a spare not given one yet)."""
-        return self.membership.slot
+        return self.position.slot
 
     @property
     def generation(self) -> int:
         """The generation this rank trains in (-1 before it joined the first)."""
-        return self.membership.generation
+        return self.position.generation
 
     @property
     def step(self) -> int:
@@ -152,7 +148,7 @@ class Context:
     @property
     def committed_step(self) -> int:
         """The last step whose update this rank's state contains (-1 before the first)."""
-        return self.membership.committed
+        return self.position.committed
 
     @property
     def device(self) -> torch.device:
@@ -298,7 +294,7 @@ class Context:
         while True:
             if not self.follow_generation(stop_when_done=True):
                 return
-            step = self.membership.committed + 1
+            step = self.position.committed + 1
             if step >= total_steps:
                 if self.finish():
                     self.lifecycle.step = -1
@@ -356,7 +352,7 @@ class Context:
     def commit(self, step: int) -> None:
         """``step`` is done on this rank: its state is the committed state (callbacks, snapshots)."""
         self.lifecycle.settle_for_commit()  # every rank now holds slot 0's buffers (torchpass.rank.buffers)
-        self.membership.committed, self.membership.has_state = step, True
+        self.position.committed, self.position.has_state = step, True
         self.lifecycle.note_commit(step)
         # The script's callbacks first: what they change in registered state (an EMA updated once per step) is
         # part of the committed step, so the undo copies and the peer copies are taken after them. Taken before,
@@ -471,7 +467,7 @@ class Context:
         self.log.warning("leaving generation %d: %s", gen, reason.splitlines()[0][:300])
         self.lifecycle.check_carried()
         if self.lifecycle.state_spoiled:
-            self.membership.has_state = False  # received from a holder (step.StepLifecycle.roll_back)
+            self.position.has_state = False  # received from a holder (step.StepLifecycle.roll_back)
         if self.lifecycle.carried_lost_at >= 0:
             self.link.fatal(
                 carried_gradients_reason(self.lifecycle.carried_lost_at, reason, restart_advice(self.config))
@@ -561,7 +557,7 @@ class Context:
             self.link.fatal(str(exc))
         if committed is None:
             return
-        self.membership.committed, self.membership.has_state = committed, True
+        self.position.committed, self.position.has_state = committed, True
         self.lifecycle.restart_at(committed + 1)
 
     # ----- end ------------------------------------------------------------------------------
@@ -581,65 +577,3 @@ class Context:
             self._channel.close()
             if self._coordinator is not None:
                 self._coordinator.stop()
-
-
-def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None = None, **overrides: Any) -> Context:
-    """Join the job the launcher started (``torchpass run``); returns this rank's :class:`Context`.
-
-    The configuration is the launcher's (``TORCHPASS_CONFIG``) unless ``config`` is given; keyword arguments
-    override single fields (unknown names are errors). A spare process blocks here until it is given a slot
-    (and exits with status 0 if the job ends first). Run without a launcher, the script trains alone as slot
-    0 of a one-rank job, with an in-process coordinator.
-    """
-    cfg = (config or TorchPassConfig.from_env()).with_overrides(**overrides)
-    configure_logging(cfg.log_level)
-    env = LaunchEnv.from_environ()
-    coordinator = None
-    if env is None:
-        if JobKey.from_environ() is None:  # alone, this process is the whole job: it makes the job's key
-            os.environ[ENV_JOB_KEY] = JobKey.new().hex
-        coordinator = Coordinator(1, cfg)
-        env = LaunchEnv(coordinator.start(), "w0", "slot:0", 1, "127.0.0.1", "", False)
-    else:
-        whole_lines_on_shared_output()
-    if env.local or env.agent >= 0:
-        die_with_parent()
-    daemon_socket = os.environ.get(ENV_DAEMON_SOCKET, "")
-    if daemon_socket and env.job_id.isdigit():
-        event_sink = tee(event_sink, DaemonEventSink(int(env.job_id), daemon_socket))
-    backend = make_backend(cfg, int(os.environ.get("LOCAL_RANK", "0")), os.environ.get(ENV_GLOO_HOST, ""))
-    backend.prepare_env()
-    store_server = dist.TCPStore(
-        env.host, 0, None, True, timeout=datetime.timedelta(seconds=cfg.collective_timeout_s), wait_for_workers=False
-    )
-    channel = ControlChannel(
-        env.coordinator,
-        env.worker_id,
-        heartbeat_interval_s=cfg.heartbeat_interval_s,
-        coordinator_timeout_s=cfg.coordinator_timeout_s,
-        rpc_timeout_s=cfg.rpc_timeout_s,
-    )
-    ctx = Context(cfg, env, channel, backend, store_server, event_sink, coordinator)
-    # DDP's constructor imports torch._dynamo lazily (about 1 s here). Pay it before registering, so that a
-    # spare is fully warm when the coordinator can first hand it a slot.
-    importlib.import_module("torch._dynamo")
-    if cfg.gc_freeze:
-        gc.freeze()
-    try:
-        channel.call(
-            "register", pid=os.getpid(), host=env.host, store_port=store_server.port, role=env.role, agent=env.agent
-        )
-    except JobStopped as stop:
-        ctx.link.exit_stopped(stop)
-    except CoordinatorLost as exc:
-        raise TorchPassError(f"cannot reach the coordinator: {exc}") from None
-    channel.start()
-    atexit.register(ctx.close)
-    if env.role == "spare":
-        ctx.log.info("spare ready, waiting for a slot")
-        info = ctx.rejoiner.await_generation(-1)
-        ctx._pending = info
-        slot = info.slot_of(env.worker_id)
-        ctx.membership.slot = slot if slot is not None else -1
-        ctx.log.info("assigned slot %d in generation %d (%s)", ctx.slot, info.gen, info.reason)
-    return ctx

@@ -9,9 +9,9 @@ status``), notices a vanished coordinator, and calls back into the rank when a n
 collective blocked on a silently dead peer can be aborted at once instead of waiting for its timeout.
 
 This module imports no torch. Its requests go through :class:`clockwork.contracts.coordinator_client.CoordinatorRpc`
-and its messages are :mod:`clockwork.contracts.coordinator_wire`'s (with :mod:`clockwork.contracts.coordinator_requests` and
-:mod:`clockwork.contracts.coordinator_replies`), which ``torchpass status``, ``clockwork migrate`` and the daemon use
-too: one implementation of the protocol's client side.
+and its messages are :mod:`clockwork.contracts.coordinator_wire`'s (with :mod:`clockwork.contracts.coordinator_requests`
+and :mod:`clockwork.contracts.coordinator_replies`), which ``torchpass status``, ``clockwork migrate`` and the daemon
+use too: one implementation of the protocol's client side.
 """
 
 from __future__ import annotations

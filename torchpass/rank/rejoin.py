@@ -41,22 +41,22 @@ import torch
 import torch.distributed as dist
 
 from clockwork.contracts.coordinator_wire import GenerationInfo
-from torchpass.rank.backends import CommBackend
 from torchpass.config import TorchPassConfig
-from torchpass.rank.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.errors import TorchPassError
 from torchpass.events import EventSink, emit
+from torchpass.rank.backends import CommBackend
+from torchpass.rank.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.rank.replica_check import ReplicaMismatch, ReplicaNet
-from torchpass.snapshot.restore import restart_advice
 from torchpass.rank.state import StateError, StateParts, recv_state, send_state
 from torchpass.rank.step import StepLifecycle
 from torchpass.rank.transfer_plan import Holdings, PartLayout, StateLost, plan_transfers
+from torchpass.snapshot.restore import restart_advice
 
 __all__ = [
     "CoordinatorLink",
     "GenerationBroken",
-    "Membership",
     "ProcessGroupTransport",
+    "RankPosition",
     "Rejoiner",
     "StateTransport",
 ]
@@ -70,8 +70,9 @@ class GenerationBroken(Exception):
 
 
 @dataclass
-class Membership:
-    """This rank's slot and generation, and the committed state it holds.
+class RankPosition:
+    """This rank's slot and generation, and the committed state it holds (the job's membership, every rank's slot
+    by generation, is the coordinator's: :class:`torchpass.coordinator.membership.Membership`).
 
     Written by joining (:class:`Rejoiner`), committing and restoring (the context); read by everything that
     reports where the rank is."""
@@ -207,16 +208,16 @@ class CoordinatorLink:
         """How the job ended, once the coordinator said so."""
         return self.channel.stopped
 
-    def await_generation(self, after: int, membership: Membership) -> GenerationInfo:
+    def await_generation(self, after: int, position: RankPosition) -> GenerationInfo:
         """Long-poll for a generation newer than ``after`` that includes this process."""
         try:
             reply = self.channel.wait(
                 "await_generation",
                 _FOREVER_S,
                 after=after,
-                gen=membership.generation,
-                slot=membership.slot,
-                committed=membership.committed,
+                gen=position.generation,
+                slot=position.slot,
+                committed=position.committed,
             )
         except JobStopped as stop:
             self.exit_stopped(stop)
@@ -259,7 +260,7 @@ class Rejoiner:
         link: CoordinatorLink,
         transport: StateTransport,
         layout: PartLayout,
-        membership: Membership,
+        position: RankPosition,
         lifecycle: StepLifecycle,
         own_store_port: int,
         log: _LogAdapter,
@@ -270,7 +271,7 @@ class Rejoiner:
         self.link = link
         self.transport = transport
         self.layout = layout
-        self.membership = membership
+        self.position = position
         self.lifecycle = lifecycle
         self.own_store_port = own_store_port
         self.log = log
@@ -279,7 +280,7 @@ class Rejoiner:
 
     def await_generation(self, after: int) -> GenerationInfo:
         """The next generation after ``after`` that includes this process (or its end)."""
-        return self.link.await_generation(after, self.membership)
+        return self.link.await_generation(after, self.position)
 
     def join(self, after: int, first: GenerationInfo | None = None, left_at: float | None = None) -> None:
         """Join ``first`` (or the next generation after ``after``), and the next one whenever it breaks.
@@ -298,7 +299,7 @@ class Rejoiner:
             except GenerationBroken as exc:
                 self.log.warning("generation %d could not form: %s", info.gen, exc)
                 self.transport.leave()
-                m = self.membership
+                m = self.position
                 self.link.report(
                     "broken",
                     gen=info.gen,
@@ -313,7 +314,7 @@ class Rejoiner:
     # ----- one generation -------------------------------------------------------------------
 
     def _join(self, info: GenerationInfo, received_at: float, left_at: float | None) -> None:
-        m = self.membership
+        m = self.position
         slot = info.slot_of(self.worker_id)
         if slot is None:
             raise TorchPassError(f"generation {info.gen} does not include this process")
@@ -366,7 +367,7 @@ class Rejoiner:
     def _agree_and_transfer(self, info: GenerationInfo) -> tuple[int | None, bool, int, list[dict[str, Any]]]:
         """Agree on who holds what, and carry out this member's part of the plan; (source, received, bytes, and
         what it received: one record per part, with the part's name, its source, bytes and time)."""
-        m = self.membership
+        m = self.position
         try:
             table = self.transport.exchange(self.transport.held(m.has_state, m.committed))
         except Exception as exc:
@@ -430,7 +431,7 @@ class Rejoiner:
             "part": part,
             "what": self.layout.part_name(part),
             "source": source,
-            "target": self.membership.slot,
+            "target": self.position.slot,
             "bytes": nbytes,
             "ms": round(1000 * (time.time() - began), 1),
         }
@@ -491,7 +492,7 @@ class Rejoiner:
     def _depart(self, info: GenerationInfo) -> NoReturn:
         """This rank is migrating away: hand the live state to the spare, then exit cleanly."""
         assert info.handoff is not None
-        m = self.membership
+        m = self.position
         started, ok, nbytes = time.time(), False, 0
         try:
             self._handoff_group(info, 0)
@@ -523,7 +524,7 @@ class Rejoiner:
         """The spare side of a migration: what it received, per part (as the agreement's moves, from the slot it
         takes over); nothing on any failure, and the state then comes from a replica instead."""
         assert info.handoff is not None
-        m = self.membership
+        m = self.position
         try:
             self._handoff_group(info, 1)
             committed, nbytes, handed = -1, 0, []

@@ -198,7 +198,8 @@ def _describe(parts: StateParts, committed: int) -> tuple[dict[str, Any], list[t
             model_entries.append((name, tuple(local.shape), str(local.dtype)))
             tensors.append(local)
     optim = [_strip(opt.state_dict(), tensors) for opt in parts.optimizers]
-    core = len(tensors)  # the model's and the optimizers' tensors come first (what torchpass.rank.replica_check compares)
+    # The model's and the optimizers' tensors come first (what torchpass.rank.replica_check compares).
+    core = len(tensors)
     extra = {name: _strip(obj.state_dict(), tensors) for name, obj in parts.extra.items()}
     meta = {
         "version": FORMAT_VERSION,

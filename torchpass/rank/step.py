@@ -3,7 +3,7 @@
 Why one object: the model-aware loop (``ctx.steps``), transparent mode and the DDP wrapper (and the
 sharded wrappers to come) all drive the same lifecycle, and a failure must mean the same thing to each:
 
-- :meth:`StepLifecycle.begin` opens step ``n`` (same RNG on a redo: :func:`torchpass.rank.state.reseed`).
+- :meth:`StepLifecycle.begin` opens step ``n`` (same RNG on a redo: :func:`torchpass.rank.rng.reseed`).
 - :meth:`StepLifecycle.collective_allowed` is asked before every collective of the step;
   :meth:`StepLifecycle.abandon` marks the step failed (from any thread, the first reason wins). Nothing
   raises into the user's forward, backward or optimizer step.
@@ -30,8 +30,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from torchpass.rank.buffers import StagedBuffers
 from torchpass.events import EventSink, emit
+from torchpass.rank.buffers import StagedBuffers
 from torchpass.rank.rng import reseed
 from torchpass.rank.state import StateParts
 from torchpass.rank.torch_compat import drop_held_back_gradients, holds_back_gradients
@@ -185,7 +185,8 @@ class StepLifecycle:
 
     def user_collective(self, name: str, run: Callable[[], _T]) -> _T:
         """Run one of the script's collectives; while it runs, the heartbeats say which one, so the coordinator
-        can tell when peers went past it (a counter of the script's own that disagrees: torchpass.coordinator.lockstep)."""
+        can tell when peers went past it (a counter of the script's own that disagrees:
+        torchpass.coordinator.lockstep)."""
         self._user_collectives += 1
         self._channel.collective = (self.step, self._user_collectives, name) if self.step >= 0 else None
         try:

@@ -43,19 +43,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from torchpass.rank.backends import CommBackend
 from torchpass.config import TorchPassConfig
 from torchpass.errors import TorchPassError
 from torchpass.events import EventSink
-from torchpass.sharded.peer_copy import PeerCopies
-from torchpass.rank_env import LaunchEnv
+from torchpass.rank.backends import CommBackend
 from torchpass.rank.rejoin import ProcessGroupTransport
 from torchpass.rank.replica_check import ReplicaNet
-from torchpass.sharded.shard_mesh import MeshGroups
 from torchpass.rank.state import StateError, StateParts
 from torchpass.rank.step import StepLifecycle
 from torchpass.rank.torch_compat import check_fsdp_internals
 from torchpass.rank.transfer_plan import Holdings, ShardedReplicas
+from torchpass.rank_env import LaunchEnv
+from torchpass.sharded.peer_copy import PeerCopies
+from torchpass.sharded.shard_mesh import MeshGroups
 
 __all__ = [
     "LifecycleGuard",

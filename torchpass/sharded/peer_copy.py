@@ -26,8 +26,8 @@ Why it is correct, and what the buffers are for:
   another, so three own copies (the two last rounds and the one before) always include c; the receiving side
   keeps two copies per neighbour (written alternately: the last complete one is never overwritten).
 * **Synchronous commits** (``peer_copy_sync``, K = 1): the round of step n runs before n commits
-  (:meth:`PeerCopies.copy_now`) and all ranks vote on its acknowledgements (:mod:`torchpass.sharded.fsdp`); a failed vote
-  undoes the update from the copy of n - 1, so the copy of a lost shard is never older than the committed step.
+  (:meth:`PeerCopies.copy_now`) and all ranks vote on its acknowledgements (:mod:`torchpass.sharded.fsdp`); a failed
+  vote undoes the update from the copy of n - 1, so the copy of a lost shard is never older than the committed step.
   Ranks are then never a round apart, and two own copies (n - 1 and n) are enough.
 * **Losing more adjacent ranks than r covers** (slots s and s+1 with r = 1): no member holds shard s. The job
   stops with that reason, naming the newest disk snapshot to restart from
@@ -51,7 +51,6 @@ import torch
 from torchpass.auth import job_key
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
-from torchpass.sharded.peer_wire import CopyBuffer, CopyLink, CopyListener, ReceivedCopies, WireError
 from torchpass.rank.replica_check import payload_checksums
 from torchpass.rank.state import (
     StateError,
@@ -65,6 +64,7 @@ from torchpass.rank.state import (
 )
 from torchpass.rank.state_codec import MetaCodecError, decode_meta, encode_meta
 from torchpass.rank.transfer_plan import Holdings
+from torchpass.sharded.peer_wire import CopyBuffer, CopyLink, CopyListener, ReceivedCopies, WireError
 
 __all__ = ["OWN_COPIES", "SYNC_OWN_COPIES", "PeerCopies", "ring_holders"]
 

@@ -44,6 +44,7 @@ from typing import Any
 import msgpack
 import torch
 
+from clockwork.contracts.errors import WireError
 from torchpass.sharded.sealed_stream import RecordRefused, SealedStream, StreamClosed
 
 __all__ = ["CopyBuffer", "CopyLink", "CopyListener", "ReceivedCopies", "WireError"]
@@ -55,10 +56,6 @@ CHUNK = 1 << 20  # payload bytes per sealed record
 MAX_META = 1 << 28  # the longest state description a head record may carry
 ACK = struct.Struct("!q")
 KEPT_NOT, REFUSED = -1, -2  # acks other than the step: dropped (frozen), refused (failed authentication)
-
-
-class WireError(ConnectionError):
-    """A copy could not be sent or was not kept (the peer is gone, refused us, or dropped the frame)."""
 
 
 class FrameRefused(WireError):

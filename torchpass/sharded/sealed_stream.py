@@ -30,6 +30,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from clockwork.contracts.errors import WireError
+
 __all__ = ["NONCE_BYTES", "RecordRefused", "SealedStream", "StreamClosed", "recv_exact", "recv_into"]
 
 NONCE_BYTES = 32
@@ -40,11 +42,11 @@ _CONNECTOR, _ACCEPTOR = 1, 2  # the directions (a record sealed by that side)
 PROOF_BYTES = 32
 
 
-class StreamClosed(ConnectionError):
+class StreamClosed(WireError):
     """The other end closed the connection (or broke it off in the middle of a record)."""
 
 
-class RecordRefused(ConnectionError):
+class RecordRefused(WireError):
     """A record that does not open: changed in flight, replayed, reordered, or sealed without the job's key."""
 
 

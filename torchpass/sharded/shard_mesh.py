@@ -43,7 +43,12 @@ from torch.distributed.distributed_c10d import (
     ReduceScatterOptions,
 )
 
-from torchpass.rank.torch_compat import mesh_over_groups, register_process_group, resolve_process_group, work_from_future
+from torchpass.rank.torch_compat import (
+    mesh_over_groups,
+    register_process_group,
+    resolve_process_group,
+    work_from_future,
+)
 from torchpass.rank.transfer_plan import ShardedReplicas
 
 __all__ = ["DIM_NAMES", "GenerationGroup", "MeshGroups", "StepGuard"]

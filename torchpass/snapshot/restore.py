@@ -4,8 +4,8 @@ Ranks agree with one all-reduce per candidate (``agree``); a damaged or partial 
 sharded over another mesh shape, is reported (``torchpass.snapshot_rejected``) and the previous one is tried.
 None good is an error, never a silent fresh start. Loading gives back every byte of the state, so training
 resumed at (snapshot step + 1) ends bitwise equal to a run that never stopped: batches and RNG streams are
-functions of the step (:mod:`torchpass.rank.data`, :mod:`torchpass.rank.rng`); the saved RNG states are restored too, for
-randomness drawn outside ``ctx.steps``.
+functions of the step (:mod:`torchpass.rank.data`, :mod:`torchpass.rank.rng`); the saved RNG states are restored too,
+for randomness drawn outside ``ctx.steps``.
 
 The state description is pickled into the snapshot, like ``torch.load(weights_only=False)``: load only
 snapshots your own jobs wrote.
@@ -34,9 +34,9 @@ from clockwork.contracts.snapshots.store import (
 )
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit, emit_at
-from torchpass.snapshot.location import snapshot_directory
 from torchpass.rank.state import StateParts, apply_state, as_bytes, destinations_for
 from torchpass.rank.transfer_plan import ShardedReplicas
+from torchpass.snapshot.location import snapshot_directory
 
 __all__ = ["MeshMismatch", "RestoreError", "mesh_problem", "restart_advice", "restore"]
 

@@ -26,12 +26,12 @@ from clockwork.contracts.snapshots.messages import FinalizeSpec, Phase, WriteReq
 from clockwork.contracts.snapshots.store import FAILED_PREFIX, NICE_INCREMENT, snapshot_path
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit, emit_at
+from torchpass.rank.state import StateParts
+from torchpass.rank.transfer_plan import ShardedReplicas
 from torchpass.snapshot.arena import SharedArena
 from torchpass.snapshot.location import snapshot_directory
 from torchpass.snapshot.staging import Staged, lay_out, stage
 from torchpass.snapshot.writer_client import WriterProcess
-from torchpass.rank.state import StateParts
-from torchpass.rank.transfer_plan import ShardedReplicas
 
 __all__ = ["Snapshotter"]
 

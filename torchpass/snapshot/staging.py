@@ -30,9 +30,9 @@ import torch
 
 from clockwork.contracts.snapshots.messages import Entry
 from clockwork.contracts.snapshots.store import shard_prefix
-from torchpass.snapshot.arena import ALIGN, SharedArena
 from torchpass.rank.state import StateParts, as_bytes, describe, update_only_tensors
 from torchpass.rank.transfer_plan import ShardedReplicas
+from torchpass.snapshot.arena import ALIGN, SharedArena
 
 __all__ = [
     "EntryPlan",

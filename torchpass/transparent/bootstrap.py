@@ -71,12 +71,12 @@ import runpy
 import sys
 
 from torchpass.config import TorchPassConfig
-from torchpass.rank.context import init
 from torchpass.errors import TorchPassError
 from torchpass.frameworks.environment import torchrun_environment
 from torchpass.launch.warmup import preimport
-from torchpass.transparent.interposers import Interposers
+from torchpass.rank.start import init
 from torchpass.rank_env import LaunchEnv
+from torchpass.transparent.interposers import Interposers
 from torchpass.transparent.session import Session, TransparentWarning
 
 __all__ = ["Session", "TransparentWarning", "main"]

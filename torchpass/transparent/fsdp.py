@@ -4,10 +4,10 @@ An FSDP2 script builds its mesh with ``init_device_mesh(device, (R, S), mesh_dim
 ``(N,)`` (pure FSDP), and shards its model with ``fully_shard(module, mesh=mesh, ...)``, bottom-up. In
 transparent mode (:mod:`torchpass.transparent.bootstrap`):
 
-* ``init_device_mesh`` returns the mesh TorchPass owns for that shape (:meth:`torchpass.rank.context.Context.shard_state`,
-  the script's dimension names kept): its groups follow every generation, and from then on the rank's shard is
-  what moves to a replacement (from a live holder of the same shard). One mesh per job; a shape of three or more
-  dimensions (tensor parallelism) is refused with the reason.
+* ``init_device_mesh`` returns the mesh TorchPass owns for that shape
+  (:meth:`torchpass.rank.context.Context.shard_state`, the script's dimension names kept): its groups follow every
+  generation, and from then on the rank's shard is what moves to a replacement (from a live holder of the same shard).
+  One mesh per job; a shape of three or more dimensions (tensor parallelism) is refused with the reason.
 * ``fully_shard`` runs the real one over that mesh (before the first generation exists, DeviceMesh's rank query
   answers with the slot); without ``mesh=`` it uses the job's mesh, or makes a pure-FSDP one as FSDP2 would. The
   outermost module sharded (the model, sharded last) is the job's model: its state moves, its buffers roll back,
@@ -37,8 +37,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchpass.errors import TorchPassError
-from torchpass.sharded.fsdp import ShardedState, unsynchronised_buffers
 from torchpass.rank.transfer_plan import ShardedReplicas
+from torchpass.sharded.fsdp import ShardedState, unsynchronised_buffers
 from torchpass.transparent.session import Session
 
 __all__ = ["FsdpInterposers"]

@@ -21,11 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DataLoader
 
-from torchpass.rank.backends import BOUND_GLOO
-from torchpass.rank.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
 from torchpass.frameworks import detect
 from torchpass.launch.warmup import rebind_in_loaded_modules
+from torchpass.rank.backends import BOUND_GLOO
+from torchpass.rank.ddp import TorchPassDDP
 from torchpass.transparent.fsdp import FsdpInterposers
 from torchpass.transparent.session import Session
 

@@ -1,7 +1,7 @@
 """One rank's transparent-mode session: what the script built, where it is in its data, and the step boundary.
 
-:mod:`torchpass.transparent.bootstrap` explains the mode; :mod:`torchpass.transparent.interposers` hands this session what the
-script builds and calls its step boundary (:meth:`Session.next_batch`) at every ``next()`` on the tracked
+:mod:`torchpass.transparent.bootstrap` explains the mode; :mod:`torchpass.transparent.interposers` hands this session
+what the script builds and calls its step boundary (:meth:`Session.next_batch`) at every ``next()`` on the tracked
 loader, and its :meth:`Session.between_steps` for the script's collectives outside a step.
 """
 
@@ -21,10 +21,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-from torchpass.rank.context import Context
-from torchpass.rank.ddp import TorchPassDDP
 from torchpass.errors import TorchPassError
 from torchpass.frameworks import FrameworkAdapter, framework_imported
+from torchpass.rank.context import Context
+from torchpass.rank.ddp import TorchPassDDP
 from torchpass.snapshot.restore import restart_advice
 from torchpass.transparent.data import DATA_STATE, DataPosition, Enumerated, TrackedPass
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from clockwork.contracts.config.fields import setting
-from clockwork.contracts.errors import ConfigError
 from clockwork.contracts.config.health_signals import SIGNALS
+from clockwork.contracts.errors import ConfigError
 
 #: What the policy may do about a signal; each action includes the ones before it.
 ACTIONS = ("record", "warn", "drain", "migrate")

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clockwork.contracts.config.schema import ClockworkConfig, sections
 from clockwork.contracts.config.fields import FieldValueError, coerce
+from clockwork.contracts.config.schema import ClockworkConfig, sections
 from clockwork.contracts.errors import ConfigError
 
 DEFAULT_PATH = Path("/etc/clockwork/clockwork.toml")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from clockwork.contracts.config.schema import SlurmConfig
+from clockwork.contracts.config.core import SlurmConfig
 from clockwork.contracts.errors import ConfigError, SlurmError
 from clockwork.contracts.hostlist import expand_hostlist
 from clockwork.contracts.slurm.backend import (

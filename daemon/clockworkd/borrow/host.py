@@ -1,4 +1,4 @@
-"""Host the borrow manager in the node daemon (the way ``linkpass_host`` hosts LinkPass)."""
+"""Host the borrow manager in the node daemon (the way ``clockworkd.failover.host`` hosts LinkPass)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clockworkd.borrow.manager import BorrowManager
 from clockwork.contracts.config.borrow import BorrowConfig
-from clockworkd.borrow.slurm_ops import CliBorrowSlurm
-from clockwork.contracts.config.schema import SlurmConfig
+from clockwork.contracts.config.core import SlurmConfig
 from clockwork.contracts.slurm.cli_backend import CliBackend
+from clockworkd.borrow.manager import BorrowManager
+from clockworkd.borrow.slurm_ops import CliBorrowSlurm
 
 if TYPE_CHECKING:
     from clockworkd.server import Daemon

@@ -39,12 +39,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from clockworkd.borrow.candidates import HOLDER_PREFIX, UNUSABLE_NODE_STATES, QueueJob, choose, holders_of, why_not
 from clockwork.contracts.borrow_comments import add_borrowed, preempted_comment
 from clockwork.contracts.config.borrow import BorrowConfig, names
-from clockworkd.borrow.slurm_ops import BorrowSlurm, HolderSpec
 from clockwork.contracts.errors import SlurmError
 from clockwork.contracts.job_options import JobOptions, JobOptionsError, SpareMode
+from clockworkd.borrow.candidates import HOLDER_PREFIX, UNUSABLE_NODE_STATES, QueueJob, choose, holders_of, why_not
+from clockworkd.borrow.slurm_ops import BorrowSlurm, HolderSpec
 from clockworkd.registry import RUNNING, JobRecord
 
 __all__ = ["BorrowManager", "BorrowRefused", "BorrowRequest"]

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from clockwork.contracts.daemon_wire import BORROW, BORROW_RELEASE, BORROW_STATUS, FORBIDDEN, ProtocolError
 from clockworkd.borrow.manager import BorrowManager, BorrowRefused
 from clockworkd.daemon_auth import Access, Caller, OpAccess
 from clockworkd.daemon_component import OpsContext
 from clockworkd.daemon_ops import OpSpec
-from clockwork.contracts.daemon_wire import BORROW, BORROW_RELEASE, BORROW_STATUS, FORBIDDEN, ProtocolError
 
 __all__ = ["BorrowOps"]
 
@@ -40,7 +40,7 @@ class BorrowOps:
         manager = self.daemon.components.get("borrow")
         if not isinstance(manager, BorrowManager):
             reason = manager if isinstance(manager, str) else "not configured on this node"
-            raise ProtocolError(FORBIDDEN, f"borrowing is not available on node {self.daemon.node}: {reason}")
+            raise ProtocolError(f"borrowing is not available on node {self.daemon.node}: {reason}", code=FORBIDDEN)
         return manager
 
     def borrow(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
@@ -49,7 +49,7 @@ class BorrowOps:
         try:
             return self._manager().request(job, by=caller.describe(), lost_node=args.get("lost_node", ""))
         except BorrowRefused as exc:
-            raise ProtocolError(FORBIDDEN, f"borrow for job {job.job_id} refused: {exc}") from None
+            raise ProtocolError(f"borrow for job {job.job_id} refused: {exc}", code=FORBIDDEN) from None
 
     def borrow_status(self, args: dict[str, Any], caller: Caller) -> dict[str, Any]:
         """The job's borrow requests (or one, ``request``) and where each stands."""

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from clockworkd.borrow.candidates import QueueJob, holder_name, parse_queue_json
 from clockwork.contracts.slurm.backend import JobInfo, NodeInfo
 from clockwork.contracts.slurm.cli_backend import CliBackend
+from clockworkd.borrow.candidates import QueueJob, holder_name, parse_queue_json
 
 __all__ = ["BorrowSlurm", "CliBorrowSlurm", "HolderSpec"]
 

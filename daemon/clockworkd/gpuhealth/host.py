@@ -11,12 +11,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from clockworkd.daemon_component import Component
+from clockwork.contracts.config.health import HealthConfig
 from clockwork.contracts.daemon_paths import DaemonPaths, expand
+from clockworkd.daemon_component import Component
 from clockworkd.gpuhealth.faultfile import FaultFileSource
 from clockworkd.gpuhealth.nvml import NvmlSource
 from clockworkd.gpuhealth.readings import GpuSource
-from clockwork.contracts.config.health import HealthConfig
 from clockworkd.gpuhealth.watch import HealthWatch
 from clockworkd.server import Daemon
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from clockwork.contracts.daemon_wire import GPUS
 from clockworkd.daemon_auth import Access, Caller, OpAccess
 from clockworkd.daemon_component import OpsContext
 from clockworkd.daemon_ops import OpSpec
-from clockwork.contracts.daemon_wire import GPUS
 from clockworkd.registry import UnknownJobError
 
 __all__ = ["HealthOps"]

@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from clockworkd.gpuhealth.readings import GpuReading
 from clockwork.contracts.config.health import HealthConfig, parse_actions, parse_xids
 from clockwork.contracts.config.health_signals import ACTION_RANK, SEVERITY, SIGNALS
+from clockworkd.gpuhealth.readings import GpuReading
 
 LEVEL, STATE, EVENT = "level", "state", "event"
 

@@ -22,12 +22,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from clockwork.contracts.config.health import HealthConfig
+from clockwork.contracts.config.health_signals import ACTION_RANK, SIGNALS
 from clockwork.contracts.coordinator_client import coordinator_record, request_migration
 from clockworkd.gpuhealth.policy import Change, Policy
 from clockworkd.gpuhealth.ranks import LiveRank, gpu_of, pid_alive, ranks_in, read_environ
 from clockworkd.gpuhealth.readings import GpuReading, GpuSource
-from clockwork.contracts.config.health import HealthConfig
-from clockwork.contracts.config.health_signals import ACTION_RANK, SIGNALS
 from clockworkd.registry import RUNNING, Registry
 
 log = logging.getLogger("clockwork.daemon.health")

@@ -2,8 +2,9 @@
 
 Modules (each small, each with one job):
 
-- ``model``: the value types every other module speaks (NIC and link names, path statistics,
-  verdicts, suspects).
+- ``clockwork.contracts.lens_model``: the value types every other module speaks (NIC and link names, path
+  statistics, verdicts, suspects), and the CLI and the audit too; its settings are
+  ``clockwork.contracts.config.lens`` (the ``[lens]`` section).
 - ``topology``: which NIC hangs on which switch port, the links between switches, and the directed
   links a probe between two NICs crosses.
 - ``peers``: which peer NICs each NIC probes (all on small clusters; K per NIC on large ones, chosen
@@ -19,4 +20,5 @@ Modules (each small, each with one job):
   ``probepaths``: a node's NICs, the paths each probes and receives, and the arrays the C side shares;
   ``receiving``: reading what arrives and filing it; ``clockkeeper``: this node's view of every clock;
   ``summaries``: what the daemons tell each other; ``suspects``: raising, clearing and announcing links.
+- ``host``: starting it in the daemon; ``ops``: the ``lens`` op. ``history`` and ``metrics``: HDF5 and Prometheus.
 """

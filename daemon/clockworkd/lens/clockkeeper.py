@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from clockworkd.lens import clockgraph, clockpair, wire
 from clockwork.contracts.lens_model import NicId, nic_id, split_nic
+from clockworkd.lens import clockgraph, clockpair, wire
 from linkpass.fabric import FabricMap
 
 log = logging.getLogger("clockwork.lens")

@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clockworkd.daemon_component import Component
+from clockwork.contracts.config.lens import LensConfig
 from clockwork.contracts.daemon_paths import DaemonPaths, expand
+from clockworkd.daemon_component import Component
 from clockworkd.lens.clockseam import ClockSeam, ClockSeamError, load_seams
 from clockworkd.lens.history import HistoryWriter
 from clockworkd.lens.metrics import MetricsServer
 from clockworkd.lens.prober import Lens, load_topology
-from clockwork.contracts.config.lens import LensConfig
 from clockworkd.lens.suspects import GrayTarget
 from clockworkd.lens.topology import TopologyError
 from clockworkd.server import Daemon

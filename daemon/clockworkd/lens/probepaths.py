@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from clockwork.contracts.lens_model import NicId, nic_id, split_nic
 from clockworkd.lens import fastio
 from clockworkd.lens.clockseam import ClockSeam
-from clockwork.contracts.lens_model import NicId, nic_id, split_nic
 from clockworkd.lens.pathwindow import PathWindow, Samples
 from clockworkd.lens.peers import Plan
 from linkpass.fabric import FabricMap

@@ -31,14 +31,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from clockwork.contracts.config.lens import LensConfig
+from clockwork.contracts.lens_model import PathStats, PathVerdict, split_nic
 from clockworkd.lens import fastio, peers, tomography, wire
 from clockworkd.lens.clockkeeper import CLOCK_EVERY_S, FIRST_CLOCK_FIT_S, ClockKeeper
 from clockworkd.lens.clockseam import ClockSeam
-from clockwork.contracts.lens_model import PathStats, PathVerdict, split_nic
 from clockworkd.lens.pathwindow import Thresholds, window_stats
 from clockworkd.lens.probepaths import ProbePaths
 from clockworkd.lens.receiving import ProbeReceiver
-from clockwork.contracts.config.lens import LensConfig
 from clockworkd.lens.summaries import SummaryEntries, SummaryExchange, remote_verdict, verdict_entries
 from clockworkd.lens.suspects import Emit, GrayTarget, LinkSuspects
 from clockworkd.lens.topology import Topology

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from clockwork.contracts.lens_model import NicId
 from clockworkd.lens import fastio, wire
 from clockworkd.lens.clockpair import Envelope
 from clockworkd.lens.clockseam import ClockSeam
@@ -33,7 +34,6 @@ from clockworkd.lens.fastio import (
     R_SESSION,
     R_TX,
 )
-from clockwork.contracts.lens_model import NicId
 from clockworkd.lens.pathwindow import file_blocks
 from clockworkd.lens.probepaths import ECHO_RING, LocalNic, ProbePaths
 

@@ -16,10 +16,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from clockwork.contracts.lens_model import NicId, PathStats, PathVerdict
 from clockworkd.lens import fastio, wire
 from clockworkd.lens.clockkeeper import ClockKeeper
 from clockworkd.lens.clockpair import PairEstimate
-from clockwork.contracts.lens_model import NicId, PathStats, PathVerdict
 from clockworkd.lens.probepaths import LocalNic
 
 log = logging.getLogger("clockwork.lens")

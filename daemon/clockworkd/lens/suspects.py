@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from clockwork.contracts.lens_model import Suspect, split_nic
 from clockwork.contracts.config.lens import LensConfig
+from clockwork.contracts.lens_model import Suspect, split_nic
 
 log = logging.getLogger("clockwork.lens")
 

@@ -22,6 +22,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from clockwork.contracts.errors import WireError
+
 MAGIC = b"CWL1"
 PROBE, TRAIN, SUMMARY = 1, 2, 3
 PAIR_FIRST, PAIR_SECOND = 1, 2
@@ -53,10 +55,6 @@ DTYPE = np.dtype(
     ]
 )
 assert DTYPE.itemsize == PROBE_BYTES
-
-
-class WireError(Exception):
-    """A packet that is not an authentic Lens packet of this version (dropped and counted)."""
 
 
 def tag(key: bytes, data: bytes | memoryview) -> bytes:

@@ -16,8 +16,8 @@ import socket
 import threading
 from collections.abc import Callable
 
-from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.curve_keys import CurveKeys
+from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.errors import ClockworkError
 from clockworkd.nodewatch.judge import Answer, Outcome, PeerView
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 
-from clockwork.contracts.config.schema import DaemonConfig
+from clockwork.contracts.config.core import DaemonConfig
+from clockwork.contracts.config.nodewatch import NodeWatchConfig
 from clockwork.contracts.curve_keys import CurveKeyError, load_daemon_keys, peer_public_key
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockworkd.nodewatch.confirm import ConfirmWorker, PeerDirectory
 from clockworkd.nodewatch.echo import EchoProber
 from clockworkd.nodewatch.judge import outcome_of
-from clockwork.contracts.config.nodewatch import NodeWatchConfig
 from clockworkd.nodewatch.watch import NodeWatch
 from clockworkd.server import Daemon
 from linkpass.engine import LinkPass

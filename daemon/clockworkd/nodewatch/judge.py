@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from clockwork.contracts.node_verdict import NodeVerdict
 from clockwork.contracts.config.nodewatch import NodeWatchConfig
+from clockwork.contracts.node_verdict import NodeVerdict
 
 __all__ = ["Answer", "Judge", "Outcome", "PeerView", "Step", "outcome_of"]
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from clockwork.contracts.daemon_wire import NODE_VERDICTS, NODE_VIEW
+from clockwork.contracts.node_verdict import NodeVerdict
 from clockworkd.daemon_auth import Access, Caller, OpAccess
 from clockworkd.daemon_component import OpsContext
 from clockworkd.daemon_ops import OpSpec
-from clockwork.contracts.node_verdict import NodeVerdict
 from clockworkd.parked import Park
-from clockwork.contracts.daemon_wire import NODE_VERDICTS, NODE_VIEW
 
 __all__ = ["NodeWatchOps", "VerdictSource"]
 

@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from clockwork.contracts.config.nodewatch import NodeWatchConfig
 from clockwork.contracts.node_verdict import NodeVerdict
 from clockworkd.nodewatch.confirm import ConfirmWorker
 from clockworkd.nodewatch.echo import EchoProber
 from clockworkd.nodewatch.judge import Answer, Judge, Outcome
-from clockwork.contracts.config.nodewatch import NodeWatchConfig
 from clockworkd.registry import RUNNING, JobRecord
 from linkpass.engine import LinkPass
 

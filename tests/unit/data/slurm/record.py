@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from clockwork.contracts.config import load_config
-from clockwork.sandbox import processes
-from clockwork.sandbox.cluster import Sandbox
 from clockwork.contracts.slurm.backend import JobInfo
 from clockwork.contracts.slurm.cli_backend import SACCT_FIELDS
+from clockwork.sandbox import processes
+from clockwork.sandbox.cluster import Sandbox
 
 HERE = Path(__file__).resolve().parent
 LIVE_COMMENT = "clockwork: recorded live"
