@@ -280,3 +280,21 @@ def test_a_planned_migration_aborts_no_collective_and_never_stops_an_hsdp_job(tm
     faulted = next(folder for folder in judged if folder.exists())
     assert '"kind": "torchpass.migrated"' in (faulted / "events.jsonl").read_text(), result.line()
     assert "aborted gloo group" not in (faulted / "launcher.log").read_text(), result.line()
+
+
+def test_a_rollback_to_a_pass_end_keeps_the_scheduler_step_of_its_epilogue(tmp_path: Path) -> None:
+    """Seed 800125 (pure FSDP 1x4, transparent, two optimizers, a scheduler stepped per epoch), its kill made
+    deterministic: slot 1 dies right after the update of the first step of the second pass, before its peer
+    copy of that step is kept. Every shard is held at the first pass's last step only, so the survivors roll
+    back to their own copies of it, taken at its commit: before the epilogue stepped the scheduler, which their
+    loops do not run again. Every rank ended with the first pass's learning rate in the second, silently
+    different (found by CI in tests/unit/test_torchpass_fsdp_transparent.py, then drawn here). Each rank now
+    puts its own epilogue's effects back after such a restore."""
+    case = draw_case(800125)
+    assert case.layout == "fsdp1x4" and case.mode == "transparent" and case.scheduler == "per_epoch"
+    first_update = min(mark for mark in case.update_marks() if mark >= case.batches_per_pass)
+    case = replace(case, faults=(Fault("kill", 1, "hook", mark=first_update, phase="update"),))
+    result = run_case(case, tmp_path / "seed-800125", keep=True)
+    assert result.verdict.verdict == "bitwise", result.line()
+    log = (tmp_path / "seed-800125" / "faulted" / "launcher.log").read_text()
+    assert "rolled back 1 step(s)" in log, result.line()
