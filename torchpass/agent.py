@@ -173,13 +173,6 @@ class SlurmAgent:
         if self.daemon_socket and config.fabric_verdicts:
             self.verdicts = VerdictFollower(layout.job_id, self.daemon_socket, self._on_node_verdict)
         self.borrower: Borrower | None = None
-        if self.options.spares is SpareMode.BORROW and layout.ranks_per_node > 1 and layout.index == 0:
-            log.warning(
-                "--clockwork-spares=borrow with %d ranks per node: a borrowed node offers one spare slot, so a "
-                "node crash (%d slots at once) waits for standby spares (--spares) until spare_timeout_s",
-                layout.ranks_per_node,
-                layout.ranks_per_node,
-            )
         if self.options.spares is SpareMode.BORROW:  # a spare, when needed, is borrowed from other work
             self.borrower = Borrower(
                 layout.job_id,
@@ -232,6 +225,7 @@ class SlurmAgent:
             endpoints=endpoints,
             world_size=self.layout.world_size,
             key_hex=self.key.hex,
+            ranks_per_node=self.layout.ranks_per_node,  # the borrowed node offers G spare slots
         )
         env[ENV_CONFIG] = self.config.to_json()
         return spawn_guest(self.environ.get("TORCHPASS_SRUN", "srun"), self.python, self.script, self.script_args, env)(

@@ -57,6 +57,7 @@ from torchpass.coordinator_records import (
     WorkerRecord,
     completion_fields,
     local_of,
+    node_key,
 )
 from torchpass.lockstep import MemberProgress, find_mismatch
 from torchpass.placement import choose_move_target, choose_spares
@@ -127,9 +128,11 @@ class Membership:
         return self.recovery is not None
 
     def placement(self, rec: WorkerRecord) -> dict[str, Any]:
-        """Where a Slurm-mode process runs, for the job's events: its node and local index (its GPU)."""
+        """Where a Slurm-mode process runs, for the job's events: its node and local index (its GPU); a borrowed
+        node's guest (no agent) by its address, the one name the coordinator has for it, and its holder job."""
         if rec.agent < 0:
-            return {}
+            key = node_key(rec.wid)
+            return {"node": rec.host, "local": local_of(rec.wid), "holder": int(key[1:])} if key[:1] == "g" else {}
         return {"node": self.node_names.get(rec.agent, f"agent {rec.agent}"), "local": local_of(rec.wid)}
 
     def push(self, wid: str, message: Push) -> None:

@@ -16,15 +16,15 @@ vacancy of a membership change at once, and this module chooses the spares:
 * **Nothing else moves.** Ready order decides between equals (the spare that registered first goes first), as
   it did when every node ran one rank; a spare named by a planned migration goes to its slot.
 
-Workers without a node agent (local mode's ``wN``, a borrowed node's ``gH.N``) count as one node: ready order
-alone, as before. Pure, no torch.
+A borrowed node's guest (``gH.N.J``: holder job H) is a node of its own, like an agent's; local mode's ``wN``
+workers all count as one node: ready order alone, as before. Pure, no torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from torchpass.coordinator_records import agent_of, local_of
+from torchpass.coordinator_records import local_of, node_key
 
 __all__ = ["choose_move_target", "choose_spares"]
 
@@ -34,8 +34,8 @@ def choose_move_target(spares: Sequence[str], group: int = 1, near: str = "") ->
     is a single vacancy (best fit: a lone spare slot first). A whole node's move is one rank at a time: the first
     (``group`` ranks to move in all) goes to a node with room for the whole group where there is one, and the
     others follow it to the node of ``near``, the spare the previous one took, while that node has room."""
-    if agent_of(near) >= 0:
-        same = [wid for wid in spares if agent_of(wid) == agent_of(near)]
+    if node_key(near):
+        same = [wid for wid in spares if node_key(wid) == node_key(near)]
         if same:
             return min(same, key=lambda wid: (local_of(wid), spares.index(wid)))
     size = max(1, min(group, len(spares)))
@@ -51,9 +51,9 @@ def choose_spares(vacant: Sequence[int], spares: Sequence[str], fixed: dict[int,
     pool = [wid for wid in spares if wid not in fixed.values()]
     if len(pool) < len(open_slots):
         raise ValueError(f"{len(open_slots)} slot(s) to fill from {len(pool)} spare(s)")
-    by_node: dict[int, list[str]] = {}
+    by_node: dict[str, list[str]] = {}
     for wid in pool:  # the nodes in the order their first spare was ready
-        by_node.setdefault(agent_of(wid), []).append(wid)
+        by_node.setdefault(node_key(wid), []).append(wid)
     for ready in by_node.values():  # within a node, lower local index first (ready order between equals)
         ready.sort(key=local_of)
     need, chosen = len(open_slots), []
@@ -67,8 +67,8 @@ def choose_spares(vacant: Sequence[int], spares: Sequence[str], fixed: dict[int,
             if len(chosen) == need:
                 break
     order = {wid: k for k, wid in enumerate(pool)}
-    first: dict[int, int] = {}
+    first: dict[str, int] = {}
     for wid in pool:
-        first.setdefault(agent_of(wid), order[wid])
-    chosen.sort(key=lambda wid: (first[agent_of(wid)], local_of(wid), order[wid]))
+        first.setdefault(node_key(wid), order[wid])
+    chosen.sort(key=lambda wid: (first[node_key(wid)], local_of(wid), order[wid]))
     return {**fixed, **dict(zip(open_slots, chosen, strict=True))}
