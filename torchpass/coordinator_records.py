@@ -50,6 +50,7 @@ __all__ = [
     "completion_fields",
     "local_of",
     "node_key",
+    "place_of",
     "worker_id",
 ]
 
@@ -86,6 +87,15 @@ def local_of(wid: str) -> int:
     node's ``gH.N.J``, 0 for ``aK.N``/``gH.N`` (a node of one rank) and for local mode's ``wN``."""
     parts = wid.split(".")
     return int(parts[2]) if len(parts) == 3 and node_key(wid) and parts[2].isdigit() else 0
+
+
+def place_of(rec: WorkerRecord, node_names: dict[int, str]) -> dict[str, Any]:
+    """Where a Slurm-mode process runs, for the job's events: its node and local index (its GPU); a borrowed
+    node's guest (no agent) by its address, the one name the coordinator has for it, and its holder job."""
+    if rec.agent < 0:
+        key = node_key(rec.wid)
+        return {"node": rec.host, "local": local_of(rec.wid), "holder": int(key[1:])} if key[:1] == "g" else {}
+    return {"node": node_names.get(rec.agent, f"agent {rec.agent}"), "local": local_of(rec.wid)}
 
 
 @dataclass

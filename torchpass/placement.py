@@ -22,11 +22,11 @@ workers all count as one node: ready order alone, as before. Pure, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torchpass.coordinator_records import local_of, node_key
 
-__all__ = ["choose_move_target", "choose_spares"]
+__all__ = ["choose_move_target", "choose_spares", "place_name", "slot_moves"]
 
 
 def choose_move_target(spares: Sequence[str], group: int = 1, near: str = "") -> str:
@@ -72,3 +72,28 @@ def choose_spares(vacant: Sequence[int], spares: Sequence[str], fixed: dict[int,
         first.setdefault(node_key(wid), order[wid])
     chosen.sort(key=lambda wid: (first[node_key(wid)], local_of(wid), order[wid]))
     return {**fixed, **dict(zip(open_slots, chosen, strict=True))}
+
+
+def place_name(wid: str, nodes: Sequence[str]) -> str:
+    """Where worker ``wid`` runs, short enough for an AdminComment: ``NODE/J`` (agent K's node ``nodes[K]``, local
+    index J), ``holderH/J`` on the node borrowed through holder job H (the ``clockwork-borrowed:`` note names
+    that node), or the worker id itself where its id says no node (local mode)."""
+    key = node_key(wid)
+    if key[:1] == "a" and int(key[1:]) < len(nodes):
+        return f"{nodes[int(key[1:])]}/{local_of(wid)}"
+    if key[:1] == "g":
+        return f"holder{key[1:]}/{local_of(wid)}"
+    return wid
+
+
+def slot_moves(
+    initial: Mapping[int, str], members: Mapping[int, str], nodes: Sequence[str]
+) -> dict[int, tuple[str, str]]:
+    """Slot -> (where its first rank ran, where its rank runs now), for every slot whose rank was replaced or
+    moved (a different process holds it now: in place, on the same GPU, too). The job's story of where its
+    ranks went, from the coordinator's replicated state alone, which every agent holds."""
+    return {
+        slot: (place_name(initial[slot], nodes), place_name(wid, nodes))
+        for slot, wid in sorted(members.items())
+        if slot in initial and initial[slot] != wid
+    }

@@ -9,7 +9,7 @@ import pytest
 from torchpass.coordinator_records import agent_of, local_of, node_key, worker_id
 from torchpass.node_ranks import gpu_count, rank_environment, ranks_per_node
 from torchpass.node_steps import NodeSteps
-from torchpass.placement import choose_spares
+from torchpass.placement import choose_spares, slot_moves
 from torchpass.slurm_layout import SlurmLayout, SlurmLayoutError, training_nodes
 
 # ----- G: the order of the sources ---------------------------------------------------------------
@@ -203,3 +203,17 @@ def test_the_agent_tells_each_rank_its_place_and_keeps_slurms_gpus() -> None:
     assert env["TORCHPASS_WORLD_SIZE"] == "4" and env["TORCHPASS_HOST"] == "127.0.0.2"
     with pytest.raises(SlurmLayoutError, match="sees 1 GPU"):  # a node short of GPUs stops before any rank
         SlurmAgent("train.py", [], layout, TorchPassConfig(), environ={"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_the_slots_moved_name_node_and_local_index_at_both_ends() -> None:
+    """What the job's end reports (the AdminComment's ``slots moved``): each slot held by another process than
+    its first, from where to where; a borrowed node by its holder job, a respawn in place too."""
+    nodes = ["node2", "node3", "node1"]
+    initial = {0: "a0.0.0", 1: "a0.1.1", 2: "a1.0.0", 3: "a1.1.1"}
+    members = {0: "a0.0.0", 1: "a0.2.1", 2: "a2.0.0", 3: "g900.1.1"}
+    assert slot_moves(initial, members, nodes) == {
+        1: ("node2/1", "node2/1"),  # its GPU's own new spare took it: in place
+        2: ("node3/0", "node1/0"),
+        3: ("node3/1", "holder900/1"),
+    }
+    assert slot_moves(initial, initial, nodes) == {}
