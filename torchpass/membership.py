@@ -56,7 +56,7 @@ from torchpass.coordinator_records import (
     WaitKind,
     WorkerRecord,
     completion_fields,
-    local_of,
+    place_of,
 )
 from torchpass.lockstep import MemberProgress, find_mismatch
 from torchpass.placement import choose_move_target, choose_spares
@@ -127,10 +127,8 @@ class Membership:
         return self.recovery is not None
 
     def placement(self, rec: WorkerRecord) -> dict[str, Any]:
-        """Where a Slurm-mode process runs, for the job's events: its node and local index (its GPU)."""
-        if rec.agent < 0:
-            return {}
-        return {"node": self.node_names.get(rec.agent, f"agent {rec.agent}"), "local": local_of(rec.wid)}
+        """Where a Slurm-mode process runs, for the job's events (:func:`place_of`)."""
+        return place_of(rec, self.node_names)
 
     def push(self, wid: str, message: Push) -> None:
         """Send ``message`` to ``wid``'s control socket, when it is alive and its socket is known."""
@@ -448,6 +446,8 @@ class Membership:
             kind = "torchpass.recovered"
         self.progressed = True
         slots = sorted(info.replaced.keys() | (rec.replaced if rec is not None else set()))
+        if self.node_names:  # Slurm mode: where each replaced slot's rank runs now (its node, local index)
+            fields["placed"] = {str(k): self.placement(self.workers[v]) for k, v in info.replaced.items()}
         self.out.emit(kind, generation=info.gen, reason=info.reason, slots=slots, **fields)
 
     def rebuild_after_grace(self) -> None:

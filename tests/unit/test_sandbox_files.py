@@ -165,6 +165,17 @@ def test_hook_wrapper() -> None:
     ]
 
 
+def test_hook_wrapper_carries_the_builders_pythonpath() -> None:
+    """Slurm gives a hook none of slurmd's environment: a worktree on the builder's PYTHONPATH reaches the hooks
+    (and the daemons a Prolog starts) only through the wrapper."""
+    text = hook_wrapper("/venv/bin/python", Path("/s/clockwork.toml"), "epilog", "/work/wt x:/work/wt x/daemon")
+    assert shlex.split(text.splitlines()[-1])[:3] == [
+        "PYTHONPATH=/work/wt x:/work/wt x/daemon",
+        "CLOCKWORK_CONFIG=/s/clockwork.toml",
+        "exec",
+    ]
+
+
 def test_plugstack(tmp_path: Path) -> None:
     so = tmp_path / "clockwork.so"
     assert plugstack(None).startswith("#")

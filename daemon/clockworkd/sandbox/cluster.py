@@ -254,6 +254,7 @@ class Sandbox:
             spank_so=spank_plugin(slurm),
             plugin_dir=slurm.plugin_dir(),
             slurm_bin=self.slurm_bin(),
+            pythonpath=os.environ.get("PYTHONPATH", ""),
         )
         if slurm.from_root:
             slurm.write_client_wrappers(p.slurm_bin)
