@@ -220,6 +220,14 @@ class TorchPassConfig:
         "next step's forward and backward pass, and a crash in that window (from a step's update until its copy is "
         "acknowledged) recomputes that one step.",
     )
+    failure_domains: str = setting(
+        "auto",
+        "Failure domains bigger than a node (racks, leaf switches, Slurm blocks), which order the peer-copy ring (a "
+        "shard's copies in other domains) and place spares (outside the domains that lost a node): 'auto' from "
+        "Slurm's topology (the task's SLURM_TOPOLOGY_ADDR, else topology.conf beside slurm.conf), 'nodes' (each node "
+        "its own domain), 'off' (the ring in slot order, spares by readiness alone), or the path of a site map "
+        "file, one 'HOSTLIST DOMAIN' per line (docs/user-guide.md, 'Failure domains').",
+    )
     replica_check_every_steps: int = setting(
         200,
         "The runtime net for silent divergence: after every K-th committed step (step + 1 divisible by K), the "

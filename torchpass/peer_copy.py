@@ -42,7 +42,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,7 @@ import torch
 from torchpass.auth import job_key
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
+from torchpass.failure_domains import ring_successors
 from torchpass.peer_wire import CopyBuffer, CopyLink, CopyListener, ReceivedCopies, WireError
 from torchpass.replica_check import payload_checksums
 from torchpass.state import (
@@ -74,10 +75,12 @@ RECEIVED_COPIES = 2  # copies a rank keeps of each neighbour's shard
 _LogAdapter = logging.LoggerAdapter  # type: ignore[type-arg]
 
 
-def ring_holders(shard: int, shards: int, copies: int) -> list[int]:
-    """The shards whose ranks keep copies of ``shard``: the next ``copies`` of the ring (never itself). Under
-    pure FSDP these are slots; under HSDP, shards of the same replica (a copy stays in its replica's row)."""
-    return [(shard + i) % shards for i in range(1, min(copies, shards - 1) + 1)]
+def ring_holders(shard: int, shards: int, copies: int, order: Sequence[int] = ()) -> list[int]:
+    """The shards whose ranks keep copies of ``shard``: the next ``copies`` of the ring (never itself), the ring
+    being ``order`` (:func:`torchpass.failure_domains.ring_order`: neighbours in different failure domains), or
+    the shard order without one. Under pure FSDP these are slots; under HSDP, shards of the same replica (a copy
+    stays in its replica's row)."""
+    return ring_successors(order or range(shards), shard, copies)
 
 
 @dataclass
@@ -151,11 +154,11 @@ class PeerCopies:
 
     # ----- the generation ---------------------------------------------------------------------
 
-    def set_peers(self, addresses: dict[int, tuple[str, int]]) -> None:
+    def set_peers(self, addresses: dict[int, tuple[str, int]], order: Sequence[int] = ()) -> None:
         """The listeners of every slot in the generation just formed; this rank sends to its ring successors
-        (in its own replica: the slots of the shards after its own)."""
+        (in its own replica: the slots of the shards after its own in ``order``, its row's ring)."""
         row = self.replica * self.shards
-        wanted = {row + n: addresses[row + n] for n in ring_holders(self.shard, self.shards, self.copies)}
+        wanted = {row + n: addresses[row + n] for n in ring_holders(self.shard, self.shards, self.copies, order)}
         with self._lock:
             self._targets = wanted
 
