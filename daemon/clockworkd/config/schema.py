@@ -15,6 +15,7 @@ from clockworkd.config_fields import setting
 from clockworkd.gpuhealth.settings import HealthConfig
 from clockworkd.lens.settings import LensConfig
 from clockworkd.nodewatch.settings import NodeWatchConfig
+from clockworkd.snapshots.settings import SnapshotSiteConfig
 from linkpass.settings import LinkPassConfig
 
 __all__ = ["ClockworkConfig", "sections", "setting"]
@@ -191,6 +192,7 @@ class ClockworkConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     borrow: BorrowConfig = field(default_factory=BorrowConfig)
+    snapshots: SnapshotSiteConfig = field(default_factory=SnapshotSiteConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 
