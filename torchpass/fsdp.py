@@ -374,8 +374,8 @@ class ShardTransport(ProcessGroupTransport):
         was refused, a collective failed after the update) this rank's update is undone from its own copy of
         the step before, and the reason returned: the step is redone, and no committed step ever is. The vote
         runs on the generation's default group, which a newer generation's announcement aborts."""
-        if self.peers is None or not self.peers.sync:
-            return ""  # the copies overlap the next step (the commit hook starts them)
+        if self.peers is None or not self.peers.sync or self.peers.off:
+            return ""  # the copies overlap the next step (the commit hook starts them), or there are none
         reason = failed_after_update or self._vote(step)
         if reason:
             with torch.no_grad():
@@ -392,6 +392,8 @@ class ShardTransport(ProcessGroupTransport):
         if self.peers is None:
             return
         self.peers.thaw(step)
+        if self.peers.gated or self.peers.off:
+            return  # the job's budgets first (torchpass.budget_gate calls this again once they are judged)
         if not self.peers.has_own_copy() or self.peers.ring_changed():
             self.peers.wait_sent(self.peers.timeout_s)  # a round to the old neighbours (a dead one fails at once)
             self.peers.capture(self.parts[self.shard], step)
@@ -401,7 +403,7 @@ class ShardTransport(ProcessGroupTransport):
         a vote of all ranks (the minimum of one integer each) establishes; the reason when not. Transparent mode
         asks this where a pass over the data ends: a survivor that left the pass cannot redo its last step, so
         no later recovery may roll back before it (:meth:`torchpass.transparent_session.Session.next_batch`)."""
-        if self.peers is None:
+        if self.peers is None or self.peers.off:
             return ""
         return self._vote(step)
 

@@ -137,6 +137,8 @@ class PeerCopies:
         self.bytes_sent = 0
         self.last_round_ms = 0.0  # capture to the last acknowledgement
         self.waited_s = 0.0  # what steps waited for rounds, in all (optimizer steps; commits with peer_copy_sync)
+        self.gated = True  # no round before the job's budgets are judged (torchpass.budget_gate opens it)
+        self.off = False  # switched off for the job: its budgets do not fit them (budget_policy = degrade)
 
     @property
     def depth(self) -> int:
@@ -147,6 +149,17 @@ class PeerCopies:
     def address(self) -> tuple[str, int]:
         """Where neighbours send their copies to this rank."""
         return self.listener.address
+
+    @property
+    def held_copies(self) -> int:
+        """Copies of a shard this rank holds at most: its own, and 2 of each neighbour's (what the budget counts)."""
+        return len(self.own) + RECEIVED_COPIES * self.copies
+
+    def switch_off(self) -> None:
+        """No copy from now on (taken at start, before any round: nothing is held yet)."""
+        self.off, self.gated, self.copies = True, False, 0
+        with self._lock:
+            self._targets = {}
 
     def host_bytes(self) -> int:
         """Host memory held for copies now: own and received."""
@@ -196,7 +209,7 @@ class PeerCopies:
 
     def due(self, step: int) -> bool:
         """Whether a round starts after ``step`` commits (every K-th step, as snapshots count)."""
-        return (step + 1) % self.every == 0
+        return (step + 1) % self.every == 0 and not (self.off or self.gated)
 
     def capture(self, parts: StateParts, step: int) -> None:
         """At the boundary after ``step`` committed: start a round (skipped while the last one is in flight)."""
