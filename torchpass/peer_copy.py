@@ -209,7 +209,7 @@ class PeerCopies:
 
     def due(self, step: int) -> bool:
         """Whether a round starts after ``step`` commits (every K-th step, as snapshots count)."""
-        return (step + 1) % self.every == 0 and not (self.off or self.gated)
+        return (step + 1) % self.every == 0 and not self.off
 
     def capture(self, parts: StateParts, step: int) -> None:
         """At the boundary after ``step`` committed: start a round (skipped while the last one is in flight)."""
