@@ -39,7 +39,7 @@ from torchpass.rejoin import CoordinatorLink, Rejoiner
 from torchpass.snapshot.arena import ALIGN
 from torchpass.snapshot.location import snapshot_directory
 from torchpass.snapshot.snapshotter import Snapshotter
-from torchpass.snapshot.staging import plan_entries
+from torchpass.snapshot.staging import plan_entries, rank_state
 from torchpass.state import StateParts, describe, local_tensor, payload_offsets
 
 __all__ = ["MOMENTS", "check_budgets", "unmade_optimizer_bytes"]
@@ -118,7 +118,8 @@ def _measure(host: BudgetHost, snapshotter: Snapshotter, sharded: ShardedState |
         mesh = sharded.layout if sharded is not None else None
         sizes = [t.numel() * t.element_size() for t in tensors]
         plan = plan_entries(sizes, host.slot, host.world_size, mesh)
-        arena = sum(_align(sizes[i]) for i in plan.tensors) + (1 << 20)  # its own RNG and position: under 1 MiB
+        own = rank_state(host.slot, host.committed_step, cfg.seed).values()  # its RNG states and position
+        arena = sum(_align(sizes[i]) for i in plan.tensors) + sum(_align(t.numel() * t.element_size()) for t in own)
         arena += _align(len(pickle.dumps(meta))) if plan.meta else 0
         arena += unmade // (mesh.replicas if mesh is not None else host.world_size)
     peers = sharded.peers if sharded is not None else None

@@ -233,7 +233,8 @@ def judge(uses: Sequence[RankUse], *, keep: int, quota: int, policy: str) -> Ver
                 short.append(Shortfall(SNAPSHOTS, "on the snapshot filesystem", disk, free, why, change))
         if quota and disk > quota:
             change = (
-                "lower snapshot_keep; snapshot_quota (the site's [snapshots] quota is a ceiling a job cannot raise)"
+                "lower snapshot_keep, or raise snapshot_quota (the site's [snapshots] quota is a ceiling only the "
+                "admins can raise), or set budget_policy = degrade"
             )
             short.append(Shortfall(SNAPSHOTS, "under the snapshot quota", disk, quota, why, change))
     off = {s.feature for s in short}
