@@ -29,6 +29,7 @@ first. This module imports no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -158,20 +159,39 @@ class RankUse:
 
 @dataclass(frozen=True)
 class Shortfall:
-    """One budget that does not fit: the feature, where, the numbers, and what to change."""
+    """One budget that does not fit: the feature, where, the numbers, and what to change. A node's budget that
+    several nodes miss is one shortfall: the worst node's numbers, and how many others miss it too."""
 
     feature: str  # SNAPSHOTS or PEER_COPIES
-    where: str  # "in /dev/shm on node3", "in host memory on node3", "on the snapshot filesystem", "under the quota"
+    where: str  # "in /dev/shm", "in host memory", "on the snapshot filesystem", "under the snapshot quota"
     needed: int
     available: int
     why: str  # how ``needed`` is made up
     change: str  # the settings that make it fit
+    nodes: tuple[str, ...] = ()  # the nodes that miss it, the worst first (none: the job's budget)
 
     def line(self) -> str:
+        place = self.where
+        if self.nodes:
+            others = len(self.nodes) - 1
+            place += f" on {self.nodes[0]}" + (f" (and {others} other node{'s' * (others > 1)})" if others else "")
         return (
-            f"{self.feature}: {size_text(self.needed)} needed, {size_text(self.available)} available {self.where} "
+            f"{self.feature}: {size_text(self.needed)} needed, {size_text(self.available)} available {place} "
             f"({self.why}); {self.change}"
         )
+
+
+def _merged(shortfalls: list[Shortfall]) -> list[Shortfall]:
+    """One shortfall per (feature, where): the worst node's, naming every node that misses it."""
+    groups: dict[tuple[str, str], list[Shortfall]] = {}
+    for short in shortfalls:
+        groups.setdefault((short.feature, short.where), []).append(short)
+    out = []
+    for group in groups.values():
+        group.sort(key=lambda s: (s.available - s.needed, s.nodes))
+        nodes = tuple(node for s in group for node in s.nodes)
+        out.append(dataclasses.replace(group[0], nodes=nodes))
+    return out
 
 
 @dataclass(frozen=True)
@@ -194,6 +214,10 @@ class Verdict:
         return f"training without {off}, which the job's budgets do not fit (budget_policy = degrade):\n{lines}"
 
 
+SHM_CHANGE = (
+    "turn snapshots off (snapshot_interval_s = 0 and snapshot_every_steps = 0; sbatch --clockwork-snapshot=off), "
+    "enlarge /dev/shm, or set budget_policy = degrade"
+)
 SNAPSHOT_CHANGE = (
     "turn snapshots off (snapshot_interval_s = 0 and snapshot_every_steps = 0; sbatch --clockwork-snapshot=off), "
     "or set budget_policy = degrade"
@@ -212,12 +236,8 @@ def judge(uses: Sequence[RankUse], *, keep: int, quota: int, policy: str) -> Ver
         shm = min((u.readings.shm_free for u in mine if u.readings.shm_free is not None), default=None)
         arena = sum(u.arena for u in mine)
         if snapshots and shm is not None and arena > shm:
-            why = f"{len(mine)} rank(s) x its snapshot staging arena, up to {size_text(max(u.arena for u in mine))}"
-            short.append(
-                Shortfall(
-                    SNAPSHOTS, f"in /dev/shm on {name}", arena, shm, why, SNAPSHOT_CHANGE + " (or enlarge /dev/shm)"
-                )
-            )
+            why = f"{len(mine)} rank(s) x a staging arena of up to {size_text(max(u.arena for u in mine))}"
+            short.append(Shortfall(SNAPSHOTS, "in /dev/shm", arena, shm, why, SHM_CHANGE, (name,)))
     fs = [u.readings.snapshot_free for u in uses if u.readings.snapshot_free is not None]
     if snapshots:
         per_snapshot = sum(u.shard_file for u in uses)
@@ -237,34 +257,36 @@ def judge(uses: Sequence[RankUse], *, keep: int, quota: int, policy: str) -> Ver
                 "admins can raise), or set budget_policy = degrade"
             )
             short.append(Shortfall(SNAPSHOTS, "under the snapshot quota", disk, quota, why, change))
-    off = {s.feature for s in short}
-    for name, mine in sorted(nodes.items()):
-        mem = min((u.readings.mem_available for u in mine if u.readings.mem_available is not None), default=None)
-        if mem is None:
-            continue
-        held = sum(u.state * u.copies for u in mine) if peers else 0
-        staged = sum(u.arena for u in mine) if snapshots and SNAPSHOTS not in off else 0
-        if held + staged <= mem:
-            continue
-        if staged and held <= mem:  # both do not fit, peer copies alone do: snapshots give way
-            why = f"the staging arenas ({size_text(staged)}) next to the peer copies ({size_text(held)})"
-            short.append(Shortfall(SNAPSHOTS, f"in host memory on {name}", held + staged, mem, why, SNAPSHOT_CHANGE))
-            off.add(SNAPSHOTS)
-            continue
-        biggest = max(mine, key=lambda u: u.state)
-        why = (
-            f"{len(mine)} rank(s) x {biggest.copies} copies of a shard of up to {size_text(biggest.state)}: 3 own "
-            "(2 with peer_copy_sync) + 2 per neighbour"
+    # Host memory: peer copies go only where they alone do not fit; snapshots give way to them where both do not.
+    memory = {
+        name: (
+            min((u.readings.mem_available for u in mine if u.readings.mem_available is not None), default=None),
+            sum(u.state * u.copies for u in mine) if peers else 0,
+            sum(u.arena for u in mine) if snapshots else 0,
+            mine,
         )
-        change = "lower peer_copies (0: off), or set budget_policy = degrade"
-        short.append(Shortfall(PEER_COPIES, f"in host memory on {name}", held, mem, why, change))
-        off.add(PEER_COPIES)
-        if staged and staged > mem:
-            why = f"{len(mine)} rank(s) x its snapshot staging arena"
-            short.append(Shortfall(SNAPSHOTS, f"in host memory on {name}", staged, mem, why, SNAPSHOT_CHANGE))
-            off.add(SNAPSHOTS)
-    refuse = bool(short) and policy != "degrade"
-    return Verdict(refuse, frozenset() if refuse else frozenset(off), tuple(short))
+        for name, mine in sorted(nodes.items())
+    }
+    for name, (mem, held, _staged, mine) in memory.items():
+        if mem is not None and held > mem:
+            biggest = max(mine, key=lambda u: u.state)
+            why = (
+                f"{len(mine)} rank(s) x {biggest.copies} copies of a shard of up to {size_text(biggest.state)}: 3 own "
+                "(2 with peer_copy_sync) + 2 per neighbour"
+            )
+            change = "lower peer_copies (0: off), or set budget_policy = degrade"
+            short.append(Shortfall(PEER_COPIES, "in host memory", held, mem, why, change, (name,)))
+    peers_fit = not any(s.feature == PEER_COPIES for s in short)
+    for name, (mem, held, staged, mine) in memory.items():
+        kept = held if peers_fit else 0
+        if mem is not None and staged and kept + staged > mem:
+            why = f"{len(mine)} rank(s) x a staging arena of up to {size_text(max(u.arena for u in mine))}"
+            if kept:
+                why += f", beside {size_text(kept)} of peer copies"
+            short.append(Shortfall(SNAPSHOTS, "in host memory", kept + staged, mem, why, SNAPSHOT_CHANGE, (name,)))
+    merged = _merged(short)
+    refuse = bool(merged) and policy != "degrade"
+    return Verdict(refuse, frozenset() if refuse else frozenset(s.feature for s in merged), tuple(merged))
 
 
 # ----- the verdict, carried to newcomers -----------------------------------------------------------------

@@ -80,9 +80,10 @@ def test_200_gb_per_gpu_fits_neither_shm_nor_memory_and_degrade_trains_without()
     uses = [RankUse(f"n{n}", H200, arena=big, shard_file=big, state=big, copies=5) for n in range(2) for _ in range(8)]
     refused = judge(uses, keep=3, quota=0, policy="refuse")
     assert refused.refuse
-    found = {(s.feature, s.where): (s.needed, s.available) for s in refused.shortfalls}
-    assert found[(SNAPSHOTS, "in /dev/shm on n0")] == (8 * big, TiB)
-    assert found[(PEER_COPIES, "in host memory on n1")] == (8 * 5 * big, H200.mem_available)
+    found = {(s.feature, s.where): (s.needed, s.available, s.nodes) for s in refused.shortfalls}
+    assert found[(SNAPSHOTS, "in /dev/shm")] == (8 * big, TiB, ("n0", "n1"))  # one line for both nodes
+    assert found[(PEER_COPIES, "in host memory")] == (8 * 5 * big, H200.mem_available, ("n0", "n1"))
+    assert "available in /dev/shm on n0 (and 1 other node) (8 rank(s) x a staging arena" in refused.message()
     degraded = judge(uses, keep=3, quota=0, policy="degrade")
     assert not degraded.refuse and degraded.off == {SNAPSHOTS, PEER_COPIES}
     assert degraded.message().startswith("training without peer_copies and snapshots")
@@ -96,7 +97,21 @@ def test_memory_shared_by_both_goes_to_the_peer_copies() -> None:
     verdict = judge(uses, keep=1, quota=0, policy="degrade")
     assert verdict.off == {SNAPSHOTS}
     (short,) = verdict.shortfalls
-    assert short.where == "in host memory on n0" and short.needed == 8 * 6 * shard
+    assert (short.where, short.nodes, short.needed) == ("in host memory", ("n0",), 8 * 6 * shard)
+
+
+def test_when_peer_copies_go_anyway_snapshots_keep_the_memory_they_would_have_shared() -> None:
+    """Node a fits its copies, but not its copies and its staging together; node b does not fit its copies at all.
+    Peer copies go (node b), so node a's staging fits after all: only peer copies are switched off."""
+    a = NodeReadings(mem_available=100 * GiB, shm_free=TiB, snapshot_free=1 << 50)
+    b = NodeReadings(mem_available=40 * GiB, shm_free=TiB, snapshot_free=1 << 50)
+    uses = [
+        RankUse("a", a, arena=30 * GiB, shard_file=GiB, state=10 * GiB, copies=8),
+        RankUse("b", b, arena=30 * GiB, shard_file=GiB, state=10 * GiB, copies=5),
+    ]
+    verdict = judge(uses, keep=3, quota=0, policy="degrade")
+    assert verdict.off == {PEER_COPIES}, verdict.message()
+    assert [(s.where, s.nodes) for s in verdict.shortfalls] == [("in host memory", ("b",))]
 
 
 def test_the_snapshot_filesystem_counts_what_the_job_already_holds_there() -> None:
