@@ -55,6 +55,7 @@ from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator import Coordinator
 from torchpass.coordinator_records import worker_id
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
+from torchpass.failure_domains import node_domains
 from torchpass.mesh import AgentMesh
 from torchpass.node_ranks import rank_environment
 from torchpass.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
@@ -159,6 +160,7 @@ class SlurmAgent:
         self._jsonl_sink = JsonlEventSink(events_file.replace("{agent}", str(layout.index))) if events_file else None
         self.event_sink = tee(self._jsonl_sink, daemon_sink)
         self.key = job_key()  # every socket of the job needs it; without one the agent stops here
+        domains = node_domains(config.failure_domains)  # node -> rack (leaf, block): spares avoid one that lost a node
         self.coordinator = Coordinator(
             layout.world_size,
             config,
@@ -167,6 +169,7 @@ class SlurmAgent:
             port=layout.port + 1,
             active=layout.index == 0,
             node_names=dict(enumerate(layout.nodes)),
+            domains={k: domains[node] for k, node in enumerate(layout.nodes) if node in domains},
         )
         self.mesh = AgentMesh(layout, config, self.coordinator, event_sink=self.event_sink)
         self.coordinator.replicate = self.mesh.publish

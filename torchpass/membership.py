@@ -58,6 +58,7 @@ from torchpass.coordinator_records import (
     completion_fields,
     place_of,
 )
+from torchpass.failure_domains import spares_outside
 from torchpass.lockstep import MemberProgress, find_mismatch
 from torchpass.placement import choose_move_target, choose_spares
 
@@ -86,6 +87,7 @@ class Membership:
         self.workers: dict[str, WorkerRecord] = {}
         self.dead_agents: set[int] = set()
         self.node_names: dict[int, str] = {}  # Slurm mode: agent -> its node, to name where a rank failed
+        self.domains: dict[int, str] = {}  # Slurm mode: agent -> its node's failure domain (torchpass.failure_domains)
         self.initial: dict[int, str] = {}  # slot -> wid of the first generation's members, as they register
         self.parked: dict[str, ParkedPoll] = {}
         self.joined: dict[str, Joined] = {}
@@ -369,7 +371,8 @@ class Membership:
             return
         handoff = self.pending_handoff
         fixed = {handoff.slot: handoff.target} if handoff is not None and handoff.slot in self.vacant else {}
-        replaced = choose_spares(sorted(self.vacant), self.spares, fixed)  # a node's ranks stay together
+        pool = spares_outside(self.spares, len(self.vacant), self.domains, self.dead_agents)  # domains: not a lost one
+        replaced = choose_spares(sorted(self.vacant), pool, fixed)  # a node's ranks stay together
         for slot, wid in sorted(replaced.items()):
             self.spares.remove(wid)
             self.members[slot] = wid

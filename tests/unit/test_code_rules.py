@@ -209,6 +209,7 @@ TORCHPASS_MAY_IMPORT = {
     "clockworkd.atomic_file",
     "clockworkd.cli.invoke",
     "clockworkd.client",
+    "clockworkd.config",  # the launcher reads the site's [snapshots] policy (torchpass.site_policy)
     "clockworkd.config_fields",
     "clockworkd.coordinator_client",
     "clockworkd.coordinator_replies",
@@ -219,6 +220,7 @@ TORCHPASS_MAY_IMPORT = {
     "clockworkd.job_options",
     "clockworkd.jobkey",
     "clockworkd.snapshots.messages",
+    "clockworkd.snapshots.settings",
     "clockworkd.snapshots.store",
 }
 

@@ -71,6 +71,8 @@ def slurm_conf(
     ]
     if plugin_dir is not None:
         lines.append(f"PluginDir={plugin_dir}")
+    if layout.racks:
+        lines.append("TopologyPlugin=topology/tree")  # topology.conf (slurm_topology) lists the racks
     if accounting:
         lines += [
             "AccountingStorageType=accounting_storage/slurmdbd",
@@ -212,6 +214,14 @@ def topology(layout: Layout) -> str:
     return json.dumps({"nics": nics}, indent=2) + "\n"
 
 
+def slurm_topology(layout: Layout) -> str:
+    """Slurm's topology.conf for ``[sandbox] racks``: a leaf switch per rack (rack0, rack1, ...), one above them."""
+    lines = ["# Written by `clockwork sandbox up` from [sandbox] racks: one leaf switch per rack."]
+    lines += [f"SwitchName=rack{i} Nodes={','.join(rack)}" for i, rack in enumerate(layout.racks)]
+    lines.append(f"SwitchName=top Switches=rack[0-{len(layout.racks) - 1}]")
+    return "\n".join(lines) + "\n"
+
+
 def hook_wrapper(python: str, config: Path, context: str, pythonpath: str = "") -> str:
     """Slurm runs hooks as root with no PATH: an absolute interpreter and config are mandatory.
 
@@ -243,6 +253,10 @@ def write_all(
     for d in paths.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
     paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir))
+    if layout.racks:
+        paths.slurm_topology.write_text(slurm_topology(layout))
+    else:
+        paths.slurm_topology.unlink(missing_ok=True)
     paths.cgroup_conf.write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
     paths.plugstack_conf.write_text(plugstack(spank_so))
     paths.hosts.write_text(hosts(layout))
