@@ -27,7 +27,7 @@ state transfer and process group rebuild; then the medians of each kind. The rat
 the median fault-to-step time; the goals are the issue's: fault to step under 0.5 s, detection under 200 ms.
 Prints a table for people and, as its last line, one JSON object of the figures.
 
-    sudo .venv/bin/python bench/torchpass_recovery.py [--runs 5] [--quick]
+    sudo .venv/bin/python bench/torchpass_recovery.py [--runs 5] [--quick] [--ranks-per-node 2]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def main() -> int:
     args = recovery.parse_args(
         __doc__,
         runs_help="runs of each kind (default 5; the medians are reported)",
-        quick_help="one run of each kind, of a shorter job",
+        quick_help="shorter jobs, one run of each kind unless --runs N",
         ranks_per_node=True,
     )
     if recovery.lacks_root("bench/torchpass_recovery.py"):
@@ -124,6 +124,11 @@ def main() -> int:
     ]
     for label, key, scale in lines:
         print(f"  {label:40s} " + " ".join(f"{scale * med[kind][key]:18.0f}" for kind in plan))
+    spread = {kind: [1000 * row["fault_to_step_s"] for row in rows[kind]] for kind in plan}
+    print(
+        f"  {'  its range over the runs (ms)':40s} "
+        + " ".join(f"{f'{min(v):.0f}-{max(v):.0f}':>18s}" for v in spread.values())
+    )
     verdicts = sum(row["by_verdict"] for row in rows["fabric"])
     print(f"  fabric runs whose node was lost by the daemons' verdict: {verdicts} of {len(rows['fabric'])}")
     ratio = med["fabric"]["fault_to_step_s"] / med["heartbeat"]["fault_to_step_s"]

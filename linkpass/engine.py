@@ -447,6 +447,10 @@ class LinkPass:
         """This node's fabric NICs that are up with carrier."""
         return [rail for rail in self.rails if self.nic_up.get(rail, False)]
 
+    def down_nics(self) -> dict[str, str]:
+        """This node's fabric NICs that are down, each with why (the GPU health watch's view of a NIC fault)."""
+        return {rail: self.nic_down_reason.get(rail, "") for rail in self.rails if not self.nic_up.get(rail, False)}
+
     def avoid_nics(self) -> list[str]:
         """Local NICs a new communicator should not use (NCCL: NCCL_IB_HCA=^...): down, or no live path."""
         out = []

@@ -2,6 +2,12 @@
 
 The Epilog writes the report (JSON) under the reports folder and puts the summary into the job's
 AdminComment, so ``sacct -o AdminComment`` tells an admin where to look without any other tool.
+
+With TorchPass, the summary also names the slots whose rank was replaced or moved, where each started and where
+it ended (``slots moved: 2 node3/0->node5/0, 3 node3/1->node5/1``: node and local index, its GPU), from the
+``torchpass.placement`` event every node agent posts at the job's end. A job that lost hundreds of ranks must
+not turn the comment into a page: the list stops at :data:`SLOTS_MAX_CHARS` and says how many more moved
+(``clockwork report JOBID`` lists every one).
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ COUNTED = {
     "torchpass.migrated": "migrations",
     "torchpass.restored": "rollbacks",
 }
+
+
+#: The most characters the AdminComment spends on the moved slots (sacct shows the comment as one field).
+SLOTS_MAX_CHARS = 240
+PLACEMENT = "torchpass.placement"
 
 
 #: Event fields that hold secrets (TorchPass's job key, for ``clockwork migrate``): never copied into a report.
@@ -52,14 +63,40 @@ def build(ctx: HookContext, events: list[dict[str, Any]], daemon: str) -> dict[s
         "written": time.time(),
         "daemon": daemon,
         "counts": {label: kinds.get(kind, 0) for kind, label in COUNTED.items()},
+        **slots_moved(events),
         "events": events,
     }
 
 
+def slots_moved(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """``slots_moved`` (slot -> {from, to}) and ``slots_moved_total`` of the newest ``torchpass.placement`` event
+    here (none: nothing said, {} and 0). The event lists the first slots only on a job that moved very many."""
+    placements = [e["fields"] for e in events if e.get("kind") == PLACEMENT and isinstance(e.get("fields"), dict)]
+    slots = placements[-1].get("slots") if placements else {}
+    listed = {str(k): v for k, v in slots.items() if isinstance(v, dict)} if isinstance(slots, dict) else {}
+    total = placements[-1].get("moved") if placements else 0
+    return {"slots_moved": listed, "slots_moved_total": max(len(listed), total if isinstance(total, int) else 0)}
+
+
+def _slots_part(moved: dict[str, dict[str, str]], total: int) -> str:
+    """``slots moved: 2 node3/0->node5/0, ...`` within :data:`SLOTS_MAX_CHARS` ('' when none moved): the first
+    slots that fit, then how many more moved (``clockwork report`` lists them)."""
+    order = sorted(moved.items(), key=lambda item: int(item[0]) if item[0].isdigit() else -1)
+    items = [f"{slot} {where.get('from', '?')}->{where.get('to', '?')}" for slot, where in order]
+    for shown in range(len(items), -1, -1):
+        rest = max(total, len(items)) - shown
+        text = ", ".join(items[:shown] + ([f"+{rest} more"] if rest else []))
+        if len(text) <= SLOTS_MAX_CHARS or shown == 0:
+            return f"slots moved: {text}" if text else ""
+    return ""
+
+
 def summary(report: dict[str, Any], path: Path) -> str:
-    """``clockwork: 0 link failovers, 0 migrations, 0 rollbacks; report=PATH`` (no quotes, one line)."""
+    """``clockwork: 0 link failovers, 0 migrations, 0 rollbacks[; slots moved: ...]; report=PATH`` (no quotes,
+    one line; ``report=PATH`` stays last: readers take everything after it as the path)."""
     counts = ", ".join(f"{n} {label}" for label, n in report["counts"].items())
-    return f"clockwork: {counts}; report={path}"
+    moved = _slots_part(report.get("slots_moved") or {}, int(report.get("slots_moved_total") or 0))
+    return f"clockwork: {counts}; {moved + '; ' if moved else ''}report={path}"
 
 
 def write(report: dict[str, Any], reports_dir: Path) -> Path:

@@ -28,6 +28,7 @@ from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError
 from torchpass.auth import JobKeyError
 from torchpass.config import ConfigError, TorchPassConfig, environment_settings
 from torchpass.events import JsonlEventSink
+from torchpass.launch.site_policy import apply_site_policy
 
 __all__ = ["cli", "main"]
 
@@ -245,7 +246,7 @@ def _config(params: Mapping[str, Any]) -> TorchPassConfig:
         cfg = cfg.with_assignment(assignment)
     if params.get("restore"):
         cfg = cfg.with_overrides(restore=params["restore"])
-    return cfg
+    return apply_site_policy(cfg)  # the admin's snapshot root and quota (clockwork.toml [snapshots])
 
 
 def _run_slurm(params: Mapping[str, Any], script_args: list[str], transparent: bool, argv: list[str]) -> int:

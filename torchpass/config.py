@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from clockwork.contracts.config.fields import FieldValueError, coerce, setting
+from clockwork.contracts.config.snapshots import parse_size
 from clockwork.contracts.errors import ConfigError
 
 __all__ = ["ENV_CONFIG", "ConfigError", "TorchPassConfig", "environment_settings", "parse_duration"]
@@ -217,6 +218,14 @@ class TorchPassConfig:
         "next step's forward and backward pass, and a crash in that window (from a step's update until its copy is "
         "acknowledged) recomputes that one step.",
     )
+    failure_domains: str = setting(
+        "auto",
+        "Failure domains bigger than a node (racks, leaf switches, Slurm blocks), which order the peer-copy ring (a "
+        "shard's copies in other domains) and place spares (outside the domains that lost a node): 'auto' from "
+        "Slurm's topology (the task's SLURM_TOPOLOGY_ADDR, else topology.conf beside slurm.conf), 'nodes' (each node "
+        "its own domain), 'off' (the ring in slot order, spares by readiness alone), or the path of a site map "
+        "file, one 'HOSTLIST DOMAIN' per line (docs/user-guide.md, 'Failure domains').",
+    )
     replica_check_every_steps: int = setting(
         200,
         "The runtime net for silent divergence: after every K-th committed step (step + 1 divisible by K), the "
@@ -244,11 +253,26 @@ class TorchPassConfig:
         0, "Also take a snapshot after every N-th step (step + 1 divisible by N; 0: off). Needs no coordination.", min=0
     )
     snapshot_keep: int = setting(3, "Complete snapshots kept; older ones are removed once a new one exists.", min=1)
+    snapshot_quota: str = setting(
+        "",
+        "Most bytes this job's snapshots may hold at once on disk (snapshot_keep snapshots and the one being "
+        "written), checked at start: bytes or 500G, 2T (binary units); empty: none. The site's [snapshots] quota "
+        "in clockwork.toml is a ceiling this cannot raise.",
+    )
     snapshot_timeout_s: float = setting(
         600.0,
         "How long rank 0's writer waits for every rank's shard before it declares the snapshot failed (and how "
         "long a finishing rank waits for its snapshot in flight).",
         min=0.1,
+    )
+    budget_policy: str = setting(
+        "refuse",
+        "At start every rank sizes the job's snapshot staging (/dev/shm), peer copies (host memory) and snapshot "
+        "retention (the snapshot filesystem, the snapshot quota) against what its node and the filesystem have "
+        "(docs/user-guide.md, 'Host memory and storage'). What does not fit: 'refuse' stops the job before its "
+        "first step with the numbers and the setting to change; 'degrade' trains without that feature (snapshots, "
+        "or peer copies), with a warning.",
+        choices=("refuse", "degrade"),
     )
     restore: str = setting(
         "auto",
@@ -281,6 +305,10 @@ class TorchPassConfig:
                 object.__setattr__(self, f.name, coerce(f, getattr(self, f.name), text_ok=False))
             except FieldValueError as exc:
                 raise ConfigError(f"torchpass config: {f.name}: {exc}") from None
+        try:
+            parse_size(self.snapshot_quota, "snapshot_quota")
+        except ConfigError as exc:
+            raise ConfigError(f"torchpass config: {exc}") from None
         if self.peer_copies > 2:
             raise ConfigError(f"torchpass config: peer_copies: 0, 1 or 2 neighbours, got {self.peer_copies}")
         if self.peer_copy_sync and self.peer_copy_every_steps != 1:

@@ -31,10 +31,10 @@ WORKLOAD = Path(__file__).resolve().with_name("torchpass_workload.py")
 def parse_args(
     description: str, runs_help: str, quick_help: str, *, ranks_per_node: bool = False
 ) -> argparse.Namespace:
-    """The benchmarks' common options (``--quick``: one short run of each kind, about a minute); with
+    """The benchmarks' common options (``--quick``: short runs, one of each kind unless ``--runs`` N); with
     ``ranks_per_node``, ``--ranks-per-node G`` too (0 when the benchmark does not take it)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5, help=runs_help)
+    parser.add_argument("--runs", type=int, default=None, help=runs_help)
     if ranks_per_node:
         parser.add_argument(
             "--ranks-per-node",
@@ -49,8 +49,12 @@ def parse_args(
     parser.add_argument("--quick", action="store_true", help=quick_help)
     args = parser.parse_args()
     args.ranks_per_node = getattr(args, "ranks_per_node", 0)
-    if args.quick:
-        args.runs, args.steps, args.crash_step = 1, 40, 20
+    if args.quick:  # a shorter job, and one run of each kind unless --runs says how many
+        args.steps, args.crash_step = 40, 20
+    if args.runs is None:
+        args.runs = 1 if args.quick else 5
+    if args.runs < 1:
+        parser.error(f"--runs {args.runs}: at least 1")
     return args
 
 

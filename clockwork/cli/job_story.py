@@ -47,6 +47,15 @@ def _moved_to(fields: dict[str, Any], slot: int) -> str:
     return ", ".join(parts)
 
 
+def _where(fields: dict[str, Any], slot: int, word: str = " on") -> str:
+    """`` on node5 local 1``: where a recovery or migration put ``slot``'s new rank (its ``placed``, under Slurm:
+    node and local index, its GPU); '' when the event does not say."""
+    place = (fields.get("placed") or {}).get(str(slot))
+    if not isinstance(place, dict) or not place.get("node"):
+        return ""
+    return f"{word} {place['node']} local {place.get('local', '?')}"
+
+
 @dataclass
 class Incident:
     """One fault (or planned move) and how it was resolved."""
@@ -128,7 +137,7 @@ def build_story(
                 sources = ", ".join(str(s) for s in f.get("source_slots", []))
                 state = _moved_to(f, int(slot)) or f"state from rank {sources or '?'}"
                 incident.resolution = (
-                    f"a spare took rank {slot} with {state} in {incident.duration_s:.2f} s "
+                    f"a spare{_where(f, int(slot))} took rank {slot} with {state} in {incident.duration_s:.2f} s "
                     f"(detect {float(f.get('detect_ms', 0)) / 1000:.2f} s, transfer {f.get('transfer_ms', '?')} ms, "
                     f"rebuild {f.get('rebuild_ms', '?')} ms), resumed at step {f.get('step', '?')}"
                 )
@@ -137,7 +146,8 @@ def build_story(
                 incident.fields = {**incident.fields, **f}
         elif kind == "torchpass.migrated":
             ms = float(f.get("total_ms", 0))
-            detail = f"ranks {', '.join(str(s) for s in f.get('slots', []))} moved live"
+            moved = ", ".join(f"{s}{_where(f, int(s), ' to')}" for s in f.get("slots", []))
+            detail = f"ranks {moved} moved live"
             handed = "; ".join(filter(None, (_moved_to(f, int(slot)) for slot in f.get("slots", []))))
             resolution = (
                 f"moved in {ms / 1000:.2f} s at step {f.get('step', '?')}"

@@ -282,7 +282,11 @@ def gpus(state: CliContext, node_name: str | None, as_json: bool) -> None:
             )
         console.print(last)
     for m in info.get("migrations", []):
+        if m.get("scope") == "node":  # a whole-node move: every rank of the job on this node, together
+            what = f"slots {', '.join(map(str, m['slots']))} off the node"
+        else:
+            what = f"slot {m['slot']} off gpu{m['gpu']}"
         click.echo(
-            f"migration: job {m['job_id']} slot {m['slot']} off gpu{m['gpu']} ({m['signal']} {m['value']}): "
+            f"migration: job {m['job_id']} {what} ({m['signal']} {m['value']}): "
             f"{m['state']} {m.get('detail', '')}".rstrip()
         )

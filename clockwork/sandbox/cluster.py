@@ -254,6 +254,7 @@ class Sandbox:
             spank_so=spank_plugin(slurm),
             plugin_dir=slurm.plugin_dir(),
             slurm_bin=self.slurm_bin(),
+            pythonpath=os.environ.get("PYTHONPATH", ""),
         )
         if slurm.from_root:
             slurm.write_client_wrappers(p.slurm_bin)
@@ -521,8 +522,9 @@ class Sandbox:
         faults.clear(build_layout(st.config), st.faults)
         st.save(self.paths.state_file)
 
-    def crash_node(self, node: str) -> int:
-        """A whole node dies at once: every process in it is SIGKILLed and its links go dark.
+    def crash_node(self, node: str, *more: str) -> int:
+        """A whole node dies at once (``more``: other nodes dying with it, a rack): every process in it is
+        SIGKILLed and its links go dark.
 
         The switch ports of its NICs and its management port go down (the node's side of each cable is
         gone with it), so peers see silence, not a reset. They go down first, and every process is stopped
@@ -533,17 +535,17 @@ class Sandbox:
         require_root("clockwork sandbox fault node")
         st = self.require_up()
         layout = build_layout(st.config)
-        spec = layout.node(node)
-        ports = [nic.port for nic in spec.nics] + [spec.mgmt_port]
+        specs = [layout.node(name) for name in (node, *more)]
+        ports = [port for spec in specs for port in [*(nic.port for nic in spec.nics), spec.mgmt_port]]
         run(["ip", "-n", layout.fabric_ns, "-batch", "-"], input="".join(f"link set {p} down\n" for p in ports))
-        pids = processes.netns_pids([spec.netns])
+        pids = processes.netns_pids([spec.netns for spec in specs])
         for sig in (signal.SIGSTOP, signal.SIGKILL):
             for pid in pids:
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-        st.faults[f"node {node} -"] = "crash"
+        st.faults.update({f"node {spec.name} -": "crash" for spec in specs})
         st.save(self.paths.state_file)
         return len(pids)
 

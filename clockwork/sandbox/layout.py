@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from clockwork.contracts.config.core import SandboxConfig
 from clockwork.contracts.errors import ConfigError
+from clockwork.contracts.hostlist import expand_hostlist
 
 FABRIC_NS = "cw-fabric"
 ROOT_DEV = "cwsb0"
@@ -77,6 +78,7 @@ class Layout:
     mgmt_prefixlen: int
     port_base: int
     tag: str = ""  # keeps side-by-side sandboxes apart (SandboxConfig.tag)
+    racks: tuple[tuple[str, ...], ...] = ()  # the nodes of each rack (SandboxConfig.racks); () = no topology
 
     @property
     def fabric_ns(self) -> str:
@@ -188,4 +190,25 @@ def build_layout(cfg: SandboxConfig) -> Layout:
         mgmt_net.prefixlen,
         cfg.port_base,
         tag=cfg.tag,
+        racks=_racks(cfg.racks, [n.name for n in nodes]),
     )
+
+
+def _racks(text: str, names: list[str]) -> tuple[tuple[str, ...], ...]:
+    """The racks of ``[sandbox] racks``: every node in exactly one (a node Slurm's tree does not reach could never
+    share a job with the others)."""
+    if not text.strip():
+        return ()
+    try:
+        racks = tuple(tuple(expand_hostlist(item)) for item in text.split())
+    except ValueError as exc:
+        raise ConfigError(f"[sandbox] racks: {exc}") from None
+    placed = [name for rack in racks for name in rack]
+    unknown = sorted(set(placed) - set(names))
+    twice = sorted({name for name in placed if placed.count(name) > 1})
+    missing = [name for name in names if name not in placed]
+    if unknown or twice or missing:
+        what = [f"unknown {unknown}" if unknown else "", f"in two racks {twice}" if twice else ""]
+        what.append(f"in no rack {missing}" if missing else "")
+        raise ConfigError(f"[sandbox] racks: {text!r}: " + ", ".join(w for w in what if w))
+    return racks

@@ -25,6 +25,11 @@ class StatePaths:
         return self.etc / "slurm.conf"
 
     @property
+    def slurm_topology(self) -> Path:
+        """Slurm's topology.conf, beside slurm.conf (where slurmctld, slurmd and TorchPass look for it)."""
+        return self.etc / "topology.conf"
+
+    @property
     def slurmdbd_conf(self) -> Path:
         return self.etc / "slurmdbd.conf"
 

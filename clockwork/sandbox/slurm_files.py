@@ -71,6 +71,8 @@ def slurm_conf(
     ]
     if plugin_dir is not None:
         lines.append(f"PluginDir={plugin_dir}")
+    if layout.racks:
+        lines.append("TopologyPlugin=topology/tree")  # topology.conf (slurm_topology) lists the racks
     if accounting:
         lines += [
             "AccountingStorageType=accounting_storage/slurmdbd",
@@ -212,12 +214,25 @@ def topology(layout: Layout) -> str:
     return json.dumps({"nics": nics}, indent=2) + "\n"
 
 
-def hook_wrapper(python: str, config: Path, context: str) -> str:
-    """Slurm runs hooks as root with no PATH: an absolute interpreter and config are mandatory."""
+def slurm_topology(layout: Layout) -> str:
+    """Slurm's topology.conf for ``[sandbox] racks``: a leaf switch per rack (rack0, rack1, ...), one above them."""
+    lines = ["# Written by `clockwork sandbox up` from [sandbox] racks: one leaf switch per rack."]
+    lines += [f"SwitchName=rack{i} Nodes={','.join(rack)}" for i, rack in enumerate(layout.racks)]
+    lines.append(f"SwitchName=top Switches=rack[0-{len(layout.racks) - 1}]")
+    return "\n".join(lines) + "\n"
+
+
+def hook_wrapper(python: str, config: Path, context: str, pythonpath: str = "") -> str:
+    """Slurm runs hooks as root with no PATH: an absolute interpreter and config are mandatory.
+
+    Slurm gives a hook none of slurmd's environment, so the builder's ``PYTHONPATH`` (a checkout or worktree
+    whose code is under test, ahead of the venv's own install) is written into the wrapper: the Prolog, the
+    Epilog and the node daemons a Prolog starts then run the same code as the jobs and the tests."""
+    path = f"PYTHONPATH={shlex.quote(pythonpath)} " if pythonpath else ""
     return (
         "#!/bin/sh\n"
         f"# Slurm {context} hook for the Clockwork sandbox.\n"
-        f"CLOCKWORK_CONFIG={shlex.quote(str(config))} exec {shlex.quote(python)} -m slurm_hooks {context}\n"
+        f"{path}CLOCKWORK_CONFIG={shlex.quote(str(config))} exec {shlex.quote(python)} -m slurm_hooks {context}\n"
     )
 
 
@@ -231,12 +246,17 @@ def write_all(
     spank_so: Path | None,
     plugin_dir: Path | None = None,
     slurm_bin: Path | None = None,
+    pythonpath: str = "",
 ) -> None:
     """Write every file the sandbox's daemons read (``plugin_dir`` and ``slurm_bin``: a Slurm release from a
-    root, whose plugins and client commands those are)."""
+    root, whose plugins and client commands those are; ``pythonpath``: the hooks', see :func:`hook_wrapper`)."""
     for d in paths.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
     paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir))
+    if layout.racks:
+        paths.slurm_topology.write_text(slurm_topology(layout))
+    else:
+        paths.slurm_topology.unlink(missing_ok=True)
     paths.cgroup_conf.write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
     paths.plugstack_conf.write_text(plugstack(spank_so))
     paths.hosts.write_text(hosts(layout))
@@ -250,7 +270,7 @@ def write_all(
         os.chmod(paths.slurmdbd_conf, 0o600)  # slurmdbd refuses a readable file
     for name in HOOKS.values():
         wrapper = paths.hooks / name
-        wrapper.write_text(hook_wrapper(python, paths.clockwork_toml, name))
+        wrapper.write_text(hook_wrapper(python, paths.clockwork_toml, name, pythonpath))
         wrapper.chmod(0o755)
     for node in layout.nodes:
         (paths.node_dir(node.name) / "spool").mkdir(parents=True, exist_ok=True)

@@ -75,8 +75,8 @@ class SandboxManager:
     state_dir: Path
     current: Sandbox | None = None
 
-    def ensure_up(self, nodes: int = 4, accounting: bool = True, slurm: str = "22.05") -> Sandbox:
-        cfg = worker_sandbox_config(self.state_dir, nodes=nodes, accounting=accounting, slurm=slurm)
+    def ensure_up(self, nodes: int = 4, accounting: bool = True, slurm: str = "22.05", racks: str = "") -> Sandbox:
+        cfg = worker_sandbox_config(self.state_dir, nodes=nodes, accounting=accounting, slurm=slurm, racks=racks)
         if self.current is not None and self.current.running() and self.current.config == cfg:
             return self.current
         self.ensure_down()

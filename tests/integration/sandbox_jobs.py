@@ -20,12 +20,15 @@ from clockwork.sandbox.cluster import Sandbox
 from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
 
 
-def faults_box(manager: SandboxManager, *, nodes: int, accounting: bool, seed: int, replays: str) -> Sandbox:
-    """The sandbox in the shape a module needs, with no fault left over from an earlier test.
+def faults_box(
+    manager: SandboxManager, *, nodes: int, accounting: bool, seed: int, replays: str, racks: str = ""
+) -> Sandbox:
+    """The sandbox in the shape a module needs (``racks``: its ``[sandbox] racks``), with no fault left over from
+    an earlier test.
 
     It prints the seed of the module's random faults: a failure seen once can be replayed with ``CW_TEST_SEED``.
     """
-    sandbox = manager.ensure_up(nodes=nodes, accounting=accounting)
+    sandbox = manager.ensure_up(nodes=nodes, accounting=accounting, racks=racks)
     sandbox.clear_faults()
     print(f"fault seed {seed} (CW_TEST_SEED={seed} replays {replays})")
     return sandbox
@@ -45,12 +48,13 @@ def job_env(box: Sandbox, out: Path, *, kill: str, step_sleep: float, **extra: s
     )
 
 
-def torchpass_command(out: Path, script: Path) -> str:
+def torchpass_command(out: Path, script: Path, options: str = "") -> str:
     """The batch script: ``torchpass run`` of the rank script, each node agent writing its events under ``out``
-    (``events-AGENT.jsonl``); a short collective timeout so that a rank on a crashed node is given up quickly."""
+    (``events-AGENT.jsonl``); a short collective timeout so that a rank on a crashed node is given up quickly.
+    ``options``: more of ``torchpass run``'s own (``--spares 2``, ``--set KEY=VALUE``)."""
     return (
         f"{sys.executable} -m torchpass run --events {out}/events-{{agent}}.jsonl --set collective_timeout_s=20 "
-        f"{script}"
+        f"{options + ' ' if options else ''}{script}"
     )
 
 
@@ -66,10 +70,16 @@ SLURM_POLL_S = 0.5
 
 
 def follow_job(
-    box: Sandbox, job_id: int, out: Path, timeout_s: float, tick: Callable[[], None] | None = None
+    box: Sandbox,
+    job_id: int,
+    out: Path,
+    timeout_s: float,
+    tick: Callable[[], None] | None = None,
+    crash: Callable[[str], list[str]] = lambda node: [node],
 ) -> tuple[list[str], str, int]:
-    """Crash every node the job's ranks ask for, call ``tick`` (the test's own action mid-job) every round until
-    the job ends, then bring the crashed nodes back; the crashed nodes, the job's output and its exit code.
+    """Crash every node the job's ranks ask for (``crash``: the nodes to crash at once when a rank asks for its
+    node's crash, e.g. its whole rack), call ``tick`` (the test's own action mid-job) every round until the job
+    ends, then bring the crashed nodes back; the crashed nodes, the job's output and its exit code.
 
     A rank asks by writing ``crash-request-SLOT-STEP`` (its node's name) and waits there for the crash, so the
     fault lands at the point it chose. A crashed node keeps its job COMPLETING until Slurm hears from it again:
@@ -85,9 +95,10 @@ def follow_job(
         for request in sorted(out.glob("crash-request-*")):
             if request.name not in handled:
                 handled.add(request.name)
-                node = request.read_text().split()[0]
-                box.crash_node(node)  # what `clockwork sandbox fault node NODE crash` does
-                crashed.append(node)
+                nodes = [node for node in crash(request.read_text().split()[0]) if node not in crashed]
+                if nodes:
+                    box.crash_node(*nodes)  # what `clockwork sandbox fault node NODE crash` does (at once)
+                    crashed += nodes
         if tick is not None:
             tick()
         # The crash requests are files (cheap to look for, and a rank waits on each); the job's state is a

@@ -9,6 +9,9 @@
   the holder and the job resumes at the same step. Its final state is bitwise equal to a fault-free run's.
 * The low job was requeued (restart count 1) and runs again on node5 after the training job ended (its
   Epilog gave the node back); ``sacct`` shows both jobs with the AdminComments that link them.
+* With 2 ranks per node (``--ntasks-per-node=2``: 8 ranks on node1-4), node3's crash loses two ranks at once;
+  the borrowed node5's guest offers 2 spare slots, and both ranks are rebuilt there in one recovery, in local
+  order, bitwise equal to the fault-free job of 2 ranks per node; its AdminComment names both slots' moves.
 * Refusals, logged by the daemon: a borrow for a job submitted with ``--clockwork-spares=standby``, a borrow
   by another user for someone else's job, and a second borrow beyond ``max_nodes_per_job`` (1).
 
@@ -93,8 +96,11 @@ def _low_job(box: Sandbox, out: Path) -> int:
     return job_id
 
 
-def _train(box: Sandbox, base: Path, name: str, *, kill: str = "", during: object = None) -> tuple[int, oracle.Run]:
-    """Run the 4-node borrow training job; crash the node its rank asks for; ``during(job_id)`` once it runs."""
+def _train(
+    box: Sandbox, base: Path, name: str, *, kill: str = "", during: object = None, per_node: int = 1
+) -> tuple[int, oracle.Run]:
+    """Run the 4-node borrow training job (``per_node`` ranks per node); crash the node its rank asks for;
+    ``during(job_id)`` once a node was borrowed."""
     out = base / name
     out.mkdir()
     env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS))
@@ -109,6 +115,7 @@ def _train(box: Sandbox, base: Path, name: str, *, kill: str = "", during: objec
         "--no-kill",
         "--clockwork-ft",
         "--clockwork-spares=borrow",
+        f"--ntasks-per-node={per_node}",
         f"--output={out}/job.out",
         f"--wrap={command}",
         env=env,
@@ -318,3 +325,37 @@ def test_node_crash_borrows_node5_from_the_low_job_and_gives_it_back(
     wait_job(box, low)
     # the live job kept the comment too; slurmdbd gets it with the run's end
     assert _comment(box, low, "preempted for job") == expected
+
+
+def test_with_two_ranks_per_node_the_borrowed_node_takes_both_ranks_of_a_crashed_node(box: Sandbox, base: Path) -> None:
+    """node3 (agent 1: slots 2 and 3 of 8) crashes at a random step and point; the borrowed node5 offers two spare
+    slots, and both ranks are rebuilt there in one recovery, local index J on slot 2+J, bitwise equal to the
+    fault-free job with 2 ranks per node."""
+    per_node, nproc = 2, 2 * NPROC
+    _, reference = _train(box, base, "two-per-node-reference", per_node=per_node)
+    reference.check_ok()
+    low = _low_job(box, base / "low-two-per-node.out")
+    rng = random.Random(SEED + 2)
+    step, phase = rng.randint(8, 40), rng.choice(CRASH_PHASES)
+    slot = CRASHED_SLOT * per_node  # agent 1's local index 0; its node runs slot 3 too
+    job_id, run = _train(box, base, "two-per-node-crash-node3", kill=f"{slot}:{step}:{phase}", per_node=per_node)
+    try:
+        assert f"crashed: ['{CRASHED_NODE}']" in run.output, run.output[-3000:]
+        run.check_ok()
+        oracle._assert_same_final_state(run, reference, nproc=nproc, steps=STEPS)
+        oracle._assert_each_step_once(run, nproc=nproc, steps=STEPS)
+        (borrowed,) = run.of_kind("torchpass.borrowed")
+        assert (borrowed["node"], borrowed["from_job"], borrowed["lost_node"]) == ("node5", low, CRASHED_NODE)
+        holder = int(str(borrowed["holder"]))
+        (replaced,) = [g for g in run.of_kind("torchpass.generation") if g["replaced"]]
+        assert replaced["replaced"] == {"2": f"g{holder}.0.0", "3": f"g{holder}.1.1"}, replaced
+        assert [(p["local"], p["holder"]) for p in replaced["placed"].values()] == [(0, holder), (1, holder)]
+        fields = oracle._recovered(run, slot)
+        assert fields["slots"] == [2, 3], fields  # one recovery, both ranks, at the same step
+        # The AdminComment the batch host's Epilog wrote names both slots, from node3 to the borrowed node.
+        comment = _comment(box, job_id, "slots moved:")
+        assert f"slots moved: 2 node3/0->holder{holder}/0, 3 node3/1->holder{holder}/1; " in comment, comment
+        assert f"clockwork-borrowed: node5 from job {low} (holder {holder})" in comment, comment
+    finally:
+        box.slurm().cancel(low)
+        wait_job(box, low)

@@ -13,6 +13,10 @@ count the node lost, and the standby node's two spares take both slots in one ge
 job's final parameters, optimizer, scheduler and registered state on every slot are ``torch.equal`` to the
 fault-free job's, and every slot's journal shows each step committed exactly once.
 
+Two single-rank SIGKILLs on different nodes (one GPU is the failure domain): both nodes stay up, and the one
+standby node absorbs both ranks, one spare slot each. The second kill waits for the first recovery's
+``torchpass.recovered`` event, so each failure is repaired on its own.
+
 HSDP as sites lay it out (the FSDP oracle's 2 x 2 mesh on 2 nodes of 2 ranks: sharded within a node,
 replicated across nodes): a node crash loses a whole replica, and each shard is rebuilt from its holder in the
 other replica, bitwise.
@@ -22,8 +26,10 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,8 +61,11 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("torchpass-per-node-sandbox")
 
 
-def _run(box: Sandbox, base: Path, name: str, *, kill: str = "") -> oracle.Run:
-    """Submit the job with 2 tasks per node, crash the nodes its ranks ask for, wait for its end."""
+def _run(
+    box: Sandbox, base: Path, name: str, *, kill: str = "", during: Callable[[Path], None] | None = None
+) -> oracle.Run:
+    """Submit the job with 2 tasks per node, crash the nodes its ranks ask for, call ``during(out)`` every round
+    while it runs, wait for its end."""
     out = base / name
     out.mkdir()
     env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS))
@@ -70,7 +79,8 @@ def _run(box: Sandbox, base: Path, name: str, *, kill: str = "") -> oracle.Run:
         f"--output={out}/job.out",
     ]
     job_id = jobs.submit(options, command, env)
-    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S)
+    tick = None if during is None else (lambda: during(out))
+    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S, tick)
     run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}", jobs.job_events(out))
     jobs.wait_gone(box, job_id)
     return run
@@ -115,6 +125,53 @@ def test_node_crash_replaces_both_ranks_on_the_standby_node(box: Sandbox, base: 
     fields = oracle._recovered(run, 2)
     assert fields["slots"] == [2, 3], fields  # one recovery, both ranks, at the same step
     assert "silent on every rail" in str(fields["reason"]), fields  # the node daemons' verdict
+
+
+def test_two_single_rank_kills_on_two_nodes_are_both_absorbed_by_the_standby_node(
+    box: Sandbox, base: Path, reference: oracle.Run
+) -> None:
+    """Slot 1 (agent 0's node, local index 1) kills itself at a random point of a random step; once its recovery
+    has completed (``torchpass.recovered`` names slot 1), the test SIGKILLs slot 2 (agent 1's node, local index
+    0) wherever its process is. Neither node is lost: each failure takes one spare slot, and the best fit puts
+    both on the standby node, one at each local index (its spare slots were ready before the spare that agent
+    0 starts on the GPU that lost its process). The job ends bitwise equal to the fault-free job."""
+    rng = random.Random(SEED + 3)
+    step, phase = rng.randint(6, 16), rng.choice(("forward", "backward", "optimizer"))
+    print(f"first kill 1:{step}:{phase}")
+    second: list[str] = []
+
+    def kill_slot_2_once_slot_1_recovered(out: Path) -> None:
+        if second:
+            return
+        recovered = [e for e in jobs.job_events(out) if e["kind"] == "torchpass.recovered"]
+        if not any(1 in e["fields"]["slots"] for e in recovered if isinstance(e["fields"], dict)):
+            return
+        journal = (out / "journal-slot2.txt").read_text().split()  # "commit GEN STEP PID" per committed step
+        pid = int(journal[-1])
+        os.kill(pid, signal.SIGKILL)  # the sandbox's nodes share the host's pid namespace
+        second.append(f"SIGKILL pid {pid} after {len(journal) // 4} commits")
+
+    run = _run(box, base, "two-rank-kills", kill=f"1:{step}:{phase}", during=kill_slot_2_once_slot_1_recovered)
+    assert second, f"slot 1 never recovered, so slot 2 was not killed\n{run.output[-3000:]}"
+    print(f"second kill: {second[0]}")
+    assert "crashed: []" in run.output, run.output[-3000:]
+    _check(run, reference)
+    nodes = next(f["nodes"] for f in run.of_kind("torchpass.coordinator"))
+    failed = [(f["slot"], f["node"], f["local"]) for f in run.of_kind("torchpass.member_failed")]
+    assert failed == [(1, nodes[0], 1), (2, nodes[1], 0)], failed
+    assert not run.of_kind("torchpass.agent_lost")  # two GPUs failed, no node
+    generations = [g for g in run.of_kind("torchpass.generation") if g["replaced"]]
+    assert [list(g["replaced"]) for g in generations] == [["1"], ["2"]], generations
+    placed = [g["placed"][slot] for g, slot in zip(generations, ("1", "2"), strict=True)]
+    standby = nodes[4]  # agent 4: the batch host, the standby node
+    assert [p["node"] for p in placed] == [standby, standby], placed
+    assert sorted(p["local"] for p in placed) == [0, 1], placed  # one spare slot each
+    assert sorted(wid for g in generations for wid in g["replaced"].values()) == ["a4.0.0", "a4.1.1"], generations
+    first, later = oracle._recovered(run, 1), oracle._recovered(run, 2)
+    assert first["slots"] == [1] and later["slots"] == [2], (first, later)
+    recovered_at = next(e["time"] for e in run.events if e["kind"] == "torchpass.recovered")
+    failed_at = [e["time"] for e in run.events if e["kind"] == "torchpass.member_failed"]
+    assert failed_at[0] < recovered_at < failed_at[1], (failed_at, recovered_at)  # one repair after the other
 
 
 # ----- HSDP as sites lay it out: sharded within a node, replicated across nodes --------------------------------

@@ -186,7 +186,8 @@ def test_unknown_section_in_file(tmp_path: Path) -> None:
     msg = str(err.value)
     assert msg.startswith(f"{path}: ")
     assert "unknown section [sandbx]" in msg
-    assert "known sections: log, slurm, hooks, daemon, linkpass, lens, nodewatch, health, audit, borrow, sandbox" in msg
+    known = "log, slurm, hooks, daemon, linkpass, lens, nodewatch, health, audit, borrow, snapshots, sandbox"
+    assert f"known sections: {known}" in msg
 
 
 def test_unknown_key_in_file(tmp_path: Path) -> None:
@@ -342,7 +343,7 @@ def test_parse_assignment_unknown_names() -> None:
     assert (
         str(err.value)
         == "--set: unknown section [bogus] (known sections: log, slurm, hooks, daemon, linkpass, lens, nodewatch, "
-        "health, audit, borrow, sandbox)"
+        "health, audit, borrow, snapshots, sandbox)"
     )
     with pytest.raises(ConfigError) as err:
         parse_assignment("sandbox.nodez=1")

@@ -5,16 +5,19 @@ check's drain verdict once the rank has left the GPU.
 The daemon is a real subprocess (``daemon_harness``) whose configuration selects the fault-file source; the job
 is real TorchPass coordinator replicas with fake ranks (as in ``test_migrate_cli``); the rank whose GPU is
 faulted is a real process that posts its ``torchpass.joined`` event to the daemon itself, with ``LOCAL_RANK=1``
-in its environment, so the daemon maps it to gpu1 exactly as on the sandbox.
+in its environment, so the daemon maps it to gpu1 exactly as on the sandbox. A fault of the whole node (the
+NVLink fabric) moves both of the node's ranks together, to one spare node, one after the other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,8 @@ from slurm_hooks.healthcheck import gpu_health_problems
 from tests.conftest import until
 from tests.unit.daemon_harness import RunningDaemon, daemons, scratch, start_daemon, write_config
 from tests.unit.test_migrate_cli import JOB, USER, _post_record, job
-from tests.unit.test_torchpass_coordinator import Events
+from tests.unit.test_torchpass_coordinator import Events, FakeRank
+from torchpass.config import TorchPassConfig
 from torchpass.coordinator.service import Coordinator
 
 pytestmark = pytest.mark.usefixtures("job_key")  # the in-process coordinators need the job key
@@ -75,30 +79,37 @@ def watched(scratch: Path, daemons: list[RunningDaemon]) -> Iterator[tuple[Path,
     yield config, daemon, scratch / "n1" / "gpu-faults.json"
 
 
-@pytest.fixture
-def rank_process(watched: tuple[Path, RunningDaemon, Path]) -> Iterator[subprocess.Popen[str]]:
-    """A process holding slot 1 on this node, on its local rank 1, that told the daemon so itself."""
-    _, daemon, _ = watched
+@contextlib.contextmanager
+def _rank(daemon: RunningDaemon, slot: int, local: int) -> Iterator[subprocess.Popen[str]]:
+    """A process holding ``slot`` on this node, on its local rank ``local``, that told the daemon so itself."""
     code = (
         "import sys, time\n"
         "from pathlib import Path\n"
         "from clockwork.contracts.daemon_client import DaemonClient\n"
         f"with DaemonClient(Path({str(daemon.paths.control_socket)!r})) as c:\n"
-        f"    c.post_event({JOB}, 'torchpass.joined', {{'slot': 1, 'generation': 0, 'resume_step': 0}})\n"
+        f"    c.post_event({JOB}, 'torchpass.joined', {{'slot': {slot}, 'generation': 0, 'resume_step': 0}})\n"
         "print('joined', flush=True)\n"
         "time.sleep(120)\n"
     )
-    env = dict(os.environ, LOCAL_RANK="1")
+    env = dict(os.environ, LOCAL_RANK=str(local))
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 30)
-    if not ready:
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        if not ready:
+            pytest.fail("the rank process did not post its joined event within 30 s")
+        assert proc.stdout.readline() == "joined\n"
+        yield proc
+    finally:
         proc.kill()
-        pytest.fail("the rank process did not post its joined event within 30 s")
-    assert proc.stdout.readline() == "joined\n"
-    yield proc
-    proc.kill()
-    proc.wait()
+        proc.wait()
+
+
+@pytest.fixture
+def rank_process(watched: tuple[Path, RunningDaemon, Path]) -> Iterator[subprocess.Popen[str]]:
+    """A process holding slot 1 on this node, on its local rank 1, that told the daemon so itself."""
+    with _rank(watched[1], 1, 1) as proc:
+        yield proc
 
 
 def _events(daemon: RunningDaemon, kind: str) -> list[dict[str, Any]]:
@@ -292,3 +303,79 @@ def test_another_user_sees_the_gpus_but_not_other_jobs_ranks(
     theirs = json.loads(proc.stdout)
     assert [g["index"] for g in theirs["gpus"]] == [0, 1]
     assert theirs["gpus"][1]["ranks"] == [] and theirs["gpus"][1]["health"] == "ok"
+
+
+@contextlib.contextmanager
+def _job_of_two_nodes() -> Iterator[tuple[Coordinator, dict[str, FakeRank], Events]]:
+    """A running 4-rank job (slots 0 and 1 on this node) and a spare node of two spare slots (a2.0.0, a2.1.1)."""
+    events = Events()
+    coordinator = Coordinator(4, TorchPassConfig(heartbeat_timeout_s=60.0), event_sink=events)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    coordinator.start()
+    try:
+        fakes = {f"w{i}": FakeRank(context, coordinator.endpoint, f"w{i}", f"slot:{i}", 43000 + i) for i in range(4)}
+        for k, wid in enumerate(("a2.0.0", "a2.1.1")):
+            fakes[wid] = FakeRank(context, coordinator.endpoint, wid, "spare", 43010 + k)
+        for fake in fakes.values():
+            fake.register()
+        g0 = fakes["w0"].await_generation(-1)
+        for i in range(4):
+            fakes[f"w{i}"].joined(g0)
+        until("the job to start", lambda: events.of("torchpass.started"), WAIT_S, 0.02)
+        yield coordinator, fakes, events
+    finally:
+        coordinator.stop()
+        context.destroy(linger=0)
+
+
+def _complete_moves(coordinator: Coordinator, fakes: dict[str, FakeRank], count: int, done: list[str]) -> None:
+    """Play the ranks' part of ``count`` planned moves, as each is declared: the departing rank hands its state
+    over and leaves, every member joins the new generation (what real ranks do at their next step boundary)."""
+    after = 0
+    for _ in range(count):
+        info = fakes["w3"].await_generation(after)  # slot 3 stays where it is: a member of every generation
+        assert info.handoff is not None, info
+        source, target = info.handoff.source, info.handoff.target
+        fakes[source].call("departed", gen=info.gen, handoff_ok=True, handoff_ms=1.0)
+        coordinator.worker_exited(source, f"slot:{info.slot_of(target)}", 0)
+        for wid in info.members.values():
+            fakes[wid].joined(info, **({"handoff_ok": True, "received": False} if wid == target else {}))
+        done.append(f"{source}->{target}")
+        after = info.gen
+
+
+def test_a_fabric_failure_moves_the_nodes_ranks_together_to_one_spare_node(
+    capsys: pytest.CaptureFixture[str], scratch: Path, daemons: list[RunningDaemon]
+) -> None:
+    """The NVLink fabric fails on this node (gpu0 reports it; every GPU of the node shares it): the watch moves
+    slots 0 and 1 (gpu0 and gpu1, LOCAL_RANK 0 and 1) together, as ``clockwork migrate --ranks-on`` would: slot 0
+    to a spare node with room for both, slot 1 after it to the same node, each once the previous move completed."""
+    config = write_config(scratch, extra=HEALTH.format(root=scratch) + "node_move_wait_s = 30.0\n")
+    daemon = start_daemon(daemons, config)
+    with daemon.client() as client:
+        client.register_job(JOB, os.getuid(), USER, ["n1", "n2"], {"ft": "aware", "spares": "standby"})
+    with _job_of_two_nodes() as (coordinator, fakes, events), _rank(daemon, 0, 0), _rank(daemon, 1, 1):
+        _post_record(daemon, coordinator.endpoint, [coordinator.endpoint], world_size=4)
+        until("both ranks mapped", lambda: all(g["ranks"] for g in _gpus(daemon)["gpus"]), WAIT_S, 0.05)
+        done: list[str] = []
+        driver = threading.Thread(target=_complete_moves, args=(coordinator, fakes, 2, done), daemon=True)
+        driver.start()
+        gpu_faults.write(scratch / "n1" / "gpu-faults.json", {"gpus": {"0": {"fabric_error": "NVSwitch fatal"}}})
+
+        def node_moves() -> list[dict[str, Any]]:
+            moves = [f for f in _events(daemon, "gpu.migration") if f.get("scope") == "node"]
+            return [f for f in moves if f["state"] == "accepted"]
+
+        accepted = until("the whole-node move", node_moves, WAIT_S * 3, 0.05)
+        driver.join(WAIT_S)
+        code, out, err = _cli(capsys, "--config", str(config), "node", "gpus")
+    assert done == ["w0->a2.0.0", "w1->a2.1.1"]  # both onto the spare node, in local order, one after the other
+    assert [(m["slot"], m["source"]) for m in events.of("torchpass.migration_requested")] == [(0, "w0"), (1, "w1")]
+    assert len(events.of("torchpass.migrated")) == 2 and not events.of("torchpass.member_failed")
+    (move,) = accepted
+    assert (move["scope"], move["slots"], move["signal"], move["gpu"]) == ("node", [0, 1], "fabric.error", 0)
+    assert move["target"] == "a2.0.0, a2.1.1"
+    requested = [f for f in _events(daemon, "gpu.migration") if f["state"] == "requested"]
+    assert [f.get("scope") for f in requested] == ["node"]  # no one-GPU move of gpu0's rank beside it
+    assert code == 0, err
+    assert "migration: job 77 slots 0, 1 off the node (fabric.error NVSwitch fatal): accepted" in out, out

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,12 +135,42 @@ def test_unstartable_daemon_fails_the_prolog_only_when_required(
     assert daemon_actions(site) == ["daemon.failed", "daemon.unavailable"]
 
 
-def test_epilog_of_a_borrow_job_gives_its_nodes_back_and_keeps_the_note(site: dict[str, Path]) -> None:
-    """A real clockworkd with borrowing on; Slurm's clients are fakes (no controller runs in a unit test)."""
+def _fake_slurm_clients(site: dict[str, Path], queue: dict[str, Any]) -> Path:
+    """Slurm's clients as fakes (no controller runs in a unit test): squeue answers ``queue``, scancel and
+    scontrol succeed; every call is logged to the returned file, and the site's config points at them."""
     root = site["root"]
     fake_bin = root / "bin"
     fake_bin.mkdir()
     calls = root / "calls.log"
+    (root / "queue.json").write_text(json.dumps(queue))
+    for tool, body in (("squeue", f"cat {root / 'queue.json'}"), ("scancel", "exit 0"), ("scontrol", "exit 0")):
+        script = fake_bin / tool
+        script.write_text(f'#!/bin/sh\nprintf "%s\\n" "{tool} $*" >> {calls}\n{body}\n')
+        script.chmod(0o755)
+    site["config"].write_text(site["config"].read_text().replace("[slurm]\n", f'[slurm]\nbin_dir = "{fake_bin}"\n'))
+    return calls
+
+
+def test_epilog_names_the_moved_slots_in_the_admin_comment(site: dict[str, Path]) -> None:
+    """The AdminComment names where replaced ranks went (node/local index), from the ``torchpass.placement``
+    event the node agent posts at the job's end; the report keeps them too."""
+    job = {"job_id": 77, "name": "train", "job_state": "COMPLETING", "user_name": "alice", "partition": "high",
+           "nodes": "n[1-2]", "admin_comment": ""}  # fmt: skip
+    calls = _fake_slurm_clients(site, {"jobs": [job], "errors": []})
+    env = {**ENV, "CLOCKWORK_CONFIG": str(site["config"])}
+    assert runner.main(["prolog"], env) == 0
+    moved = {"3": {"from": "n2/1", "to": "n1/1"}, "2": {"from": "n2/0", "to": "n1/0"}}
+    with DaemonClient(paths(site)) as client:
+        client.post_event(77, "torchpass.placement", {"slots": moved, "moved": 2, "ranks_per_node": 2})
+    assert runner.main(["epilog"], env) == 0
+    (comment,) = [c for c in calls.read_text().splitlines() if c.startswith("scontrol update JobId=77")]
+    assert "rollbacks; slots moved: 2 n2/0->n1/0, 3 n2/1->n1/1; report=" in comment, comment
+    report = json.loads((paths(site).reports_dir / "77.json").read_text())
+    assert report["slots_moved"] == moved and report["slots_moved_total"] == 2
+
+
+def test_epilog_of_a_borrow_job_gives_its_nodes_back_and_keeps_the_note(site: dict[str, Path]) -> None:
+    """A real clockworkd with borrowing on; Slurm's clients are fakes (no controller runs in a unit test)."""
     queue = {
         "jobs": [
             {"job_id": 77, "name": "train", "job_state": "COMPLETING", "user_name": "alice", "partition": "high",
@@ -149,12 +180,8 @@ def test_epilog_of_a_borrow_job_gives_its_nodes_back_and_keeps_the_note(site: di
         ],
         "errors": [],
     }  # fmt: skip
-    (root / "queue.json").write_text(json.dumps(queue))
-    for tool, body in (("squeue", f"cat {root / 'queue.json'}"), ("scancel", "exit 0"), ("scontrol", "exit 0")):
-        script = fake_bin / tool
-        script.write_text(f'#!/bin/sh\nprintf "%s\\n" "{tool} $*" >> {calls}\n{body}\n')
-        script.chmod(0o755)
-    text = site["config"].read_text().replace("[slurm]\n", f'[slurm]\nbin_dir = "{fake_bin}"\n')
+    calls = _fake_slurm_clients(site, queue)
+    text = site["config"].read_text()
     site["config"].write_text(text + '[borrow]\nenabled = true\npartitions = "low"\nholder_partition = "high"\n')
     env = {**ENV, "SPANK_CLOCKWORK_SPARES": "borrow", "CLOCKWORK_CONFIG": str(site["config"])}
     assert runner.main(["prolog"], env) == 0
@@ -166,3 +193,21 @@ def test_epilog_of_a_borrow_job_gives_its_nodes_back_and_keeps_the_note(site: di
     report = json.loads((paths(site).reports_dir / "77.json").read_text())
     released = [e["fields"] for e in report["events"] if e["kind"] == "borrow.released"]
     assert released == [{"holder": 900, "node": "node5", "why": "job 77 ended", "held_s": None}]
+
+
+def test_the_admin_comment_names_the_first_moved_slots_within_its_limit() -> None:
+    """A job that moved hundreds of ranks: the comment lists the first slots that fit and counts the rest."""
+    from slurm_hooks import report
+
+    moved = {str(s): {"from": f"gpu-node-{s // 8:04d}/{s % 8}", "to": f"gpu-node-9{s:03d}/0"} for s in range(300)}
+    counts = {"link failovers": 0, "migrations": 0, "rollbacks": 0}
+    line = report.summary({"counts": counts, "slots_moved": moved, "slots_moved_total": 512}, Path("/r/77.json"))
+    part = line.split("; ")[1]
+    assert part.startswith("slots moved: 0 gpu-node-0000/0->gpu-node-9000/0, 1 ") and line.endswith(
+        "; report=/r/77.json"
+    )
+    shown = part.count("->")
+    assert 0 < shown < 300 and part.endswith(f", +{512 - shown} more"), part
+    assert len(part) <= len("slots moved: ") + report.SLOTS_MAX_CHARS
+    plain = report.summary({"counts": counts, "slots_moved": {}, "slots_moved_total": 0}, Path("/r/77.json"))
+    assert plain == "clockwork: 0 link failovers, 0 migrations, 0 rollbacks; report=/r/77.json"

@@ -182,3 +182,19 @@ def test_a_rank_of_a_many_gpu_node_is_named_by_its_node_and_local_index() -> Non
     events = [failed, _event(2, 11.0, "node1", "torchpass.recovered", slots=[5], source_slots=[1], total_ms=80.0)]
     (replaced,) = build_story(9, events, {}, nodes=4).incidents
     assert replaced.detail == "rank 5 on node3 local 1: agent 2 (node3) silent"
+
+
+def test_a_replacement_and_a_move_say_where_the_rank_runs_now() -> None:
+    """Under Slurm the recovered and migrated events place each slot (node, local index): the story names it."""
+    events = [
+        {**_event(1, 10.0, "node2", "torchpass.member_failed"),
+         "fields": {"slot": 3, "why": "exited with -9", "node": "node3", "local": 1}},
+        _event(2, 11.0, "node2", "torchpass.recovered", slots=[3], total_ms=50.0, step=7,
+               placed={"3": {"node": "node5", "local": 0}}),
+        _event(3, 20.0, "node2", "torchpass.migrated", slots=[4], total_ms=90.0, step=9,
+               placed={"4": {"node": "node5", "local": 1}}),
+    ]  # fmt: skip
+    replaced, migrated = build_story(9, events, {}, nodes=5).incidents
+    assert "rank 3 on node3 local 1" in replaced.detail
+    assert replaced.resolution.startswith("a spare on node5 local 0 took rank 3"), replaced.resolution
+    assert migrated.detail == "ranks 4 to node5 local 1 moved live", migrated.detail

@@ -165,6 +165,17 @@ def test_hook_wrapper() -> None:
     ]
 
 
+def test_hook_wrapper_carries_the_builders_pythonpath() -> None:
+    """Slurm gives a hook none of slurmd's environment: a worktree on the builder's PYTHONPATH reaches the hooks
+    (and the daemons a Prolog starts) only through the wrapper."""
+    text = hook_wrapper("/venv/bin/python", Path("/s/clockwork.toml"), "epilog", "/work/wt x:/work/wt x/daemon")
+    assert shlex.split(text.splitlines()[-1])[:3] == [
+        "PYTHONPATH=/work/wt x:/work/wt x/daemon",
+        "CLOCKWORK_CONFIG=/s/clockwork.toml",
+        "exec",
+    ]
+
+
 def test_plugstack(tmp_path: Path) -> None:
     so = tmp_path / "clockwork.so"
     assert plugstack(None).startswith("#")
@@ -257,3 +268,41 @@ def test_a_release_from_a_root_gets_its_plugins_and_commands(paths: StatePaths, 
     assert slurm.bin_dir == str(paths.slurm_bin)
     write_all(paths, layout, accounting=True, cpus_per_node=2, python=sys.executable, spank_so=None)
     assert load_config(paths.clockwork_toml, env={}).config.slurm.bin_dir == ""  # the host's: PATH
+
+
+def test_racks_make_slurms_topology_and_torchpass_reads_it(paths: StatePaths) -> None:
+    """``[sandbox] racks``: a topology.conf beside slurm.conf with a leaf switch per rack, TopologyPlugin set, and the
+    file read back as TorchPass reads it (the rack of each node); without racks, neither."""
+    from torchpass.failure_domains import node_domains
+
+    layout = build_layout(SandboxConfig(nodes=6, racks="node[1-2,5-6] node[3-4]"))
+    assert layout.racks == (("node1", "node2", "node5", "node6"), ("node3", "node4"))
+    assert _settings(slurm_conf(paths, layout, accounting=False, cpus_per_node=2))["TopologyPlugin"] == "topology/tree"
+    write_all(paths, layout, accounting=False, cpus_per_node=2, python=sys.executable, spank_so=None)
+    assert paths.slurm_topology.parent == paths.slurm_conf.parent
+    domains = node_domains("auto", {"SLURM_CONF": str(paths.slurm_conf)})
+    assert domains == {"node1": "rack0", "node2": "rack0", "node5": "rack0", "node6": "rack0"} | {
+        "node3": "rack1",
+        "node4": "rack1",
+    }
+    flat = build_layout(SandboxConfig(nodes=3))
+    assert "TopologyPlugin" not in _settings(slurm_conf(paths, flat, accounting=False, cpus_per_node=2))
+    write_all(paths, flat, accounting=False, cpus_per_node=2, python=sys.executable, spank_so=None)
+    assert not paths.slurm_topology.exists()
+
+
+@pytest.mark.parametrize(
+    ("racks", "error"),
+    [
+        ("node[1-2] node[2-3]", "in two racks ['node2']"),
+        ("node[1-2]", "in no rack ['node3']"),
+        ("node[1-3] node9", "unknown ['node9']"),
+        ("node[1-", "[sandbox] racks: bad hostlist"),
+    ],
+)
+def test_bad_racks_are_refused_naming_the_nodes(racks: str, error: str) -> None:
+    from clockwork.contracts.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        build_layout(SandboxConfig(nodes=3, racks=racks))
+    assert error in str(info.value)

@@ -73,6 +73,12 @@ def test_node_crash_rebuilds_both_ranks_on_the_standby_node(base: Path, referenc
     assert replaced[0]["placed"] == {"2": {"node": "127.0.0.3", "local": 0}, "3": {"node": "127.0.0.3", "local": 1}}
     two, three = _recovery(run, 2), _recovery(run, 3)
     assert two is three or two == three  # one recovery covers both
+    assert two["placed"] == replaced[0]["placed"]  # the recovery says where the ranks run now, too
+    # At the job's end every surviving agent tells its node daemon where the replaced ranks went (what the
+    # batch host's Epilog puts in the AdminComment): from node 1's local indices to the standby node's.
+    moved = {"2": {"from": "127.0.0.2/0", "to": "127.0.0.3/0"}, "3": {"from": "127.0.0.2/1", "to": "127.0.0.3/1"}}
+    placements = run.of_kind("torchpass.placement")
+    assert len(placements) == 2 and all(p["slots"] == moved and p["moved"] == 2 for p in placements), placements
 
 
 def test_single_rank_crashes_on_two_nodes_are_both_absorbed_by_the_standby_node(

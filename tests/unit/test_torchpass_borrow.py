@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import zmq
 from tests.conftest import until
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.service import Coordinator
-from torchpass.launch.borrow import Borrower, guest_command, guest_environment
+from torchpass.launch.borrow import Borrower, guest_command, guest_environment, spawn_guest
 from torchpass.launch.guest import GuestAgent, LeaderFinder
 
 pytestmark = pytest.mark.usefixtures("job_key")
@@ -89,6 +90,7 @@ def test_the_guest_step_gets_the_jobs_key_and_replicas_but_not_the_training_step
     assert (env["SLURM_CONF"], env["PATH"], env["TORCHPASS_JOB_KEY"]) == ("/etc/slurm.conf", "/bin", "ab" * 32)
     assert env["TORCHPASS_GUEST_ENDPOINTS"] == "tcp://10.0.0.2:21001,tcp://10.0.0.1:21001"
     assert (env["TORCHPASS_GUEST_WORLD"], env["TORCHPASS_GUEST_JOB"]) == ("4", "100")
+    assert env["TORCHPASS_RANKS_PER_NODE"] == "1"
     cmd = guest_command("srun", "/py", 900, "node5", "train.py", ["--steps", "9"])
     assert cmd[:6] == ["srun", "--jobid=900", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=node5"]
     assert cmd[-7:] == ["/py", "-m", "torchpass", "guest", "train.py", "--steps", "9"]
@@ -284,3 +286,74 @@ def test_the_guest_refuses_to_run_by_hand() -> None:
 
     with pytest.raises(SlurmLayoutError, match="TORCHPASS_GUEST_ENDPOINTS"):
         GuestAgent("train.py", [], TorchPassConfig(), environ={"PATH": "/bin"})
+
+
+#: ``srun`` where no Slurm runs: what srun gives the guest's step in the holder allocation (its job id, the node's
+#: name), then the command after srun's options.
+FAKE_SRUN = """#!{python}
+import os, sys
+args = sys.argv[1:]
+options = {{a.split("=", 1)[0]: a.partition("=")[2] for a in args if a.startswith("--")}}
+command = [a for a in args if not a.startswith("--")]
+os.environ.update(SLURM_JOB_ID=options["--jobid"], SLURMD_NODENAME=options["--nodelist"])
+os.execv(command[0], command)
+"""
+
+#: A spare of the guest: registers with the job's coordinator through the guest's proxy, says where it runs.
+REGISTERING_SPARE = """
+import os, sys, zmq
+from torchpass.rank.control import CoordinatorRpc
+ctx = zmq.Context()
+wid = os.environ["TORCHPASS_WORKER_ID"]
+rpc = CoordinatorRpc(ctx, os.environ["TORCHPASS_COORDINATOR"], 5.0, identity=wid.encode() + b".r")
+rpc.call("register", wid=wid, pid=os.getpid(), host=os.environ["TORCHPASS_HOST"], store_port=1, role="spare")
+open(os.path.join(sys.argv[1], wid), "w").write(f"{os.environ['LOCAL_RANK']} {os.environ['LOCAL_WORLD_SIZE']}")
+rpc.close(); ctx.term()
+"""
+
+
+def test_a_borrowed_node_offers_a_spare_slot_per_gpu_and_takes_a_crashed_nodes_ranks(tmp_path: Path) -> None:
+    """2 ranks per node, borrow mode, no standby: node 1's loss (slots 2 and 3) borrows a node, and the guest
+    started there the way the leading agent starts it (``srun`` into the holder, ``torchpass guest``, the job's
+    G in its environment) offers 2 spare slots, LOCAL_RANK 0 and 1. Both slots are rebuilt on it in one
+    generation, in local order."""
+    srun = tmp_path / "srun"
+    srun.write_text(FAKE_SRUN.format(python=sys.executable))
+    srun.chmod(0o755)
+    script = tmp_path / "spare.py"
+    script.write_text(REGISTERING_SPARE)
+    events = Events()
+    coord = Coordinator(4, TorchPassConfig(heartbeat_timeout_s=60.0), event_sink=events, node_names={0: "n0", 1: "n1"})
+    coord.start()
+    env = guest_environment(
+        os.environ,
+        job_id=7,
+        endpoints=[coord.endpoint],
+        world_size=4,
+        key_hex=os.environ["TORCHPASS_JOB_KEY"],
+        ranks_per_node=2,
+    )
+    daemon = FakeDaemon(outcome={"state": "acquired", "node": "localhost", "holder": 900, "preempted": 500})
+    launch = spawn_guest(str(srun), sys.executable, str(script), [str(tmp_path)], env)
+    borrower = Borrower(7, connect=lambda: daemon, launch=launch, fail=coord.fail_now, event_sink=events, poll_s=0.01)
+    coord.on_spare_needed = borrower.need
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        for slot, wid in enumerate(("a0.0.0", "a0.1.1", "a1.0.0", "a1.1.1")):
+            _register(context, coord.endpoint, wid, f"slot:{slot}", 40000 + slot)
+        until("generation 0 to start", lambda: coord.gen == 0, WAIT_S, 0.02)
+        coord.agent_lost(1, {"a1.0.0": "slot:2", "a1.1.1": "slot:3"}, "node n1 silent", time.time())
+        until("generation 1, on the borrowed node's two spare slots", lambda: coord.gen == 1, 30.0, 0.05)
+        until("the guest to end", lambda: borrower.guests and borrower.guests[0].poll() is not None, 30.0, 0.05)
+    finally:
+        coord.stop()
+        borrower.stop()
+        context.destroy(linger=0)
+    assert borrower.guests[0].returncode == 0
+    assert {p.name: p.read_text() for p in tmp_path.glob("g900.*")} == {"g900.0.0": "0 2", "g900.1.1": "1 2"}
+    (generation,) = [g for g in events.of("torchpass.generation") if g["generation"] == 1]
+    assert generation["replaced"] == {"2": "g900.0.0", "3": "g900.1.1"}, generation
+    assert generation["placed"] == {
+        "2": {"node": "127.0.0.1", "local": 0, "holder": 900},
+        "3": {"node": "127.0.0.1", "local": 1, "holder": 900},
+    }

@@ -585,6 +585,30 @@ def test_nodes_of_two_ranks_fill_a_crashed_node_from_one_spare_node_and_a_gpu_mo
     assert sim.m.info.handoff.target == "a2.5.1" and sim.m.info.replaced == {0: "a2.5.1"}
 
 
+def test_a_racks_loss_is_rebuilt_on_spares_of_another_rack() -> None:
+    """Agents 1 and 2 (rack1) are lost at once; the spares ready first are rack1's agent 3 and rack0's agent 4, then
+    rack2's agent 5. A domain that lost a node is suspect, so the two slots go to the spares outside it; with too
+    few spares outside, every spare counts, as without domains."""
+    sim = Sim(3)
+    sim.m.domains = {0: "rack0", 1: "rack1", 2: "rack1", 3: "rack1", 4: "rack0", 5: "rack2"}
+    sim.start("a0.0", "a1.0", "a2.0")
+    for spare in ("a3.0", "a4.0", "a5.0"):
+        sim.register(spare, "spare")
+    sim.handle(AgentLost(1, {}, "rack1 silent", sim.now.wall))
+    assert sim.m.info.replaced == {1: "a4.0"}  # a lone slot: best fit would have taken rack1's a3.0, ready first
+    sim.join()
+    sim.handle(AgentLost(2, {}, "rack1 silent", sim.now.wall))
+    assert sim.m.info.replaced == {2: "a5.0"}
+
+    sim = Sim(3)
+    sim.m.domains = {0: "rack0", 1: "rack1", 2: "rack1", 3: "rack1", 4: "rack0"}
+    sim.start("a0.0", "a1.0", "a2.0")
+    for spare in ("a3.0", "a4.0"):
+        sim.register(spare, "spare")
+    sim.m.lose_agents({1, 2}, {}, "rack1 silent", sim.now.wall)
+    assert sim.m.info.replaced == {1: "a3.0", 2: "a4.0"}  # one spare outside rack1 for two slots: all count
+
+
 def test_a_whole_nodes_move_lands_on_one_spare_node() -> None:
     """`clockwork migrate --ranks-on NODE`: one request per rank, the first saying 2 ranks are to move (a node
     with room for both, not the lone slot ready first), the second naming where the first went (it follows)."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from torchpass.coordinator.placement import choose_spares
-from torchpass.coordinator.records import agent_of, local_of, worker_id
+from torchpass.coordinator.placement import choose_spares, slot_moves
+from torchpass.coordinator.records import agent_of, local_of, node_key, worker_id
 from torchpass.launch.node_ranks import gpu_count, rank_environment, ranks_per_node
 from torchpass.launch.node_steps import NodeSteps
 from torchpass.launch.slurm_layout import SlurmLayout, SlurmLayoutError, training_nodes
@@ -114,6 +114,9 @@ def test_worker_ids_name_the_agent_and_the_local_index() -> None:
     assert worker_id(3, 5, 1, 2) == "a3.5.1"
     for wid, agent, local in (("a3.0", 3, 0), ("a3.5.1", 3, 1), ("a12.7.6", 12, 6), ("w4", -1, 0), ("g9.0", -1, 0)):
         assert (agent_of(wid), local_of(wid)) == (agent, local), wid
+    # a borrowed node's guest has no agent, but is a node of its own, with local indices like any node's
+    for wid, node, local in (("a3.5.1", "a3", 1), ("g9.0", "g9", 0), ("g9.1.1", "g9", 1), ("w4", "", 0)):
+        assert (node_key(wid), local_of(wid)) == (node, local), wid
 
 
 def test_the_batch_launcher_decides_g_once_for_every_agent() -> None:
@@ -146,6 +149,14 @@ def test_single_rank_crashes_take_lone_spare_slots_first_and_keep_spare_nodes_wh
 def test_a_node_gives_its_lower_local_index_first_whatever_registered_first() -> None:
     assert choose_spares([6], ["a4.1.1", "a4.0.0"]) == {6: "a4.0.0"}
     assert choose_spares([1, 6], ["a4.3.1", "a5.1.1", "a4.2.0"]) == {1: "a4.2.0", 6: "a4.3.1"}
+
+
+def test_a_borrowed_node_of_g_spare_slots_takes_a_crashed_nodes_ranks_together() -> None:
+    """A borrowed node's guest offers G spares (``gH.J.J``): a node crash lands on one borrowed node, in local
+    order, and a lone slot of another borrowed node is not mixed in (each holder's node is a node of its own)."""
+    assert choose_spares([3, 2], ["g900.1.1", "g900.0.0"]) == {2: "g900.0.0", 3: "g900.1.1"}
+    assert choose_spares([2, 3], ["g900.0.0", "g901.0.0", "g901.1.1"]) == {2: "g901.0.0", 3: "g901.1.1"}
+    assert choose_spares([5], ["g901.0.0", "g901.1.1", "g900.1.1"]) == {5: "g900.1.1"}  # best fit: the lone slot
 
 
 def test_without_a_node_that_fits_the_fullest_nodes_give_first() -> None:
@@ -192,3 +203,17 @@ def test_the_agent_tells_each_rank_its_place_and_keeps_slurms_gpus() -> None:
     assert env["TORCHPASS_WORLD_SIZE"] == "4" and env["TORCHPASS_HOST"] == "127.0.0.2"
     with pytest.raises(SlurmLayoutError, match="sees 1 GPU"):  # a node short of GPUs stops before any rank
         SlurmAgent("train.py", [], layout, TorchPassConfig(), environ={"CUDA_VISIBLE_DEVICES": "0"})
+
+
+def test_the_slots_moved_name_node_and_local_index_at_both_ends() -> None:
+    """What the job's end reports (the AdminComment's ``slots moved``): each slot held by another process than
+    its first, from where to where; a borrowed node by its holder job, a respawn in place too."""
+    nodes = ["node2", "node3", "node1"]
+    initial = {0: "a0.0.0", 1: "a0.1.1", 2: "a1.0.0", 3: "a1.1.1"}
+    members = {0: "a0.0.0", 1: "a0.2.1", 2: "a2.0.0", 3: "g900.1.1"}
+    assert slot_moves(initial, members, nodes) == {
+        1: ("node2/1", "node2/1"),  # its GPU's own new spare took it: in place
+        2: ("node3/0", "node1/0"),
+        3: ("node3/1", "holder900/1"),
+    }
+    assert slot_moves(initial, initial, nodes) == {}

@@ -58,8 +58,9 @@ from torchpass.coordinator.records import (
     WaitKind,
     WorkerRecord,
     completion_fields,
-    local_of,
+    place_of,
 )
+from torchpass.failure_domains import spares_outside
 
 __all__ = ["Membership"]
 
@@ -86,6 +87,7 @@ class Membership:
         self.workers: dict[str, WorkerRecord] = {}
         self.dead_agents: set[int] = set()
         self.node_names: dict[int, str] = {}  # Slurm mode: agent -> its node, to name where a rank failed
+        self.domains: dict[int, str] = {}  # Slurm mode: agent -> its node's failure domain (torchpass.failure_domains)
         self.initial: dict[int, str] = {}  # slot -> wid of the first generation's members, as they register
         self.parked: dict[str, ParkedPoll] = {}
         self.joined: dict[str, Joined] = {}
@@ -127,10 +129,8 @@ class Membership:
         return self.recovery is not None
 
     def placement(self, rec: WorkerRecord) -> dict[str, Any]:
-        """Where a Slurm-mode process runs, for the job's events: its node and local index (its GPU)."""
-        if rec.agent < 0:
-            return {}
-        return {"node": self.node_names.get(rec.agent, f"agent {rec.agent}"), "local": local_of(rec.wid)}
+        """Where a Slurm-mode process runs, for the job's events (:func:`place_of`)."""
+        return place_of(rec, self.node_names)
 
     def push(self, wid: str, message: Push) -> None:
         """Send ``message`` to ``wid``'s control socket, when it is alive and its socket is known."""
@@ -371,7 +371,8 @@ class Membership:
             return
         handoff = self.pending_handoff
         fixed = {handoff.slot: handoff.target} if handoff is not None and handoff.slot in self.vacant else {}
-        replaced = choose_spares(sorted(self.vacant), self.spares, fixed)  # a node's ranks stay together
+        pool = spares_outside(self.spares, len(self.vacant), self.domains, self.dead_agents)  # domains: not a lost one
+        replaced = choose_spares(sorted(self.vacant), pool, fixed)  # a node's ranks stay together
         for slot, wid in sorted(replaced.items()):
             self.spares.remove(wid)
             self.members[slot] = wid
@@ -448,6 +449,8 @@ class Membership:
             kind = "torchpass.recovered"
         self.progressed = True
         slots = sorted(info.replaced.keys() | (rec.replaced if rec is not None else set()))
+        if self.node_names:  # Slurm mode: where each replaced slot's rank runs now (its node, local index)
+            fields["placed"] = {str(k): self.placement(self.workers[v]) for k, v in info.replaced.items()}
         self.out.emit(kind, generation=info.gen, reason=info.reason, slots=slots, **fields)
 
     def rebuild_after_grace(self) -> None:

@@ -16,17 +16,17 @@ vacancy of a membership change at once, and this module chooses the spares:
 * **Nothing else moves.** Ready order decides between equals (the spare that registered first goes first), as
   it did when every node ran one rank; a spare named by a planned migration goes to its slot.
 
-Workers without a node agent (local mode's ``wN``, a borrowed node's ``gH.N``) count as one node: ready order
-alone, as before. Pure, no torch.
+A borrowed node's guest (``gH.N.J``: holder job H) is a node of its own, like an agent's; local mode's ``wN``
+workers all count as one node: ready order alone, as before. Pure, no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from torchpass.coordinator.records import agent_of, local_of
+from torchpass.coordinator.records import local_of, node_key
 
-__all__ = ["choose_move_target", "choose_spares"]
+__all__ = ["choose_move_target", "choose_spares", "place_name", "slot_moves"]
 
 
 def choose_move_target(spares: Sequence[str], group: int = 1, near: str = "") -> str:
@@ -34,8 +34,8 @@ def choose_move_target(spares: Sequence[str], group: int = 1, near: str = "") ->
     is a single vacancy (best fit: a lone spare slot first). A whole node's move is one rank at a time: the first
     (``group`` ranks to move in all) goes to a node with room for the whole group where there is one, and the
     others follow it to the node of ``near``, the spare the previous one took, while that node has room."""
-    if agent_of(near) >= 0:
-        same = [wid for wid in spares if agent_of(wid) == agent_of(near)]
+    if node_key(near):
+        same = [wid for wid in spares if node_key(wid) == node_key(near)]
         if same:
             return min(same, key=lambda wid: (local_of(wid), spares.index(wid)))
     size = max(1, min(group, len(spares)))
@@ -51,9 +51,9 @@ def choose_spares(vacant: Sequence[int], spares: Sequence[str], fixed: dict[int,
     pool = [wid for wid in spares if wid not in fixed.values()]
     if len(pool) < len(open_slots):
         raise ValueError(f"{len(open_slots)} slot(s) to fill from {len(pool)} spare(s)")
-    by_node: dict[int, list[str]] = {}
+    by_node: dict[str, list[str]] = {}
     for wid in pool:  # the nodes in the order their first spare was ready
-        by_node.setdefault(agent_of(wid), []).append(wid)
+        by_node.setdefault(node_key(wid), []).append(wid)
     for ready in by_node.values():  # within a node, lower local index first (ready order between equals)
         ready.sort(key=local_of)
     need, chosen = len(open_slots), []
@@ -67,8 +67,33 @@ def choose_spares(vacant: Sequence[int], spares: Sequence[str], fixed: dict[int,
             if len(chosen) == need:
                 break
     order = {wid: k for k, wid in enumerate(pool)}
-    first: dict[int, int] = {}
+    first: dict[str, int] = {}
     for wid in pool:
-        first.setdefault(agent_of(wid), order[wid])
-    chosen.sort(key=lambda wid: (first[agent_of(wid)], local_of(wid), order[wid]))
+        first.setdefault(node_key(wid), order[wid])
+    chosen.sort(key=lambda wid: (first[node_key(wid)], local_of(wid), order[wid]))
     return {**fixed, **dict(zip(open_slots, chosen, strict=True))}
+
+
+def place_name(wid: str, nodes: Sequence[str]) -> str:
+    """Where worker ``wid`` runs, short enough for an AdminComment: ``NODE/J`` (agent K's node ``nodes[K]``, local
+    index J), ``holderH/J`` on the node borrowed through holder job H (the ``clockwork-borrowed:`` note names
+    that node), or the worker id itself where its id says no node (local mode)."""
+    key = node_key(wid)
+    if key[:1] == "a" and int(key[1:]) < len(nodes):
+        return f"{nodes[int(key[1:])]}/{local_of(wid)}"
+    if key[:1] == "g":
+        return f"holder{key[1:]}/{local_of(wid)}"
+    return wid
+
+
+def slot_moves(
+    initial: Mapping[int, str], members: Mapping[int, str], nodes: Sequence[str]
+) -> dict[int, tuple[str, str]]:
+    """Slot -> (where its first rank ran, where its rank runs now), for every slot whose rank was replaced or
+    moved (a different process holds it now: in place, on the same GPU, too). The job's story of where its
+    ranks went, from the coordinator's replicated state alone, which every agent holds."""
+    return {
+        slot: (place_name(initial[slot], nodes), place_name(wid, nodes))
+        for slot, wid in sorted(members.items())
+        if slot in initial and initial[slot] != wid
+    }

@@ -49,6 +49,8 @@ __all__ = [
     "agent_of",
     "completion_fields",
     "local_of",
+    "node_key",
+    "place_of",
     "worker_id",
 ]
 
@@ -73,11 +75,27 @@ def agent_of(wid: str) -> int:
     return int(head[1:]) if head.startswith("a") and head[1:].isdigit() else -1
 
 
+def node_key(wid: str) -> str:
+    """Which node a worker runs on, as far as its id says: ``aK`` (node agent K) or ``gH`` (the guest of the
+    borrowed node that holder job H holds), '' for local mode's ``wN`` (every local worker counts as one node)."""
+    head = wid.split(".", 1)[0]
+    return head if head[:1] in ("a", "g") and head[1:].isdigit() and "." in wid else ""
+
+
 def local_of(wid: str) -> int:
-    """The local index on its node (its GPU) in a Slurm-mode worker id: J of ``aK.N.J``, 0 for ``aK.N`` (a node
-    of one rank) and for local mode's ``wN``."""
+    """The local index on its node (its GPU) in a Slurm-mode worker id: J of ``aK.N.J`` or of a borrowed
+    node's ``gH.N.J``, 0 for ``aK.N``/``gH.N`` (a node of one rank) and for local mode's ``wN``."""
     parts = wid.split(".")
-    return int(parts[2]) if len(parts) == 3 and agent_of(wid) >= 0 and parts[2].isdigit() else 0
+    return int(parts[2]) if len(parts) == 3 and node_key(wid) and parts[2].isdigit() else 0
+
+
+def place_of(rec: WorkerRecord, node_names: dict[int, str]) -> dict[str, Any]:
+    """Where a Slurm-mode process runs, for the job's events: its node and local index (its GPU); a borrowed
+    node's guest (no agent) by its address, the one name the coordinator has for it, and its holder job."""
+    if rec.agent < 0:
+        key = node_key(rec.wid)
+        return {"node": rec.host, "local": local_of(rec.wid), "holder": int(key[1:])} if key[:1] == "g" else {}
+    return {"node": node_names.get(rec.agent, f"agent {rec.agent}"), "local": local_of(rec.wid)}
 
 
 @dataclass

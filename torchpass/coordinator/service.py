@@ -130,10 +130,12 @@ class Coordinator(SocketThread):
         active: bool = True,
         replicate: Callable[[dict[str, Any]], None] | None = None,
         node_names: dict[int, str] | None = None,
+        domains: dict[int, str] | None = None,
     ) -> None:
         super().__init__()
         self.core = CoordinatorCore(world_size, config, _now(), active=active)
         self.core.membership.node_names = dict(node_names or {})  # Slurm mode: events name a rank's node
+        self.core.membership.domains = dict(domains or {})  # and spares avoid the domains that lost a node
         self.config = config
         self.event_sink = event_sink
         self.bind_host = bind_host

@@ -51,9 +51,11 @@ from clockwork.contracts.coordinator_wire import JobState
 from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
 from torchpass.auth import job_key
 from torchpass.config import ENV_CONFIG, TorchPassConfig
+from torchpass.coordinator.placement import slot_moves
 from torchpass.coordinator.records import worker_id
 from torchpass.coordinator.service import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
+from torchpass.failure_domains import node_domains
 from torchpass.launch.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
 from torchpass.launch.mesh import AgentMesh
 from torchpass.launch.node_ranks import rank_environment
@@ -70,6 +72,10 @@ from torchpass.launch.slurm_layout import (
 from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
 
 __all__ = ["SlurmAgent", "daemon_control_socket"]
+
+#: How many moved slots the job's end tells the node daemon (``torchpass.placement``): about 50 bytes each, well
+#: within the 16 KB a daemon event may carry.
+PLACEMENT_SLOTS = 200
 
 log = logging.getLogger("clockwork.torchpass.agent")
 
@@ -154,6 +160,7 @@ class SlurmAgent:
         self._jsonl_sink = JsonlEventSink(events_file.replace("{agent}", str(layout.index))) if events_file else None
         self.event_sink = tee(self._jsonl_sink, daemon_sink)
         self.key = job_key()  # every socket of the job needs it; without one the agent stops here
+        domains = node_domains(config.failure_domains)  # node -> rack (leaf, block): spares avoid one that lost a node
         self.coordinator = Coordinator(
             layout.world_size,
             config,
@@ -162,6 +169,7 @@ class SlurmAgent:
             port=layout.port + 1,
             active=layout.index == 0,
             node_names=dict(enumerate(layout.nodes)),
+            domains={k: domains[node] for k, node in enumerate(layout.nodes) if node in domains},
         )
         self.mesh = AgentMesh(layout, config, self.coordinator, event_sink=self.event_sink)
         self.coordinator.replicate = self.mesh.publish
@@ -173,13 +181,6 @@ class SlurmAgent:
         if self.daemon_socket and config.fabric_verdicts:
             self.verdicts = VerdictFollower(layout.job_id, self.daemon_socket, self._on_node_verdict)
         self.borrower: Borrower | None = None
-        if self.options.spares is SpareMode.BORROW and layout.ranks_per_node > 1 and layout.index == 0:
-            log.warning(
-                "--clockwork-spares=borrow with %d ranks per node: a borrowed node offers one spare slot, so a "
-                "node crash (%d slots at once) waits for standby spares (--spares) until spare_timeout_s",
-                layout.ranks_per_node,
-                layout.ranks_per_node,
-            )
         if self.options.spares is SpareMode.BORROW:  # a spare, when needed, is borrowed from other work
             self.borrower = Borrower(
                 layout.job_id,
@@ -232,6 +233,7 @@ class SlurmAgent:
             endpoints=endpoints,
             world_size=self.layout.world_size,
             key_hex=self.key.hex,
+            ranks_per_node=self.layout.ranks_per_node,  # the borrowed node offers G spare slots
         )
         env[ENV_CONFIG] = self.config.to_json()
         return spawn_guest(self.environ.get("TORCHPASS_SRUN", "srun"), self.python, self.script, self.script_args, env)(
@@ -426,10 +428,25 @@ class SlurmAgent:
         else:
             time.sleep(3 * self.config.agent_heartbeat_interval_s)
         self._tell_launcher_the_lost_nodes()
+        self._post_slot_moves()
         if state == JobState.DONE:
             return AGENT_EXIT_DONE
         print(f"torchpass: job failed: {self.mesh.failure_reason() or 'see the leader agent log'}", file=sys.stderr)
         return AGENT_EXIT_FAILED
+
+    def _post_slot_moves(self) -> None:
+        """Tell this node's daemon where the job's replaced ranks went (``torchpass.placement``: per slot, the
+        node/local index it started on and the one it ended on).
+
+        Every agent holds the replicated state, so every agent can say it; the coordinator's own events reach
+        only the leader's node daemon, while the Epilog that writes the job's AdminComment runs on the batch
+        host, which seldom leads. This event is what lets that AdminComment name the slots."""
+        initial, members = self.mesh.slot_holders()
+        moved = slot_moves(initial, members, self.layout.nodes)
+        # The first PLACEMENT_SLOTS slots (what fits in one daemon event), and how many moved in all.
+        slots = {str(slot): {"from": start, "to": now} for slot, (start, now) in list(moved.items())[:PLACEMENT_SLOTS]}
+        fields = {"slots": slots, "moved": len(moved), "ranks_per_node": self.layout.ranks_per_node}
+        emit(self.event_sink, log, "torchpass.placement", **fields)
 
     def _tell_launcher_the_lost_nodes(self) -> None:
         """On the batch launcher's node: which nodes the job counted lost, so that it cancels their steps at once

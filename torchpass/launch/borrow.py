@@ -10,8 +10,9 @@ borrower then, on its own thread (the coordinator's must never block):
    the work there) or the daemon gives up;
 3. starts the replacement there as a job step of the holder allocation, ``srun --jobid=HOLDER --overlap
    ... python -m torchpass guest SCRIPT ARGS`` (:mod:`torchpass.launch.guest`): the guest joins this job's
-   coordinator with the job key as a spare, and the coordinator fills the vacant slot with it as with any
-   spare (state from a surviving replica, same step, same result).
+   coordinator with the job key as G spares (the job's ranks per node, one per local index, as a standby
+   node offers them), and the coordinator fills the vacant slots with them as with any spares (state from a
+   surviving replica, same step, same result): a lost node's G ranks land together on the borrowed node.
 
 When no node can be borrowed the job is told at once: with ``borrow_fallback = "fail"`` the coordinator fails
 the job with the daemon's reason; with ``"wait"`` it keeps waiting for a standby spare (``--spares``) until
@@ -35,6 +36,7 @@ from typing import Any, Protocol
 
 from torchpass.auth import ENV_JOB_KEY
 from torchpass.events import EventSink, emit
+from torchpass.launch.slurm_layout import ENV_RANKS_PER_NODE
 
 __all__ = [
     "ENV_GUEST_ENDPOINTS",
@@ -77,10 +79,18 @@ def _passed_to_guest(name: str) -> bool:
 
 
 def guest_environment(
-    environ: Mapping[str, str], *, job_id: int, endpoints: Sequence[str], world_size: int, key_hex: str
+    environ: Mapping[str, str],
+    *,
+    job_id: int,
+    endpoints: Sequence[str],
+    world_size: int,
+    key_hex: str,
+    ranks_per_node: int = 1,
 ) -> dict[str, str]:
     """The guest step's environment: the agent's, minus the training step's Slurm variables, plus the job's
-    coordinator endpoints and key."""
+    coordinator endpoints and key, and G (``ranks_per_node``): how many spare slots the borrowed node offers.
+    G is the job's, set here whatever the agent's own environment says (``--nproc-per-node`` on the agents'
+    command line never reaches their environment)."""
     env = {k: v for k, v in environ.items() if _passed_to_guest(k)}
     env.update(
         {
@@ -88,6 +98,7 @@ def guest_environment(
             ENV_GUEST_WORLD: str(world_size),
             ENV_GUEST_JOB: str(job_id),
             ENV_JOB_KEY: key_hex,
+            ENV_RANKS_PER_NODE: str(ranks_per_node),
         }
     )
     return env

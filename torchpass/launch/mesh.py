@@ -172,6 +172,13 @@ class AgentMesh(SocketThread):
             worker = self._snapshot["workers"].get(wid)
         return None if worker is None else bool(worker["alive"])
 
+    def slot_holders(self) -> tuple[dict[int, str], dict[int, str]]:
+        """(slot -> its first generation's worker, slot -> its worker now) per the newest snapshot ({} before)."""
+        with self._lock:
+            snap = self._snapshot or {}
+            initial, members = snap.get("initial") or {}, snap.get("members") or {}
+        return {int(k): str(v) for k, v in initial.items()}, {int(k): str(v) for k, v in members.items()}
+
     def lost_agents(self) -> frozenset[int]:
         """The agents counted lost so far (a copy: one C-level call, safe beside the mesh thread's updates)."""
         return frozenset(self.dead)

@@ -43,6 +43,7 @@ from torchpass.config import TorchPassConfig
 from torchpass.errors import TorchPassError
 from torchpass.events import EventSink
 from torchpass.rank.backends import CommBackend
+from torchpass.rank.budget_gate import check_budgets
 from torchpass.rank.buffers import StagedBuffers
 from torchpass.rank.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.rank.data import batch_source
@@ -306,14 +307,13 @@ class Context:
             self.end_step()
 
     def start(self) -> None:
-        """Join the job's first generation (a spare: the one that gave it its slot), restore a snapshot if one
-        is due (every rank agrees), and start the snapshot writer; nothing once joined. ``steps`` calls it, and
-        transparent mode at its first batch."""
+        """Join the first generation (a spare: the one that gave it its slot), judge the job's budgets, restore a
+        snapshot if one is due and start its writer; nothing once joined (``steps``; transparent mode's first batch)."""
         if self.generation >= 0:
             return
         self.rejoin(after=-1, first=self._pending)
+        check_budgets(self, self._snapshotter, self._sharded)  # before any copy is taken (and starts the writer)
         self._maybe_restore()
-        self._snapshotter.prepare()
 
     def must_rejoin(self) -> bool:
         """Whether this rank must leave its generation at the next boundary: a newer one was announced, the

@@ -45,6 +45,7 @@ from torchpass.config import TorchPassConfig
 from torchpass.errors import TorchPassError
 from torchpass.events import EventSink, emit
 from torchpass.rank.backends import CommBackend
+from torchpass.rank.budgets import JobVerdict
 from torchpass.rank.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.rank.replica_check import ReplicaMismatch, ReplicaNet
 from torchpass.rank.state import StateError, StateParts, recv_state, send_state
@@ -277,6 +278,7 @@ class Rejoiner:
         self.log = log
         self.event_sink = event_sink
         self.rolled_back = 0  # committed steps the last generation joined made this member undo
+        self.budget = JobVerdict()  # the job's budget verdict, decided once (torchpass.rank.budget_gate) or taken here
 
     def await_generation(self, after: int) -> GenerationInfo:
         """The next generation after ``after`` that includes this process (or its end)."""
@@ -453,8 +455,10 @@ class Rejoiner:
         return dist.PrefixStore(prefix, client)
 
     def _arrive(self, store: dist.Store, me: int, count: int, gen: int) -> None:
-        """Store barrier that gives up as soon as the generation is superseded (a blocking wait would not)."""
+        """Store barrier that gives up as soon as the generation is superseded (a blocking wait would not). The
+        job's budget verdict crosses it: published before, taken after by a member that has none (a newcomer)."""
         try:
+            self.budget.publish(store)
             store.set(f"arrive/{me}", self.worker_id)
             keys = [f"arrive/{i}" for i in range(count)]
             deadline = time.monotonic() + self.config.join_timeout_s
@@ -471,6 +475,7 @@ class Rejoiner:
                     )
                 time.sleep(delay)
                 delay = min(0.02, delay * 1.5)
+            self.budget.adopt(store)
         except GenerationBroken:
             raise
         except Exception as exc:

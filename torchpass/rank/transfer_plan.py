@@ -48,8 +48,10 @@ This module imports no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from torchpass.failure_domains import ring_successors
 
 __all__ = [
     "Holdings",
@@ -126,6 +128,9 @@ class ShardedReplicas:
     replicas: int
     shards: int
     peer_copies: int = 0
+    # Each replica row's peer-copy ring, once the first generation decided it (filled in place by the transport,
+    # :class:`torchpass.sharded.fsdp.ShardTransport`; empty: the shard order). Not part of the mesh's identity.
+    rings: list[tuple[int, ...]] = field(default_factory=list, compare=False, hash=False, repr=False, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.shards < 1:
@@ -175,8 +180,8 @@ class ShardedReplicas:
     def copy_holders(self, part: int) -> list[int]:
         """The slots keeping peer copies of shard ``part``: in each replica, the next ``peer_copies`` slots of
         its row (:func:`torchpass.sharded.peer_copy.ring_holders`; a copy stays in its replica)."""
-        ring = [(part + i) % self.shards for i in range(1, min(self.peer_copies, self.shards - 1) + 1)]
-        return [self.slot(r, s) for r in range(self.replicas) for s in ring]
+        rings = self.rings if len(self.rings) == self.replicas else [tuple(range(self.shards))] * self.replicas
+        return [self.slot(r, s) for r, ring in enumerate(rings) for s in ring_successors(ring, part, self.peer_copies)]
 
     def lost_hint(self, part: int) -> str:
         """Why no member holds shard ``part``: which slots held it and its copies, and why that was not enough."""

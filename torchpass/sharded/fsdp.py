@@ -45,7 +45,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchpass.config import TorchPassConfig
 from torchpass.errors import TorchPassError
-from torchpass.events import EventSink
+from torchpass.events import EventSink, emit
+from torchpass.failure_domains import Place, rank_domain
 from torchpass.rank.backends import CommBackend
 from torchpass.rank.rejoin import ProcessGroupTransport
 from torchpass.rank.replica_check import ReplicaNet
@@ -54,6 +55,7 @@ from torchpass.rank.step import StepLifecycle
 from torchpass.rank.torch_compat import check_fsdp_internals
 from torchpass.rank.transfer_plan import Holdings, ShardedReplicas
 from torchpass.rank_env import LaunchEnv
+from torchpass.sharded import peer_ring
 from torchpass.sharded.peer_copy import PeerCopies
 from torchpass.sharded.shard_mesh import MeshGroups
 
@@ -201,6 +203,7 @@ class ShardedState:
         wanted = shape.replicas == 1 or host.config.peer_copies_in_hsdp
         copies = host.config.peer_copies if wanted and shape.shards > 1 else 0
         self.part_layout = dataclasses.replace(shape, peer_copies=copies)  # what the generations' plan sees
+        self.place = rank_domain(host.config.failure_domains) if copies else Place("")  # the ring's input
         if copies:
             self.peers = PeerCopies(host.config, host.slot, shape.shards, host.env.host, host.log, host.event_sink)
             host.lifecycle.before_update_hooks.append(self.peers.before_update)
@@ -225,6 +228,7 @@ class ShardedState:
         """How this rank's shard moves (:class:`ShardTransport`), over ``backend``'s generations (``net``: checking
         every transfer)."""
         transport = ShardTransport(backend, self.groups, self.parts, chunk_bytes, self.peers, net)
+        transport.place, transport.rings = self.place, self.part_layout.rings
         if self.peers is not None:
             self.host.lifecycle.commit_checks.append(transport.copied_everywhere)
         return transport
@@ -295,22 +299,37 @@ class ShardTransport(ProcessGroupTransport):
         self.peers = peers
         self.live: int | None = None  # the step of this rank's live shard, as last reported
         self.depth = peers.depth if peers is not None else 0
+        self.place = Place("")  # where this rank runs (its node and failure domain): the ring's input
+        # Each replica row's peer-copy ring, once decided (torchpass.sharded.peer_ring).
+        self.rings: list[tuple[int, ...]] = []
 
     def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
         """The generation's default group, then its mesh groups, which the proxies forward to from now on. (A
         migration's two-member group, in a job of two ranks, binds them too: harmless, the next generation
         binds again before any collective of the model runs.)"""
+        if self.peers is not None:
+            peer_ring.publish(store, self.rings)  # before the group forms: its newcomers read it after
         super().form(store, rank, world_size, generation, skip_ports)
         if world_size == self.groups.shape.world_size:
             self.groups.bind(generation, self.backend.new_subgroup)
             if self.peers is not None:  # where each slot's peer copies go in this generation
-                host, port = self.peers.address
-                store.set(f"peercopy/{rank}", f"{host} {port}")
-                listeners = {}
-                for slot in range(world_size):
-                    peer_host, peer_port = store.get(f"peercopy/{slot}").decode().split()
-                    listeners[slot] = (peer_host, int(peer_port))
-                self.peers.set_peers(listeners)
+                listeners, places = peer_ring.exchange(store, rank, world_size, self.peers.address, self.place)
+                shape = self.groups.shape
+                rings, fresh = peer_ring.decide(store, self.rings, places, shape.replicas, shape.shards)
+                self.rings[:] = rings  # kept for the job (and the plan's message when a shard is lost)
+                self.peers.set_peers(listeners, rings[self.peers.replica])
+                if fresh and rank == 0:
+                    row = [[places[r * shape.shards + s] for s in range(shape.shards)] for r in range(len(rings))]
+                    emit(
+                        self.peers.event_sink,
+                        self.peers.log,
+                        "torchpass.peer_ring",
+                        rings=[[r * shape.shards + s for s in ring] for r, ring in enumerate(rings)],
+                        places={str(slot): place.wire() for slot, place in sorted(places.items())},
+                        separated=all(
+                            peer_ring.separated(ring, row[r], self.peers.copies) for r, ring in enumerate(rings)
+                        ),
+                    )
 
     def held(self, has_state: bool, committed: int) -> Holdings:
         """This rank's shard at ``committed`` (or nothing); no other part."""
@@ -356,8 +375,8 @@ class ShardTransport(ProcessGroupTransport):
         was refused, a collective failed after the update) this rank's update is undone from its own copy of
         the step before, and the reason returned: the step is redone, and no committed step ever is. The vote
         runs on the generation's default group, which a newer generation's announcement aborts."""
-        if self.peers is None or not self.peers.sync:
-            return ""  # the copies overlap the next step (the commit hook starts them)
+        if self.peers is None or not self.peers.sync or self.peers.off:
+            return ""  # the copies overlap the next step (the commit hook starts them), or there are none
         reason = failed_after_update or self._vote(step)
         if reason:
             with torch.no_grad():
@@ -374,6 +393,8 @@ class ShardTransport(ProcessGroupTransport):
         if self.peers is None:
             return
         self.peers.thaw(step)
+        if self.peers.gated or self.peers.off:
+            return  # the job's budgets first (torchpass.rank.budget_gate calls this again once they are judged)
         if not self.peers.has_own_copy() or self.peers.ring_changed():
             self.peers.wait_sent(self.peers.timeout_s)  # a round to the old neighbours (a dead one fails at once)
             self.peers.capture(self.parts[self.shard], step)
@@ -383,7 +404,7 @@ class ShardTransport(ProcessGroupTransport):
         a vote of all ranks (the minimum of one integer each) establishes; the reason when not. Transparent mode
         asks this where a pass over the data ends: a survivor that left the pass cannot redo its last step, so
         no later recovery may roll back before it (:meth:`torchpass.transparent.session.Session.next_batch`)."""
-        if self.peers is None:
+        if self.peers is None or self.peers.off:
             return ""
         return self._vote(step)
 

@@ -42,7 +42,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,7 @@ import torch
 from torchpass.auth import job_key
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit
+from torchpass.failure_domains import ring_successors
 from torchpass.rank.replica_check import payload_checksums
 from torchpass.rank.state import (
     StateError,
@@ -74,10 +75,12 @@ RECEIVED_COPIES = 2  # copies a rank keeps of each neighbour's shard
 _LogAdapter = logging.LoggerAdapter  # type: ignore[type-arg]
 
 
-def ring_holders(shard: int, shards: int, copies: int) -> list[int]:
-    """The shards whose ranks keep copies of ``shard``: the next ``copies`` of the ring (never itself). Under
-    pure FSDP these are slots; under HSDP, shards of the same replica (a copy stays in its replica's row)."""
-    return [(shard + i) % shards for i in range(1, min(copies, shards - 1) + 1)]
+def ring_holders(shard: int, shards: int, copies: int, order: Sequence[int] = ()) -> list[int]:
+    """The shards whose ranks keep copies of ``shard``: the next ``copies`` of the ring (never itself), the ring
+    being ``order`` (:func:`torchpass.failure_domains.ring_order`: neighbours in different failure domains), or
+    the shard order without one. Under pure FSDP these are slots; under HSDP, shards of the same replica (a copy
+    stays in its replica's row)."""
+    return ring_successors(order or range(shards), shard, copies)
 
 
 @dataclass
@@ -134,6 +137,8 @@ class PeerCopies:
         self.bytes_sent = 0
         self.last_round_ms = 0.0  # capture to the last acknowledgement
         self.waited_s = 0.0  # what steps waited for rounds, in all (optimizer steps; commits with peer_copy_sync)
+        self.gated = True  # no round before the job's budgets are judged (torchpass.rank.budget_gate opens it)
+        self.off = False  # switched off for the job: its budgets do not fit them (budget_policy = degrade)
 
     @property
     def depth(self) -> int:
@@ -145,17 +150,28 @@ class PeerCopies:
         """Where neighbours send their copies to this rank."""
         return self.listener.address
 
+    @property
+    def held_copies(self) -> int:
+        """Copies of a shard this rank holds at most: its own, and 2 of each neighbour's (what the budget counts)."""
+        return len(self.own) + RECEIVED_COPIES * self.copies
+
+    def switch_off(self) -> None:
+        """No copy from now on (taken at start, before any round: nothing is held yet)."""
+        self.off, self.gated, self.copies = True, False, 0
+        with self._lock:
+            self._targets = {}
+
     def host_bytes(self) -> int:
         """Host memory held for copies now: own and received."""
         return sum(int(b.payload.numel()) for b in self.own) + self.received.nbytes()
 
     # ----- the generation ---------------------------------------------------------------------
 
-    def set_peers(self, addresses: dict[int, tuple[str, int]]) -> None:
+    def set_peers(self, addresses: dict[int, tuple[str, int]], order: Sequence[int] = ()) -> None:
         """The listeners of every slot in the generation just formed; this rank sends to its ring successors
-        (in its own replica: the slots of the shards after its own)."""
+        (in its own replica: the slots of the shards after its own in ``order``, its row's ring)."""
         row = self.replica * self.shards
-        wanted = {row + n: addresses[row + n] for n in ring_holders(self.shard, self.shards, self.copies)}
+        wanted = {row + n: addresses[row + n] for n in ring_holders(self.shard, self.shards, self.copies, order)}
         with self._lock:
             self._targets = wanted
 
@@ -193,7 +209,7 @@ class PeerCopies:
 
     def due(self, step: int) -> bool:
         """Whether a round starts after ``step`` commits (every K-th step, as snapshots count)."""
-        return (step + 1) % self.every == 0
+        return (step + 1) % self.every == 0 and not self.off
 
     def capture(self, parts: StateParts, step: int) -> None:
         """At the boundary after ``step`` committed: start a round (skipped while the last one is in flight)."""

@@ -6,6 +6,7 @@ reads the same pages, so the disk write never takes the rank's GIL or a second c
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -28,6 +29,9 @@ class SharedArena:
 
     def __init__(self, size: int, cuda: bool) -> None:
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        st = os.statvfs(folder)
+        if size > st.f_bavail * st.f_frsize:  # tmpfs allocates on write: past its end a copy dies of SIGBUS
+            raise OSError(errno.ENOSPC, f"{folder} has {st.f_bavail * st.f_frsize} bytes free, the arena needs {size}")
         fd, name = tempfile.mkstemp(prefix=f"torchpass-snapshot-{os.getpid()}-", dir=folder)
         os.unlink(name)
         self.fd = fd

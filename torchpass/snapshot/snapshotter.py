@@ -75,6 +75,7 @@ class Snapshotter:
         self.last_stall_s = 0.0  # the last capture() call
         self.last_wait_s = 0.0  # what the optimizer step after it waited for the CPU copies
         self.shard_seconds: list[float] = []  # the writer's time per shard (checksums, HDF5 write, fsync)
+        self.off = ""  # why snapshots are switched off for the job (budget_policy = degrade), '' while on
 
     # ----- when -----------------------------------------------------------------------------
 
@@ -82,9 +83,18 @@ class Snapshotter:
         """Whether a snapshot is taken after ``step`` commits (every N steps, or asked for this step)."""
         if step in requested:
             requested.discard(step)
-            return True
+            return not self.off
         every = self.config.snapshot_every_steps
-        return every > 0 and (step + 1) % every == 0
+        return every > 0 and (step + 1) % every == 0 and not self.off
+
+    @property
+    def periodic(self) -> bool:
+        """Whether snapshots are taken on a schedule (what the job's budgets count)."""
+        return self.config.snapshot_every_steps > 0 or self.config.snapshot_interval_s > 0
+
+    def switch_off(self, reason: str) -> None:
+        """No snapshot from now on (the job's budgets do not fit them, :mod:`torchpass.rank.budget_gate`)."""
+        self.off = reason
 
     @property
     def busy(self) -> bool:
@@ -93,7 +103,7 @@ class Snapshotter:
 
     def prepare(self) -> None:
         """Start the writer process ahead of the first snapshot (Python and h5py take a moment to load)."""
-        if self.config.snapshot_every_steps > 0 or self.config.snapshot_interval_s > 0:
+        if self.periodic and not self.off:
             self._start()
 
     # ----- taking one -----------------------------------------------------------------------
@@ -134,7 +144,13 @@ class Snapshotter:
             )
             return False
         layout = lay_out(parts, committed, slot, world_size, self.config.seed, mesh)
-        arena = self._ensure_arena(layout.size, layout.cuda)
+        try:
+            arena = self._ensure_arena(layout.size, layout.cuda)
+        except OSError as exc:  # /dev/shm cannot hold it: this snapshot fails, training goes on
+            why = "failed: its staging arena does not fit /dev/shm"
+            threading.Thread(target=_mark_skipped, args=(snapshot_path(self.directory, committed), slot, why)).start()
+            self._failed(committed, error=f"staging arena of {layout.size} bytes: {exc}")
+            return False
         staged = stage(arena, layout)
         self._pending_event = staged.update_waits
         self._busy.set()
@@ -171,6 +187,7 @@ class Snapshotter:
         if self._arena is None or self._arena.size < size or (cuda and not self._arena.cuda):
             if self._arena is not None:
                 self._arena.close()
+                self._arena = None
             self._arena = SharedArena(size, cuda)
         return self._arena
 
@@ -253,9 +270,9 @@ class Snapshotter:
             self._arena = None
 
 
-def _mark_skipped(folder: Path, slot: int) -> None:
+def _mark_skipped(folder: Path, slot: int, why: str = "skipped: this rank's writer was still busy") -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{FAILED_PREFIX}{slot:05d}").write_text("skipped: this rank's writer was still busy\n")
+        (folder / f"{FAILED_PREFIX}{slot:05d}").write_text(f"{why}\n")
     except OSError:
         pass  # rank 0's writer then gives up at snapshot_timeout_s

@@ -138,6 +138,12 @@ class SandboxConfig:
     nodes: int = setting(3, "Number of nodes (node1..nodeN), each a network + UTS namespace.", min=1)
     nics: int = setting(2, "NICs per node, one per rail (nic0 on rail 0, nic1 on rail 1, ...).", min=1)
     cpus_per_node: int = setting(2, "CPUs each sandbox node offers to Slurm.", min=1)
+    racks: str = setting(
+        "",
+        "Failure domains: space-separated hostlists, one per rack (e.g. 'node[1-2,5-6] node[3-4]'), written to "
+        "Slurm's topology.conf as leaf switches rack0, rack1, ... under one top switch (TopologyPlugin=topology/tree), "
+        "so that jobs see SLURM_TOPOLOGY_ADDR; every node must be in exactly one rack. Empty: no topology.",
+    )
     accounting: bool = setting(False, "Start MariaDB + slurmdbd so that sacct works.")
     slurm: str = setting(
         "22.05",

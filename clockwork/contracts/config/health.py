@@ -113,6 +113,24 @@ class HealthConfig:
     xid_warn: str = setting(
         "63,92", "XIDs that warn the job (63 row remapping pending, 92 high single-bit ECC rate); others are recorded."
     )
+    xid_node: str = setting(
+        "",
+        "XIDs that are faults of the whole node, not of the GPU that reports them (e.g. the XIDs your GPUs raise "
+        "for an NVSwitch or fabric-manager failure): every rank of the node moves together to one spare node, "
+        "as `clockwork migrate --ranks-on` moves them. They also migrate (listed in xid_migrate or not).",
+    )
+    node_window_s: float = setting(
+        10.0,
+        "Every GPU of the node (2 or more) raising a migrate-level signal within this many seconds of each other is "
+        "one node-level fault: the node's ranks move together instead of one GPU's at a time.",
+        min=0.0,
+    )
+    nic_down_move_s: float = setting(
+        0.0,
+        "Seconds a fabric NIC of the node may stay down (LinkPass carries its traffic on the other rails) before "
+        "the node's ranks move together to a spare node; 0 = never (a dead NIC is LinkPass's to ride out).",
+        min=0.0,
+    )
     xid_hold_s: float = setting(
         3600.0,
         "Seconds an XID signal stays raised after the last such XID (an event has no level to fall back from): "
@@ -132,6 +150,12 @@ class HealthConfig:
         "Seconds before a refused or unanswered migration request is repeated (while the signal is still raised).",
         min=0.1,
     )
+    node_move_wait_s: float = setting(
+        60.0,
+        "A whole-node move asks for one rank at a time: seconds to wait for each rank's move to complete (the "
+        "coordinator says 'not now' until then) before the move counts as failed and is asked again.",
+        min=0.1,
+    )
     drain: bool = setting(
         True,
         "Let the health check drain the node (reason 'clockwork: gpuN ...') while a drain- or migrate-level signal "
@@ -142,6 +166,7 @@ class HealthConfig:
     def __post_init__(self) -> None:
         parse_xids("xid_migrate", self.xid_migrate)
         parse_xids("xid_warn", self.xid_warn)
+        parse_xids("xid_node", self.xid_node)
         parse_actions(self.actions, tuple(SIGNALS))
         if self.source == "fault-file" and not self.fault_file:
             raise ConfigError("[health] fault_file: empty, but source = 'fault-file' needs the file to read")

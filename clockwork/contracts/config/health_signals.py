@@ -27,8 +27,14 @@ SIGNALS: dict[str, tuple[str, str]] = {
     "recovery.reboot": ("migrate", "the driver recommends a node or system reboot"),
     "recovery.other": ("drain", "the driver recommends another recovery action (e.g. of the IMEX domain)"),
     "gpu.lost": ("migrate", "the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST)"),
+    "fabric.error": ("migrate", "the NVLink fabric (NVSwitch, fabric manager) failed to take the GPU in: a node fault"),
     "gpu.unreadable": ("record", "NVML failed reading the GPU for another reason"),
 }
+
+#: Signals of the whole node rather than of the GPU that reports them: every GPU of an NVSwitch node reads its
+#: fabric state from the same switches and fabric manager. Raised at ``migrate``, they move every rank of the node
+#: together (a whole-node migration) instead of one GPU's rank. ``[health] xid_node`` adds XIDs to them.
+NODE_SIGNALS = ("fabric.error",)
 
 #: Action -> severity shown for a GPU whose worst raised signal takes that action.
 SEVERITY = {"": "ok", "record": "info", "warn": "warning", "drain": "degraded", "migrate": "critical"}

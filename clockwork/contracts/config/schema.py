@@ -1,8 +1,8 @@
 """The configuration schema: one dataclass per component, one TOML section per dataclass.
 
 The sections of Clockwork's own programs are in :mod:`clockwork.contracts.config.core`, each hosted component's
-in a module of its own beside it (``lens``, ``nodewatch``, ``health``, ``audit``, ``borrow``), LinkPass's in
-:mod:`linkpass.settings` (linkpass imports no other Clockwork package); :class:`ClockworkConfig` puts them together.
+in a module of its own beside it (``lens``, ``nodewatch``, ``health``, ``audit``, ``borrow``, ``snapshots``), LinkPass's
+in :mod:`linkpass.settings` (linkpass imports no other Clockwork package); :class:`ClockworkConfig` puts them together.
 
 Every field carries its documentation (``doc``) and, where the set of good values is small, the allowed
 values (``choices``) or bounds (``min``). ``clockwork config show`` and ``etc/clockwork.toml`` are both
@@ -20,6 +20,7 @@ from clockwork.contracts.config.fields import setting
 from clockwork.contracts.config.health import HealthConfig
 from clockwork.contracts.config.lens import LensConfig
 from clockwork.contracts.config.nodewatch import NodeWatchConfig
+from clockwork.contracts.config.snapshots import SnapshotSiteConfig
 from linkpass.settings import LinkPassConfig
 
 __all__ = ["ClockworkConfig", "sections", "setting"]
@@ -39,6 +40,7 @@ class ClockworkConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     borrow: BorrowConfig = field(default_factory=BorrowConfig)
+    snapshots: SnapshotSiteConfig = field(default_factory=SnapshotSiteConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
 

@@ -44,6 +44,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "rows_pending": (bool,),
     "rows_remap_failed": (bool,),
     "nvlink_errors": (int,),
+    "fabric_error": (str,),
 }
 
 
@@ -64,6 +65,7 @@ def baseline(index: int, node: str) -> GpuReading:
         rows_remap_failed=False,
         nvlink_errors=0,
         recovery_action="none",
+        fabric_error="",
         **BASELINE,  # type: ignore[arg-type]
     )
 

@@ -47,4 +47,9 @@ def start_health(cfg: HealthConfig, paths: DaemonPaths, daemon: Daemon) -> Compo
     def emit(job_id: int, kind: str, fields: dict[str, Any]) -> None:
         daemon.emit_job_event(job_id, kind, fields, by="gpu-health")
 
-    return HealthWatch(cfg, paths.node, source, daemon.registry, emit)
+    def nics_down() -> dict[str, str]:
+        """The fabric NICs LinkPass sees down (none without LinkPass): a NIC fault is the whole node's."""
+        down = getattr(daemon.components.get("linkpass"), "down_nics", None)
+        return dict(down()) if callable(down) else {}
+
+    return HealthWatch(cfg, paths.node, source, daemon.registry, emit, nics_down=nics_down)

@@ -216,9 +216,31 @@ class NvmlSource:
             reading.recovery_action = RECOVERY_ACTIONS[code] if 0 <= code < len(RECOVERY_ACTIONS) else f"code {code}"
         else:
             reading.unsupported = (*reading.unsupported, "recovery action")
+        reading.fabric_error = self._fabric_error(reading, handle)
         procs = self._field(reading, "compute processes", nv.nvmlDeviceGetComputeRunningProcesses, handle)
         reading.pids = None if procs is None else tuple(int(p.pid) for p in procs)
         return reading
+
+    def _fabric_error(self, reading: GpuReading, handle: Any) -> str | None:
+        """The NVLink fabric's verdict on this GPU: on an NVSwitch node the fabric manager trains every GPU into
+        the fabric, and a GPU whose training completed with a failure status cannot reach its node-mates over
+        NVLink, a fault of what the whole node shares. '' when healthy, not on a fabric or still training; None
+        when NVML cannot say (a GPU or binding without fabric info)."""
+        nv = self.nvml
+        info_type = getattr(nv, "c_nvmlGpuFabricInfo_t", None)
+        if info_type is None:  # an nvidia-ml-py older than fabric info
+            reading.unsupported = (*reading.unsupported, "fabric info")
+            return None
+        info = info_type()
+        if self._field(reading, "fabric info", nv.nvmlDeviceGetGpuFabricInfo, handle, ctypes.byref(info)) is None:
+            return None
+        if int(info.state) != int(getattr(nv, "NVML_GPU_FABRIC_STATE_COMPLETED", 3)) or int(info.status) == 0:
+            return ""
+        try:
+            why = _text(nv.nvmlErrorString(int(info.status)))
+        except Exception:
+            why = f"status {int(info.status)}"
+        return f"fabric registration failed: {why}"
 
     def _throttle_names(self, mask: int) -> tuple[str, ...]:
         nv = self.nvml

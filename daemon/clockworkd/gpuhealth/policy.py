@@ -10,17 +10,29 @@ Three kinds of signal:
   shows them (a counter that moved is a fact, not noise) and cleared after ``clear_after`` readings without;
 * XID events (``xid.N``) are raised at once and cleared ``xid_hold_s`` after the last such XID.
 
+Most faults are one GPU's: the watch moves that GPU's rank. :meth:`Policy.node_fault` says when a fault is the
+whole node's, so that the watch moves every rank of the node together (a whole-node migration, as
+``clockwork migrate --ranks-on`` does) and the node's ranks land on one spare node instead of scattering:
+
+* a node signal raised at ``migrate`` (:data:`~clockwork.contracts.config.health_signals.NODE_SIGNALS`: the NVLink
+  fabric, that is the NVSwitches and the fabric manager, failed; or an XID of ``[health] xid_node``);
+* every GPU of the node (two or more) raising a migrate-level signal within ``node_window_s`` of each other (the
+  same XID on all of them at once: a fault of what they share);
+* a fabric NIC down for ``nic_down_move_s`` (off by default: LinkPass keeps the traffic flowing on the other
+  rails, and the NIC's state comes from LinkPass, not from NVML).
+
 Pure: no clock, no I/O; the watch passes the time in.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from clockwork.contracts.config.health import HealthConfig, parse_actions, parse_xids
-from clockwork.contracts.config.health_signals import ACTION_RANK, SEVERITY, SIGNALS
+from clockwork.contracts.config.health_signals import ACTION_RANK, NODE_SIGNALS, SEVERITY, SIGNALS
 from clockworkd.gpuhealth.readings import GpuReading
 
 LEVEL, STATE, EVENT = "level", "state", "event"
@@ -84,6 +96,24 @@ class Change:
         }
 
 
+@dataclass(frozen=True)
+class NodeFault:
+    """A fault of the whole node (see the module docstring): what raised it, on which GPU (None: every GPU, or
+    not a GPU), why it is the node's, and since when."""
+
+    signal: str
+    value: Any
+    threshold: Any
+    gpu: int | None
+    why: str
+    since: float
+
+    def cause(self) -> dict[str, Any]:
+        """The fields a whole-node move's ``gpu.migration`` events carry."""
+        gpu = "all" if self.gpu is None else self.gpu
+        return {"signal": self.signal, "value": self.value, "threshold": self.threshold, "gpu": gpu, "scope": "node"}
+
+
 @dataclass
 class GpuState:
     """What the policy keeps per GPU between readings."""
@@ -107,6 +137,7 @@ class Policy:
         self.overrides = parse_actions(cfg.actions, tuple(SIGNALS))
         self.xid_migrate = parse_xids("xid_migrate", cfg.xid_migrate)
         self.xid_warn = parse_xids("xid_warn", cfg.xid_warn)
+        self.xid_node = parse_xids("xid_node", cfg.xid_node)
         self.gpus: dict[int, GpuState] = {}
 
     def action_of(self, name: str) -> str:
@@ -115,7 +146,8 @@ class Policy:
             return self.overrides[name]
         if name.startswith("xid."):
             xid = int(name[4:])
-            return "migrate" if xid in self.xid_migrate else "warn" if xid in self.xid_warn else "record"
+            moves = xid in self.xid_migrate or xid in self.xid_node
+            return "migrate" if moves else "warn" if xid in self.xid_warn else "record"
         return SIGNALS[name][0]
 
     # ----- observations -------------------------------------------------------------------
@@ -172,6 +204,8 @@ class Policy:
                 "system_reboot": "recovery.reboot",
             }.get(r.recovery_action, "recovery.other")
             obs.append(Observation(name, STATE, r.recovery_action))
+        if r.fabric_error:
+            obs.append(Observation("fabric.error", STATE, r.fabric_error))
         obs += [Observation(f"xid.{x}", EVENT, x) for x in r.xids]
         return obs
 
@@ -221,6 +255,40 @@ class Policy:
     @staticmethod
     def _change(r: GpuReading, signal: Signal, state: str, now: float) -> Change:
         return Change(r.index, r.uuid, signal.name, state, signal.action, signal.value, signal.threshold, now)
+
+    def node_scoped(self, name: str) -> bool:
+        """Whether signal ``name`` is a fault of the whole node (a node signal, or an XID of ``xid_node``)."""
+        return name in NODE_SIGNALS or (name.startswith("xid.") and int(name[4:]) in self.xid_node)
+
+    def node_fault(
+        self, nics_down: Mapping[str, tuple[float, str]] | None = None, now: float = 0.0
+    ) -> NodeFault | None:
+        """The node-level fault raised now (the module docstring's rules, in that order), or None: every raised
+        fault is one GPU's. ``nics_down``: fabric NIC -> (down since, why), as LinkPass reports them."""
+        scoped = [
+            NodeFault(s.name, s.value, s.threshold, index, f"gpu{index} {s.name}: a fault of the whole node", s.since)
+            for index, state in sorted(self.gpus.items())
+            for s in state.raised.values()
+            if s.action == "migrate" and self.node_scoped(s.name)
+        ]
+        if scoped:
+            return min(scoped, key=lambda f: (f.since, f.signal))
+        movers = {
+            index: min((s for s in state.raised.values() if s.action == "migrate"), key=lambda s: s.since, default=None)
+            for index, state in self.gpus.items()
+        }
+        first = [s for s in movers.values() if s is not None]
+        if len(movers) >= 2 and len(first) == len(movers):
+            since = [s.since for s in first]
+            if max(since) - min(since) <= self.cfg.node_window_s:
+                value = ", ".join(f"gpu{i} {s.name}" for i, s in sorted(movers.items()) if s is not None)
+                why = f"every GPU of the node failed within {self.cfg.node_window_s:g} s"
+                return NodeFault("gpu.all", value, None, None, why, max(since))
+        for nic, (down_since, reason) in sorted((nics_down or {}).items()):
+            if self.cfg.nic_down_move_s > 0 and now - down_since >= self.cfg.nic_down_move_s:
+                why = f"fabric NIC {nic} down for {now - down_since:.0f} s ({reason or 'no carrier'})"
+                return NodeFault("nic.down", nic, self.cfg.nic_down_move_s, None, why, down_since)
+        return None
 
     def health(self, index: int) -> tuple[str, str]:
         """(severity, worst action) of a GPU's raised signals."""

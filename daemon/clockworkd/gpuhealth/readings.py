@@ -44,6 +44,7 @@ class GpuReading:
     rows_remap_failed: bool | None = None
     nvlink_errors: int | None = None
     recovery_action: str | None = None
+    fabric_error: str | None = None  # '' healthy or on no fabric; the NVLink fabric's failure (a node fault)
     xids: tuple[int, ...] = ()
     pids: tuple[int, ...] | None = None
     unsupported: tuple[str, ...] = field(default=())

@@ -8,6 +8,12 @@ planned migration, as ``clockwork migrate`` does, and records ``gpu.migration`` 
 or failed) naming the signal, its value and its threshold. A refused request (no spare ready yet, another change
 under way) is repeated every ``migrate_retry_s`` while the signal stays raised.
 
+A fault of the whole node (:meth:`~clockworkd.gpuhealth.policy.Policy.node_fault`: the NVLink fabric, every GPU
+at once, a NIC LinkPass has seen down too long) moves every live rank of each job on the node instead, together
+to one spare node, the way ``clockwork migrate --ranks-on`` does: one request per rank in slot order, the first
+asking for a node with room for them all, each next one following the spare the previous one took and waiting
+while the previous move is under way. Its ``gpu.migration`` events carry ``scope = node`` and the slots.
+
 The request is a network round trip with timeouts, so it runs on a worker thread; its outcome is recorded by the
 daemon's loop at the next tick (the registry is only ever touched from the loop). Nothing here may stop the
 daemon: a source or policy failure is logged and the watch goes on at the next interval.
@@ -25,7 +31,7 @@ from typing import Any
 from clockwork.contracts.config.health import HealthConfig
 from clockwork.contracts.config.health_signals import ACTION_RANK, SIGNALS
 from clockwork.contracts.coordinator_client import coordinator_record, request_migration
-from clockworkd.gpuhealth.policy import Change, Policy
+from clockworkd.gpuhealth.policy import Change, NodeFault, Policy
 from clockworkd.gpuhealth.ranks import LiveRank, gpu_of, pid_alive, ranks_in, read_environ
 from clockworkd.gpuhealth.readings import GpuReading, GpuSource
 from clockworkd.registry import RUNNING, Registry
@@ -47,6 +53,13 @@ class _Request:
     asked_at: float
     outcome: str = "requested"
     detail: str = ""
+    slots: tuple[int, ...] = ()  # a whole-node move: every slot it moves (one rank's move: empty)
+
+    def what(self) -> str:
+        """``slot 3`` or ``slots 2, 3 (the whole node)``, for the log."""
+        if not self.slots:
+            return f"slot {self.rank.slot}"
+        return f"slots {', '.join(map(str, self.slots))} (the whole node)"
 
 
 class HealthWatch:
@@ -63,6 +76,7 @@ class HealthWatch:
         clock: Callable[[], float] = time.time,
         alive: Callable[[int], bool] = pid_alive,
         environ: Callable[[int], dict[str, str] | None] = read_environ,
+        nics_down: Callable[[], dict[str, str]] = dict,
     ) -> None:
         self.cfg = cfg
         self.node = node
@@ -73,6 +87,8 @@ class HealthWatch:
         self.clock = clock
         self.alive = alive
         self.environ = environ
+        self.nics_down = nics_down  # fabric NIC -> why it is down (LinkPass's view; none without LinkPass)
+        self._nic_down_since: dict[str, tuple[float, str]] = {}
         self.readings: list[GpuReading] = []
         self.read_at = 0.0
         self.reads = 0
@@ -80,6 +96,7 @@ class HealthWatch:
         self._next = time.monotonic()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gpu-health-migrate")
         self._requests: dict[tuple[int, int], _Request] = {}  # (job, pid) -> latest request
+        self._node_moves: dict[tuple[int, tuple[int, ...]], _Request] = {}  # (job, its pids here) -> latest
         self._done: list[_Request] = []
 
     # ----- Component --------------------------------------------------------------------------
@@ -127,9 +144,12 @@ class HealthWatch:
         acting = any(
             ACTION_RANK[s.action] >= ACTION_RANK["warn"] for g in self.policy.gpus.values() for s in g.raised.values()
         )
-        ranks = self.live_ranks() if (changes or acting) else []
+        fault = self.policy.node_fault(self._nics_down(now), now)
+        ranks = self.live_ranks() if (changes or acting or fault) else []
         for change in changes:
             self._record(change, ranks)
+        moving = self._move_node(fault, ranks, now) if fault is not None else set()
+        ranks = [rank for rank in ranks if rank.job_id not in moving]  # their node moves: no one-GPU moves
         for index, state in self.policy.gpus.items():
             movers = [s for s in state.raised.values() if s.action == "migrate"]
             if not movers:
@@ -192,12 +212,7 @@ class HealthWatch:
             if now - previous.asked_at < self.cfg.migrate_retry_s:
                 return
         fields = {**cause, "slot": rank.slot, "pid": rank.pid, "node": self.node, "mapping": rank.how}
-        try:
-            events, _ = self.registry.events(rank.job_id)
-            record = coordinator_record(events)
-        except Exception as exc:
-            record = None
-            log.warning("job %d (node %s): no coordinator record: %s", rank.job_id, self.node, exc)
+        record = self._record_of(rank.job_id)
         if record is None:
             request = _Request(rank, fields, None, now, "failed", "no TorchPass coordinator record on this node")
             self._requests[key] = request
@@ -222,8 +237,78 @@ class HealthWatch:
         )
         self.emit(rank.job_id, MIGRATION_EVENT, {**fields, "state": "requested"})
 
+    # ----- whole-node moves -----------------------------------------------------------------------
+
+    def _nics_down(self, now: float) -> dict[str, tuple[float, str]]:
+        """Fabric NIC -> (down since, why), since this watch first saw each down (LinkPass's view)."""
+        try:
+            down = self.nics_down()
+        except Exception as exc:  # LinkPass's state unreadable: no NIC verdict this round
+            log.warning("node %s: NIC state unreadable for the GPU health watch: %s", self.node, exc)
+            down = {}
+        self._nic_down_since = {nic: self._nic_down_since.get(nic, (now, why)) for nic, why in down.items()}
+        return self._nic_down_since
+
+    def _move_node(self, fault: NodeFault, ranks: list[LiveRank], now: float) -> set[int]:
+        """Ask each job with ranks here to move them all, together (see the module docstring); the jobs."""
+        jobs: dict[int, list[LiveRank]] = {}
+        for rank in ranks:
+            jobs.setdefault(rank.job_id, []).append(rank)
+        for job_id, mine in jobs.items():
+            mine.sort(key=lambda r: r.slot)
+            key = (job_id, tuple(sorted(r.pid for r in mine)))
+            previous = self._node_moves.get(key)
+            if previous is not None and (
+                previous.future is not None
+                or previous.outcome == "accepted"
+                or now - previous.asked_at < self.cfg.migrate_retry_s
+            ):
+                continue
+            slots = tuple(r.slot for r in mine)
+            fields = {**fault.cause(), "why": fault.why, "slots": list(slots), "node": self.node}
+            fields["pids"] = [r.pid for r in mine]
+            record = self._record_of(job_id)
+            if record is None:
+                request = _Request(mine[0], fields, None, now, "failed", "no TorchPass coordinator record on this node")
+                self._node_moves[key] = request
+                self._finish(request)
+                continue
+            requester = f"clockworkd GPU health on {self.node}: {fault.why}"
+            future = self._pool.submit(self._move_all, record, list(slots), requester)
+            self._node_moves[key] = _Request(mine[0], fields, future, now, slots=slots)
+            log.warning("job %d (node %s): moving slots %s together: %s", job_id, self.node, list(slots), fault.why)
+            self.emit(job_id, MIGRATION_EVENT, {**fields, "state": "requested"})
+        return set(jobs)
+
+    def _move_all(self, record: dict[str, Any], slots: list[int], requester: str) -> dict[str, Any]:
+        """One request per rank, in slot order, as ``clockwork migrate --ranks-on`` asks (on a worker thread)."""
+        near, targets, generation = "", [], None
+        for k, slot in enumerate(slots):
+            reply = request_migration(
+                record,
+                slot,
+                self.cfg.migrate_timeout_s,
+                requester,
+                wait_s=self.cfg.node_move_wait_s,  # the previous rank's move must complete first
+                group=len(slots) - k,
+                near=near,
+            )
+            near = str(reply.get("target") or "")
+            targets.append(near)
+            generation = reply.get("generation")
+        return {"target": ", ".join(targets), "targets": targets, "generation": generation}
+
+    def _record_of(self, job_id: int) -> dict[str, Any] | None:
+        """The job's TorchPass coordinator record on this node (None: none, or unreadable)."""
+        try:
+            events, _ = self.registry.events(job_id)
+            return coordinator_record(events)
+        except Exception as exc:
+            log.warning("job %d (node %s): no coordinator record: %s", job_id, self.node, exc)
+            return None
+
     def _collect_requests(self) -> None:
-        for request in self._requests.values():
+        for request in [*self._requests.values(), *self._node_moves.values()]:
             future = request.future
             if future is None or not future.done():
                 continue
@@ -246,10 +331,10 @@ class HealthWatch:
         level = logging.INFO if request.outcome == "accepted" else logging.WARNING
         log.log(
             level,
-            "job %d (node %s): migration of slot %d %s: %s",
+            "job %d (node %s): migration of %s %s: %s",
             request.rank.job_id,
             self.node,
-            request.rank.slot,
+            request.what(),
             request.outcome,
             request.detail,
         )
@@ -295,7 +380,7 @@ class HealthWatch:
             )
         migrations = [
             {**q.change, "job_id": q.rank.job_id, "state": q.outcome, "detail": q.detail}
-            for q in [*self._done, *(q for q in self._requests.values() if q.future is not None)]
+            for q in [*self._done, *(q for q in [*self._requests.values(), *self._node_moves.values()] if q.future)]
             if visible(q.rank.job_id)
         ]
         return {
