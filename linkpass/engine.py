@@ -1,10 +1,14 @@
-"""The LinkPass engine: watch every NIC and every (peer, rail) path, route around what is dead, fail back.
+"""The LinkPass engine: watch every NIC and the (peer, rail) paths, route around what is dead, fail back.
 
-Evidence comes from two places. Netlink says at once when a local NIC loses carrier or goes admin
-down. Heartbeats (every ``heartbeat_ms`` to every peer on every rail, each saying which peers the
-sender hears on which rail) reveal what carrier cannot: a switch port that silently drops, a one-way
-failure, a peer's dead NIC. A path is dead after ``dead_after_ms`` without either direction, or at
-once when the peer sends a down notice for its NIC.
+Evidence comes from three places. Netlink says at once when a local NIC loses carrier or goes admin
+down. Heartbeats, every ``heartbeat_ms`` on every rail to a bounded set of path peers
+(:mod:`linkpass.peers`: ring neighbours and a few pseudo-random ones, the same on both ends), each saying
+which nodes the sender hears on which rail, reveal what carrier cannot: a switch port that silently
+drops, a one-way failure, a peer's dead NIC. Notices, sent to every node of the fabric when a NIC goes
+down or comes back (and repeated while it stays down), carry the rest: a peer's dead NIC is known
+everywhere at once, not only to the peers that heartbeat it. A path to a path peer is dead after
+``dead_after_ms`` without either direction, or at once on a down notice; a path to any other peer is
+dead while this node's NIC is down or the peer's notice says its NIC is.
 
 Decisions are per peer: traffic to a peer's node address uses its home rail while that path is
 healthy, otherwise every healthy rail (one route, or ECMP over several, never everything piled on one
@@ -12,8 +16,9 @@ when more remain), and returns home after the path has been healthy for a hold-d
 each time the path fails again within a minute (flap damping). Routes keep ``src`` = node address,
 so established TCP connections (gloo, NCCL's bootstrap, TCPStore) survive the move.
 
-The engine runs inside the daemon's single event loop: it exposes file descriptors to poll, a
-deadline for its next tick, and never blocks.
+Heartbeats are sent and read on a thread of their own (:mod:`linkpass.hbio`), so a slow daemon loop
+never silences or blinds this node; the loop ticks every interval to decide, under :attr:`LinkPass.lock`,
+and programs routes outside it, so a long route change never delays a heartbeat.
 """
 
 from __future__ import annotations
@@ -21,23 +26,29 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from linkpass import heartbeat, sysctls
+from linkpass import hbio, heartbeat, report, sysctls
+from linkpass import peers as peer_choice
 from linkpass.fabric import FabricMap
+from linkpass.outbox import Outbox, Outgoing
 from linkpass.routes import Kernel, LinkState
 from linkpass.settings import LinkPassConfig
 
 log = logging.getLogger("clockwork.linkpass")
 
-SO_BINDTODEVICE = getattr(socket, "SO_BINDTODEVICE", 25)
 FLAP_WINDOW_S = 60.0
 NEVER = -1e18
+#: A NIC that stays down is announced to the whole fabric again this often...
+NOTICE_REPEAT_S = 10.0
+#: ... and a peer's down notice holds a path it does not heartbeat dead this long after the last one.
+NOTICE_TTL_S = 3 * NOTICE_REPEAT_S
 
 Emit = Callable[[str, dict[str, Any]], None]
 #: Replaces a file durably (old or new content after a crash, never half). The host gives it:
@@ -56,6 +67,7 @@ class PathState:
     failures: list[float] = field(default_factory=list)
     holddown: float = 0.0
     reason: str = ""
+    notice_until: float = NEVER  # a peer we do not heartbeat said this NIC is down: dead until then
 
 
 class LinkPass:
@@ -84,32 +96,62 @@ class LinkPass:
         self.me = fabric.node(node)
         self.peers = {p.name: p for p in fabric.peers(node)}
         self.rails = sorted(self.me.nics)
+        self.index = heartbeat.FabricIndex.of(fabric)
+        self.my_number = self.index.node_number(node)
+        self.by_number = {self.index.node_number(name): name for name in self.peers}
+        self.rail_number = {rail: self.index.rail_number(rail) for rail in self.rails}
+        self.path_peers = frozenset(
+            peer_choice.path_peers(
+                self.index.nodes, node, cfg.ring_neighbours, cfg.random_peers, self.index.fingerprint
+            )
+        )
+        self.watch_peers: frozenset[str] = frozenset()  # the node watch's: other nodes of the jobs running here
         self.key = key
+        self.outbox = Outbox(self.index, key, node, {name: p.nics for name, p in self.peers.items()})
         self.emit = emit
         self.clock = clock
         self.dead = cfg.dead_after_ms / 1000
         self.interval = cfg.heartbeat_ms / 1000
+        # The heartbeat thread and the daemon's loop share the evidence below; each holds this briefly.
+        self.lock = threading.RLock()
         self.kernel: Kernel | None = None
         self.sockets: dict[str, socket.socket] = {}
+        self.rcvbuf: dict[str, int] = {}
+        self.io: hbio.HeartbeatThread | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self.ifindex: dict[str, int] = {}
         self.nic_up: dict[str, bool] = {}
         self.nic_down_reason: dict[str, str] = {}
         self.paths: dict[str, dict[str, PathState]] = {}
+        self.last_any: dict[str, float] = {}  # peer -> its newest packet on any rail
         self.home: dict[str, str] = {}
         self.current: dict[str, tuple[str, ...]] = {}
-        self.heard_from: set[str] = set()  # peers that ever sent a heartbeat: only those are managed
-        self.seq = 0
+        self.heard_from: set[str] = set()  # path peers that ever sent a heartbeat: only those are judged by them
         self.next_send = 0.0
-        self.dirty = False  # new evidence arrived: decide once every readable socket has been read
+        self.next_notice = NEVER
+        self.next_tick = 0.0
+        self.dirty = False  # new evidence arrived: decide at once
         self.flush_pending: set[str] = set()  # dead NICs whose neighbour entries go once routes moved
         self.gray: dict[tuple[str, str], str] = {}  # (peer, rail) -> why Fleet Lens says the path is gray
-        self.counters = {"sent": 0, "received": 0, "rejected": 0, "send_errors": 0, "failovers": 0, "failbacks": 0}
+        self.counters = {
+            "sent": 0,
+            "received": 0,
+            "rejected": 0,
+            "send_errors": 0,
+            "notices_sent": 0,
+            "failovers": 0,
+            "failbacks": 0,
+        }
         self.sysctl_problems: dict[str, str] = {}
         self.note = ""
 
     # ----- life cycle -----------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, io_thread: bool = True) -> None:
+        """Open the sockets, learn the routes, start the heartbeat thread (``io_thread`` False: the caller drives
+        :meth:`absorb` and :meth:`send_due` itself, as a benchmark or a test does)."""
         self.kernel = Kernel()
         links = self.kernel.links()
         missing = [r for r in self.rails if r not in links]
@@ -123,8 +165,22 @@ class LinkPass:
             log.warning("%s; a dead NIC makes this node a failing node for TorchPass", self.note)
         if self.cfg.apply_sysctls:
             self.sysctl_problems = sysctls.apply(sysctls.parse(self.cfg.sysctls))
+        # Room for a notice from every node at once (a whole rail's switch died) and four intervals of heartbeats.
+        want = hbio.rcvbuf_for(
+            max(len(self.peers), 4 * peer_choice.bound(self.cfg.ring_neighbours, self.cfg.random_peers)) + 64,
+            self.index.size,
+        )
         for rail in self.rails:
-            self.sockets[rail] = self._open_socket(rail)
+            sock, granted = hbio.open_socket(self.me.nics[rail], self.cfg.heartbeat_port, rail, want)
+            self.sockets[rail], self.rcvbuf[rail] = sock, granted
+            if granted < want:
+                log.warning(
+                    "%s: %s's heartbeat socket got %d of %d bytes of receive buffer (net.core.rmem_max)",
+                    self.me.name,
+                    rail,
+                    granted,
+                    want,
+                )
         now = self.clock()
         by_index = {index: rail for rail, index in self.ifindex.items()}
         known = self._load_homes()
@@ -138,13 +194,21 @@ class LinkPass:
             if routed != self.home[name]:
                 self.dirty = True
         self._save_homes()
+        if not all(self.nic_up.values()):
+            self.next_notice = now  # tell the fabric what is down from the start
+        if io_thread:
+            self.io = hbio.HeartbeatThread(self, self.sockets, self.clock)
+            self.io.start()
         log.info(
-            "linkpass on %s: rails %s, %d peers, heartbeat %d ms, dead after %d ms",
+            "linkpass on %s: rails %s, %d peers (%d heartbeated on every rail), heartbeat %d ms, dead after %d ms, "
+            "%d-byte packets",
             self.me.name,
             ",".join(self.rails),
             len(self.peers),
+            len(self.path_peers),
             self.cfg.heartbeat_ms,
             self.cfg.dead_after_ms,
+            self.index.size,
         )
 
     def _load_homes(self) -> dict[str, str]:
@@ -168,128 +232,179 @@ class LinkPass:
         except OSError as exc:
             log.warning("%s: cannot record the home rails in %s: %s", self.me.name, self.home_file, exc)
 
-    def _open_socket(self, rail: str) -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, SO_BINDTODEVICE, rail.encode())
-        sock.bind((self.me.nics[rail], self.cfg.heartbeat_port))
-        sock.setblocking(False)
-        return sock
-
     def close(self) -> None:
+        if self.io is not None:
+            self.io.stop()
+            self.io = None
         for sock in self.sockets.values():
             sock.close()
         self.sockets.clear()
         if self.kernel is not None:
             self.kernel.close()
             self.kernel = None
+        self._wake_r.close()
+        self._wake_w.close()
 
     # ----- event loop hooks -----------------------------------------------------------------
 
     def fds(self) -> list[int]:
-        # Only the kernel's link events wake the loop (a lost carrier acts at once). Heartbeats are read in
-        # batches at each tick: one wake-up per interval instead of one per arriving packet (hundreds a
-        # second on a large fabric), at the price of at most one interval added to a silent path's verdict.
+        # The kernel's link events (a lost carrier acts at once) and the heartbeat thread's wake-up (a peer's down
+        # notice acts at once); everything else is decided at each tick.
         assert self.kernel is not None
-        return [self.kernel.fileno()]
+        return [self.kernel.fileno(), self._wake_r.fileno()]
 
     def next_deadline(self) -> float:
-        return min(self.next_send, self.clock()) if self.dirty else self.next_send
+        return min(self.next_tick, self.clock()) if self.dirty else self.next_tick
 
     def on_readable(self, fd: int) -> None:
         assert self.kernel is not None
+        if fd == self._wake_r.fileno():
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, InterruptedError):
+                pass
+            return
         if fd == self.kernel.fileno():
             for state in self.kernel.link_events():
                 self._on_link(state)
-            self.dirty = True  # decided in tick(), after the heartbeats that arrived meanwhile are read
+            self.dirty = True
 
     def tick(self) -> None:
-        for rail, sock in self.sockets.items():
-            self._receive(rail, sock)
-        now = self.clock()
-        if now >= self.next_send:
-            self._send_all()
-            self.next_send = now + self.interval
+        if self.io is not None and not self.io.alive():
+            log.error("%s: the heartbeat thread stopped; starting another", self.me.name)
+            self.io = hbio.HeartbeatThread(self, self.sockets, self.clock)
+            self.io.start()
         self.dirty = False
         self.evaluate()
+        self.next_tick = self.clock() + self.interval
 
-    # ----- evidence -------------------------------------------------------------------------
+    def set_watch_peers(self, names: Iterable[str]) -> None:
+        """The node watch's peers (the other nodes of the jobs running here): heartbeated on one rail in turn."""
+        wanted = frozenset(n for n in names if n in self.peers)
+        if wanted != self.watch_peers:
+            with self.lock:
+                self.watch_peers = wanted
+
+    # ----- evidence (the heartbeat thread) -----------------------------------------------------
 
     def _on_link(self, state: LinkState) -> None:
         rail = state.name
         if rail not in self.nic_up or self.nic_up[rail] == state.usable:
             return
-        self.nic_up[rail] = state.usable
-        if state.usable:
-            log.info("%s: %s is up again (carrier back)", self.me.name, rail)
-            self.nic_down_reason.pop(rail, None)
-            return
-        reason = f"{rail} {'carrier lost' if state.admin_up else 'admin down'}"
-        self.nic_down_reason[rail] = reason
-        log.warning("%s: %s", self.me.name, reason)
-        self.flush_pending.add(rail)  # after the routes have moved (see evaluate)
-        self._send_all(down=[rail])  # tell the peers now, over the rails that still work
+        with self.lock:
+            self.nic_up[rail] = state.usable
+            if state.usable:
+                log.info("%s: %s is up again (carrier back)", self.me.name, rail)
+                self.nic_down_reason.pop(rail, None)
+                if all(self.nic_up.values()):
+                    self.next_notice = NEVER
+            else:
+                reason = f"{rail} {'carrier lost' if state.admin_up else 'admin down'}"
+                self.nic_down_reason[rail] = reason
+                log.warning("%s: %s", self.me.name, reason)
+                self.flush_pending.add(rail)  # after the routes have moved (see evaluate)
+                self.next_notice = self.clock() + NOTICE_REPEAT_S
+            out = self._notice([] if state.usable else [rail], [rail] if state.usable else [])
+        self._send(out)  # tell the whole fabric now, over the rails that still work
 
-    def _receive(self, rail: str, sock: socket.socket) -> None:
-        now = self.clock()
-        while True:
+    def absorb(self, rail: str, batch: list[tuple[bytes, str]], now: float) -> None:
+        """File a batch of packets that arrived on ``rail``'s socket (``(data, source address)`` each)."""
+        wake = False
+        with self.lock:
+            for data, src in batch:
+                wake |= self._absorb_one(rail, data, src, now)
+            if wake:
+                self.dirty = True
+        if wake:
             try:
-                data, (src, _port) = sock.recvfrom(heartbeat.MAX_PACKET + 1)
-            except BlockingIOError:
-                return
+                self._wake_w.send(b"!")
             except OSError:
-                return
-            try:
-                hb = heartbeat.decode(data, self.key)
-            except heartbeat.PacketError as exc:
-                self.counters["rejected"] += 1
-                log.debug("%s: heartbeat from %s on %s dropped: %s", self.me.name, src, rail, exc)
-                continue
-            peer = self.peers.get(hb.node)
-            if peer is None or hb.rail != rail or peer.nics.get(rail) != src:
-                self.counters["rejected"] += 1
-                continue
-            self.counters["received"] += 1
-            paths = self.paths[hb.node]
-            if hb.node not in self.heard_from:
+                pass  # the loop has a wake-up pending already, or it is closing
+
+    def _absorb_one(self, rail: str, data: bytes, src: str, now: float) -> bool:
+        try:
+            hb = heartbeat.decode(data, self.index, self.key)
+        except heartbeat.PacketError as exc:
+            self.counters["rejected"] += 1
+            log.debug("%s: heartbeat from %s on %s dropped: %s", self.me.name, src, rail, exc)
+            return False
+        name = self.by_number.get(hb.node)
+        peer = self.peers.get(name) if name is not None else None
+        if name is None or peer is None or self.index.rails[hb.rail] != rail or peer.nics.get(rail) != src:
+            self.counters["rejected"] += 1
+            return False
+        self.counters["received"] += 1
+        self.last_any[name] = now
+        paths = self.paths[name]
+        if name in self.path_peers:
+            if name not in self.heard_from:
                 # First word from this peer's daemon: give every rail one dead interval to hear from it
                 # (and to be heard by it) before judging, or a start-up race would look like a failure.
-                self.heard_from.add(hb.node)
+                self.heard_from.add(name)
                 for path in paths.values():
                     path.last_in = path.last_out_ok = now
-            paths[rail].last_in = now
-            for heard_rail, heard in hb.heard.items():
-                if heard_rail in paths and self.me.name in heard:
-                    paths[heard_rail].last_out_ok = now
-            for lost in hb.down:
-                if lost in paths:
-                    paths[lost].last_in = paths[lost].last_out_ok = NEVER
-                    paths[lost].reason = f"{hb.node} reported {lost} down"
-            if hb.down:
-                self.dirty = True
-
-    def _send_all(self, down: list[str] | None = None) -> None:
-        now = self.clock()
-        heard = {
-            rail: sorted(
-                p for p, paths in self.paths.items() if rail in paths and now - paths[rail].last_in < self.dead
-            )
-            for rail in self.rails
-        }
-        self.seq += 1
-        for rail, sock in self.sockets.items():
-            if not self.nic_up.get(rail, False):
+            for r, path in paths.items():
+                if hb.hears(self.my_number, self.rail_number[r]):
+                    path.last_out_ok = now
+        paths[rail].last_in = now
+        paths[rail].notice_until = NEVER  # it speaks on this rail: whatever it said before, this NIC works
+        changed = False
+        for bit, lost in enumerate(self.index.rails):
+            if lost not in paths:
                 continue
-            packet = heartbeat.encode(heartbeat.Heartbeat(self.me.name, rail, self.seq, heard, down or []), self.key)
-            for peer in self.peers.values():
-                ip = peer.nics.get(rail)
-                if ip is None:
-                    continue
-                try:
-                    sock.sendto(packet, (ip, self.cfg.heartbeat_port))
-                    self.counters["sent"] += 1
-                except OSError:
-                    self.counters["send_errors"] += 1
+            if hb.down >> bit & 1:
+                changed = True
+                path = paths[lost]
+                path.reason = f"{name} reported {lost} down"
+                if name in self.path_peers:
+                    path.last_in = path.last_out_ok = NEVER
+                else:
+                    path.notice_until = now + NOTICE_TTL_S
+            elif hb.up >> bit & 1 and paths[lost].notice_until != NEVER:
+                changed = True
+                paths[lost].notice_until = NEVER
+        return changed
+
+    def _heard(self, now: float) -> tuple[bytes, ...]:
+        return self.outbox.heard(
+            {name: [r for r, p in self.paths[name].items() if now - p.last_in < self.dead] for name in self.path_peers}
+        )
+
+    def _usable(self) -> list[str]:
+        return [r for r in self.rails if self.nic_up.get(r, False)]
+
+    def send_due(self, now: float) -> float:
+        """Send this interval's heartbeats (and a repeated down notice when due); returns when the next are due."""
+        with self.lock:
+            out = self.outgoing(now)
+            if now >= self.next_notice != NEVER:
+                out += self._notice([r for r in self.rails if not self.nic_up.get(r, False)], [])
+                self.next_notice = now + NOTICE_REPEAT_S
+        self._send(out)
+        self.next_send = max(self.next_send + self.interval, now)
+        return self.next_send
+
+    def outgoing(self, now: float) -> Outgoing:
+        """One interval's heartbeats (see :class:`linkpass.outbox.Outbox`)."""
+        return self.outbox.heartbeats(self._usable(), self._heard(now), self.path_peers, self.watch_peers)
+
+    def _notice(self, down: list[str], up: list[str]) -> Outgoing:
+        out = self.outbox.notices(self._usable(), self._heard(self.clock()), down, up)
+        self.counters["notices_sent"] += len(out)
+        return out
+
+    def _send(self, out: Outgoing) -> None:
+        port = self.cfg.heartbeat_port
+        for rail, packet, ip in out:
+            sock = self.sockets.get(rail)
+            if sock is None:
+                continue
+            try:
+                sock.sendto(packet, (ip, port))
+                self.counters["sent"] += 1
+            except OSError:
+                self.counters["send_errors"] += 1
 
     # ----- decisions ------------------------------------------------------------------------
 
@@ -302,11 +417,12 @@ class LinkPass:
         """
         if rail not in self.paths.get(peer, {}):
             return False
-        if reason is None:
-            self.gray.pop((peer, rail), None)
-        else:
-            self.gray[(peer, rail)] = reason
-        self.dirty = True
+        with self.lock:
+            if reason is None:
+                self.gray.pop((peer, rail), None)
+            else:
+                self.gray[(peer, rail)] = reason
+            self.dirty = True
         return True
 
     def _path_alive(self, peer: str, rail: str, path: PathState, now: float) -> tuple[bool, str, bool]:
@@ -317,13 +433,18 @@ class LinkPass:
             return False, f"gray: {self.gray[(peer, rail)]}", True
         if path.last_in == NEVER and path.reason:
             return False, path.reason, True  # the peer reported this NIC down
+        if peer not in self.path_peers or peer not in self.heard_from:
+            # Not heartbeated on this rail (or no daemon there): carrier, Lens and the peer's notices only.
+            if now < path.notice_until:
+                return False, path.reason, True
+            return True, "", False
         if now - path.last_in >= self.dead:
             return False, f"no heartbeat on {rail} for {self.cfg.dead_after_ms} ms", False
         if now - path.last_out_ok >= self.dead:
             return False, f"peer does not hear us on {rail}", False
         return True, "", False
 
-    def _update_paths(self, now: float) -> dict[str, str]:
+    def update_paths(self, now: float) -> dict[str, str]:
         """Refresh every path's alive flag; returns peer -> reason for paths that just died.
 
         Silence is only evidence against one rail when another rail to the same peer is fresh: when
@@ -332,14 +453,11 @@ class LinkPass:
         """
         died: dict[str, str] = {}
         for peer, paths in self.paths.items():
-            managed = peer in self.heard_from
             fresh = {r for r, p in paths.items() if now - p.last_in < self.dead and now - p.last_out_ok < self.dead}
             for rail, path in paths.items():
                 alive, reason, hard = self._path_alive(peer, rail, path, now)
                 if not alive and not hard and not (fresh - {rail}):
                     alive = path.alive  # no comparison possible: keep the last verdict
-                if not managed and self.nic_up.get(rail, False):
-                    alive = True  # no heartbeats from this peer ever (no daemon there): judge by carrier only
                 if path.alive and not alive:
                     path.alive = False
                     path.failures = [t for t in path.failures if now - t < FLAP_WINDOW_S] + [now]
@@ -352,39 +470,52 @@ class LinkPass:
                     path.reason = ""
         return died
 
-    def _eligible(self, path: PathState, now: float) -> bool:
+    def eligible(self, path: PathState, now: float) -> bool:
         return path.alive and now - path.alive_since >= path.holddown
 
     def evaluate(self) -> None:
         if self.kernel is None:
             return
-        now = self.clock()
-        died = self._update_paths(now)
-        # (kind, old rails, new rails, reason) -> [(peer, route_ms)]: one event per kind of move, not per peer
-        moves: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], list[tuple[str, float]]] = defaultdict(list)
+        # Decide under the lock, program the routes outside it: the heartbeat thread never waits on netlink.
+        with self.lock:
+            plan = self._decide(self.clock())
+        self._apply(plan)
+
+    def _decide(self, now: float) -> list[tuple[str, tuple[str, ...], str, str]]:
+        """(peer, rails it should use, kind, reason) for every peer whose route should change."""
+        died = self.update_paths(now)
+        plan = []
         for peer, paths in self.paths.items():
             home = self.home[peer]
-            if self._eligible(paths[home], now):
+            if self.eligible(paths[home], now):
                 want: tuple[str, ...] = (home,)
             else:
                 # Healthy rails past their hold-down first; a rail still in hold-down beats staying on a
                 # dead one (hold-down delays going back, never escaping); nothing alive: leave the route.
                 want = (
-                    tuple(r for r in sorted(paths) if self._eligible(paths[r], now))
+                    tuple(r for r in sorted(paths) if self.eligible(paths[r], now))
                     or tuple(r for r in sorted(paths) if paths[r].alive)
                     or self.current[peer]
                 )
             old = self.current[peer]
             if want == old:
                 continue
+            kind = "link.failback" if want == (home,) else "link.failover"
+            plan.append((peer, want, kind, died.get(peer) or paths[old[0]].reason or "path healthy again"))
+        return plan
+
+    def _apply(self, plan: list[tuple[str, tuple[str, ...], str, str]]) -> None:
+        assert self.kernel is not None
+        # (kind, old rails, new rails, reason) -> [(peer, route_ms)]: one event per kind of move, not per peer
+        moves: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], list[tuple[str, float]]] = defaultdict(list)
+        for peer, want, kind, reason in plan:
+            old = self.current[peer]
             t0 = self.clock()
             try:
                 self._program(peer, want)
             except Exception as exc:
                 log.error("%s: cannot route %s via %s: %s", self.me.name, peer, ",".join(want), exc)
                 continue
-            kind = "link.failback" if want == (home,) else "link.failover"
-            reason = died.get(peer) or paths[old[0]].reason or "path healthy again"
             moves[(kind, old, want, reason)].append((peer, (self.clock() - t0) * 1000))
             self.current[peer] = want
         if moves:
@@ -434,14 +565,12 @@ class LinkPass:
     # ----- reporting ------------------------------------------------------------------------
 
     def last_heard(self) -> dict[str, float]:
-        """Peer -> when its newest heartbeat arrived, on any rail (this engine's clock), for every peer whose daemon
-        was ever heard: the node daemon's node-silent verdicts start from it (silence on every rail at once is a
-        dead or stopped node, not a link, and LinkPass leaves it alone)."""
-        return {
-            peer: max(path.last_in for path in paths.values())
-            for peer, paths in self.paths.items()
-            if peer in self.heard_from
-        }
+        """Peer -> when its newest heartbeat arrived, on any rail (this engine's clock), for every peer heartbeated
+        (a path or watch peer) and ever heard: the node daemon's node-silent verdicts start from it (silence on every
+        rail at once is a dead or stopped node, not a link, and LinkPass leaves it alone)."""
+        with self.lock:
+            watched = self.path_peers | self.watch_peers
+            return {peer: t for peer, t in self.last_any.items() if peer in watched}
 
     def usable_nics(self) -> list[str]:
         """This node's fabric NICs that are up with carrier."""
@@ -461,27 +590,5 @@ class LinkPass:
         return out
 
     def status(self) -> dict[str, Any]:
-        now = self.clock()
-        return {
-            "enabled": True,
-            "node": self.me.name,
-            "note": self.note,
-            "nics": {
-                r: {"up": self.nic_up.get(r, False), "reason": self.nic_down_reason.get(r, "")} for r in self.rails
-            },
-            "routes": {peer: list(rails) for peer, rails in sorted(self.current.items())},
-            "paths": {
-                peer: {
-                    r: "alive" if self._eligible(p, now) else ("holddown" if p.alive else f"dead: {p.reason}")
-                    for r, p in sorted(paths.items())
-                }
-                for peer, paths in sorted(self.paths.items())
-            },
-            "avoid_nics": self.avoid_nics(),
-            "gray": {f"{peer}/{rail}": reason for (peer, rail), reason in sorted(self.gray.items())},
-            "failovers": self.counters["failovers"],
-            "failbacks": self.counters["failbacks"],
-            "heartbeats": {k: self.counters[k] for k in ("sent", "received", "rejected", "send_errors")},
-            "sysctls": sysctls.read(list(sysctls.parse(self.cfg.sysctls))),
-            "sysctl_problems": self.sysctl_problems,
-        }
+        with self.lock:
+            return report.status(self, self.clock())

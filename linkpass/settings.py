@@ -27,7 +27,29 @@ class LinkPassConfig:
         default=16901, metadata={"doc": "UDP port of the per-rail heartbeats (bound on each NIC address).", "min": 1}
     )
     heartbeat_ms: int = field(
-        default=10, metadata={"doc": "Heartbeat interval to every peer on every rail, milliseconds.", "min": 1}
+        default=10,
+        metadata={
+            "doc": "Heartbeat interval, milliseconds: to each path peer on every rail, to each other node of the "
+            "jobs running here on one rail in turn.",
+            "min": 1,
+        },
+    )
+    ring_neighbours: int = field(
+        default=1,
+        metadata={
+            "doc": "Path peers on each side of this node in the fabric map's order (its rail neighbours: list nodes "
+            "in rack order), heartbeated on every rail.",
+            "min": 0,
+        },
+    )
+    random_peers: int = field(
+        default=4,
+        metadata={
+            "doc": "More path peers at pseudo-random ring offsets from the fabric map's fingerprint (the same on "
+            "both ends), heartbeated on every rail. A node has at most 2 x (ring_neighbours + ceil(random_peers / "
+            "2)) path peers whatever the fabric's size; enough to cover every node means all to all.",
+            "min": 0,
+        },
     )
     dead_after_ms: int = field(
         default=50,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,46 +21,54 @@ FABRIC = {
 }
 
 
+INDEX = heartbeat.FabricIndex.of(FabricMap.parse(FABRIC))
+
+
+def _beat(seq: int = 7, down: int = 0) -> heartbeat.Heartbeat:
+    return heartbeat.Heartbeat(0, 0, seq, (heartbeat.bitmap(INDEX, {1}), heartbeat.bitmap(INDEX, set())), down)
+
+
 def test_heartbeat_round_trip() -> None:
-    hb = heartbeat.Heartbeat("node1", "nic0", 7, {"nic0": ["node2"], "nic1": []}, ["nic1"])
-    assert heartbeat.decode(heartbeat.encode(hb, KEY), KEY) == hb
+    hb = _beat(down=0b10)
+    got = heartbeat.decode(heartbeat.encode(hb, INDEX, KEY), INDEX, KEY)
+    assert got == hb and got.hears(1, 0) and not got.hears(1, 1) and not got.hears(0, 0)
 
 
 def test_heartbeat_with_another_key_or_tampered_is_rejected() -> None:
-    packet = heartbeat.encode(heartbeat.Heartbeat("node1", "nic0", 1), KEY)
+    packet = heartbeat.encode(_beat(1), INDEX, KEY)
     with pytest.raises(heartbeat.PacketError, match="authentication"):
-        heartbeat.decode(packet, b"x" * 32)
+        heartbeat.decode(packet, INDEX, b"x" * 32)
     tampered = bytearray(packet)
     tampered[3] ^= 0x01
     with pytest.raises(heartbeat.PacketError, match="authentication"):
-        heartbeat.decode(bytes(tampered), KEY)
+        heartbeat.decode(bytes(tampered), INDEX, KEY)
 
 
 def test_authentic_but_malformed_bodies_are_rejected() -> None:
-    import hashlib
-    import hmac
+    body = heartbeat.encode_body(_beat(), INDEX)
+    other = heartbeat.FabricIndex(INDEX.nodes, INDEX.rails, INDEX.fingerprint ^ 1)
 
-    def sign(body: bytes) -> bytes:
-        return body + hmac.new(KEY, body, hashlib.sha256).digest()[: heartbeat.TAG_BYTES]
+    def patched(offset: int, value: int) -> bytes:
+        out = bytearray(body)
+        out[offset] = value
+        return heartbeat.seal(bytes(out), KEY)
 
-    bad = [
-        msgpack.packb({"v": 2, "n": "a", "r": "nic0", "s": 1, "h": {}, "d": []}),
-        msgpack.packb({"v": 1, "n": 5, "r": "nic0", "s": 1, "h": {}, "d": []}),
-        msgpack.packb({"v": 1, "n": "a", "r": "nic0", "s": 1, "h": {"nic0": [1]}, "d": []}),
-        msgpack.packb({"v": 1, "n": "a", "r": "nic0", "s": 1, "h": {}, "d": "nic0"}),
-        msgpack.packb([1, 2, 3]),
-        b"\xc1\xc1\xc1",
-    ]
-    for body in bad:
-        with pytest.raises(heartbeat.PacketError):
-            heartbeat.decode(sign(body), KEY)
+    cases = {
+        "unknown version": patched(0, 9),
+        "another fabric map": heartbeat.encode(_beat(), other, KEY),
+        "out of range": patched(7, 5),  # the sender's node number (low byte)
+        "bad size": heartbeat.seal(body + b"\0", KEY),
+    }
+    for message, packet in cases.items():
+        with pytest.raises(heartbeat.PacketError, match=message):
+            heartbeat.decode(packet, INDEX, KEY)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
 def test_arbitrary_bytes_never_crash_the_decoder(data: bytes) -> None:
     try:
-        heartbeat.decode(data, KEY)
+        heartbeat.decode(data, INDEX, KEY)
     except heartbeat.PacketError:
         pass
 

@@ -147,6 +147,9 @@ class Judge:
         self.verdicts: dict[str, NodeVerdict] = {}  # active: node -> its verdict, until it is heard again
         self.seq = 0
         self.last_heard: dict[str, float] = {}
+        # node -> the other nodes of the jobs it runs with here: asked first as second observers, since only they
+        # heartbeat it (a daemon hears only its path peers and its own jobs' nodes, see linkpass.peers)
+        self.mates: dict[str, set[str]] = {}
         self.nic_usable = False
         self.echo_ok: dict[str, float] = {}  # peer -> its kernel's last echo answer (ever)
         self.echo_checked: dict[str, float] = {}
@@ -255,7 +258,10 @@ class Judge:
             if episode.held:
                 continue
             others = [p for p in last_heard if p != peer and p not in self.verdicts]
-            fresh = sorted(p for p in others if now - last_heard[p] < self.silent / 2)
+            mates = self.mates.get(peer, set())
+            fresh = sorted(
+                (p for p in others if now - last_heard[p] < self.silent / 2), key=lambda p: (p not in mates, p)
+            )
             if not others:
                 step.verdicts.append(self._decide(peer, episode, now, wall, ()))
             elif not fresh:

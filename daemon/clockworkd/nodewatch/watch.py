@@ -1,6 +1,8 @@
 """The node watch as the daemon hosts it: LinkPass's heartbeats and kernel echoes in, verdicts out to the jobs.
 
-It ticks with LinkPass's heartbeat interval inside the daemon's one loop: reads the echo answers, lets the
+It ticks with LinkPass's heartbeat interval inside the daemon's one loop: tells LinkPass which nodes to heartbeat
+for it (the other nodes of the jobs running here; LinkPass's own thread sends and stamps them, so a slow loop
+delays a verdict but never makes one up), reads the echo answers, lets the
 :class:`~clockworkd.nodewatch.judge.Judge` decide, sends the echoes it asks for, hands confirmations to the
 :class:`~clockworkd.nodewatch.confirm.ConfirmWorker`, and delivers each verdict:
 
@@ -79,6 +81,7 @@ class NodeWatch:
 
     def tick(self) -> None:
         now = self.clock()
+        self._follow_jobs()
         for _rail, source in self.prober.answers():
             peer = self.by_address.get(source)
             if peer is not None:
@@ -98,6 +101,17 @@ class NodeWatch:
         for peer in step.cleared:
             self._heard_again(peer)
         self.next_tick = now + self.interval
+
+    def _follow_jobs(self) -> None:
+        """Heartbeat the other nodes of the jobs running here (LinkPass's watch peers), and know who shares a job."""
+        mates: dict[str, set[str]] = {}
+        for job in self.jobs():
+            if job.state == RUNNING and self.node in job.nodes:
+                for node in job.nodes:
+                    mates.setdefault(node, set()).update(job.nodes)
+        mates.pop(self.node, None)
+        self.linkpass.set_watch_peers(mates)
+        self.judge.mates = mates
 
     def status(self) -> dict[str, Any]:
         return {

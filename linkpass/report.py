@@ -1,0 +1,85 @@
+"""What ``clockwork node status`` shows of LinkPass: NICs, routes, paths, heartbeat peers and the heartbeat thread.
+
+Apart from the engine to keep it to its decisions; read under the engine's lock (:meth:`LinkPass.status`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from linkpass import sysctls
+from linkpass.fabric import FabricNode
+from linkpass.hbio import HeartbeatThread
+from linkpass.heartbeat import FabricIndex
+from linkpass.settings import LinkPassConfig
+
+__all__ = ["Reported", "status"]
+
+
+class Reported(Protocol):
+    """What the report reads of the engine (:class:`linkpass.engine.LinkPass`, which imports this module)."""
+
+    cfg: LinkPassConfig
+    me: FabricNode
+    note: str
+    rails: list[str]
+    nic_up: dict[str, bool]
+    nic_down_reason: dict[str, str]
+    current: dict[str, tuple[str, ...]]
+    paths: dict[str, Any]
+    gray: dict[tuple[str, str], str]
+    counters: dict[str, int]
+    path_peers: frozenset[str]
+    watch_peers: frozenset[str]
+    index: FabricIndex
+    rcvbuf: dict[str, int]
+    io: HeartbeatThread | None
+    sysctl_problems: dict[str, str]
+
+    def eligible(self, path: Any, now: float) -> bool: ...
+    def avoid_nics(self) -> list[str]: ...
+
+
+def status(engine: Reported, now: float) -> dict[str, Any]:
+    """The engine's state for the node's status (``now``: the engine's clock)."""
+    return {
+        "enabled": True,
+        "node": engine.me.name,
+        "note": engine.note,
+        "nics": {
+            r: {"up": engine.nic_up.get(r, False), "reason": engine.nic_down_reason.get(r, "")} for r in engine.rails
+        },
+        "routes": {peer: list(rails) for peer, rails in sorted(engine.current.items())},
+        "paths": {
+            peer: {
+                r: "alive" if engine.eligible(p, now) else ("holddown" if p.alive else f"dead: {p.reason}")
+                for r, p in sorted(paths.items())
+            }
+            for peer, paths in sorted(engine.paths.items())
+        },
+        "avoid_nics": engine.avoid_nics(),
+        "gray": {f"{peer}/{rail}": reason for (peer, rail), reason in sorted(engine.gray.items())},
+        "failovers": engine.counters["failovers"],
+        "failbacks": engine.counters["failbacks"],
+        "heartbeats": {k: engine.counters[k] for k in ("sent", "received", "rejected", "send_errors", "notices_sent")},
+        "heartbeat_peers": {
+            "path": sorted(engine.path_peers),
+            "watch": sorted(engine.watch_peers - engine.path_peers),
+            "packet_bytes": engine.index.size,
+            "rcvbuf_bytes": dict(engine.rcvbuf),
+        },
+        "heartbeat_thread": _thread(engine, now),
+        "sysctls": sysctls.read(list(sysctls.parse(engine.cfg.sysctls))),
+        "sysctl_problems": engine.sysctl_problems,
+    }
+
+
+def _thread(engine: Reported, now: float) -> dict[str, Any]:
+    """Whether the heartbeat thread runs and when it last went round (a stuck one stops going round)."""
+    if engine.io is None:
+        return {"running": False}
+    return {
+        "running": engine.io.alive(),
+        "last_round_ms": round(1000 * (now - engine.io.last_round), 1),
+        "errors": engine.io.errors,
+    }
