@@ -20,6 +20,13 @@ class LensConfig:
         "chosen so every link lies on two probed paths that differ elsewhere.",
         min=1,
     )
+    probe_budget_per_s: float = setting(
+        4000.0,
+        "Probes a second one node may send, all its NICs together (0 = no budget). Over it, each NIC probes fewer "
+        "peers (down to 2, what singling out a link needs) and then less often than interval_ms; every link stays "
+        "covered. The same on every node: the busiest node sets the pace.",
+        min=0.0,
+    )
     topology_file: str = setting(
         "",
         'Topology (JSON or TOML): {"nics": {"NODE/NIC": {"switch": S, "port": P}}, "links": [[LEAF, SPINE]]}; '

@@ -33,7 +33,7 @@ from typing import Any
 
 from clockwork.contracts.config.lens import LensConfig
 from clockwork.contracts.lens_model import PathStats, PathVerdict, split_nic
-from clockworkd.lens import fastio, peers, tomography, wire
+from clockworkd.lens import budget, fastio, peers, tomography, wire
 from clockworkd.lens.clockkeeper import CLOCK_EVERY_S, FIRST_CLOCK_FIT_S, ClockKeeper
 from clockworkd.lens.clockseam import ClockSeam
 from clockworkd.lens.pathwindow import Thresholds, window_stats
@@ -89,7 +89,8 @@ class Lens:
         self.topology = topology
         self.key = key
         self.seam = seam
-        self.interval = cfg.interval_ms / 1000
+        self.schedule = budget.schedule(topology, cfg.peers_per_nic, cfg.interval_ms, cfg.probe_budget_per_s)
+        self.interval = self.schedule.interval_ms / 1000
         self.th = Thresholds(
             self.interval, cfg.window_s, cfg.loss_min_lost, cfg.delay_rise_us, cfg.jitter_rise_us, cfg.rate_drop
         )
@@ -133,11 +134,11 @@ class Lens:
 
     def start(self) -> None:
         fastio.probeio()  # raises, naming the fix, when the C extension is not built
-        plan = peers.plan(self.topology, self.cfg.peers_per_nic)
+        plan = self.schedule.plan
         self.localizer = tomography.Localizer(self.topology, plan)
         self.paths.open(plan, peers.probed_by(plan), self.cfg.port)
         self.pacer = self.paths.start_pacer(
-            self.key, self.session, round(self.cfg.interval_ms * 1e6), self.cfg.pair_every, self.seam
+            self.key, self.session, round(self.schedule.interval_ms * 1e6), self.cfg.pair_every, self.seam
         )
         self.receiver.attach(self.pacer)
         log.info(
@@ -146,7 +147,7 @@ class Lens:
             ",".join(n.name for n in self.paths.local),
             sum(len(n.out) for n in self.paths.local),
             len(self.paths.incoming),
-            self.cfg.interval_ms,
+            self.schedule.interval_ms,
             self.reference,
             " (clock seam: TESTS ONLY)" if self.seam else "",
         )
@@ -333,7 +334,8 @@ class Lens:
         return {
             "node": self.me,
             "enabled": True,
-            "interval_ms": self.cfg.interval_ms,
+            "interval_ms": self.schedule.interval_ms,
+            "probe_schedule": self.schedule.to_dict(),
             "time": time.time(),
             **self.clocks.snapshot(),
             "paths": paths,
