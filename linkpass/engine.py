@@ -44,6 +44,7 @@ from linkpass.settings import LinkPassConfig
 log = logging.getLogger("clockwork.linkpass")
 
 FLAP_WINDOW_S = 60.0
+FULL_PASS_S = 1.0  # every peer's paths judged at least this often (notices expire, hold-downs end)
 NEVER = -1e18
 #: A NIC that stays down is announced to the whole fabric again this often...
 NOTICE_REPEAT_S = 10.0
@@ -133,6 +134,9 @@ class LinkPass:
         self.next_notice = NEVER
         self.next_tick = 0.0
         self.dirty = False  # new evidence arrived: decide at once
+        self.full_pass = True  # judge every peer at the next decision, not only the path and unsettled ones
+        self.next_full = 0.0
+        self.unsettled: set[str] = set()  # peers whose route or paths are not steady: judged at every tick
         self.flush_pending: set[str] = set()  # dead NICs whose neighbour entries go once routes moved
         self.gray: dict[tuple[str, str], str] = {}  # (peer, rail) -> why Fleet Lens says the path is gray
         self.counters = {
@@ -268,7 +272,7 @@ class LinkPass:
         if fd == self.kernel.fileno():
             for state in self.kernel.link_events():
                 self._on_link(state)
-            self.dirty = True
+            self.dirty = self.full_pass = True
 
     def tick(self) -> None:
         if self.io is not None and not self.io.alive():
@@ -315,7 +319,7 @@ class LinkPass:
             for data, src in batch:
                 wake |= self._absorb_one(rail, data, src, now)
             if wake:
-                self.dirty = True
+                self.dirty = self.full_pass = True
         if wake:
             try:
                 self._wake_w.send(b"!")
@@ -344,11 +348,14 @@ class LinkPass:
                 self.heard_from.add(name)
                 for path in paths.values():
                     path.last_in = path.last_out_ok = now
+            byte, mask, heard, numbers = self.my_number >> 3, 1 << (self.my_number & 7), hb.heard, self.rail_number
             for r, path in paths.items():
-                if hb.hears(self.my_number, self.rail_number[r]):
+                if heard[numbers[r]][byte] & mask:  # it hears us on r
                     path.last_out_ok = now
         paths[rail].last_in = now
         paths[rail].notice_until = NEVER  # it speaks on this rail: whatever it said before, this NIC works
+        if not (hb.down or hb.up):
+            return False
         changed = False
         for bit, lost in enumerate(self.index.rails):
             if lost not in paths:
@@ -423,6 +430,7 @@ class LinkPass:
             else:
                 self.gray[(peer, rail)] = reason
             self.dirty = True
+            self.unsettled.add(peer)
         return True
 
     def _path_alive(self, peer: str, rail: str, path: PathState, now: float) -> tuple[bool, str, bool]:
@@ -444,7 +452,7 @@ class LinkPass:
             return False, f"peer does not hear us on {rail}", False
         return True, "", False
 
-    def update_paths(self, now: float) -> dict[str, str]:
+    def update_paths(self, now: float, peers: Iterable[str] | None = None) -> dict[str, str]:
         """Refresh every path's alive flag; returns peer -> reason for paths that just died.
 
         Silence is only evidence against one rail when another rail to the same peer is fresh: when
@@ -452,7 +460,8 @@ class LinkPass:
         and there is no better rail to move to anyway (a dead node is TorchPass's business).
         """
         died: dict[str, str] = {}
-        for peer, paths in self.paths.items():
+        for peer in self.paths if peers is None else peers:
+            paths = self.paths[peer]
             fresh = {r for r, p in paths.items() if now - p.last_in < self.dead and now - p.last_out_ok < self.dead}
             for rail, path in paths.items():
                 alive, reason, hard = self._path_alive(peer, rail, path, now)
@@ -482,10 +491,20 @@ class LinkPass:
         self._apply(plan)
 
     def _decide(self, now: float) -> list[tuple[str, tuple[str, ...], str, str]]:
-        """(peer, rails it should use, kind, reason) for every peer whose route should change."""
-        died = self.update_paths(now)
+        """(peer, rails it should use, kind, reason) for every peer whose route should change.
+
+        Every peer after an event (a link change, a notice, a Lens verdict) and once a second; otherwise only the
+        path peers (whose heartbeats may stop at any moment) and the peers not yet settled (failed over, in
+        hold-down, under a notice): what a tick costs does not grow with the fabric.
+        """
+        full = self.full_pass or now >= self.next_full
+        if full:
+            self.full_pass, self.next_full = False, now + FULL_PASS_S
+        todo = list(self.paths) if full else sorted(self.path_peers | self.unsettled)
+        died = self.update_paths(now, todo)
         plan = []
-        for peer, paths in self.paths.items():
+        for peer in todo:
+            paths = self.paths[peer]
             home = self.home[peer]
             if self.eligible(paths[home], now):
                 want: tuple[str, ...] = (home,)
@@ -498,6 +517,11 @@ class LinkPass:
                     or self.current[peer]
                 )
             old = self.current[peer]
+            settled = want == (home,) and all(self.eligible(p, now) and p.notice_until == NEVER for p in paths.values())
+            if settled:
+                self.unsettled.discard(peer)
+            else:
+                self.unsettled.add(peer)
             if want == old:
                 continue
             kind = "link.failback" if want == (home,) else "link.failover"

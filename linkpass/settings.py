@@ -43,7 +43,7 @@ class LinkPassConfig:
         },
     )
     random_peers: int = field(
-        default=4,
+        default=2,
         metadata={
             "doc": "More path peers at pseudo-random ring offsets from the fabric map's fingerprint (the same on "
             "both ends), heartbeated on every rail. A node has at most 2 x (ring_neighbours + ceil(random_peers / "
