@@ -15,7 +15,7 @@ who that is and keeps the others ready to take over:
   term it hears, and of two claims in the same term the lower agent index wins. The new leader's coordinator
   takes over from the last replicated snapshot, counts the processes of every silent agent as dead and
   starts a fresh generation. The leader declares silent followers lost the same way.
-* **Node verdicts.** The node daemon hears every node on every fabric rail every 10 ms; when it judges one dead
+* **Node verdicts.** The node daemon hears the job's other nodes every 10 ms (LinkPass); when it judges one dead
   (:mod:`torchpass.launch.node_verdicts`), :meth:`AgentMesh.node_verdict` counts that node's agent silent at once, and
   the same rules (the leader declares it lost, or the followers elect a new leader) act without waiting for
   ``agent_timeout_s``. A verdict about an agent heard after it was made is ignored.

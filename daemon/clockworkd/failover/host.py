@@ -34,15 +34,18 @@ def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> L
         key = hashlib.sha256(b"clockwork-linkpass\0" + paths.curve_secret_key.read_bytes()).digest()
     except OSError as exc:
         return f"disabled: no shared key to authenticate heartbeats ({paths.curve_secret_key}: {exc.strerror})"
-    engine = LinkPass(
-        cfg,
-        paths.node,
-        fabric,
-        key,
-        emit=lambda kind, fields: daemon.emit_node_event(kind, fields, "linkpass"),
-        home_file=paths.state_dir / "linkpass-home.json",
-        write_file=atomic_file.write_bytes,
-    )
+    try:
+        engine = LinkPass(
+            cfg,
+            paths.node,
+            fabric,
+            key,
+            emit=lambda kind, fields: daemon.emit_node_event(kind, fields, "linkpass"),
+            home_file=paths.state_dir / "linkpass-home.json",
+            write_file=atomic_file.write_bytes,
+        )
+    except (FabricError, ValueError) as exc:  # e.g. a fabric whose heartbeats would not fit one datagram
+        return f"disabled: {exc}"
     try:
         engine.start()
     except Exception as exc:
