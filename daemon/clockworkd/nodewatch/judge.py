@@ -3,8 +3,9 @@
 The evidence, per peer, at each tick of the daemon's loop:
 
 * **the daemon's silence**: when LinkPass last received one of the peer's heartbeats, on any rail (every
-  ``heartbeat_ms``, 10 ms: on every rail from a path peer, on one rail in turn from a job's node). One silent rail is LinkPass's business (a dead NIC, a flapping link,
-  a partitioned rail: the other rails still carry heartbeats); only silence on *every* rail counts here;
+  ``heartbeat_ms``, 10 ms: on every rail from a path peer, on one rail in turn from a job's node). One silent
+  rail is LinkPass's business (a dead NIC, a flapping link, a partitioned rail: the other rails still carry
+  heartbeats); only silence on *every* rail counts here;
 * **the kernel's silence**: from ``probe_after_ms`` of silence on, an ICMP echo to the peer's address on every
   rail at each tick. A node whose daemon and training processes are stopped, starved or swapped out still
   answers from its kernel; a crashed or powered-off node, or one whose links are all dark, does not. A verdict
