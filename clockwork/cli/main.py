@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("clockwork.cli.demo_cmd", "demo"),
     "node": ("clockwork.cli.node_cmd", "node"),
     "keys": ("clockwork.cli.keys_cmd", "keys"),
+    "fabric": ("clockwork.cli.fabric_cmd", "fabric"),
     "lens": ("clockwork.cli.lens_cmd", "lens"),
     "migrate": ("clockwork.cli.migrate_cmd", "migrate"),
     "simulate": ("clockwork.cli.simulate_cmd", "simulate_cmd"),

@@ -13,6 +13,7 @@ import subprocess
 from clockwork.contracts.errors import SandboxError
 from clockwork.sandbox.layout import FABRIC_NS, MGMT_BRIDGE, MGMT_DEV, ROOT_PEER, Layout, NodeSpec
 from clockwork.sandbox.shell import in_netns, run
+from linkpass.plan import FabricPlan, Inventory, plan
 
 # Sysctls every node needs for routed, multi-rail addressing (see docs/sandbox.md):
 # rp_filter 0 accepts replies that arrive on another rail than the one we sent on; arp_ignore 1 /
@@ -84,13 +85,16 @@ def _sysctls(namespaces_and_values: list[tuple[str, dict[str, str]]]) -> None:
         raise SandboxError("; ".join(errors))
 
 
+def fabric_plan(layout: Layout) -> FabricPlan:
+    """The sandbox's fabric map and routes, planned and checked as ``clockwork fabric init`` does on a cluster,
+    from the inventory each node would report (its node address, its NICs' addresses)."""
+    inventories = {n.name: Inventory(n.name, n.node_addr, {nic.name: nic.cidr for nic in n.nics}) for n in layout.nodes}
+    return plan([n.name for n in layout.nodes], inventories)
+
+
 def baseline_routes(layout: Layout, node: NodeSpec) -> list[str]:
     """The routes ``sandbox up`` gives a node: every peer's node address via rail 0, src = own address."""
-    return [
-        f"route replace {peer.node_addr}/32 via {peer.nics[0].ip} dev {node.nics[0].name} src {node.node_addr}"
-        for peer in layout.nodes
-        if peer is not node
-    ]
+    return [route.ip_batch() for route in fabric_plan(layout).routes[node.name]]
 
 
 def build(layout: Layout, owner_mark: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from clockwork.sandbox import gpu_faults
+from clockwork.sandbox.fabric import fabric_plan
 from clockwork.sandbox.layout import CLUSTER, CONTROLLER, Layout
 from clockwork.sandbox.paths import StatePaths
 from linkpass.settings import LinkPassConfig
@@ -203,9 +204,8 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str], slurm_bi
 
 
 def fabric_map(layout: Layout) -> str:
-    """LinkPass's fabric map: every node's address and its NIC (rail) addresses."""
-    nodes = {n.name: {"addr": n.node_addr, "nics": {nic.name: nic.ip for nic in n.nics}} for n in layout.nodes}
-    return json.dumps({"nodes": nodes}, indent=2) + "\n"
+    """LinkPass's fabric map: every node's address and its NIC (rail) addresses (``clockwork fabric init``'s plan)."""
+    return json.dumps(fabric_plan(layout).fabric, indent=2) + "\n"
 
 
 def topology(layout: Layout) -> str:
