@@ -149,6 +149,7 @@ class LinkPass:
             "failbacks": 0,
         }
         self.sysctl_problems: dict[str, str] = {}
+        self.other_maps: set[str] = set()  # addresses whose heartbeats carry another fabric map's fingerprint
         self.note = ""
 
     # ----- life cycle -----------------------------------------------------------------------
@@ -331,6 +332,9 @@ class LinkPass:
             hb = heartbeat.decode(data, self.index, self.key)
         except heartbeat.PacketError as exc:
             self.counters["rejected"] += 1
+            if exc.args[0] == heartbeat.OTHER_MAP and src not in self.other_maps:
+                self.other_maps.add(src)  # said once per address: the admin must ship one map to every node
+                log.warning("%s: heartbeats from %s on %s dropped: %s", self.me.name, src, rail, exc)
             log.debug("%s: heartbeat from %s on %s dropped: %s", self.me.name, src, rail, exc)
             return False
         name = self.by_number.get(hb.node)

@@ -44,6 +44,9 @@ HEADER_BYTES = _HEADER.size
 FLAG_NOTICE = 1
 
 
+OTHER_MAP = "sent by a daemon with another fabric map"
+
+
 class PacketError(Exception):
     """A packet that is not a valid, authentic heartbeat (it is dropped and counted)."""
 
@@ -173,7 +176,7 @@ def decode(data: bytes, index: FabricIndex, key: bytes) -> Heartbeat:
     if version != VERSION:
         raise PacketError("unknown version")
     if fingerprint != index.fingerprint or nrails != len(index.rails) or nnodes != len(index.nodes):
-        raise PacketError("sent by a daemon with another fabric map")
+        raise PacketError(OTHER_MAP)
     if node >= nnodes or rail >= nrails or (down | up) >> nrails:
         raise PacketError("node or rail out of range")
     width = index.bitmap_bytes
