@@ -134,9 +134,8 @@ class LinkPass:
         self.next_notice = NEVER
         self.next_tick = 0.0
         self.dirty = False  # new evidence arrived: decide at once
-        self.full_pass = True  # judge every peer at the next decision, not only the path and unsettled ones
+        self.full_pass = True  # judge every peer at the next decision, not only the path peers
         self.next_full = 0.0
-        self.unsettled: set[str] = set()  # peers whose route or paths are not steady: judged at every tick
         self.flush_pending: set[str] = set()  # dead NICs whose neighbour entries go once routes moved
         self.gray: dict[tuple[str, str], str] = {}  # (peer, rail) -> why Fleet Lens says the path is gray
         self.counters = {
@@ -433,8 +432,7 @@ class LinkPass:
                 self.gray.pop((peer, rail), None)
             else:
                 self.gray[(peer, rail)] = reason
-            self.dirty = True
-            self.unsettled.add(peer)
+            self.dirty = self.full_pass = True
         return True
 
     def _path_alive(self, peer: str, rail: str, path: PathState, now: float) -> tuple[bool, str, bool]:
@@ -497,14 +495,14 @@ class LinkPass:
     def _decide(self, now: float) -> list[tuple[str, tuple[str, ...], str, str]]:
         """(peer, rails it should use, kind, reason) for every peer whose route should change.
 
-        Every peer after an event (a link change, a notice, a Lens verdict) and once a second; otherwise only the
-        path peers (whose heartbeats may stop at any moment) and the peers not yet settled (failed over, in
-        hold-down, under a notice): what a tick costs does not grow with the fabric.
+        Every peer after an event (a link change, a notice, a Lens verdict) and once a second (hold-downs ending,
+        notices expiring); otherwise only the path peers, whose heartbeats may stop at any moment: what a tick
+        costs does not grow with the fabric, even while a NIC stays down for every peer.
         """
         full = self.full_pass or now >= self.next_full
         if full:
             self.full_pass, self.next_full = False, now + FULL_PASS_S
-        todo = list(self.paths) if full else sorted(self.path_peers | self.unsettled)
+        todo = list(self.paths) if full else sorted(self.path_peers)
         died = self.update_paths(now, todo)
         plan = []
         for peer in todo:
@@ -521,11 +519,6 @@ class LinkPass:
                     or self.current[peer]
                 )
             old = self.current[peer]
-            settled = want == (home,) and all(self.eligible(p, now) and p.notice_until == NEVER for p in paths.values())
-            if settled:
-                self.unsettled.discard(peer)
-            else:
-                self.unsettled.add(peer)
             if want == old:
                 continue
             kind = "link.failback" if want == (home,) else "link.failover"

@@ -13,7 +13,7 @@ addresses, 127.16.0.0/12: nothing leaves the machine):
   watch's judge over every peer it hears (the path and watch peers).
 
 The model: a node sends ``(path peers x rails + watch peers) / interval`` packets a second and, the sets being
-symmetric, receives as many; CPU = out x send + in x receive + ticks. The pre-#47 behaviour (every node on every
+symmetric, receives as many; CPU = out x send + in x receive + ticks (+ every peer judged once a second). The pre-#47 behaviour (every node on every
 rail, names in the packets) is modelled with the same per-packet costs, which flatters it (its packets were
 msgpack maps of names: 33 us to decode at 64 nodes, per the issue), and with its own packet size.
 """
@@ -194,4 +194,6 @@ def model(costs: Costs, cfg: LinkPassConfig, job_nodes: int, all_peers: bool = F
     pps = (path * rails + watch) * rate
     cpu_s = pps * (costs.send_us + costs.recv_us) / 1e6
     cpu_s += rate * (costs.tick_us_per_peer * path + costs.judge_us_per_peer * (path + watch)) / 1e6
+    if not all_peers:
+        cpu_s += (n - 1) * costs.tick_us_per_peer / 1e6  # every peer judged once a second
     return Model(n, rails, job_nodes, path, watch, pps, pps * (size + IP_UDP), 100 * cpu_s, size)
