@@ -1,24 +1,17 @@
 """The LinkPass engine: watch every NIC and the (peer, rail) paths, route around what is dead, fail back.
 
-Evidence comes from three places. Netlink says at once when a local NIC loses carrier or goes admin
-down. Heartbeats, every ``heartbeat_ms`` on every rail to a bounded set of path peers
-(:mod:`linkpass.peers`: ring neighbours and a few pseudo-random ones, the same on both ends), each saying
-which nodes the sender hears on which rail, reveal what carrier cannot: a switch port that silently
-drops, a one-way failure, a peer's dead NIC. Notices, sent to every node of the fabric when a NIC goes
-down or comes back (and repeated while it stays down), carry the rest: a peer's dead NIC is known
-everywhere at once, not only to the peers that heartbeat it. A path to a path peer is dead after
-``dead_after_ms`` without either direction, or at once on a down notice; a path to any other peer is
-dead while this node's NIC is down or the peer's notice says its NIC is.
+Evidence: netlink (a local NIC's carrier, at once); heartbeats every ``heartbeat_ms`` on every rail to a bounded,
+symmetric set of path peers (:mod:`linkpass.peers`), each saying which nodes the sender hears on which rail, which
+reveal a silently dropping port, a one-way failure, a peer's dead NIC; and notices to the whole fabric when a NIC
+goes down or comes back (repeated while it stays down). A path to a path peer is dead after ``dead_after_ms``
+without either direction, or at once on a down notice; a path to another peer while this node's NIC is down or
+the peer's notice says its NIC is.
 
-Decisions are per peer: traffic to a peer's node address uses its home rail while that path is
-healthy, otherwise every healthy rail (one route, or ECMP over several, never everything piled on one
-when more remain), and returns home after the path has been healthy for a hold-down that doubles
-each time the path fails again within a minute (flap damping). Routes keep ``src`` = node address,
-so established TCP connections (gloo, NCCL's bootstrap, TCPStore) survive the move.
-
-Heartbeats are sent and read on a thread of their own (:mod:`linkpass.hbio`), so a slow daemon loop
-never silences or blinds this node; the loop ticks every interval to decide, under :attr:`LinkPass.lock`,
-and programs routes outside it, so a long route change never delays a heartbeat.
+Decisions are per peer: its home rail while that path is healthy, otherwise every healthy rail (one route, or
+ECMP), back home after a hold-down that doubles each time the path fails again within a minute. Routes keep
+``src`` = node address, so established TCP connections survive the move. Heartbeats are sent and read on a
+thread of their own (:mod:`linkpass.hbio`), so a slow daemon loop never silences or blinds this node; the loop
+decides every interval under :attr:`LinkPass.lock` and programs routes outside it.
 """
 
 from __future__ import annotations
