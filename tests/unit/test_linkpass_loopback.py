@@ -1,0 +1,82 @@
+"""Three real LinkPass engines over loopback (127.0.0.31-33, each with one rail named ``lo``): their heartbeat
+threads send and read real UDP (SO_BINDTODEVICE, root only) while the test's own thread, standing for the daemon's
+loop, does nothing at all; then one engine stops and only its silence shows.
+
+One rail each: with nothing to fail over to, the engines never program a route (the decisions run, the kernel's
+routes stay as they are).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from linkpass.engine import LinkPass
+from linkpass.fabric import FabricMap
+from linkpass.settings import LinkPassConfig
+from tests.conftest import in_ci, until
+
+KEY = b"k" * 32
+IPS = {"n1": "127.0.0.31", "n2": "127.0.0.32", "n3": "127.0.0.33"}
+
+
+def _require_root() -> None:
+    if os.geteuid() == 0:
+        return
+    message = "LinkPass binds its heartbeat sockets to a device (SO_BINDTODEVICE), which needs root"
+    if in_ci():
+        pytest.fail(message + " (CI must run everything)")
+    pytest.skip(message + " (skipped on a developer machine only)")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((IPS["n1"], 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def engines() -> Iterator[dict[str, LinkPass]]:
+    _require_root()
+    fab = FabricMap.parse({"nodes": {n: {"addr": ip, "nics": {"lo": ip}} for n, ip in IPS.items()}})
+    cfg = LinkPassConfig(heartbeat_port=_free_port(), apply_sysctls=False)
+    out = {n: LinkPass(cfg, n, fab, KEY, lambda kind, fields: None) for n in IPS}
+    try:
+        for engine in out.values():
+            engine.start()
+        yield out
+    finally:
+        for engine in out.values():
+            engine.close()
+
+
+def test_heartbeats_flow_on_their_own_thread_and_a_stopped_engine_falls_silent(engines: dict[str, LinkPass]) -> None:
+    n1 = engines["n1"]
+
+    def everyone_heard() -> bool:
+        return all(len(e.last_heard()) == 2 for e in engines.values())
+
+    until("every engine to hear the other two", everyone_heard, timeout_s=30, interval_s=0.05)
+    # Nobody calls tick() (the daemon's loop is "hung"): the threads go on sending and stamping.
+    first = n1.last_heard()
+    until("n1 to keep hearing both peers", lambda: all(n1.last_heard()[p] > first[p] for p in first), timeout_s=30)
+    with n1.lock:
+        both_ways = all(path.last_out_ok > 0 for paths in n1.paths.values() for path in paths.values())
+    assert both_ways, "n2 and n3 say they hear n1 (the bitmap's bit for n1 is set)"
+    status = n1.status()
+    assert status["heartbeat_thread"]["running"] and status["heartbeats"]["rejected"] == 0
+    assert status["heartbeat_peers"]["path"] == ["n2", "n3"] and status["heartbeat_peers"]["packet_bytes"] == 37
+    n1.tick()  # a decision on this evidence: everything alive, nothing to move
+    assert n1.status()["routes"] == {"n2": ["lo"], "n3": ["lo"]} and n1.counters["failovers"] == 0
+
+    engines["n3"].close()
+    stopped = n1.last_heard()["n3"]
+
+    def n2_heard_since() -> bool:
+        return n1.last_heard()["n2"] > stopped + 0.1
+
+    until("n1 to hear n2 for 100 ms after n3 stopped", n2_heard_since, timeout_s=30, interval_s=0.02)
+    assert n1.last_heard()["n3"] == stopped, "nothing arrives from the stopped engine"
