@@ -13,7 +13,7 @@ def test_no_budget_keeps_the_configured_plan_and_interval() -> None:
     topo = Topology.fat_tree(64, 8, 4, rails=2)
     sched = budget.schedule(topo, 16, 10.0, 0)
     assert sched.plan == peers.plan(topo, 16) and sched.interval_ms == 10.0
-    assert sched.probes_per_s == 2 * 16 * 100
+    assert sched.probes_per_s == 2 * (16 + 1) * 100  # 16 peers and the coded pair's second probe per NIC
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ def test_a_budget_is_kept_and_every_link_still_covered(
     unbudgeted = budget.schedule(topo, 16, 10.0, 0)
     assert unbudgeted.probes_per_s > budget_per_s  # the budget binds
     sched = budget.schedule(topo, 16, 10.0, budget_per_s)
-    assert budget.busiest(sched.plan) * 1000 / sched.interval_ms <= budget_per_s * (1 + 1e-9)
+    assert budget.busiest(sched.plan, 1) * 1000 / sched.interval_ms <= budget_per_s * (1 + 1e-9)
     assert sched.peers_per_nic >= budget.MIN_PEERS and sched.interval_ms >= 10.0
     report = peers.coverage(topo, sched.plan)
     assert report["unprobed"] == [] and report["ok"], report["weak"][:5]

@@ -89,7 +89,9 @@ class Lens:
         self.topology = topology
         self.key = key
         self.seam = seam
-        self.schedule = budget.schedule(topology, cfg.peers_per_nic, cfg.interval_ms, cfg.probe_budget_per_s)
+        self.schedule = budget.schedule(
+            topology, cfg.peers_per_nic, cfg.interval_ms, cfg.probe_budget_per_s, cfg.pair_every
+        )
         self.interval = self.schedule.interval_ms / 1000
         self.th = Thresholds(
             self.interval, cfg.window_s, cfg.loss_min_lost, cfg.delay_rise_us, cfg.jitter_rise_us, cfg.rate_drop
