@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgpack
 
@@ -89,7 +89,7 @@ def measure(nodes: int, rails: int, rounds: int, cfg: LinkPassConfig) -> Costs:
     """Per-packet and per-tick costs on a fabric of ``nodes`` x ``rails`` (CPU time of this thread)."""
     fab = fabric(nodes, rails)
     names = sorted(fab.nodes)
-    cfg = LinkPassConfig(**{**cfg.__dict__, "heartbeat_port": PORT})
+    cfg = replace(cfg, heartbeat_port=PORT)
     sender = _engine(fab, names[0], cfg)
     receiver = _engine(fab, names[1], cfg)  # a ring neighbour: a path peer of the sender
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
