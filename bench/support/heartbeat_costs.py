@@ -13,9 +13,10 @@ addresses, 127.16.0.0/12: nothing leaves the machine):
   watch's judge over every peer it hears (the path and watch peers).
 
 The model: a node sends ``(path peers x rails + watch peers) / interval`` packets a second and, the sets being
-symmetric, receives as many; CPU = out x send + in x receive + ticks (+ every peer judged once a second). The pre-#47 behaviour (every node on every
-rail, names in the packets) is modelled with the same per-packet costs, which flatters it (its packets were
-msgpack maps of names: 33 us to decode at 64 nodes, per the issue), and with its own packet size.
+symmetric, receives as many; CPU = out x send + in x receive + ticks + every peer judged once a second. The
+pre-#47 behaviour (every node on every rail, names in the packets) is modelled with the same per-packet costs,
+which flatters it (its packets were msgpack maps of names: 33 us to decode at 64 nodes, per the issue), and with
+its own packet size.
 """
 
 from __future__ import annotations
