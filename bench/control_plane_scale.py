@@ -174,7 +174,7 @@ def model_rows(rounds: int, job_nodes: int) -> tuple[list[dict[str, Any]], list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="sandbox at 4 nodes, 2 s each (about a minute)")
+    parser.add_argument("--quick", action="store_true", help="sandbox at 4 nodes, 2 s each (< 1 min)")
     parser.add_argument("--sizes", default="4,8,16,32", help="sandbox node counts (default 4,8,16,32)")
     parser.add_argument("--seconds", type=float, default=10.0, help="measurement per setting (default 10)")
     parser.add_argument("--job-nodes", type=int, default=8, help="nodes of the job registered (default 8)")
