@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -72,11 +73,12 @@ def test_heartbeats_flow_on_their_own_thread_and_a_stopped_engine_falls_silent(e
     n1.tick()  # a decision on this evidence: everything alive, nothing to move
     assert n1.status()["routes"] == {"n2": ["lo"], "n3": ["lo"]} and n1.counters["failovers"] == 0
 
-    engines["n3"].close()
+    engines["n3"].close()  # its thread has stopped when this returns: nothing more is sent
+    closed = time.monotonic()  # the engines' clock
+    # Over loopback a datagram is in n1's socket when sendto returns: one read round of n1 begun after the close
+    # (a packet of n2 stamped later) has read whatever n3 sent.
+    until("n1 to read a round after n3 stopped", lambda: n1.last_heard()["n2"] > closed, timeout_s=30, interval_s=0.02)
     stopped = n1.last_heard()["n3"]
-
-    def n2_heard_since() -> bool:
-        return n1.last_heard()["n2"] > stopped + 0.1
-
-    until("n1 to hear n2 for 100 ms after n3 stopped", n2_heard_since, timeout_s=30, interval_s=0.02)
+    later = n1.last_heard()["n2"]
+    until("n1 to hear n2 for 100 ms more", lambda: n1.last_heard()["n2"] > later + 0.1, timeout_s=30, interval_s=0.02)
     assert n1.last_heard()["n3"] == stopped, "nothing arrives from the stopped engine"
