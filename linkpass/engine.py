@@ -30,6 +30,7 @@ from typing import Any
 
 from linkpass import heartbeat, sysctls
 from linkpass.fabric import FabricMap
+from linkpass.hca import SysfsHcas
 from linkpass.routes import Kernel, LinkState
 from linkpass.settings import LinkPassConfig
 
@@ -71,6 +72,7 @@ class LinkPass:
         clock: Callable[[], float] = time.monotonic,
         home_file: Path | None = None,
         write_file: WriteFile | None = None,
+        hca_of: Callable[[str], str | None] | None = None,
     ) -> None:
         if home_file is not None and write_file is None:
             raise ValueError("LinkPass: a home_file needs a write_file to replace it durably")
@@ -85,6 +87,8 @@ class LinkPass:
         self.peers = {p.name: p for p in fabric.peers(node)}
         self.rails = sorted(self.me.nics)
         self.key = key
+        # netdev -> HCA (``ib3`` -> ``mlx5_3``): what NCCL's NCCL_IB_HCA names; sysfs by default, a fake tree in tests
+        self.hca_of = hca_of if hca_of is not None else SysfsHcas().hca_of
         self.emit = emit
         self.clock = clock
         self.dead = cfg.dead_after_ms / 1000
@@ -413,6 +417,7 @@ class LinkPass:
                 "reason": reason,
                 "route_ms": round(max(ms for _, ms in done), 3),
                 "avoid_nics": self.avoid_nics(),
+                "avoid_hcas": self.avoid_hcas(),
             }
             log.warning(
                 "%s: %s %s -> %s for %s (%s)",
@@ -460,6 +465,28 @@ class LinkPass:
                 out.append(rail)
         return out
 
+    def avoid_reasons(self) -> dict[str, str]:
+        """:meth:`avoid_nics`, each with why: down (carrier, admin), or every managed path dead (heartbeats, a Lens
+        suspect marking the path gray, a peer's down notice)."""
+        out = {}
+        for rail in self.avoid_nics():
+            if not self.nic_up.get(rail, False):
+                out[rail] = self.nic_down_reason.get(rail) or f"{rail} down"
+                continue
+            reasons = sorted({p[rail].reason for p in self.paths.values() if rail in p and p[rail].reason})
+            out[rail] = f"no live path on {rail}" + (f" ({'; '.join(reasons)})" if reasons else "")
+        return out
+
+    def avoid_hcas(self) -> dict[str, str]:
+        """HCA -> why, for the :meth:`avoid_nics` that have an RDMA device behind them (``mlx5_3`` for ``ib3``):
+        what a new NCCL communicator on this node must exclude (``NCCL_IB_HCA=^mlx5_3``)."""
+        out = {}
+        for rail, reason in self.avoid_reasons().items():
+            hca = self.hca_of(rail)
+            if hca is not None:
+                out[hca] = f"{rail}: {reason}"
+        return out
+
     def status(self) -> dict[str, Any]:
         now = self.clock()
         return {
@@ -478,6 +505,8 @@ class LinkPass:
                 for peer, paths in sorted(self.paths.items())
             },
             "avoid_nics": self.avoid_nics(),
+            "avoid_hcas": self.avoid_hcas(),
+            "hcas": {r: self.hca_of(r) or "" for r in self.rails},
             "gray": {f"{peer}/{rail}": reason for (peer, rail), reason in sorted(self.gray.items())},
             "failovers": self.counters["failovers"],
             "failbacks": self.counters["failbacks"],
