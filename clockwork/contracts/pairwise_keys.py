@@ -101,6 +101,7 @@ class PairwiseKeys:
     _accept: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     _stamp: tuple[tuple[str, int, int, int, int], ...] = ()
     _checked: float = -1e18
+    version: int = 0  # changes at every load: users that copy the keys (Lens's pacer) know when to copy again
 
     def __post_init__(self) -> None:
         self.load()  # CurveKeyError at start: the host says why its component is off
@@ -147,6 +148,7 @@ class PairwiseKeys:
                             keys.append(candidate)
             accept[peer] = tuple(keys)
         self._send, self._accept, self._stamp = send, accept, stamp
+        self.version += 1
 
     def maybe_reload(self) -> None:
         """Read the keys again if a key file changed (at most once a second); keep the old ones on error."""
