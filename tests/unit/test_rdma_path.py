@@ -10,16 +10,25 @@ health policy are the real ones; the daemon's status is the engine's own ``statu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
+
 from clockwork.contracts.config.health import HealthConfig
+from clockwork.contracts.errors import ClockworkError
+from clockworkd.gpuhealth import watch as watch_module
+from clockworkd.gpuhealth.faultfile import FaultFileSource
 from clockworkd.gpuhealth.policy import Policy
+from clockworkd.gpuhealth.watch import HealthWatch
+from clockworkd.registry import Registry
 from linkpass.engine import LinkPass
 from linkpass.fabric import FabricMap
 from linkpass.hca import SysfsHcas
 from linkpass.settings import LinkPassConfig
+from tests.conftest import until
 from torchpass.config import TorchPassConfig
 from torchpass.fabric_env import (
     NCCL_IB_HCA,
@@ -152,3 +161,63 @@ def test_which_nccl_versions_get_port_failover() -> None:
     assert not nccl_path((2, 29, 6)).port_failover and not nccl_path((2, 21, 5)).port_failover
     assert not nccl_path(None).port_failover
     assert "no CUDA" in nccl_path(None, cuda=False).why
+
+
+def _watch_with_ranks_here(tmp_path: Path, engine: LinkPass, clock: Callable[[], float]) -> tuple[Any, list[Any]]:
+    """The GPU health watch of node1 with job 5's slots 2 and 3 running here, fed LinkPass's avoid_hcas."""
+    registry = Registry(tmp_path / "state", "node1")
+    registry.register(5, 1000, "alice", ["node1", "node2"], {})
+    registry.append_event(5, "torchpass.coordinator", {"leader": "tcp://x:1", "endpoints": [], "key": "k"})
+    for slot, pid in ((2, 4002), (3, 4003)):
+        registry.append_event(5, "torchpass.joined", {"slot": slot, "generation": 0}, by=f"uid 1000 pid {pid}")
+    path = tmp_path / "gpu.json"
+    cfg = HealthConfig(source="fault-file", fault_file=str(path), hca_down_move_s=1.0, migrate_retry_s=3600.0)
+    emitted: list[tuple[int, str, dict[str, Any]]] = []
+    watch = HealthWatch(
+        cfg,
+        "node1",
+        FaultFileSource(path, 2, "node1"),
+        registry,
+        lambda *e: emitted.append(e),
+        clock=clock,
+        alive=lambda pid: True,
+        environ={4002: {"LOCAL_RANK": "0"}, 4003: {"LOCAL_RANK": "1"}}.get,
+        hcas_down=engine.avoid_hcas,
+    )
+    return watch, emitted
+
+
+@pytest.mark.parametrize("spare", [True, False], ids=["spare-ready", "no-spare"])
+def test_the_health_watch_moves_the_nodes_ranks_or_says_it_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spare: bool
+) -> None:
+    def request(record: dict[str, Any], slot: int, timeout_s: float, requester: str, **kw: Any) -> dict[str, Any]:
+        if not spare:
+            raise ClockworkError(f"cannot migrate slot {slot}: no spare is ready (waited 30 s)")
+        return {"target": f"w{slot + 10}", "generation": 7}
+
+    monkeypatch.setattr(watch_module, "request_migration", request)
+    engine = node1_engine(fake_sysfs(tmp_path / "sys"), [])
+    now = [1000.0]
+    watch, emitted = _watch_with_ranks_here(tmp_path, engine, lambda: now[0])
+
+    def moves() -> list[dict[str, Any]]:
+        watch.tick()
+        return [f for _, kind, f in emitted if kind == "gpu.migration" and f["state"] in ("accepted", "failed")]
+
+    try:
+        watch.tick()
+        kill_ib3(engine)
+        watch.tick()  # seen now: the move waits hca_down_move_s
+        assert not [f for _, k, f in emitted if k == "gpu.migration"]
+        now[0] += 1.0
+        (done,) = until("the node move's outcome", moves, 10, 0.02)
+    finally:
+        watch.close()
+    assert (done["signal"], done["value"], done["slots"], done["scope"]) == ("hca.down", "mlx5_3", [2, 3], "node")
+    assert "NCCL_IB_HCA" in done["why"]
+    if spare:
+        assert done["state"] == "accepted" and "consequence" not in done
+    else:
+        assert done["state"] == "failed" and "no spare is ready" in done["error"]
+        assert done["consequence"].startswith("TorchPass cannot act")

@@ -341,6 +341,12 @@ class HealthWatch:
         fields = {**request.change, "state": request.outcome}
         if request.outcome == "failed":
             fields["error"] = request.detail
+            if fields.get("signal") == "hca.down":  # say what staying means: the RDMA path has no other way out
+                fields["consequence"] = (
+                    f"TorchPass cannot act: the node's ranks stay in processes whose NCCL still uses {fields['value']} "
+                    "(NCCL reads NCCL_IB_HCA once per process); their collectives fail over it until a spare is "
+                    "ready (the move is asked again every migrate_retry_s) or the job's resets run out"
+                )
         level = logging.INFO if request.outcome == "accepted" else logging.WARNING
         log.log(
             level,
