@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-KEY_SLOTS = 4  # = _probeio.KEY_SLOTS
+from clockworkd.lens import fastio
+
+KEY_SLOTS = fastio.KEY_SLOTS  # = _probeio.KEY_SLOTS (fastio checks the build)
 KEY_BYTES = 32  # = _probeio.KEY_BYTES
 
 
