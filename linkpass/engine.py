@@ -30,6 +30,8 @@ from typing import Any
 
 from linkpass import heartbeat, sysctls
 from linkpass.fabric import FabricMap
+from linkpass.hca import SysfsHcas
+from linkpass.keyring import KeyRing, SharedKey, retag
 from linkpass.routes import Kernel, LinkState
 from linkpass.settings import LinkPassConfig
 
@@ -66,11 +68,12 @@ class LinkPass:
         cfg: LinkPassConfig,
         node: str,
         fabric: FabricMap,
-        key: bytes,
+        key: bytes | KeyRing,
         emit: Emit,
         clock: Callable[[], float] = time.monotonic,
         home_file: Path | None = None,
         write_file: WriteFile | None = None,
+        hca_of: Callable[[str], str | None] | None = None,
     ) -> None:
         if home_file is not None and write_file is None:
             raise ValueError("LinkPass: a home_file needs a write_file to replace it durably")
@@ -84,7 +87,13 @@ class LinkPass:
         self.me = fabric.node(node)
         self.peers = {p.name: p for p in fabric.peers(node)}
         self.rails = sorted(self.me.nics)
-        self.key = key
+        # Per-peer MAC keys (pairwise: a node can sign only its own heartbeats); bytes = one key for every peer.
+        self.keys: KeyRing = SharedKey(key) if isinstance(key, bytes) else key
+        # (rail, source address) -> the peer whose NIC that is: the key a packet must carry depends on its sender.
+        self.sender_of = {(rail, ip): p.name for p in self.peers.values() for rail, ip in p.nics.items()}
+        self.refused_logged: dict[tuple[str, str], float] = {}  # (source, why) -> last warning (one a minute)
+        # netdev -> HCA (``ib3`` -> ``mlx5_3``): what NCCL's NCCL_IB_HCA names; sysfs by default, a fake tree in tests
+        self.hca_of = hca_of if hca_of is not None else SysfsHcas().hca_of
         self.emit = emit
         self.clock = clock
         self.dead = cfg.dead_after_ms / 1000
@@ -103,7 +112,15 @@ class LinkPass:
         self.dirty = False  # new evidence arrived: decide once every readable socket has been read
         self.flush_pending: set[str] = set()  # dead NICs whose neighbour entries go once routes moved
         self.gray: dict[tuple[str, str], str] = {}  # (peer, rail) -> why Fleet Lens says the path is gray
-        self.counters = {"sent": 0, "received": 0, "rejected": 0, "send_errors": 0, "failovers": 0, "failbacks": 0}
+        self.counters = {
+            "sent": 0,
+            "received": 0,
+            "rejected": 0,
+            "refused": 0,  # of the rejected: from a peer's address, not signed by that peer for itself (forged)
+            "send_errors": 0,
+            "failovers": 0,
+            "failbacks": 0,
+        }
         self.sysctl_problems: dict[str, str] = {}
         self.note = ""
 
@@ -239,15 +256,16 @@ class LinkPass:
                 return
             except OSError:
                 return
-            try:
-                hb = heartbeat.decode(data, self.key)
-            except heartbeat.PacketError as exc:
+            sender = self.sender_of.get((rail, src))
+            if sender is None:
                 self.counters["rejected"] += 1
-                log.debug("%s: heartbeat from %s on %s dropped: %s", self.me.name, src, rail, exc)
                 continue
-            peer = self.peers.get(hb.node)
-            if peer is None or hb.rail != rail or peer.nics.get(rail) != src:
-                self.counters["rejected"] += 1
+            hb, why = self._authentic(data, sender)
+            if hb is None or hb.node != sender or hb.rail != rail:
+                # A packet from a peer's address that its key does not sign, or that the peer signed for someone
+                # else: a forgery (or a key out of step during a rotation). Refused, and said.
+                why = why or f"signed by {sender} but claims to be {hb.node if hb else '?'} on {hb.rail if hb else '?'}"
+                self._refuse(src, rail, sender, why)
                 continue
             self.counters["received"] += 1
             paths = self.paths[hb.node]
@@ -268,6 +286,24 @@ class LinkPass:
             if hb.down:
                 self.dirty = True
 
+    def _authentic(self, data: bytes, sender: str) -> tuple[heartbeat.Heartbeat | None, str]:
+        """The heartbeat under one of the keys ``sender``'s packets may carry now, or (None, why not)."""
+        why = "no key for this peer"
+        for key in self.keys.accept_keys(sender):
+            try:
+                return heartbeat.decode(data, key), ""
+            except heartbeat.PacketError as exc:
+                why = str(exc)
+        return None, why
+
+    def _refuse(self, src: str, rail: str, sender: str, why: str) -> None:
+        self.counters["rejected"] += 1
+        self.counters["refused"] += 1
+        now = self.clock()
+        if now - self.refused_logged.get((src, why), NEVER) >= 60.0:
+            self.refused_logged[(src, why)] = now
+            log.warning("%s: heartbeat from %s (%s's %s) refused: %s", self.me.name, src, sender, rail, why)
+
     def _send_all(self, down: list[str] | None = None) -> None:
         now = self.clock()
         heard = {
@@ -280,13 +316,14 @@ class LinkPass:
         for rail, sock in self.sockets.items():
             if not self.nic_up.get(rail, False):
                 continue
-            packet = heartbeat.encode(heartbeat.Heartbeat(self.me.name, rail, self.seq, heard, down or []), self.key)
+            # One encoding per rail; each peer's copy carries the tag of that peer's key.
+            packet = heartbeat.encode(heartbeat.Heartbeat(self.me.name, rail, self.seq, heard, down or []), b"\0")
             for peer in self.peers.values():
                 ip = peer.nics.get(rail)
                 if ip is None:
                     continue
                 try:
-                    sock.sendto(packet, (ip, self.cfg.heartbeat_port))
+                    sock.sendto(retag(packet, self.keys.send_key(peer.name)), (ip, self.cfg.heartbeat_port))
                     self.counters["sent"] += 1
                 except OSError:
                     self.counters["send_errors"] += 1
@@ -413,6 +450,7 @@ class LinkPass:
                 "reason": reason,
                 "route_ms": round(max(ms for _, ms in done), 3),
                 "avoid_nics": self.avoid_nics(),
+                "avoid_hcas": self.avoid_hcas(),
             }
             log.warning(
                 "%s: %s %s -> %s for %s (%s)",
@@ -460,6 +498,28 @@ class LinkPass:
                 out.append(rail)
         return out
 
+    def avoid_reasons(self) -> dict[str, str]:
+        """:meth:`avoid_nics`, each with why: down (carrier, admin), or every managed path dead (heartbeats, a Lens
+        suspect marking the path gray, a peer's down notice)."""
+        out = {}
+        for rail in self.avoid_nics():
+            if not self.nic_up.get(rail, False):
+                out[rail] = self.nic_down_reason.get(rail) or f"{rail} down"
+                continue
+            reasons = sorted({p[rail].reason for p in self.paths.values() if rail in p and p[rail].reason})
+            out[rail] = f"no live path on {rail}" + (f" ({'; '.join(reasons)})" if reasons else "")
+        return out
+
+    def avoid_hcas(self) -> dict[str, str]:
+        """HCA -> why, for the :meth:`avoid_nics` that have an RDMA device behind them (``mlx5_3`` for ``ib3``):
+        what a new NCCL communicator on this node must exclude (``NCCL_IB_HCA=^mlx5_3``)."""
+        out = {}
+        for rail, reason in self.avoid_reasons().items():
+            hca = self.hca_of(rail)
+            if hca is not None:
+                out[hca] = f"{rail}: {reason}"
+        return out
+
     def status(self) -> dict[str, Any]:
         now = self.clock()
         return {
@@ -478,10 +538,12 @@ class LinkPass:
                 for peer, paths in sorted(self.paths.items())
             },
             "avoid_nics": self.avoid_nics(),
+            "avoid_hcas": self.avoid_hcas(),
+            "hcas": {r: self.hca_of(r) or "" for r in self.rails},
             "gray": {f"{peer}/{rail}": reason for (peer, rail), reason in sorted(self.gray.items())},
             "failovers": self.counters["failovers"],
             "failbacks": self.counters["failbacks"],
-            "heartbeats": {k: self.counters[k] for k in ("sent", "received", "rejected", "send_errors")},
+            "heartbeats": {k: self.counters[k] for k in ("sent", "received", "rejected", "refused", "send_errors")},
             "sysctls": sysctls.read(list(sysctls.parse(self.cfg.sysctls))),
             "sysctl_problems": self.sysctl_problems,
         }

@@ -55,9 +55,11 @@ from torchpass.coordinator.placement import slot_moves
 from torchpass.coordinator.records import worker_id
 from torchpass.coordinator.service import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
+from torchpass.fabric_env import daemon_status_reader
 from torchpass.failure_domains import node_domains
 from torchpass.launch.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
 from torchpass.launch.mesh import AgentMesh
+from torchpass.launch.node_fabric import NodeFabric
 from torchpass.launch.node_ranks import rank_environment
 from torchpass.launch.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
 from torchpass.launch.node_verdicts import VerdictFollower
@@ -177,6 +179,15 @@ class SlurmAgent:
         self.proxy = CoordinatorProxy(layout.address, self.mesh.leader_endpoint)
         self.mesh.listeners.append(lambda _leader, _term: self.proxy.leader_changed())
         self.mesh.listeners.append(lambda _leader, _term: self._announce())
+        # The fabric part of each new process's environment: NCCL_IB_HCA without the HCAs the daemon avoids,
+        # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME on the node address's device.
+        self.fabric = NodeFabric(
+            layout.node,
+            layout.address,
+            self.environ,
+            daemon_status_reader(self.daemon_socket) if self.daemon_socket else None,
+            self.event_sink,
+        )
         self.verdicts: VerdictFollower | None = None
         if self.daemon_socket and config.fabric_verdicts:
             self.verdicts = VerdictFollower(layout.job_id, self.daemon_socket, self._on_node_verdict)
@@ -283,6 +294,7 @@ class SlurmAgent:
         env[ENV_CONFIG] = self.config.to_json()
         env[ENV_GLOO_HOST] = self.layout.address
         env[ENV_DAEMON_SOCKET] = self.daemon_socket
+        env.update(self.fabric.current().env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
