@@ -38,6 +38,16 @@ class StatePaths:
         return self.etc / "cgroup.conf"
 
     @property
+    def oci_conf(self) -> Path:
+        """Slurm's oci.conf, beside slurm.conf (where slurmd looks for it): a 24.11 sandbox only."""
+        return self.etc / "oci.conf"
+
+    @property
+    def crun_wrapper(self) -> Path:
+        """The crun that oci.conf runs (:mod:`clockwork.sandbox.oci`)."""
+        return self.root / "bin" / "crun-sandbox"
+
+    @property
     def plugstack_conf(self) -> Path:
         return self.etc / "plugstack.conf"
 
