@@ -258,9 +258,7 @@ class Sandbox:
         )
         if slurm.from_root:
             slurm.write_client_wrappers(p.slurm_bin)
-            p.crun_wrapper.write_text(oci.crun_wrapper())  # the root carries crun: srun --container works
-            p.crun_wrapper.chmod(0o755)
-            p.oci_conf.write_text(oci.oci_conf(p.crun_wrapper, p.root / "crun"))
+            p.oci_conf.write_text(oci.oci_conf(p.root / "crun"))  # the root carries crun: srun --container works
         p.munge.chmod(0o755)
         p.munge_key.write_bytes(os.urandom(1024))
         p.munge_key.chmod(0o600)

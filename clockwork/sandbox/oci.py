@@ -6,13 +6,13 @@ the bundle's ``config.json`` into its spool, replaces the process's arguments an
 runs ``RunTimeRun`` (crun's ``run``, Slurm's recommended form) as the job's user. The host Slurm 22.05 sandbox gets
 none: the host has no crun.
 
-crun runs through a small wrapper this module writes (``STATE/bin/crun-sandbox``), for one reason of this machine:
-its cgroup hierarchy is *hybrid* (cgroup v1 controllers, plus a cgroup v2 mount at /sys/fs/cgroup/unified with the
-``hugetlb`` controller on it), which crun refuses outright ("cgroups in hybrid mode not supported, drop all
-controllers from cgroupv2"). The wrapper, in a mount namespace of its own, unmounts that v2 mount so crun sees
-cgroup v1 only, and runs crun with ``--cgroup-manager=disabled``: the sandbox's Slurm tracks processes without
-cgroups (proctrack/linuxproc), and no test here is about container resource limits. A real cluster's oci.conf
-calls crun directly (docs/admin-guide.md).
+crun runs as Slurm's documentation has it, with two changes for the sandbox: its state goes under the sandbox's
+state folder, one folder per node (``%n``: the nodes share one filesystem), and it makes no cgroups
+(``--cgroup-manager=disabled``). A node's mount namespace has a fresh /sys with, at /sys/fs/cgroup, only a tmpfs and
+the sandbox's own named cgroup v1 hierarchy (clockwork/sandbox/prefixes.py): no controller to put a container in,
+and a container's cgroup left behind by a node crash would litter that hierarchy. (The host's own view would not
+do: its cgroups are hybrid, with the hugetlb controller on the cgroup v2 mount, and crun refuses that outright:
+"cgroups in hybrid mode not supported, drop all controllers from cgroupv2". The nodes never see it.)
 
 :func:`write_bundle` makes a bundle for the tests: a read-only rootfs that is empty but for a marker file
 (``/clockwork-image``, how a test tells a process inside from one outside) and the usrmerge links, and bind mounts
@@ -25,13 +25,12 @@ Slurm's steps and TorchPass's mesh need.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CRUN", "IMAGE_MARKER", "Bind", "crun_wrapper", "oci_conf", "python_binds", "write_bundle"]
+__all__ = ["CRUN", "IMAGE_MARKER", "Bind", "oci_conf", "python_binds", "write_bundle"]
 
 #: The OCI runtime's name on PATH in the Slurm root's view (/usr/bin/crun of Debian's crun package).
 CRUN = "crun"
@@ -44,25 +43,14 @@ CONTAINER_ID = "%n.%u.%j.%s.%t"
 CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID")
 
 
-def crun_wrapper(crun: str = CRUN) -> str:
-    """The wrapper oci.conf runs instead of crun (see the module docstring for why it exists)."""
-    inner = f'umount -l /sys/fs/cgroup/unified 2>/dev/null; exec {crun} --cgroup-manager=disabled "$@"'
-    return (
-        "#!/bin/sh\n"
-        "# crun for the sandbox's oci.conf (written by `clockwork sandbox up`): this host's cgroups are hybrid with a\n"
-        "# controller on cgroup v2, which crun refuses; in a mount namespace of its own it sees cgroup v1 only.\n"
-        f'exec unshare --mount --propagation private -- /bin/sh -c {shlex.quote(inner)} crun "$@"\n'
-    )
-
-
-def oci_conf(wrapper: Path, state_root: Path) -> str:
+def oci_conf(state_root: Path, crun: str = CRUN) -> str:
     """oci.conf for crun's ``run`` (Slurm's recommended form); ``state_root``: crun's state, one folder per node
     (``%n``: the sandbox's nodes share one filesystem)."""
-    crun = f"{wrapper} --root={state_root}/%n"
+    crun = f"{crun} --cgroup-manager=disabled --root={state_root}/%n"
     return "\n".join(
         [
             "# Written by `clockwork sandbox up`: Slurm's native OCI containers (srun --container=BUNDLE), run by",
-            "# Debian's crun from the Slurm 24.11 root through the sandbox's wrapper (clockwork/sandbox/oci.py).",
+            "# Debian's crun from the Slurm 24.11 root, making no cgroups (clockwork/sandbox/oci.py says why).",
             f'RunTimeQuery="{crun} state {CONTAINER_ID}"',
             f'RunTimeKill="{crun} kill -a {CONTAINER_ID}"',
             f'RunTimeDelete="{crun} delete --force {CONTAINER_ID}"',

@@ -43,11 +43,6 @@ class StatePaths:
         return self.etc / "oci.conf"
 
     @property
-    def crun_wrapper(self) -> Path:
-        """The crun that oci.conf runs (:mod:`clockwork.sandbox.oci`)."""
-        return self.root / "bin" / "crun-sandbox"
-
-    @property
     def plugstack_conf(self) -> Path:
         return self.etc / "plugstack.conf"
 

@@ -12,22 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from clockwork.sandbox.oci import IMAGE_MARKER, Bind, crun_wrapper, oci_conf, write_bundle
+from clockwork.sandbox.oci import IMAGE_MARKER, Bind, oci_conf, write_bundle
 from clockwork.sandbox.slurm_release import MARKER, PACKAGES, ROOT_PACKAGES, release
 
 
-def test_oci_conf_runs_crun_through_the_wrapper_with_a_state_folder_per_node() -> None:
-    conf = oci_conf(Path("/s/bin/crun-sandbox"), Path("/s/crun")).splitlines()
-    assert 'RunTimeRun="/s/bin/crun-sandbox --root=/s/crun/%n run --bundle %b %n.%u.%j.%s.%t"' in conf
+def test_oci_conf_runs_crun_with_a_state_folder_per_node_and_no_cgroups() -> None:
+    conf = oci_conf(Path("/s/crun")).splitlines()
+    assert 'RunTimeRun="crun --cgroup-manager=disabled --root=/s/crun/%n run --bundle %b %n.%u.%j.%s.%t"' in conf
     assert {line.split("=", 1)[0] for line in conf if line and not line.startswith("#")} == {
         "RunTimeQuery",
         "RunTimeKill",
         "RunTimeDelete",
         "RunTimeRun",
     }
-    wrapper = crun_wrapper()
-    assert "umount -l /sys/fs/cgroup/unified" in wrapper and "crun --cgroup-manager=disabled" in wrapper
-    assert wrapper.startswith("#!/bin/sh\n") and "unshare --mount --propagation private" in wrapper
 
 
 def test_the_bundle_shares_the_nodes_network_and_mounts_what_it_is_given(tmp_path: Path) -> None:
