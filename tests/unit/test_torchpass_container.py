@@ -19,6 +19,7 @@ from torchpass.launch.container import (
     ENV_CONTAINER,
     ContainerKind,
     ContainerSpec,
+    bundle_warnings,
     container_from_environ,
     node_mounts,
     pyxis_env_name,
@@ -100,6 +101,21 @@ def test_oci_bundle_from_sbatch_or_the_launcher_option(tmp_path: Path) -> None:
         container_from_environ({"SLURM_CONTAINER": "/b", pyxis_env_name("container-image"): "x"})
     with pytest.raises(SlurmLayoutError, match="is not a container TorchPass wrote"):
         container_from_environ({ENV_CONTAINER: '{"kind": "docker"}'})
+
+
+def test_an_oci_bundle_without_clockworks_mounts_is_named_at_launch(tmp_path: Path) -> None:
+    env = _clockwork(tmp_path)
+    mounts = node_mounts(env, "n1")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    with pytest.raises(SlurmLayoutError, match="cannot read the bundle's"):
+        bundle_warnings(str(bundle), mounts)
+    (bundle / "config.json").write_text(json.dumps({"mounts": [{"destination": f"{tmp_path}/nodes"}]}))
+    assert bundle_warnings(str(bundle), mounts) == [
+        f"the bundle {bundle} mounts nothing at {env['CLOCKWORK_CONFIG']}: the agents there cannot reach Clockwork"
+    ]
+    (bundle / "config.json").write_text(json.dumps({"mounts": [{"destination": str(tmp_path)}]}))
+    assert bundle_warnings(str(bundle), mounts) == []
 
 
 def test_no_container_changes_nothing() -> None:

@@ -192,6 +192,24 @@ def container_from_environ(
     return ContainerSpec()
 
 
+def bundle_warnings(bundle: str, mounts: Sequence[str]) -> list[str]:
+    """What an OCI bundle lacks that the agents need: a readable ``config.json`` (an error: Slurm would refuse
+    the step), and bind mounts of Clockwork's paths (``mounts``, pyxis's ``SRC:DST[:FLAGS]`` spelling, from
+    :func:`node_mounts`): one warning each, since an agent without them runs on without its node daemon."""
+    path = Path(bundle) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        destinations = [str(m.get("destination", "")) for m in config.get("mounts", []) if isinstance(m, dict)]
+    except (OSError, ValueError, AttributeError) as exc:
+        raise SlurmLayoutError(f"--container {bundle}: cannot read the bundle's {path}: {exc}") from None
+    out = []
+    for mount in mounts:
+        needed = mount.split(":")[1]
+        if not any(needed == d or needed.startswith(d.rstrip("/") + "/") for d in destinations if d):
+            out.append(f"the bundle {bundle} mounts nothing at {needed}: the agents there cannot reach Clockwork")
+    return out
+
+
 def node_mounts(environ: Mapping[str, str], node: str) -> tuple[str, ...]:
     """Clockwork's mounts for a step on ``node`` (:func:`clockwork_mounts`), none when the job is no Clockwork
     job (``CLOCKWORK_CONFIG`` unset and no ``--clockwork-ft``: its agents do not use the daemon either) or its

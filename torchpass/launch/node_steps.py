@@ -45,7 +45,7 @@ from pathlib import Path
 from types import FrameType
 
 from torchpass.auth import ENV_JOB_KEY, JobKey
-from torchpass.launch.container import ContainerSpec, node_mounts
+from torchpass.launch.container import ContainerKind, ContainerSpec, bundle_warnings, node_mounts
 from torchpass.launch.slurm_layout import (
     ENV_AGENT_INDEX,
     ENV_LOST_NODES_FILE,
@@ -155,6 +155,9 @@ class NodeSteps:
         )
         if self.container.srun_args():
             print(f"torchpass: every agent step in the job's {self.container.describe()}", file=sys.stderr, flush=True)
+        if self.container.kind is ContainerKind.OCI:  # the bundle carries its mounts: say what it lacks, once
+            for warning in bundle_warnings(self.container.bundle, node_mounts(self.environ, plan[0][0])):
+                print(f"torchpass: warning: {warning}", file=sys.stderr, flush=True)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         steps = [_Step(node, subprocess.Popen(cmd, env=env)) for node, cmd, env in plan]
         try:
