@@ -38,6 +38,8 @@ CRUN = "crun"
 IMAGE_MARKER = "clockwork-image"
 #: The container's id in Slurm's patterns: node, user, job, step, task (Slurm's documented example).
 CONTAINER_ID = "%n.%u.%j.%s.%t"
+#: Where slurmstepd mounts the step's spool folder in the container (oci.conf's MountSpoolDir, by default).
+SLURM_SPOOL_MOUNT = "/var/run/slurm"
 #: A container process's capabilities (a common runtime default's core): the job's user (root on the sandbox)
 #: keeps ordinary file and signal rights, and nothing that reaches beyond the container.
 CAPABILITIES = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID", "CAP_SETUID")
@@ -106,8 +108,10 @@ def write_bundle(bundle: Path, binds: Iterable[Bind], env: Mapping[str, str] | N
         _mount(Bind("/etc")),
         *(_mount(b) for b in binds),
     ]
-    for mount in mounts:  # crun makes missing mount points, but not in a read-only rootfs
-        (rootfs / str(mount["destination"]).lstrip("/")).mkdir(parents=True, exist_ok=True)
+    # Mount points exist in the read-only rootfs, Slurm's own included: it mounts the step's spool folder at
+    # /var/run/slurm (oci.conf's MountSpoolDir default).
+    for destination in [*(str(m["destination"]) for m in mounts), SLURM_SPOOL_MOUNT]:
+        (rootfs / destination.lstrip("/")).mkdir(parents=True, exist_ok=True)
     config = {
         "ociVersion": "1.0.0",
         "process": {
