@@ -38,6 +38,11 @@ class StatePaths:
         return self.etc / "cgroup.conf"
 
     @property
+    def oci_conf(self) -> Path:
+        """Slurm's oci.conf, beside slurm.conf (where slurmd looks for it): a 24.11 sandbox only."""
+        return self.etc / "oci.conf"
+
+    @property
     def plugstack_conf(self) -> Path:
         return self.etc / "plugstack.conf"
 

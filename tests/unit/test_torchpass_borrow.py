@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
+from clockwork.contracts.versions import VERSION
 from tests.conftest import until
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.service import Coordinator
@@ -170,7 +171,7 @@ def _register(zctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, wid: str, rol
 
     rpc = CoordinatorRpc(zctx, endpoint, 2.0, identity=f"{wid}.r".encode())
     try:
-        rpc.call("register", wid=wid, pid=port, host="127.0.0.1", store_port=port, role=role)
+        rpc.call("register", wid=wid, pid=port, host="127.0.0.1", store_port=port, role=role, version=VERSION)
     finally:
         rpc.close()
 
@@ -245,6 +246,7 @@ def test_the_guest_finds_the_leader_through_a_passive_replica(zctx: zmq.Context[
 
 SPARE_SCRIPT = """
 import os, sys, zmq
+from clockwork.contracts.versions import VERSION
 from torchpass.rank.control import CoordinatorRpc
 ctx = zmq.Context()
 wid = os.environ["TORCHPASS_WORKER_ID"]
@@ -302,11 +304,13 @@ os.execv(command[0], command)
 #: A spare of the guest: registers with the job's coordinator through the guest's proxy, says where it runs.
 REGISTERING_SPARE = """
 import os, sys, zmq
+from clockwork.contracts.versions import VERSION
 from torchpass.rank.control import CoordinatorRpc
 ctx = zmq.Context()
 wid = os.environ["TORCHPASS_WORKER_ID"]
 rpc = CoordinatorRpc(ctx, os.environ["TORCHPASS_COORDINATOR"], 5.0, identity=wid.encode() + b".r")
-rpc.call("register", wid=wid, pid=os.getpid(), host=os.environ["TORCHPASS_HOST"], store_port=1, role="spare")
+rpc.call("register", wid=wid, pid=os.getpid(), host=os.environ["TORCHPASS_HOST"], store_port=1, role="spare",
+         version=VERSION)
 open(os.path.join(sys.argv[1], wid), "w").write(f"{os.environ['LOCAL_RANK']} {os.environ['LOCAL_WORLD_SIZE']}")
 rpc.close(); ctx.term()
 """

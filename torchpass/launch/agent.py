@@ -49,6 +49,7 @@ from types import FrameType
 
 from clockwork.contracts.coordinator_wire import JobState
 from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
+from clockwork.contracts.versions import check_daemon
 from torchpass.auth import job_key
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator.placement import slot_moves
@@ -58,6 +59,7 @@ from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, t
 from torchpass.fabric_env import daemon_status_reader
 from torchpass.failure_domains import node_domains
 from torchpass.launch.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
+from torchpass.launch.container import container_from_environ, node_mounts
 from torchpass.launch.mesh import AgentMesh
 from torchpass.launch.node_fabric import NodeFabric
 from torchpass.launch.node_ranks import rank_environment
@@ -113,8 +115,16 @@ def daemon_control_socket(config_path: str) -> str:
         log.warning("no events to the node daemon: %s: %s", type(exc).__name__, exc)
         return ""
     endpoint = client.endpoint
-    client.close()
-    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
+    path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
+    try:
+        if path and Path(path).exists():  # a daemon serves here: it must be ours (VersionSkewError: the agent stops)
+            client.timeout_s = 5.0
+            check_daemon(client, "this TorchPass node agent", f"the node daemon ({path})")
+        elif path:
+            log.warning("no node daemon socket at %s (in a container: is its folder mounted?)", path)
+    finally:
+        client.close()
+    return path
 
 
 class SlurmAgent:
@@ -247,9 +257,15 @@ class SlurmAgent:
             ranks_per_node=self.layout.ranks_per_node,  # the borrowed node offers G spare slots
         )
         env[ENV_CONFIG] = self.config.to_json()
-        return spawn_guest(self.environ.get("TORCHPASS_SRUN", "srun"), self.python, self.script, self.script_args, env)(
-            holder, node
-        )
+        container = container_from_environ(self.environ)  # the launcher's decision: the guest runs in the image too
+        return spawn_guest(
+            self.environ.get("TORCHPASS_SRUN", "srun"),
+            self.python,
+            self.script,
+            self.script_args,
+            container.step_environment(env),
+            lambda borrowed: container.srun_args(node_mounts(self.environ, borrowed)),
+        )(holder, node)
 
     # ----- start -----------------------------------------------------------------------------
 

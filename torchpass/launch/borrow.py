@@ -104,8 +104,17 @@ def guest_environment(
     return env
 
 
-def guest_command(srun: str, python: str, holder: int, node: str, script: str, script_args: Sequence[str]) -> list[str]:
-    """``srun`` into the holder allocation: one task on the borrowed node running the guest agent."""
+def guest_command(
+    srun: str,
+    python: str,
+    holder: int,
+    node: str,
+    script: str,
+    script_args: Sequence[str],
+    container_args: Sequence[str] = (),
+) -> list[str]:
+    """``srun`` into the holder allocation: one task on the borrowed node running the guest agent, in the job's
+    container (``container_args``: :meth:`torchpass.launch.container.ContainerSpec.srun_args`)."""
     return [
         srun,
         f"--jobid={holder}",
@@ -114,6 +123,7 @@ def guest_command(srun: str, python: str, holder: int, node: str, script: str, s
         "--ntasks=1",
         f"--nodelist={node}",
         "--kill-on-bad-exit=0",
+        *container_args,
         "--job-name=torchpass-guest",
         python,
         "-m",
@@ -244,12 +254,14 @@ def spawn_guest(
     script: str,
     script_args: Sequence[str],
     env: Mapping[str, str],
+    container_args: Callable[[str], Sequence[str]] = lambda node: (),
 ) -> Callable[[int, str], subprocess.Popen[bytes] | None]:
     """The real launcher: ``srun`` the guest into the holder allocation (its own session, so a signal meant
-    for the agent's step does not reach it before the agent decides)."""
+    for the agent's step does not reach it before the agent decides), in the job's container
+    (``container_args``: the options for a step on that node)."""
 
     def launch(holder: int, node: str) -> subprocess.Popen[bytes] | None:
-        cmd = guest_command(srun, python, holder, node, script, script_args)
+        cmd = guest_command(srun, python, holder, node, script, script_args, container_args(node))
         try:
             return subprocess.Popen(cmd, env=dict(env), start_new_session=True)
         except OSError as exc:

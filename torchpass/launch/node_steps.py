@@ -4,7 +4,9 @@ Why not one ``srun`` with a task per node? When a node of a job step dies, Slurm
 as it declares the node down (``srun: error: Node failure``, then ``Force Terminated``): the survivors would be
 killed SlurmdTimeout seconds after the crash, however well TorchPass had recovered. With ``--no-kill`` on the
 job, Slurm keeps the job and its other steps, so this launcher starts one single-task step per node
-(``srun --nodes=1 --ntasks=1 --nodelist=NODE``): the crashed node's step ends, the others train on.
+(``srun --nodes=1 --ntasks=1 --nodelist=NODE``): the crashed node's step ends, the others train on. Each step
+asks for the job's container, if it has one (:mod:`torchpass.launch.container`): the agents and their ranks run
+in the user's image.
 
 Each step runs ``torchpass run`` again, with the job's node list and its own index in the environment
 (``TORCHPASS_NODES``, ``TORCHPASS_AGENT_INDEX``) and G, the ranks per node decided once here
@@ -43,6 +45,7 @@ from pathlib import Path
 from types import FrameType
 
 from torchpass.auth import ENV_JOB_KEY, JobKey
+from torchpass.launch.container import ContainerKind, ContainerSpec, bundle_warnings, node_mounts
 from torchpass.launch.slurm_layout import (
     ENV_AGENT_INDEX,
     ENV_LOST_NODES_FILE,
@@ -107,6 +110,7 @@ class NodeSteps:
     lost_grace_s: float = 1.0  # for the steps on nodes the job counted lost
     ranks_per_node: int = 0  # G, decided once here for every agent (0: each agent decides)
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    container: ContainerSpec = field(default_factory=ContainerSpec)  # the job's, on every agent step
     _signal: int | None = None
 
     def commands(self) -> list[tuple[str, list[str], dict[str, str]]]:
@@ -132,8 +136,9 @@ class NodeSteps:
             cmd = [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=0"]
             cmd += ["--ntasks-per-node=1"]  # one agent, whatever --ntasks-per-node the job has (its G ranks)
             cmd += [f"--cpus-per-task={cpus[node]}"] if cpus[node] else []
+            cmd += self.container.srun_args(node_mounts(env, node))  # the agent and its ranks run in the image
             cmd += ["--job-name=torchpass-agent", self.python, "-m", "torchpass", *self.argv]
-            out.append((node, cmd, env))
+            out.append((node, cmd, self.container.step_environment(env)))
         return out
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -148,6 +153,11 @@ class NodeSteps:
             file=sys.stderr,
             flush=True,
         )
+        if self.container.srun_args():
+            print(f"torchpass: every agent step in the job's {self.container.describe()}", file=sys.stderr, flush=True)
+        if self.container.kind is ContainerKind.OCI:  # the bundle carries its mounts: say what it lacks, once
+            for warning in bundle_warnings(self.container.bundle, node_mounts(self.environ, plan[0][0])):
+                print(f"torchpass: warning: {warning}", file=sys.stderr, flush=True)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         steps = [_Step(node, subprocess.Popen(cmd, env=env)) for node, cmd, env in plan]
         try:
