@@ -67,6 +67,12 @@ class HooksConfig:
         "Comma-separated fabric NICs the health check requires up with carrier (e.g. 'ib0,ib1'); empty = "
         "no NIC check. A failing NIC drains the node with a 'clockwork:' reason.",
     )
+    gpu_job_map_dir: str = setting(
+        "",
+        "dcgm-exporter's --hpc-job-mapping-dir: the Prolog adds every job's ID to one file per GPU index the "
+        "job holds (named by the index, job IDs one per line) and the Epilog takes it out, so DCGM metrics "
+        "carry the job. Empty = off.",
+    )
 
 
 @dataclass(frozen=True)
