@@ -7,12 +7,13 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # Debian packages the sandbox cluster and the SPANK build need (chromium: the test that renders the audit's HTML report;
 # gcc, python3-dev and libsodium-dev: Fleet Lens's C extension, which `pip install -e` compiles; systemd: the check of
-# etc/systemd/clockworkd.service with systemd-analyze; mmdebstrap: the Slurm 24.11 root of `make slurm-24.11`).
+# etc/systemd/clockworkd.service with systemd-analyze; mmdebstrap: the Slurm 24.11 root of `make slurm-24.11`;
+# lintian: the check of the Debian packages of `make deb`).
 APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
 	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping \
-	chromium gcc python3-dev libsodium-dev systemd mmdebstrap
+	chromium gcc python3-dev libsodium-dev systemd mmdebstrap lintian
 
-.PHONY: help venv system-packages demo test lint typecheck clean sandbox-down spank slurm-24.11
+.PHONY: help venv system-packages demo test lint typecheck clean sandbox-down spank slurm-24.11 deb
 
 help:
 	@echo "make demo   - set up (if needed), then run the demo on the embedded sandbox cluster"
@@ -32,6 +33,12 @@ SLURM_2411_ROOT := /var/cache/clockwork/slurm-24.11/root
 slurm-24.11: venv
 	$(VENV)/bin/clockwork sandbox prepare --slurm 24.11
 	$(MAKE) -C spank SLURM_HEADERS=$(SLURM_2411_ROOT)/usr/include/slurm OUT=slurm-24.11
+
+# Debian packages (packaging/deb/build.sh): clockwork-slurm (the venv under /opt/clockwork, the programs, the
+# systemd unit, /etc/clockwork/clockwork.toml) and clockwork-slurm-spank (clockwork.so for the installed Slurm's
+# release and its plugstack.conf.d snippet), into build/deb/.
+deb: system-packages
+	bash packaging/deb/build.sh build/deb
 
 system-packages:
 	@missing=$$(for p in $(APT_PACKAGES); do \
