@@ -9,6 +9,11 @@
   wrappers this module writes into the sandbox's ``bin`` folder). The host is usrmerged (``/bin``, ``/lib`` are
   links into ``/usr``), so that view runs the root's glibc, loader and Slurm throughout.
 
+- ``26.05``: Debian sid's Slurm 26.05 (``slurm-wlm 26.05.x``), from a root built the same way under
+  ``/var/cache/clockwork/slurm-26.05/root`` and laid over ``/usr`` the same way. sid moves: the root is whatever sid
+  served when it was built (its ``MARKER`` file says which version), and a build fails with the version sid has
+  when that is not 26.05.
+
 Everything else stays the host's: the hooks, ``clockworkd`` and a job's Python are the host venv's interpreter
 (Python 3.11 and torch, which the root does not have: they show through from the host's ``/usr`` and the
 checkout) running on the root's glibc 2.41, which is backward compatible with the host's 2.36 they were built
@@ -67,6 +72,10 @@ class SlurmRelease:
     """Release series, ``"22.05"``."""
     suite: str
     """Debian suite whose root carries it; empty: the host's own packages."""
+    accept_expired: bool = False
+    """Accept the suite's Release file after its Valid-Until (apt's ``Acquire::Check-Valid-Until "false"``). sid's
+    expires within a week of being published; the mirror this machine reaches serves one that expired a month
+    ago, which apt otherwise refuses outright ("Release file ... is expired")."""
 
     @property
     def from_root(self) -> bool:
@@ -196,6 +205,7 @@ class SlurmRelease:
             "--variant=minbase",
             "--include=" + ",".join(ROOT_PACKAGES),
             *(f"--dpkgopt=path-exclude={pattern}" for pattern in ROOT_EXCLUDES),
+            *(['--aptopt=Acquire::Check-Valid-Until "false"'] if self.accept_expired else []),
             self.suite,
             str(tmp),
         ]
@@ -223,6 +233,7 @@ class SlurmRelease:
 RELEASES: dict[str, SlurmRelease] = {
     "22.05": SlurmRelease("22.05", ""),
     "24.11": SlurmRelease("24.11", "trixie"),
+    "26.05": SlurmRelease("26.05", "sid", accept_expired=True),
 }
 
 
