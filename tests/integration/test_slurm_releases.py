@@ -4,7 +4,7 @@ sandbox's namespaces (docs/sandbox.md); 4 nodes, accounting. The host's 22.05 ru
 
 Every test here runs once per release in :data:`RELEASES` (the module-scoped ``slurm_release`` fixture, so pytest
 runs all of one release's tests on one sandbox before the next), except the two long borrow tests, which name their
-release (see :data:`LONG_TESTS_ON`: 24.11 for now).
+release (see :data:`LONG_TESTS_ON`).
 
 * Tests of other modules, collected here a second time, run on every release wherever what they check goes through
   Slurm and so may change with its release (this module's ``sandbox`` fixture gives them the release's sandbox):
@@ -72,11 +72,10 @@ from tests.unit import test_torchpass_oracle as oracle
 
 #: The releases the sandbox builds from a Debian root (22.05, the host's, runs the original modules).
 RELEASES = ("24.11", "26.05")
-#: The two borrow tests run on 24.11 only. The TorchPass node-crash job does not start on 26.05: 26.05's batch
-#: script has no SLURM_NTASKS (24.11's had SLURM_NTASKS=3 for -N3), and ``torchpass run`` stops with
-#: "SLURM_NTASKS='' is not an integer" (launcher exit 2). That is a TorchPass fix still to make, so the test stays
-#: where it passes. The QOS borrow was not run on 26.05 in the time there was.
-LONG_TESTS_ON = {"node_crash": "24.11", "qos": "24.11"}
+#: The two borrow tests (each a TorchPass node crash ending bitwise equal) split over the releases to keep CI
+#: short: partition-priority preemption on 26.05, the newest, QOS preemption on 24.11. 22.05's node crash runs in
+#: tests/integration/test_torchpass_sandbox.py.
+LONG_TESTS_ON = {"node_crash": "26.05", "qos": "24.11"}
 NODES = 4
 SEED = int(os.environ.get("CW_TEST_SEED", str(int(time.time()))))
 #: The training job: 3 ranks on node1-3, the spare comes from node4. Agent order puts the batch host (node1) last:

@@ -72,10 +72,16 @@ AGENT_EXIT_LEFT = 3  # this agent was counted lost and left; the job goes on wit
 VERDICTS = (AGENT_EXIT_DONE, AGENT_EXIT_FAILED)
 
 
+#: The batch step's id as a batch script sees it: Slurm 26.05 exports ``SLURM_STEP_ID=-5`` there (its
+#: ``SLURM_BATCH_SCRIPT``, 0xfffffffb, printed signed); 22.05 and 24.11 export no step id at all.
+BATCH_STEP_IDS = frozenset({"-5", str(0xFFFFFFFB), "batch"})
+
+
 def in_batch_script(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process runs in a job's batch script (an allocation, but not inside a job step)."""
     env = os.environ if environ is None else environ
-    return bool(env.get("SLURM_JOB_ID")) and not env.get("SLURM_STEP_ID") and not env.get("SLURM_STEPID")
+    steps = [env.get(name, "") for name in ("SLURM_STEP_ID", "SLURM_STEPID")]
+    return bool(env.get("SLURM_JOB_ID")) and all(not step or step in BATCH_STEP_IDS for step in steps)
 
 
 def cpus_per_node(expr: str, count: int) -> list[int]:
