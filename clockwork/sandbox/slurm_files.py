@@ -18,6 +18,11 @@ from clockwork.sandbox.layout import CLUSTER, CONTROLLER, Layout
 from clockwork.sandbox.paths import StatePaths
 from linkpass.settings import LinkPassConfig
 
+#: Fake GPUs per node, as GRES (gres.conf: a count, no device files): jobs may ask for ``--gres=gpu:N`` and
+#: Slurm accounts for them (AllocTRES ``gres/gpu=N``), so what a borrowed node's holder and guest step are
+#: given can be checked; nothing binds devices (TaskPlugin=task/none, no ConstrainDevices).
+GPUS_PER_NODE = 2
+
 #: Slurm script contexts and the wrapper file each slurm.conf parameter points at.
 HOOKS = {
     "Prolog": "prolog",
@@ -55,6 +60,8 @@ def slurm_conf(
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_CPU",
         "JobAcctGatherType=jobacct_gather/none",
+        "GresTypes=gpu",
+        "AccountingStorageTRES=gres/gpu",
         "SlurmdParameters=config_overrides",
         "ReturnToService=2",
         "SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=1",
@@ -88,13 +95,20 @@ def slurm_conf(
     for node in layout.nodes:
         lines.append(
             f"NodeName={node.name} NodeAddr={node.mgmt_ip} NodeHostname={node.name} "
-            f"CPUs={cpus_per_node} RealMemory=1024 State=UNKNOWN"
+            f"CPUs={cpus_per_node} RealMemory=1024 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
         )
     names = ",".join(n.name for n in layout.nodes)
     lines += [
         f"PartitionName=low Nodes={names} Default=YES PriorityTier=1 PreemptMode=REQUEUE MaxTime=INFINITE State=UP",
         f"PartitionName=high Nodes={names} PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP",
     ]
+    return "\n".join(lines) + "\n"
+
+
+def gres_conf(layout: Layout) -> str:
+    """gres.conf: :data:`GPUS_PER_NODE` GPUs on every node, by count (no ``File=``: no device to bind)."""
+    lines = ["# Written by `clockwork sandbox up`: fake GPUs, counted by Slurm, bound to no device."]
+    lines += [f"NodeName={node.name} Name=gpu Count={GPUS_PER_NODE}" for node in layout.nodes]
     return "\n".join(lines) + "\n"
 
 
@@ -253,6 +267,7 @@ def write_all(
     for d in paths.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
     paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir))
+    paths.gres_conf.write_text(gres_conf(layout))
     if layout.racks:
         paths.slurm_topology.write_text(slurm_topology(layout))
     else:

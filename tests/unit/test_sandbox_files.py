@@ -20,7 +20,9 @@ from clockwork.contracts.config.core import SandboxConfig
 from clockwork.sandbox.layout import Layout, build_layout
 from clockwork.sandbox.paths import StatePaths
 from clockwork.sandbox.slurm_files import (
+    GPUS_PER_NODE,
     HOOKS,
+    gres_conf,
     hook_wrapper,
     hosts,
     plugstack,
@@ -91,6 +93,16 @@ def test_slurm_conf_core_settings(paths: StatePaths, layout: Layout) -> None:
     assert conf["AuthInfo"] == f"socket={paths.munge_socket},cred_expire=5"
     assert conf["PlugStackConfig"] == str(paths.plugstack_conf)
     assert conf["StateSaveLocation"] == str(paths.ctld_state)
+
+
+def test_every_node_declares_fake_gpus_slurm_counts(paths: StatePaths, layout: Layout) -> None:
+    text = slurm_conf(paths, layout, accounting=False, cpus_per_node=2)
+    conf = _settings(text)
+    assert (conf["GresTypes"], conf["AccountingStorageTRES"]) == ("gpu", "gres/gpu")
+    nodes = _records(text, "NodeName")
+    assert nodes and all(n["Gres"] == f"gpu:{GPUS_PER_NODE}" for n in nodes.values())
+    gres = _records(gres_conf(layout), "NodeName")
+    assert set(gres) == set(nodes) and all(g == {"NodeName": n, "Name": "gpu", "Count": "2"} for n, g in gres.items())
 
 
 def test_slurm_conf_hooks_are_absolute_paths_under_state_hooks(paths: StatePaths, layout: Layout) -> None:

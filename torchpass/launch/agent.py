@@ -223,7 +223,7 @@ class SlurmAgent:
         dead = sorted(self.mesh.dead)
         return self.layout.nodes[dead[-1]] if dead else ""
 
-    def _launch_guest(self, holder: int, node: str) -> subprocess.Popen[bytes] | None:
+    def _launch_guest(self, holder: int, node: str, gres: str = "") -> subprocess.Popen[bytes] | None:
         """Start the replacement on the borrowed node, in the holder allocation, as a spare of this job."""
         leader = self.mesh.leader_endpoint()
         endpoints = [leader, *(e for e in self.layout.coordinator_endpoints() if e != leader)]
@@ -237,7 +237,7 @@ class SlurmAgent:
         )
         env[ENV_CONFIG] = self.config.to_json()
         return spawn_guest(self.environ.get("TORCHPASS_SRUN", "srun"), self.python, self.script, self.script_args, env)(
-            holder, node
+            holder, node, gres
         )
 
     # ----- start -----------------------------------------------------------------------------
