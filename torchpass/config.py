@@ -130,6 +130,13 @@ class TorchPassConfig:
         "is silent, it sends no reset). If it was the leader, the lowest agent still heard takes over.",
         min=0.05,
     )
+    agent_stall_timeout_s: float = setting(
+        30.0,
+        "Slurm mode: a node agent silent past agent_timeout_s is lost then only if a second agent does not hear it "
+        "either and the node daemon does not hear its node on the fabric; otherwise (a stalled agent process on "
+        "a live node, or a link only one agent lost) only after this long.",
+        min=0.05,
+    )
     fabric_verdicts: bool = setting(
         True,
         "Slurm mode: act on the node daemon's node-silent verdicts (a node silent on every fabric rail for about "

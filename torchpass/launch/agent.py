@@ -60,7 +60,7 @@ from torchpass.launch.borrow import BorrowDaemon, Borrower, guest_environment, s
 from torchpass.launch.mesh import AgentMesh
 from torchpass.launch.node_ranks import rank_environment
 from torchpass.launch.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
-from torchpass.launch.node_verdicts import VerdictFollower
+from torchpass.launch.node_verdicts import VerdictFollower, node_heard
 from torchpass.launch.proxy import CoordinatorProxy
 from torchpass.launch.slurm_layout import (
     ENV_AGENT_INDEX,
@@ -172,6 +172,9 @@ class SlurmAgent:
             domains={k: domains[node] for k, node in enumerate(layout.nodes) if node in domains},
         )
         self.mesh = AgentMesh(layout, config, self.coordinator, event_sink=self.event_sink)
+        if self.daemon_socket:  # a silent agent whose node the fabric still hears gets agent_stall_timeout_s
+            socket = self.daemon_socket
+            self.mesh.fabric_alive = lambda agent: node_heard(socket, layout.nodes[agent])
         self.coordinator.replicate = self.mesh.publish
         self.coordinator.leader_hint = self.mesh.leader_endpoint()
         self.proxy = CoordinatorProxy(layout.address, self.mesh.leader_endpoint)
