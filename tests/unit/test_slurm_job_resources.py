@@ -32,6 +32,7 @@ def test_the_recorded_queues_give_account_qos_and_time_limit(version: str) -> No
         ("gres/gpu:h100:8,gres/nic:1", "", 2, "gpu:h100:8,nic:1"),  # 23.02+ spelling, typed, two GRES
         ("cpu:4", "cpu=8,node=2,gres/gpu=6", 2, "gpu:3"),  # --gpus=6 on 2 nodes: from the allocation
         ("", "cpu=8,node=2,gres/gpu=8,gres/gpu:h100=8", 2, "gpu:h100:4"),  # the typed name only
+        ("", "node=2,gres/gpu=8,gres/gpu:a100=4,gres/gpu:h100=4", 2, "gpu:a100:2,gpu:h100:2"),  # two types
         ("", "cpu=8,node=3,gres/gpu=8", 3, ""),  # uneven: no per-node form
         ("", "cpu=8,node=2", 2, ""),
     ],

@@ -92,7 +92,7 @@ def gres_per_node(tres_per_node: str, alloc_tres: str, nodes: int) -> str:
         if not name.startswith("gres/") or not count.isdigit():
             continue
         gres = name[len("gres/") :]
-        if any(other.startswith(gres.split(":", 1)[0] + ":") for other in _alloc_names(alloc_tres) if other != gres):
+        if ":" not in gres and any(other.startswith(gres + ":") for other in _alloc_names(alloc_tres)):
             continue  # gres/gpu=8 next to gres/gpu:h100=8: ask by the typed name only
         total = int(count)
         if total % nodes:
