@@ -7,8 +7,9 @@
   agent borrows through its node daemon, the daemon's holder allocation (``clockwork-hold-JOBID``, partition
   high, pinned to node5) makes slurmctld requeue the low job, the replacement rank starts on node5 as a step of
   the holder and the job resumes at the same step. Its final state is bitwise equal to a fault-free run's. The job
-  asks for the sandbox's 2 fake GPUs per node (gres.conf) and a 30-minute limit: ``sacct`` shows the holder with
-  ``gres/gpu=2``, the job's account and at most 30 minutes, and the guest's step with ``gres/gpu=2``.
+  asks for one of the sandbox's fake GPUs per node (gres.conf) and a 30-minute limit: ``sacct`` shows the holder
+  with the node's GPUs (``--exclusive``: both), the job's account and at most 30 minutes, and the guest's step
+  with ``gres/gpu=1``, the job's GPU per node.
 * The low job was requeued (restart count 1) and runs again on node5 after the training job ended (its
   Epilog gave the node back); ``sacct`` shows both jobs with the AdminComments that link them.
 * With 2 ranks per node (``--ntasks-per-node=2``: 8 ranks on node1-4), node3's crash loses two ranks at once;
@@ -37,7 +38,6 @@ import pytest
 from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.errors import DaemonError
 from clockwork.sandbox.cluster import Sandbox
-from clockwork.sandbox.slurm_files import GPUS_PER_NODE
 from tests.conftest import until
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, wait_job
@@ -66,8 +66,9 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("borrow-sandbox")
 
 
-#: The crash test's job asks for the sandbox's fake GPUs and this time limit: the borrowed node must come with both.
-TIME_LIMIT_MIN = 30
+#: The crash test's job asks for one of each node's fake GPUs (one rank per node: TorchPass runs a rank per GPU
+#: of the step) and this time limit: the borrowed node must come with both.
+JOB_GPUS, TIME_LIMIT_MIN = 1, 30
 
 #: How long a job takes to start on the sandbox, at most (only a broken run waits that long).
 WAIT_S = 60.0
@@ -199,11 +200,10 @@ def _acct(box: Sandbox, job_id: int) -> dict[str, dict[str, str]]:
 def _assert_the_node_came_with_what_the_job_had(
     box: Sandbox, job_id: int, holder: int, borrowed: dict[str, object]
 ) -> None:
-    """The job asked for 2 GPUs per node and a time limit: the holder was given the GPUs, the job's account and
+    """The job asked for a GPU per node and a time limit: the holder was given the GPU, the job's account and
     no more than its remaining time, and the guest's step in it holds the GPUs too (Slurm gives a step of an
     --exclusive allocation no GRES it did not ask for)."""
-    assert borrowed["gres"] == f"gpu:{GPUS_PER_NODE}", borrowed
-    gpus = f"gres/gpu={GPUS_PER_NODE}"
+    assert borrowed["gres"] == f"gpu:{JOB_GPUS}", borrowed
 
     def recorded() -> bool:
         rows = _acct(box, holder)
@@ -212,12 +212,20 @@ def _assert_the_node_came_with_what_the_job_had(
     until(f"sacct to record holder {holder} and its guest step", recorded, 30, 0.5)
     job, held = _acct(box, job_id)[str(job_id)], _acct(box, holder)
     print(f"sacct: job {job}; holder {held}")
-    assert gpus in job["AllocTRES"].split(","), job
-    assert gpus in held[str(holder)]["AllocTRES"].split(","), held
+    assert _gpus(job) == NPROC * JOB_GPUS, job  # the job's own: one per node
+    # --exclusive gives the holder the whole node, its every GPU (the sandbox's 2) included; it asked for the
+    # job's one, so a site where an exclusive job's steps get only what the job asked for still sees it
+    assert _gpus(held[str(holder)]) >= JOB_GPUS, held
     assert held[str(holder)]["Account"] == job["Account"] != "", (held, job)
     assert 0 < int(held[str(holder)]["TimelimitRaw"]) <= TIME_LIMIT_MIN, held
     (guest,) = [row for key, row in held.items() if key.startswith(f"{holder}.") and key.split(".")[1].isdigit()]
-    assert gpus in guest["AllocTRES"].split(","), held
+    assert _gpus(guest) == JOB_GPUS, held  # the guest's step holds the job's GPU per node
+
+
+def _gpus(row: dict[str, str]) -> int:
+    """``gres/gpu=N`` of an AllocTRES (0 when absent)."""
+    found = [int(t.split("=", 1)[1]) for t in row["AllocTRES"].split(",") if t.startswith("gres/gpu=")]
+    return found[0] if found else 0
 
 
 def _log(box: Sandbox) -> str:
@@ -326,7 +334,7 @@ def test_node_crash_borrows_node5_from_the_low_job_and_gives_it_back(
         "crash-node3",
         kill=f"{CRASHED_SLOT}:{step}:{phase}",
         during=beyond_the_limit,
-        options=(f"--gres=gpu:{GPUS_PER_NODE}", f"--time={TIME_LIMIT_MIN}"),
+        options=(f"--gres=gpu:{JOB_GPUS}", f"--time={TIME_LIMIT_MIN}"),
     )
     assert f"crashed: ['{CRASHED_NODE}']" in run.output, run.output[-3000:]
 
