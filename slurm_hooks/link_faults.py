@@ -12,12 +12,12 @@ hangs on):
   before the picture was clear is resumed.
 * It is the **node's** fault when Lens suspects this node's link and fewer than ``switch_fault_nodes`` nodes on
   S: the node is drained, as before.
-* A NIC that is down while Lens, which watches it (it receives probes on it), has not judged it yet is
-  **deferred**: no drain now; the next health check decides (Lens raises a suspect within a few evaluations, the
-  health check runs every HealthCheckInterval). So the first nodes to run their check while a switch dies are not
-  drained before the others' evidence arrives.
-* Without Lens's evidence (Lens off, its daemon unreadable, or a NIC Lens does not probe) each node is judged
-  alone, as before: a NIC down drains.
+* A NIC that is down while Lens, which watches it (it probes the NIC and hears other nodes now), has not
+  judged it yet is **deferred**: no drain now; the next health check decides (Lens raises a suspect within a
+  few evaluations, the health check runs every HealthCheckInterval). So the first nodes to run their check
+  while a switch dies are not drained before the others' evidence arrives.
+* Without Lens's evidence (Lens off, its daemon unreadable, a NIC Lens does not probe, or a Lens that hears no
+  other node at all) each node is judged alone, as before: a NIC down drains.
 
 Pure: the health check (:mod:`slurm_hooks.healthcheck`) reads the NICs and the daemon's ``lens`` reply and
 applies :func:`judge_links`; the tests run this same code.
@@ -62,7 +62,10 @@ def _nic_suspects(suspects: Sequence[Mapping[str, Any]]) -> list[tuple[str, str,
 
 
 def _watched(paths: Sequence[Mapping[str, Any]], nic_id: str) -> bool:
-    return any(p.get("dst") == nic_id or p.get("src") == nic_id for p in paths)
+    """Lens probes ``nic_id`` and hears some peer now (on any NIC): it will judge the NIC. A Lens that hears no
+    peer at all (the other daemons not running) gives no evidence."""
+    hears = any(int(p.get("received") or 0) > 0 for p in paths)
+    return hears and any(p.get("dst") == nic_id or p.get("src") == nic_id for p in paths)
 
 
 def judge_links(

@@ -35,7 +35,8 @@ def _suspect(node: str, nic: str, switch: str, kinds: tuple[str, ...] = ("dead",
 
 
 def _lens(*suspects: dict[str, Any], watched: tuple[str, ...] = ("node2/ib0", "node2/ib1")) -> dict[str, Any]:
-    paths = [{"src": f"node9/{nic.split('/')[1]}", "dst": nic} for nic in watched]
+    paths = [{"src": f"node9/{nic.split('/')[1]}", "dst": nic, "received": 0} for nic in watched]
+    paths.append({"src": "node9/ib0", "dst": "node2/ib0", "received": 90})  # Lens hears other nodes
     return {"node": "node2", "enabled": True, "suspects": list(suspects), "paths": paths}
 
 
@@ -72,7 +73,18 @@ def test_a_nic_down_that_lens_has_not_judged_yet_waits_for_its_verdict() -> None
     assert judged.deferred == ["ib1 down (down, carrier 0): waiting for Fleet Lens's verdict on node2/ib1"]
 
 
-@pytest.mark.parametrize("lens", [None, _lens(watched=("node2/ib0",))], ids=["no-lens", "nic-not-probed"])
+def _deaf() -> dict[str, Any]:
+    """A Lens that hears no other node (their daemons not running): no evidence."""
+    lens = _lens()
+    lens["paths"] = [p for p in lens["paths"] if not p["received"]]
+    return lens
+
+
+@pytest.mark.parametrize(
+    "lens",
+    [None, _lens(watched=("node2/ib0",)), _deaf()],
+    ids=["no-lens", "nic-not-probed", "lens-hears-nobody"],
+)
 def test_without_lens_evidence_each_node_is_judged_alone(lens: dict[str, Any] | None) -> None:
     assert judge_links("node2", [DOWN], lens, switch_fault_nodes=2).drain == [DOWN.text]
 
