@@ -253,8 +253,8 @@ def test_health_check_drains_a_node_whose_link_is_suspect_only_when_enabled(
 def test_a_rail_switch_losing_three_nodes_ports_drains_none_of_them(sandbox: Sandbox, daemons: NodeDaemons) -> None:
     """The switch ports of node1-3's nic1 go down at once, as when a leaf switch dies: each node's nic1 loses
     carrier (what the health check reads), and Lens suspects the three nic1 links on the same switch. The health
-    check of each judges it one switch fault and drains none (a lone node's NIC still drains:
-    tests/integration/test_hooks_daemon.py)."""
+    check of each judges it one switch fault and drains none, and says so in the log (a lone node's NIC still
+    drains: tests/integration/test_hooks_daemon.py)."""
     env = {**slurm_env(sandbox), "CLOCKWORK_CONFIG": str(sandbox.paths.clockwork_toml)}
     hc = str(Path(CLOCKWORK).parent / "clockwork-healthcheck")
     hit = ("node1", "node2", "node3")
@@ -277,7 +277,11 @@ def test_a_rail_switch_losing_three_nodes_ports_drains_none_of_them(sandbox: San
             assert on_node(sandbox, node, "env", *(f"{k}={v}" for k, v in env.items()), hc).returncode == 0
         assert drained() == {}, drained()
         said = log.read_text(errors="replace")[before:] if log.exists() else ""
-        assert said.count("not drained: nic1 down") >= len(hit) and "fault, 3 nodes' links on it" in said, said[-3000:]
+        # Lens may suspect node4's nic1 too (the rail's fourth node, its peers all dark): 3 or 4 nodes
+        judged = [
+            line for line in said.splitlines() if "not drained: nic1 down" in line and "switch rail1 fault" in line
+        ]
+        assert {line.split(": not drained")[0].rsplit(" ", 1)[-1] for line in judged} >= set(hit), said[-3000:]
     finally:
         for node in hit:
             sandbox.fault("port", node, "nic1", "up")
