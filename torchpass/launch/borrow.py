@@ -111,9 +111,9 @@ def guest_environment(
 def guest_command(
     srun: str, python: str, holder: int, node: str, script: str, script_args: Sequence[str], gres: str = ""
 ) -> list[str]:
-    """``srun`` into the holder allocation: one task on the borrowed node running the guest agent, with the
-    GRES per node the holder asked for (the job's own, ``gpu:8``): a step that asks for none gets none of an
-    ``--exclusive`` allocation's GRES, and with ``ConstrainDevices=yes`` its ranks would see no GPU."""
+    """``srun`` into the holder allocation: one task on the borrowed node running the guest agent, asking for
+    the GRES per node the holder asked for (the job's own, ``gpu:8``). Slurm gives a step the GRES its job asked
+    for anyway, but none of those an ``--exclusive`` job got implicitly: the request says which it needs."""
     if gres and not _GRES.fullmatch(gres):
         raise ValueError(f"not a GRES specification: {gres!r}")
     return [
