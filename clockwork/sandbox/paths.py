@@ -30,6 +30,11 @@ class StatePaths:
         return self.etc / "topology.conf"
 
     @property
+    def gres_conf(self) -> Path:
+        """Slurm's gres.conf, beside slurm.conf: every node's fake GPUs (counts, no device files)."""
+        return self.etc / "gres.conf"
+
+    @property
     def slurmdbd_conf(self) -> Path:
         return self.etc / "slurmdbd.conf"
 

@@ -64,7 +64,7 @@ from torchpass.launch.mesh import AgentMesh
 from torchpass.launch.node_fabric import NodeFabric
 from torchpass.launch.node_ranks import rank_environment
 from torchpass.launch.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
-from torchpass.launch.node_verdicts import VerdictFollower
+from torchpass.launch.node_verdicts import VerdictFollower, node_heard
 from torchpass.launch.proxy import CoordinatorProxy
 from torchpass.launch.slurm_layout import (
     ENV_AGENT_INDEX,
@@ -184,6 +184,9 @@ class SlurmAgent:
             domains={k: domains[node] for k, node in enumerate(layout.nodes) if node in domains},
         )
         self.mesh = AgentMesh(layout, config, self.coordinator, event_sink=self.event_sink)
+        if self.daemon_socket:  # a silent agent whose node the fabric still hears gets agent_stall_timeout_s
+            socket = self.daemon_socket
+            self.mesh.fabric_alive = lambda agent: node_heard(socket, layout.nodes[agent])
         self.coordinator.replicate = self.mesh.publish
         self.coordinator.leader_hint = self.mesh.leader_endpoint()
         self.proxy = CoordinatorProxy(layout.address, self.mesh.leader_endpoint)
@@ -244,7 +247,7 @@ class SlurmAgent:
         dead = sorted(self.mesh.dead)
         return self.layout.nodes[dead[-1]] if dead else ""
 
-    def _launch_guest(self, holder: int, node: str) -> subprocess.Popen[bytes] | None:
+    def _launch_guest(self, holder: int, node: str, gres: str = "") -> subprocess.Popen[bytes] | None:
         """Start the replacement on the borrowed node, in the holder allocation, as a spare of this job."""
         leader = self.mesh.leader_endpoint()
         endpoints = [leader, *(e for e in self.layout.coordinator_endpoints() if e != leader)]
@@ -265,7 +268,7 @@ class SlurmAgent:
             self.script_args,
             container.step_environment(env),
             lambda borrowed: container.srun_args(node_mounts(self.environ, borrowed)),
-        )(holder, node)
+        )(holder, node, gres)
 
     # ----- start -----------------------------------------------------------------------------
 

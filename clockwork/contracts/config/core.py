@@ -65,7 +65,16 @@ class HooksConfig:
     health_nics: str = setting(
         "",
         "Comma-separated fabric NICs the health check requires up with carrier (e.g. 'ib0,ib1'); empty = "
-        "no NIC check. A failing NIC drains the node with a 'clockwork:' reason.",
+        "no NIC check. A failing NIC drains the node with a 'clockwork:' reason, unless Fleet Lens shows it "
+        "as one switch's fault (switch_fault_nodes).",
+    )
+    switch_fault_nodes: int = setting(
+        2,
+        "When Fleet Lens suspects the links of this many nodes or more on one switch at once, the health check "
+        "judges it one switch (leaf or rail) fault and drains none of them for it (a node it drained for that "
+        "link is resumed); a NIC down that Lens watches but has not judged yet waits for the next check. "
+        "0 = judge each node alone (a NIC down drains at once).",
+        min=0,
     )
     gpu_job_map_dir: str = setting(
         "",

@@ -40,6 +40,7 @@ from clockwork.contracts.errors import SlurmError
 from clockwork.contracts.hostlist import expand_hostlist
 from clockwork.contracts.slurm.backend import AcctRecord, JobInfo, NodeInfo, SlurmVersion, node_state
 from clockwork.contracts.slurm.data_parser import json_option
+from clockwork.contracts.slurm.resources import JobResources, parse_resources_json, parse_resources_scontrol
 
 __all__ = [
     "CliBackend",
@@ -171,6 +172,30 @@ class CliBackend:
             raise
         jobs = parse_scontrol_jobs(out)
         return next((j for j in jobs if j.job_id == job_id), jobs[0] if jobs else None)
+
+    def job_resources(self, job_id: int) -> JobResources | None:
+        """The job's GRES per node, account, QOS and time limit (what a stand-in allocation asks for again);
+        None when slurmctld does not know the job. Not part of :class:`SlurmBackend`: only the borrowing
+        daemon, which always holds this backend, needs it."""
+        argv = ["squeue", "--json", "--states=all", f"--jobs={job_id}"]
+        doc = self._json_query("squeue", argv)
+        if doc is not None:
+            return parse_resources_json(doc, job_id)
+        proc = self._run(["scontrol", "-o", "show", "job", str(job_id)], check=False)
+        if proc.returncode != 0:
+            if _INVALID_JOB.search(proc.stderr):
+                return None
+            raise self._failure(["scontrol", "show", "job", str(job_id)], proc)
+        for line in proc.stdout.splitlines():
+            fields = parse_scontrol_record(line)
+            if _as_int(fields.get("JobId")) == job_id:
+                start = fields.get("StartTime", "")
+                try:
+                    epoch = time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S")) if start[:1].isdigit() else 0.0
+                except ValueError:
+                    epoch = 0.0
+                return parse_resources_scontrol(fields, job_id, epoch)
+        return None
 
     def submit(self, script: Path | str, args: Sequence[str] = ()) -> int:
         if isinstance(args, str):
