@@ -7,12 +7,13 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # Debian packages the sandbox cluster and the SPANK build need (chromium: the test that renders the audit's HTML report;
 # gcc, python3-dev and libsodium-dev: Fleet Lens's C extension, which `pip install -e` compiles; systemd: the check of
-# etc/systemd/clockworkd.service with systemd-analyze; mmdebstrap: the Slurm 24.11 root of `make slurm-24.11`).
+# etc/systemd/clockworkd.service with systemd-analyze; mmdebstrap: the Slurm roots of `make slurm-24.11` and
+# `make slurm-26.05`; lintian: the check of the Debian packages of `make deb`).
 APT_PACKAGES := slurm-wlm slurmd slurmctld slurmdbd slurm-client munge libslurm-dev \
 	slurm-wlm-basic-plugins-dev mariadb-server iproute2 nftables util-linux procps iputils-ping \
-	chromium gcc python3-dev libsodium-dev systemd mmdebstrap
+	chromium gcc python3-dev libsodium-dev systemd mmdebstrap lintian
 
-.PHONY: help venv system-packages demo test lint typecheck clean sandbox-down spank slurm-24.11
+.PHONY: help venv system-packages demo test lint typecheck clean sandbox-down spank slurm-24.11 slurm-26.05 deb
 
 help:
 	@echo "make demo   - set up (if needed), then run the demo on the embedded sandbox cluster"
@@ -25,13 +26,19 @@ venv: system-packages $(STAMP) spank
 spank: system-packages
 	$(MAKE) -C spank
 
-# Slurm 24.11 beside the host's 22.05, for `clockwork sandbox up --slurm 24.11` and its tests: a Debian 13 root
-# built once under /var/cache/clockwork (root and a Debian mirror; `sandbox prepare` does nothing when it is
-# there), and the SPANK plugin built against that root's headers (spank/slurm-24.11/clockwork.so).
-SLURM_2411_ROOT := /var/cache/clockwork/slurm-24.11/root
-slurm-24.11: venv
-	$(VENV)/bin/clockwork sandbox prepare --slurm 24.11
-	$(MAKE) -C spank SLURM_HEADERS=$(SLURM_2411_ROOT)/usr/include/slurm OUT=slurm-24.11
+# Slurm 24.11 (Debian 13) and 26.05 (Debian sid) beside the host's 22.05, for `clockwork sandbox up --slurm
+# VERSION` and their tests: a root built once under /var/cache/clockwork (root and a Debian mirror; `sandbox
+# prepare` does nothing when it is there), and the SPANK plugin built and unit-tested against that root's headers
+# (spank/slurm-VERSION/clockwork.so).
+slurm-24.11 slurm-26.05: slurm-%: venv
+	$(VENV)/bin/clockwork sandbox prepare --slurm $*
+	$(MAKE) -C spank test SLURM_HEADERS=/var/cache/clockwork/slurm-$*/root/usr/include/slurm OUT=slurm-$*
+
+# Debian packages (packaging/deb/build.sh): clockwork-slurm (the venv under /opt/clockwork, the programs, the
+# systemd unit, /etc/clockwork/clockwork.toml) and clockwork-slurm-spank (clockwork.so for the installed Slurm's
+# release and its plugstack.conf.d snippet), into build/deb/.
+deb: system-packages
+	bash packaging/deb/build.sh build/deb
 
 system-packages:
 	@missing=$$(for p in $(APT_PACKAGES); do \
@@ -66,7 +73,7 @@ lint: venv
 # (integration, the long ones, first: tests/conftest.py), not by their number of tests.
 TEST_WORKERS ?= 2
 
-test: lint typecheck slurm-24.11
+test: lint typecheck slurm-24.11 slurm-26.05
 	$(VENV)/bin/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 typecheck: venv

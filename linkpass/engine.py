@@ -11,7 +11,9 @@ Decisions are per peer: its home rail while that path is healthy, otherwise ever
 ECMP), back home after a hold-down that doubles each time the path fails again within a minute. Routes keep
 ``src`` = node address, so established TCP connections survive the move. Heartbeats are sent and read on a
 thread of their own (:mod:`linkpass.hbio`), so a slow daemon loop never silences or blinds this node; the loop
-decides every interval under :attr:`LinkPass.lock` and programs routes outside it.
+decides every interval under :attr:`LinkPass.lock` and programs routes outside it. Each peer's copy of a
+heartbeat is tagged under the key of that pair of nodes (:mod:`linkpass.keyring`), and a packet counts only when
+the peer whose address sent it signed it for itself (:mod:`linkpass.inbox`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from typing import Any
 from linkpass import hbio, heartbeat, report, sysctls
 from linkpass import peers as peer_choice
 from linkpass.fabric import FabricMap
+from linkpass.hca import SysfsHcas
+from linkpass.inbox import Inbox, Refused
+from linkpass.keyring import KeyRing, SharedKey
 from linkpass.outbox import Outbox, Outgoing
 from linkpass.routes import Kernel, LinkState
 from linkpass.settings import LinkPassConfig
@@ -72,11 +77,12 @@ class LinkPass:
         cfg: LinkPassConfig,
         node: str,
         fabric: FabricMap,
-        key: bytes,
+        key: bytes | KeyRing,
         emit: Emit,
         clock: Callable[[], float] = time.monotonic,
         home_file: Path | None = None,
         write_file: WriteFile | None = None,
+        hca_of: Callable[[str], str | None] | None = None,
     ) -> None:
         if home_file is not None and write_file is None:
             raise ValueError("LinkPass: a home_file needs a write_file to replace it durably")
@@ -100,8 +106,13 @@ class LinkPass:
             )
         )
         self.watch_peers: frozenset[str] = frozenset()  # the node watch's: other nodes of the jobs running here
-        self.key = key
-        self.outbox = Outbox(self.index, key, node, {name: p.nics for name, p in self.peers.items()})
+        # Per-peer MAC keys (pairwise: a node can sign only its own heartbeats); bytes = one key for every peer.
+        self.keys: KeyRing = SharedKey(key) if isinstance(key, bytes) else key
+        peer_nics = {name: p.nics for name, p in self.peers.items()}
+        self.outbox = Outbox(self.index, self.keys, node, peer_nics)
+        self.inbox = Inbox(self.index, self.keys, node, peer_nics)
+        # netdev -> HCA (``ib3`` -> ``mlx5_3``): what NCCL's NCCL_IB_HCA names; sysfs by default, a fake tree in tests
+        self.hca_of = hca_of if hca_of is not None else SysfsHcas().hca_of
         self.emit = emit
         self.clock = clock
         self.dead = cfg.dead_after_ms / 1000
@@ -135,13 +146,13 @@ class LinkPass:
             "sent": 0,
             "received": 0,
             "rejected": 0,
+            "refused": 0,  # of the rejected: from a peer's address, not signed by that peer for itself (forged)
             "send_errors": 0,
             "notices_sent": 0,
             "failovers": 0,
             "failbacks": 0,
         }
         self.sysctl_problems: dict[str, str] = {}
-        self.other_maps: set[str] = set()  # addresses whose heartbeats carry another fabric map's fingerprint
         self.note = ""
 
     # ----- life cycle -----------------------------------------------------------------------
@@ -321,17 +332,12 @@ class LinkPass:
 
     def _absorb_one(self, rail: str, data: bytes, src: str, now: float) -> bool:
         try:
-            hb = heartbeat.decode(data, self.index, self.key)
-        except heartbeat.PacketError as exc:
+            name, hb = self.inbox.open(rail, src, data, now)
+        except Refused:
             self.counters["rejected"] += 1
-            if exc.args[0] == heartbeat.OTHER_MAP and src not in self.other_maps:
-                self.other_maps.add(src)  # said once per address: the admin must ship one map to every node
-                log.warning("%s: heartbeats from %s on %s dropped: %s", self.me.name, src, rail, exc)
-            log.debug("%s: heartbeat from %s on %s dropped: %s", self.me.name, src, rail, exc)
+            self.counters["refused"] += 1
             return False
-        name = self.by_number.get(hb.node)
-        peer = self.peers.get(name) if name is not None else None
-        if name is None or peer is None or self.index.rails[hb.rail] != rail or peer.nics.get(rail) != src:
+        except heartbeat.PacketError:
             self.counters["rejected"] += 1
             return False
         self.counters["received"] += 1
@@ -558,6 +564,7 @@ class LinkPass:
                 "reason": reason,
                 "route_ms": round(max(ms for _, ms in done), 3),
                 "avoid_nics": self.avoid_nics(),
+                "avoid_hcas": self.avoid_hcas(),
             }
             log.warning(
                 "%s: %s %s -> %s for %s (%s)",
@@ -601,6 +608,28 @@ class LinkPass:
             paths = [p[rail] for name, p in self.paths.items() if rail in p and name in self.heard_from]
             if not self.nic_up.get(rail, False) or (paths and not any(p.alive for p in paths)):
                 out.append(rail)
+        return out
+
+    def avoid_reasons(self) -> dict[str, str]:
+        """:meth:`avoid_nics`, each with why: down (carrier, admin), or every managed path dead (heartbeats, a Lens
+        suspect marking the path gray, a peer's down notice)."""
+        out = {}
+        for rail in self.avoid_nics():
+            if not self.nic_up.get(rail, False):
+                out[rail] = self.nic_down_reason.get(rail) or f"{rail} down"
+                continue
+            reasons = sorted({p[rail].reason for p in self.paths.values() if rail in p and p[rail].reason})
+            out[rail] = f"no live path on {rail}" + (f" ({'; '.join(reasons)})" if reasons else "")
+        return out
+
+    def avoid_hcas(self) -> dict[str, str]:
+        """HCA -> why, for the :meth:`avoid_nics` that have an RDMA device behind them (``mlx5_3`` for ``ib3``):
+        what a new NCCL communicator on this node must exclude (``NCCL_IB_HCA=^mlx5_3``)."""
+        out = {}
+        for rail, reason in self.avoid_reasons().items():
+            hca = self.hca_of(rail)
+            if hca is not None:
+                out[hca] = f"{rail}: {reason}"
         return out
 
     def status(self) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 "I hear you on rail X" is what lets a node learn that its *outbound* side of a path is broken (a
 one-way blackhole keeps its own receive side healthy). Every packet carries an HMAC-SHA256 tag under
-the daemons' key, so no one on the fabric can forge a heartbeat or a down notice and make nodes move
-their traffic.
+the key of the pair (sender, receiver) (:mod:`linkpass.keyring`), so no one on the fabric can forge a
+heartbeat or a down notice and make nodes move their traffic, and no node can sign one for another.
 
 Why a fixed binary layout and no names: a packet's size must not depend on the node names or on how
 many peers the sender hears, or a cluster with long names silently loses every heartbeat (a name-based
@@ -49,6 +49,10 @@ OTHER_MAP = "sent by a daemon with another fabric map"
 
 class PacketError(Exception):
     """A packet that is not a valid, authentic heartbeat (it is dropped and counted)."""
+
+
+class NotAuthentic(PacketError):
+    """The tag is not the one ``key`` makes: another key signed the packet (a forgery, or a key out of step)."""
 
 
 def packet_size(nodes: int, rails: int) -> int:
@@ -171,7 +175,7 @@ def decode(data: bytes, index: FabricIndex, key: bytes) -> Heartbeat:
         raise PacketError(f"bad size {len(data)} (this fabric's heartbeats are {index.size} bytes)")
     body, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
     if not hmac.compare_digest(tag, _tag(key, body)):
-        raise PacketError("bad authentication tag")
+        raise NotAuthentic("bad authentication tag")
     version, flags, fingerprint, node, rail, nrails, nnodes, seq, down, up = _HEADER.unpack_from(body)
     if version != VERSION:
         raise PacketError("unknown version")

@@ -1,10 +1,12 @@
-"""What ``clockwork node status`` shows of LinkPass: NICs, routes, paths, heartbeat peers and the heartbeat thread.
+"""What ``clockwork node status`` shows of LinkPass: NICs, routes, paths, the NICs and HCAs new communicators avoid,
+heartbeat counters (forged ones refused among them), heartbeat peers and the heartbeat thread.
 
 Apart from the engine to keep it to its decisions; read under the engine's lock (:meth:`LinkPass.status`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from linkpass import sysctls
@@ -35,9 +37,11 @@ class Reported(Protocol):
     rcvbuf: dict[str, int]
     io: HeartbeatThread | None
     sysctl_problems: dict[str, str]
+    hca_of: Callable[[str], str | None]
 
     def eligible(self, path: Any, now: float) -> bool: ...
     def avoid_nics(self) -> list[str]: ...
+    def avoid_hcas(self) -> dict[str, str]: ...
 
 
 def status(engine: Reported, now: float) -> dict[str, Any]:
@@ -58,10 +62,14 @@ def status(engine: Reported, now: float) -> dict[str, Any]:
             for peer, paths in sorted(engine.paths.items())
         },
         "avoid_nics": engine.avoid_nics(),
+        "avoid_hcas": engine.avoid_hcas(),
+        "hcas": {r: engine.hca_of(r) or "" for r in engine.rails},
         "gray": {f"{peer}/{rail}": reason for (peer, rail), reason in sorted(engine.gray.items())},
         "failovers": engine.counters["failovers"],
         "failbacks": engine.counters["failbacks"],
-        "heartbeats": {k: engine.counters[k] for k in ("sent", "received", "rejected", "send_errors", "notices_sent")},
+        "heartbeats": {
+            k: engine.counters[k] for k in ("sent", "received", "rejected", "refused", "send_errors", "notices_sent")
+        },
         "heartbeat_peers": {
             "path": sorted(engine.path_peers),
             "watch": sorted(engine.watch_peers - engine.path_peers),

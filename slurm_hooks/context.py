@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from clockwork.contracts.job_options import JobOptions, JobOptionsError
+from slurm_hooks.gpu_jobmap import parse_gpu_indices
 
 log = logging.getLogger("clockwork.hooks")
 
@@ -37,6 +38,7 @@ class HookContext:
     exit_code: int | None  # Epilogs only
     options: dict[str, str]  # the job's --clockwork-* options, from SPANK_CLOCKWORK_* (as they were exported)
     job: JobOptions = field(default_factory=JobOptions)  # --clockwork-ft and --clockwork-spares, parsed
+    gpus: tuple[int, ...] = ()  # the job's GPU indices on this node (SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES)
 
     @property
     def on_controller(self) -> bool:
@@ -83,4 +85,5 @@ def from_env(context: str, env: Mapping[str, str]) -> HookContext:
         exit_code=_int(env.get("SLURM_JOB_EXIT_CODE2", "").split(":")[0]) if "epilog" in context else None,
         options={k[len(prefix) :].lower(): v for k, v in spank.items()},
         job=job,
+        gpus=() if on_ctld else parse_gpu_indices(env),
     )

@@ -5,7 +5,8 @@ and judges only the node's health: fabric NICs that are down or without carrier,
 the bus, and GPUs the daemon's health watch wants drained (``[health]``) once no rank uses them. An
 unhealthy node is drained with a reason starting ``clockwork:``; a node is resumed only
 when its drain reason starts with ``clockwork:`` (one that this check set), never one an admin or
-another tool drained.
+another tool drained. A link fault that Fleet Lens shows on the links of several nodes of the same switch
+is a switch's, not the node's, and drains nothing (:mod:`slurm_hooks.link_faults`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from clockwork.contracts.config import load_config
 from clockwork.contracts.daemon_client import DaemonClient
@@ -20,6 +22,7 @@ from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import ClockworkError
 from clockwork.contracts.logging_setup import configure_logging
 from clockwork.contracts.slurm import from_config
+from slurm_hooks.link_faults import LinkFault, judge_links
 from slurm_hooks.supervisor import ensure_daemon
 
 log = logging.getLogger("clockwork.health")
@@ -28,13 +31,13 @@ REASON_PREFIX = "clockwork:"
 SYS_NET = Path("/sys/class/net")
 
 
-def nic_problems(names: list[str], sys_net: Path = SYS_NET) -> list[str]:
-    """Each required NIC must exist, be up and have carrier."""
+def nic_faults(names: list[str], sys_net: Path = SYS_NET) -> list[LinkFault]:
+    """The required NICs that are missing, down or without carrier (each must exist, be up, have carrier)."""
     problems = []
     for name in names:
         dev = sys_net / name
         if not dev.exists():
-            problems.append(f"{name} missing")
+            problems.append(LinkFault(name, f"{name} missing"))
             continue
         operstate = (dev / "operstate").read_text().strip()
         try:
@@ -42,7 +45,7 @@ def nic_problems(names: list[str], sys_net: Path = SYS_NET) -> list[str]:
         except OSError:  # reading carrier of an admin-down device fails with EINVAL
             carrier = "0"
         if operstate != "up" or carrier != "1":
-            problems.append(f"{name} down ({operstate}, carrier {carrier})")
+            problems.append(LinkFault(name, f"{name} down ({operstate}, carrier {carrier})"))
     return problems
 
 
@@ -67,23 +70,28 @@ def gpu_problems() -> list[str]:
     return problems
 
 
-def lens_problems(client: DaemonClient, node: str) -> list[str]:
-    """Fleet Lens suspects on this node's own NIC links (only when ``[lens] drain_suspect_nodes`` is on).
-
-    A daemon that cannot answer is not evidence against the node: no problem is reported then.
-    """
+def read_lens(client: DaemonClient, node: str) -> dict[str, Any] | None:
+    """The daemon's Fleet Lens snapshot (every raised suspect of the fabric, the paths this node receives);
+    None when the daemon cannot answer or Lens is off there: no evidence either way."""
     try:
         with client:
             snapshot = client.lens()
     except ClockworkError as exc:
         log.warning("%s: Fleet Lens not readable (%s); no lens verdict", node, exc)
-        return []
+        return None
+    return snapshot if snapshot.get("enabled", True) else None
+
+
+def lens_faults(snapshot: dict[str, Any] | None, node: str) -> list[LinkFault]:
+    """Fleet Lens suspects on this node's own NIC links (the health check asks only when ``[lens]
+    drain_suspect_nodes`` is on). No snapshot is not evidence against the node: no fault then."""
     out = []
-    for suspect in snapshot.get("suspects") or []:
+    for suspect in (snapshot or {}).get("suspects") or []:
         nic = suspect.get("nic") or ""
         if nic.partition("/")[0] == node:
             kinds = ",".join(suspect.get("kinds") or []) or "gray"
-            out.append(f"lens suspects {nic} link ({kinds}, {suspect.get('direction')})")
+            text = f"lens suspects {nic} link ({kinds}, {suspect.get('direction')})"
+            out.append(LinkFault(nic.partition("/")[2], text, from_lens=True))
     return out
 
 
@@ -120,9 +128,18 @@ def main() -> int:
         if not check.ok:
             log.error("%s: clockworkd cannot run (%s); not a node fault, no drain", node, check.detail)
         nics = [n.strip() for n in cfg.hooks.health_nics.split(",") if n.strip()]
-        problems = nic_problems(nics) + gpu_problems()
-        if cfg.lens.drain_suspect_nodes and check.ok:
-            problems += lens_problems(DaemonClient.from_config(cfg.daemon, node), node)
+        links = nic_faults(nics)
+        lens = None
+        if cfg.lens.enabled and check.ok and (links or cfg.lens.drain_suspect_nodes):
+            lens = read_lens(DaemonClient.from_config(cfg.daemon, node), node)
+        if cfg.lens.drain_suspect_nodes:
+            links += [f for f in lens_faults(lens, node) if f.nic not in {x.nic for x in links}]
+        judged = judge_links(node, links, lens, cfg.hooks.switch_fault_nodes)
+        for line in judged.switch_faults:
+            log.warning("%s: not drained: %s", node, line)
+        for line in judged.deferred:
+            log.info("%s: not drained yet: %s", node, line)
+        problems = judged.drain + gpu_problems()
         if cfg.health.enabled and cfg.health.drain and check.ok:
             problems += gpu_health_problems(DaemonClient.from_config(cfg.daemon, node), node)
         slurm = from_config(cfg.slurm)
@@ -136,6 +153,8 @@ def main() -> int:
             if not info.has("DRAIN") or (ours and info.reason != reason):
                 slurm.drain(node, reason)
                 log.warning("%s drained: %s", node, reason)
+        elif ours and judged.deferred:
+            log.info("%s stays drained (%s) until Fleet Lens has judged its links", node, info.reason)
         elif ours:
             slurm.resume(node)
             log.info("%s healthy again: resumed (was drained: %s)", node, info.reason)

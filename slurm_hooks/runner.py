@@ -22,7 +22,7 @@ from clockwork.contracts.errors import ClockworkError
 from clockwork.contracts.job_options import SpareMode
 from clockwork.contracts.logging_setup import configure_logging
 from clockwork.contracts.slurm import expand_hostlist, from_config
-from slurm_hooks import events, report
+from slurm_hooks import events, gpu_jobmap, report
 from slurm_hooks.context import HookContext, from_env, resolve_context
 from slurm_hooks.supervisor import ensure_daemon
 
@@ -114,6 +114,24 @@ def epilog(ctx: HookContext, loaded: LoadedConfig) -> None:
         backend.set_admin_comment(ctx.job_id, line)
 
 
+def map_gpus(ctx: HookContext, loaded: LoadedConfig) -> None:
+    """dcgm-exporter's job mapping (every job, Clockwork or not): the Prolog lists the job on its GPUs, the
+    Epilog takes it off. Off without ``[hooks] gpu_job_map_dir``; a failure is logged, never fatal."""
+    folder = loaded.config.hooks.gpu_job_map_dir
+    if not folder:
+        return
+    try:
+        if ctx.context == "prolog_slurmd":
+            changed = gpu_jobmap.add_job(Path(folder), ctx.job_id, ctx.gpus)
+        else:
+            changed = gpu_jobmap.remove_job(Path(folder), ctx.job_id)
+    except OSError as exc:
+        log.error("job %d: dcgm-exporter job mapping in %s not updated: %s", ctx.job_id, folder, exc)
+        return
+    if changed:
+        log.info("job %d: dcgm-exporter job mapping updated: %s", ctx.job_id, ", ".join(p.name for p in changed))
+
+
 def handle(ctx: HookContext, loaded: LoadedConfig) -> int:
     """Record the hook's event; for clockwork jobs on a node, run the Prolog/Epilog work."""
     fields: dict[str, object] = {
@@ -126,6 +144,8 @@ def handle(ctx: HookContext, loaded: LoadedConfig) -> int:
     }
     if ctx.exit_code is not None:
         fields["exit_code"] = ctx.exit_code
+    if not ctx.on_controller:  # first: an unwritable spool must not leave a job on its GPUs
+        map_gpus(ctx, loaded)
     path = events.append(Path(loaded.config.hooks.spool_dir), ctx.job_id, ctx.node, EVENT_OF[ctx.context], **fields)
     log.info("job %d: %s on %s recorded in %s", ctx.job_id, EVENT_OF[ctx.context], ctx.node, path)
     if not wants_clockwork(ctx) or ctx.on_controller:

@@ -37,11 +37,11 @@ static int option_cb(int val, const char *optarg, int remote)
 
 	(void)remote;
 	if (!state.ready || val < 0 || val >= CW_NOPTS)
-		return ESPANK_BAD_ARG;
+		return CW_SPANK_FAIL;
 	if (cw_options_set_cli(&state.opts, (enum cw_opt)val, optarg, err, sizeof(err)) < 0 ||
 	    cw_options_check(&state.opts, &state.cfg, (enum cw_opt)val, err, sizeof(err)) < 0) {
 		slurm_error("%s", err);
-		return ESPANK_BAD_ARG;
+		return CW_SPANK_FAIL;
 	}
 	return 0;
 }
@@ -56,7 +56,7 @@ int cw_args_init(spank_t sp, int ac, char **av)
 	cw_options_init(&state.opts);
 	if (cw_config_parse(&state.cfg, ac, av, err, sizeof(err)) < 0) {
 		slurm_error("%s", err);
-		return -1;
+		return CW_SPANK_FAIL;
 	}
 	state.ready = 1;
 	for (i = 0; i < CW_NOPTS; i++) {
@@ -65,7 +65,7 @@ int cw_args_init(spank_t sp, int ac, char **av)
 		if (rc != ESPANK_SUCCESS) {
 			slurm_error("clockwork: cannot register --%s: %s", options[i].name, spank_strerror(rc));
 			state.ready = 0;
-			return -1;
+			return CW_SPANK_FAIL;
 		}
 	}
 	return 0;

@@ -23,7 +23,7 @@ int cw_local_post_opt(spank_t sp)
 	int opt;
 
 	if (!st->ready)
-		return -1;
+		return CW_SPANK_FAIL;
 	if (cw_options_apply_env(&st->opts, "", CW_SRC_ENV, CW_NAME_ENV, 0, process_getenv, NULL, err, sizeof(err)) < 0 ||
 	    cw_options_resolve(&st->opts, &st->cfg, &enabled, err, sizeof(err)) < 0) {
 		slurm_error("%s", err);
@@ -51,11 +51,11 @@ int cw_local_post_opt(spank_t sp)
 
 		if (rc != ESPANK_SUCCESS) {
 			slurm_error("clockwork: cannot pass %s=%s to the job: %s", name, value, spank_strerror(rc));
-			return -1;
+			return CW_SPANK_FAIL;
 		}
 		if (setenv(name, value, 1) < 0) {
 			slurm_error("clockwork: cannot set %s=%s", name, value);
-			return -1;
+			return CW_SPANK_FAIL;
 		}
 	}
 	slurm_debug("clockwork: ft=%s spares=%s snapshot=%s linkpass=%s", st->opts.value[CW_FT],

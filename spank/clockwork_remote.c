@@ -25,11 +25,11 @@ int cw_remote_post_opt(spank_t sp)
 	int opt;
 
 	if (!st->ready)
-		return -1;
+		return CW_SPANK_FAIL;
 	if (cw_options_apply_step_env(&st->opts, job_getenv, sp, err, sizeof(err)) < 0 ||
 	    cw_options_resolve(&st->opts, &st->cfg, &enabled, err, sizeof(err)) < 0) {
 		slurm_error("%s", err);
-		return -1;
+		return CW_SPANK_FAIL;
 	}
 	if (!enabled) {
 		/* Only an explicit off changes anything: an inherited CLOCKWORK_FT must not say on. */
@@ -44,7 +44,7 @@ int cw_remote_post_opt(spank_t sp)
 
 		if (rc != ESPANK_SUCCESS) {
 			slurm_error("clockwork: cannot set %s in the job's environment: %s", name, spank_strerror(rc));
-			return -1;
+			return CW_SPANK_FAIL;
 		}
 	}
 	return 0;

@@ -177,6 +177,18 @@ class RunCommand(click.Command):
 )
 @click.option("--no-respawn-spares", is_flag=True, help="Do not start a new spare when one takes a slot.")
 @click.option(
+    "--container",
+    "container_bundle",
+    metavar="BUNDLE",
+    help="Slurm: run every node agent and its ranks in this OCI bundle (srun --container; default: the job's "
+    "sbatch --container, SLURM_CONTAINER). A job submitted with pyxis's --container-image needs nothing here.",
+)
+@click.option(
+    "--container-python",
+    metavar="PATH",
+    help="Slurm: the Python interpreter inside the container that runs the agents (default: this one's path).",
+)
+@click.option(
     "--restore",
     metavar="latest|PATH",
     help="Start from the newest good snapshot in the snapshot directory (latest), in directory PATH, or from "
@@ -251,6 +263,7 @@ def _config(params: Mapping[str, Any]) -> TorchPassConfig:
 
 def _run_slurm(params: Mapping[str, Any], script_args: list[str], transparent: bool, argv: list[str]) -> int:
     from torchpass.launch.agent import SlurmAgent
+    from torchpass.launch.container import container_from_environ
     from torchpass.launch.node_ranks import ranks_per_node
     from torchpass.launch.node_steps import NodeSteps, in_batch_script
     from torchpass.launch.slurm_layout import SlurmLayout, SlurmLayoutError, in_slurm_step, training_nodes
@@ -268,7 +281,9 @@ def _run_slurm(params: Mapping[str, Any], script_args: list[str], transparent: b
             training_nodes(params["nproc"], per_node.count)  # refused here, before any step starts
         if batch:  # every node's step runs `torchpass` with the same arguments, and G decided once here
             log.info("%s", per_node)
-            return NodeSteps(argv, ranks_per_node=per_node.count).run()
+            container = container_from_environ(os.environ, bundle=params["container_bundle"])
+            python = params["container_python"] or sys.executable
+            return NodeSteps(argv, python=python, ranks_per_node=per_node.count, container=container).run()
         layout = SlurmLayout.from_environ(
             spares=params["spares"], nproc=params["nproc"], port=params["port"], ranks_per_node=per_node.count
         )

@@ -130,6 +130,13 @@ class TorchPassConfig:
         "is silent, it sends no reset). If it was the leader, the lowest agent still heard takes over.",
         min=0.05,
     )
+    agent_stall_timeout_s: float = setting(
+        30.0,
+        "Slurm mode: a node agent silent past agent_timeout_s is lost then only if a second agent does not hear it "
+        "either and the node daemon does not hear its node on the fabric; otherwise (a stalled agent process on "
+        "a live node, or a link only one agent lost) only after this long.",
+        min=0.05,
+    )
     fabric_verdicts: bool = setting(
         True,
         "Slurm mode: act on the node daemon's node-silent verdicts (a node silent on every fabric rail for about "
@@ -259,6 +266,13 @@ class TorchPassConfig:
         "written), checked at start: bytes or 500G, 2T (binary units); empty: none. The site's [snapshots] quota "
         "in clockwork.toml is a ceiling this cannot raise.",
     )
+    snapshot_arena_max: str = setting(
+        "32G",
+        "Most bytes of /dev/shm each rank stages a snapshot in (bytes or 512M, 4G; binary units, whole 4 KiB pages). "
+        "A larger share goes to the writer through this arena a window at a time, and the optimizer step after "
+        "a snapshot waits until all but the last window are written; empty or 0: an arena the size of the "
+        "rank's share, kept for the job (docs/user-guide.md, 'Host memory and storage').",
+    )
     snapshot_timeout_s: float = setting(
         600.0,
         "How long rank 0's writer waits for every rank's shard before it declares the snapshot failed (and how "
@@ -307,8 +321,14 @@ class TorchPassConfig:
                 raise ConfigError(f"torchpass config: {f.name}: {exc}") from None
         try:
             parse_size(self.snapshot_quota, "snapshot_quota")
+            arena_max = parse_size(self.snapshot_arena_max, "snapshot_arena_max")
         except ConfigError as exc:
             raise ConfigError(f"torchpass config: {exc}") from None
+        if 0 < arena_max < 4096:
+            raise ConfigError(
+                f"torchpass config: snapshot_arena_max: at least one 4 KiB page (or 0: the whole share), "
+                f"got {self.snapshot_arena_max!r}"
+            )
         if self.peer_copies > 2:
             raise ConfigError(f"torchpass config: peer_copies: 0, 1 or 2 neighbours, got {self.peer_copies}")
         if self.peer_copy_sync and self.peer_copy_every_steps != 1:

@@ -4,8 +4,9 @@ and the cost model built on it (for ``bench/control_plane_scale.py``).
 Measured per packet, on a synthetic fabric of N nodes x R rails with 64-character names (only loopback
 addresses, 127.16.0.0/12: nothing leaves the machine):
 
-* **send**: :meth:`LinkPass.send_due` (heard bitmaps, one sealed packet per rail, one ``sendto`` per peer and
-  rail) divided by the packets it sent. Over loopback the kernel delivers the datagram inside ``sendto``, so this
+* **send**: :meth:`LinkPass.send_due` (heard bitmaps, one packet body per rail, one tag per packet under the key
+  of that pair of nodes, as with per-node key pairs, one ``sendto`` per peer and rail) divided by the packets it
+  sent. Over loopback the kernel delivers the datagram inside ``sendto``, so this
   also carries the receiving kernel's work, which a NIC's interrupt charges to the receiver on a cluster;
 * **receive**: ``recvfrom`` and :meth:`LinkPass.absorb` (tag check, decoding, filing) per packet, each rail's
   socket drained when it holds as many packets as it does in the daemon (one per path peer);
@@ -21,8 +22,10 @@ its own packet size.
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import msgpack
@@ -72,8 +75,23 @@ class Costs:
     samples: dict[str, int] = field(default_factory=dict)
 
 
+class PairKeys:
+    """A key per pair of nodes, looked up as the daemon's :class:`PairwiseKeys` does (derived once, a dict read per
+    packet): every packet sent gets its own tag, as with per-node key pairs (one shared pair: one tag per rail)."""
+
+    def __init__(self, me: str, peers: Sequence[str]) -> None:
+        self.keys = {p: hashlib.sha256(KEY + "\0".join(sorted((me, p))).encode()).digest() for p in peers}
+
+    def send_key(self, peer: str) -> bytes:
+        return self.keys[peer]
+
+    def accept_keys(self, peer: str) -> Sequence[bytes]:
+        return (self.keys[peer],)
+
+
 def _engine(fab: FabricMap, node: str, cfg: LinkPassConfig) -> LinkPass:
-    engine = LinkPass(cfg, node, fab, KEY, lambda kind, fields: None)
+    keys = PairKeys(node, [p.name for p in fab.peers(node)])
+    engine = LinkPass(cfg, node, fab, keys, lambda kind, fields: None)
     for name, peer in engine.peers.items():
         engine.paths[name] = {r: PathState(alive=True, alive_since=-1e9) for r in engine.rails if r in peer.nics}
     engine.nic_up.update(dict.fromkeys(engine.rails, True))

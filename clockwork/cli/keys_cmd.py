@@ -3,7 +3,9 @@
 ``clockwork keys generate --dir /etc/clockwork/curve`` makes ``daemon.key`` (public) and
 ``daemon.key_secret`` (secret, mode 0600); copy the folder to every node, owned by root. Daemons
 accept peers presenting any public key (``*.key``) of that folder, so per-node pairs made with
-``--name NODE`` work as well: put every ``NODE.key`` in every node's folder.
+``--name NODE`` work as well: put every ``NODE.key`` in every node's folder. LinkPass and Fleet Lens derive
+a MAC key per pair of nodes from them (``clockwork.contracts.pairwise_keys``): with per-node pairs a node
+can sign packets only as itself (docs/admin-guide.md, "Per-node keys and key rotation").
 """
 
 from __future__ import annotations

@@ -99,9 +99,13 @@ def _linkpass_line(lp: dict[str, Any]) -> str:
     moved = sorted(f"{peer} via {'+'.join(rails)}" for peer, rails in lp["routes"].items())
     sysctl = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in lp.get("sysctls", {}).items())
     note = f"; {lp['note']}" if lp.get("note") else ""
+    hcas = lp.get("avoid_hcas") or {}  # new communicators exclude these (NCCL_IB_HCA); none on a daemon predating it
+    rdma = f"; NCCL_IB_HCA excludes {', '.join(sorted(hcas))}" if hcas else ""
+    refused = (lp.get("heartbeats") or {}).get("refused", 0)
+    forged = f"; {refused} heartbeats refused (not signed by their sender for itself)" if refused else ""
     return (
         f"on; NICs {nics}; routes {', '.join(moved)}; {lp['failovers']} failovers, {lp['failbacks']} failbacks; "
-        f"avoid [{', '.join(lp['avoid_nics'])}]; sysctls {sysctl}{note}"
+        f"avoid [{', '.join(lp['avoid_nics'])}]{rdma}; sysctls {sysctl}{note}{forged}"
     )
 
 

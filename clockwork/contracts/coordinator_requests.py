@@ -50,6 +50,7 @@ class Register:
     host: str
     store_port: int
     agent: int | None = None  # Slurm mode: the node agent that runs it; None: read it from the worker id
+    version: str = ""  # the sender's Clockwork/TorchPass release (''; one too old to say): must be the coordinator's
 
 
 @dataclass(frozen=True)

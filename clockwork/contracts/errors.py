@@ -101,3 +101,10 @@ class DaemonUnavailableError(DaemonError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="unavailable")
+
+
+class VersionSkewError(ClockworkError):
+    """Two parts of one job run different Clockwork/TorchPass versions (an image older or newer than the node's
+    daemon, a guest from another image than the job's): refused at start, both versions named."""
+
+    exit_code = 8

@@ -24,7 +24,7 @@ from clockwork.contracts.config import load_config
 from clockwork.contracts.config.core import SandboxConfig
 from clockwork.contracts.errors import NeedRootError, SandboxError, SlurmError
 from clockwork.contracts.slurm.cli_backend import CliBackend
-from clockwork.sandbox import fabric, faults, gpu_faults, processes, slurm_files
+from clockwork.sandbox import fabric, faults, gpu_faults, oci, processes, slurm_files
 from clockwork.sandbox.fabric import baseline_routes as fabric_baseline_routes
 from clockwork.sandbox.layout import CLUSTER, CONTROLLER, Layout, NodeSpec, build_layout
 from clockwork.sandbox.paths import StatePaths
@@ -258,6 +258,7 @@ class Sandbox:
         )
         if slurm.from_root:
             slurm.write_client_wrappers(p.slurm_bin)
+            p.oci_conf.write_text(oci.oci_conf(p.root / "crun"))  # the root carries crun: srun --container works
         p.munge.chmod(0o755)
         p.munge_key.write_bytes(os.urandom(1024))
         p.munge_key.chmod(0o600)

@@ -30,12 +30,22 @@ class StatePaths:
         return self.etc / "topology.conf"
 
     @property
+    def gres_conf(self) -> Path:
+        """Slurm's gres.conf, beside slurm.conf: every node's fake GPUs (counts, no device files)."""
+        return self.etc / "gres.conf"
+
+    @property
     def slurmdbd_conf(self) -> Path:
         return self.etc / "slurmdbd.conf"
 
     @property
     def cgroup_conf(self) -> Path:
         return self.etc / "cgroup.conf"
+
+    @property
+    def oci_conf(self) -> Path:
+        """Slurm's oci.conf, beside slurm.conf (where slurmd looks for it): a 24.11 sandbox only."""
+        return self.etc / "oci.conf"
 
     @property
     def plugstack_conf(self) -> Path:

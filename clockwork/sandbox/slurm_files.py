@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,12 @@ from clockwork.sandbox.fabric import fabric_plan
 from clockwork.sandbox.layout import CLUSTER, CONTROLLER, Layout
 from clockwork.sandbox.paths import StatePaths
 from linkpass.settings import LinkPassConfig
+
+#: Fake GPUs per node, as GRES (gres.conf: one character device file each, bound to nothing): jobs may ask
+#: for ``--gres=gpu:N``, their steps get CUDA_VISIBLE_DEVICES, and with accounting Slurm records them (AllocTRES
+#: ``gres/gpu=N``), so what a borrowed node's holder and guest step are given can be checked; nothing binds
+#: devices (TaskPlugin=task/none, no ConstrainDevices).
+GPUS_PER_NODE = 2
 
 #: Slurm script contexts and the wrapper file each slurm.conf parameter points at.
 HOOKS = {
@@ -56,6 +63,7 @@ def slurm_conf(
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_CPU",
         "JobAcctGatherType=jobacct_gather/none",
+        "GresTypes=gpu",
         "SlurmdParameters=config_overrides",
         "ReturnToService=2",
         "SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=1",
@@ -82,6 +90,7 @@ def slurm_conf(
             f"AccountingStorageHost={layout.ctl_ip}",
             f"AccountingStoragePort={layout.slurmdbd_port}",
             f"AccountingStoragePass={p.munge_socket}",
+            "AccountingStorageTRES=gres/gpu",  # sacct's AllocTRES shows the GPUs (slurmctld needs slurmdbd for it)
             "JobCompType=jobcomp/none",
         ]
     else:
@@ -89,13 +98,29 @@ def slurm_conf(
     for node in layout.nodes:
         lines.append(
             f"NodeName={node.name} NodeAddr={node.mgmt_ip} NodeHostname={node.name} "
-            f"CPUs={cpus_per_node} RealMemory=1024 State=UNKNOWN"
+            f"CPUs={cpus_per_node} RealMemory=1024 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
         )
     names = ",".join(n.name for n in layout.nodes)
     lines += [
         f"PartitionName=low Nodes={names} Default=YES PriorityTier=1 PreemptMode=REQUEUE MaxTime=INFINITE State=UP",
         f"PartitionName=high Nodes={names} PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP",
     ]
+    return "\n".join(lines) + "\n"
+
+
+def gpu_files(paths: StatePaths, node: str) -> list[Path]:
+    """The files that stand for ``node``'s GPUs in gres.conf (``File=``): Slurm counts a GPU per file."""
+    return [paths.root / "nodes" / node / "dev" / f"gpu{i}" for i in range(GPUS_PER_NODE)]
+
+
+def gres_conf(paths: StatePaths, layout: Layout) -> str:
+    """gres.conf: :data:`GPUS_PER_NODE` GPUs on every node, each a character device file of the sandbox's
+    (:func:`gpu_files`, with /dev/null's numbers: nothing is bound to them; a count alone, without ``File=``,
+    makes a 22.05 slurmd report no GPU at all)."""
+    lines = ["# Written by `clockwork sandbox up`: fake GPUs, counted by Slurm, bound to no device."]
+    for node in layout.nodes:
+        files = gpu_files(paths, node.name)
+        lines.append(f"NodeName={node.name} Name=gpu File={files[0].parent}/gpu[0-{len(files) - 1}]")
     return "\n".join(lines) + "\n"
 
 
@@ -253,6 +278,13 @@ def write_all(
     for d in paths.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
     paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir))
+    paths.gres_conf.write_text(gres_conf(paths, layout))
+    for node in layout.nodes:
+        for path in gpu_files(paths, node.name):  # character devices, as slurmd wants: /dev/null's numbers
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.is_char_device():
+                path.unlink(missing_ok=True)
+                os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
     if layout.racks:
         paths.slurm_topology.write_text(slurm_topology(layout))
     else:

@@ -9,6 +9,11 @@
   wrappers this module writes into the sandbox's ``bin`` folder). The host is usrmerged (``/bin``, ``/lib`` are
   links into ``/usr``), so that view runs the root's glibc, loader and Slurm throughout.
 
+- ``26.05``: Debian sid's Slurm 26.05 (``slurm-wlm 26.05.x``), from a root built the same way under
+  ``/var/cache/clockwork/slurm-26.05/root`` and laid over ``/usr`` the same way. sid moves: the root is whatever sid
+  served when it was built (its ``MARKER`` file says which version), and a build fails with the version sid has
+  when that is not 26.05.
+
 Everything else stays the host's: the hooks, ``clockworkd`` and a job's Python are the host venv's interpreter
 (Python 3.11 and torch, which the root does not have: they show through from the host's ``/usr`` and the
 checkout) running on the root's glibc 2.41, which is backward compatible with the host's 2.36 they were built
@@ -38,13 +43,25 @@ log = logging.getLogger("clockwork.sandbox")
 #: Where built roots are kept (one folder per release); a root is built once per machine and reused.
 CACHE_DIR = Path("/var/cache/clockwork")
 #: The packages a root carries: the daemons, the clients, accounting (slurmdbd and its MySQL plugin, for the
-#: host's MariaDB) and the headers the SPANK plugin is built against.
-ROOT_PACKAGES = ("slurmctld", "slurmd", "slurmdbd", "slurm-client", "slurm-wlm-mysql-plugin", "libslurm-dev")
+#: host's MariaDB), the headers the SPANK plugin is built against, and crun, the OCI runtime of Slurm's native
+#: containers (``srun --container``; the sandbox's oci.conf runs it).
+ROOT_PACKAGES = (
+    "slurmctld",
+    "slurmd",
+    "slurmdbd",
+    "slurm-client",
+    "slurm-wlm-mysql-plugin",
+    "libslurm-dev",
+    "crun",
+)
 #: What a root leaves out: documentation and translations (a third of its size, never read here).
 ROOT_EXCLUDES = ("/usr/share/doc/*", "/usr/share/man/*", "/usr/share/locale/*", "/usr/share/info/*")
 #: A file inside a finished root (``/usr/lib/clockwork-slurm-root`` in the laid-over view): the Slurm package
 #: version it holds. It marks a root as complete, and tells a wrapper that it already runs in that view.
 MARKER = Path("usr/lib/clockwork-slurm-root")
+#: Beside the marker: the packages the root was built with, one a line. A root built before a package joined
+#: ROOT_PACKAGES (crun) is not ready: it is built again, aside, and swapped in (see :meth:`SlurmRelease._build`).
+PACKAGES = Path("usr/lib/clockwork-slurm-root.packages")
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,10 @@ class SlurmRelease:
     """Release series, ``"22.05"``."""
     suite: str
     """Debian suite whose root carries it; empty: the host's own packages."""
+    accept_expired: bool = False
+    """Accept the suite's Release file after its Valid-Until (apt's ``Acquire::Check-Valid-Until "false"``). sid's
+    expires within a week of being published; the mirror this machine reaches serves one that expired a month
+    ago, which apt otherwise refuses outright ("Release file ... is expired")."""
 
     @property
     def from_root(self) -> bool:
@@ -70,8 +91,17 @@ class SlurmRelease:
         return self.cache / "root"
 
     def ready(self) -> bool:
-        """Whether this release can run: always for the host's; for a root, once it is completely built."""
-        return not self.from_root or (self.root / MARKER).is_file()
+        """Whether this release can run: always for the host's; for a root, once it is completely built with
+        every package of ROOT_PACKAGES."""
+        if not self.from_root:
+            return True
+        if not (self.root / MARKER).is_file():
+            return False
+        try:
+            built_with = set((self.root / PACKAGES).read_text().split())
+        except FileNotFoundError:
+            return False
+        return set(ROOT_PACKAGES) <= built_with
 
     def installed(self) -> str:
         """The Slurm package version the root holds, e.g. ``24.11.5-4+deb13u1`` (SandboxError if not built)."""
@@ -82,7 +112,8 @@ class SlurmRelease:
 
     def _missing(self) -> str:
         return (
-            f"Slurm {self.version} for the sandbox is not built yet ({self.root} is missing); build it with "
+            f"Slurm {self.version} for the sandbox is not built yet ({self.root} is missing or lacks one of "
+            f"{', '.join(ROOT_PACKAGES)}); build it with "
             f"`clockwork sandbox prepare --slurm {self.version}` or `make slurm-{self.version}` (root, network, "
             "about a minute, once per machine)"
         )
@@ -161,9 +192,12 @@ class SlurmRelease:
             return self._build(say)
 
     def _build(self, say: Callable[[str], None]) -> float:
+        """Build a root aside and rename it into place. A root that is there but incomplete (built before a
+        package joined ROOT_PACKAGES) may be laid over /usr by a sandbox that is up: it is renamed aside
+        (``root.old-PID``), not deleted, and removed by the next build."""
         started = time.monotonic()
         tmp = self.cache / f"root.building-{os.getpid()}"
-        for old in [self.root, *self.cache.glob("root.building-*")]:
+        for old in [*self.cache.glob("root.building-*"), *self.cache.glob("root.old-*")]:
             shutil.rmtree(old, ignore_errors=True)
         say(f"building the Slurm {self.version} root (Debian {self.suite}, once per machine) at {self.root}")
         argv = [
@@ -171,6 +205,7 @@ class SlurmRelease:
             "--variant=minbase",
             "--include=" + ",".join(ROOT_PACKAGES),
             *(f"--dpkgopt=path-exclude={pattern}" for pattern in ROOT_EXCLUDES),
+            *(['--aptopt=Acquire::Check-Valid-Until "false"'] if self.accept_expired else []),
             self.suite,
             str(tmp),
         ]
@@ -182,6 +217,9 @@ class SlurmRelease:
             if not version.startswith(f"{self.version}."):
                 raise SandboxError(f"Debian {self.suite} has Slurm {version!r}, not {self.version}: root unusable")
             (tmp / MARKER).write_text(version + "\n")
+            (tmp / PACKAGES).write_text("\n".join(ROOT_PACKAGES) + "\n")
+            if self.root.exists():
+                self.root.rename(self.cache / f"root.old-{os.getpid()}")
             tmp.rename(self.root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -195,6 +233,7 @@ class SlurmRelease:
 RELEASES: dict[str, SlurmRelease] = {
     "22.05": SlurmRelease("22.05", ""),
     "24.11": SlurmRelease("24.11", "trixie"),
+    "26.05": SlurmRelease("26.05", "sid", accept_expired=True),
 }
 
 

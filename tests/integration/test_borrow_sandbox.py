@@ -6,7 +6,10 @@
   crash at a random step and point, as in test_torchpass_sandbox.py; ``CW_TEST_SEED`` replays it): the leading
   agent borrows through its node daemon, the daemon's holder allocation (``clockwork-hold-JOBID``, partition
   high, pinned to node5) makes slurmctld requeue the low job, the replacement rank starts on node5 as a step of
-  the holder and the job resumes at the same step. Its final state is bitwise equal to a fault-free run's.
+  the holder and the job resumes at the same step. Its final state is bitwise equal to a fault-free run's. The job
+  asks for one of the sandbox's fake GPUs per node (gres.conf) and a 30-minute limit: ``sacct`` shows the holder
+  with the node's GPUs (``--exclusive``: both), the job's account and at most 30 minutes, and the guest's step
+  with ``gres/gpu=1``, the job's GPU per node.
 * The low job was requeued (restart count 1) and runs again on node5 after the training job ended (its
   Epilog gave the node back); ``sacct`` shows both jobs with the AdminComments that link them.
 * With 2 ranks per node (``--ntasks-per-node=2``: 8 ranks on node1-4), node3's crash loses two ranks at once;
@@ -63,6 +66,10 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("borrow-sandbox")
 
 
+#: The crash test's job asks for one of each node's fake GPUs (one rank per node: TorchPass runs a rank per GPU
+#: of the step) and this time limit: the borrowed node must come with both.
+JOB_GPUS, TIME_LIMIT_MIN = 1, 30
+
 #: How long a job takes to start on the sandbox, at most (only a broken run waits that long).
 WAIT_S = 60.0
 
@@ -97,10 +104,17 @@ def _low_job(box: Sandbox, out: Path) -> int:
 
 
 def _train(
-    box: Sandbox, base: Path, name: str, *, kill: str = "", during: object = None, per_node: int = 1
+    box: Sandbox,
+    base: Path,
+    name: str,
+    *,
+    kill: str = "",
+    during: object = None,
+    per_node: int = 1,
+    options: tuple[str, ...] = (),
 ) -> tuple[int, oracle.Run]:
-    """Run the 4-node borrow training job (``per_node`` ranks per node); crash the node its rank asks for;
-    ``during(job_id)`` once a node was borrowed."""
+    """Run the 4-node borrow training job (``per_node`` ranks per node, more sbatch ``options``); crash the node
+    its rank asks for; ``during(job_id)`` once a node was borrowed."""
     out = base / name
     out.mkdir()
     env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS))
@@ -116,6 +130,7 @@ def _train(
         "--clockwork-ft",
         "--clockwork-spares=borrow",
         f"--ntasks-per-node={per_node}",
+        *options,
         f"--output={out}/job.out",
         f"--wrap={command}",
         env=env,
@@ -167,6 +182,50 @@ def _runs(box: Sandbox, job_id: int) -> list[tuple[str, str]]:
         check=True,
     ).stdout
     return [tuple(line.split("|", 1)) for line in out.splitlines() if line]  # type: ignore[misc]
+
+
+def _acct(box: Sandbox, job_id: int) -> dict[str, dict[str, str]]:
+    """``sacct`` rows of a job and its steps: JobID -> {AllocTRES, Account, TimelimitRaw}."""
+    out = subprocess.run(
+        ["sacct", "-n", "-P", f"--jobs={job_id}", "--format=JobID,AllocTRES,Account,TimelimitRaw"],
+        env=slurm_env(box),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = [line.split("|") for line in out.splitlines() if line]
+    return {r[0]: {"AllocTRES": r[1], "Account": r[2], "TimelimitRaw": r[3]} for r in rows}
+
+
+def _assert_the_node_came_with_what_the_job_had(
+    box: Sandbox, job_id: int, holder: int, borrowed: dict[str, object]
+) -> None:
+    """The job asked for a GPU per node and a time limit: the holder was given the GPU, the job's account and
+    no more than its remaining time, and the guest's step in it holds the GPUs too (Slurm gives a step of an
+    --exclusive allocation no GRES it did not ask for)."""
+    assert borrowed["gres"] == f"gpu:{JOB_GPUS}", borrowed
+
+    def recorded() -> bool:
+        rows = _acct(box, holder)
+        return str(holder) in rows and any(k.startswith(f"{holder}.") and k[-1].isdigit() for k in rows)
+
+    until(f"sacct to record holder {holder} and its guest step", recorded, 30, 0.5)
+    job, held = _acct(box, job_id)[str(job_id)], _acct(box, holder)
+    print(f"sacct: job {job}; holder {held}")
+    assert _gpus(job) == NPROC * JOB_GPUS, job  # the job's own: one per node
+    # --exclusive gives the holder the whole node, its every GPU (the sandbox's 2) included; it asked for the
+    # job's one, so a site where an exclusive job's steps get only what the job asked for still sees it
+    assert _gpus(held[str(holder)]) >= JOB_GPUS, held
+    assert held[str(holder)]["Account"] == job["Account"] != "", (held, job)
+    assert 0 < int(held[str(holder)]["TimelimitRaw"]) <= TIME_LIMIT_MIN, held
+    (guest,) = [row for key, row in held.items() if key.startswith(f"{holder}.") and key.split(".")[1].isdigit()]
+    assert _gpus(guest) == JOB_GPUS, held  # the guest's step holds the job's GPU per node
+
+
+def _gpus(row: dict[str, str]) -> int:
+    """``gres/gpu=N`` of an AllocTRES (0 when absent)."""
+    found = [int(t.split("=", 1)[1]) for t in row["AllocTRES"].split(",") if t.startswith("gres/gpu=")]
+    return found[0] if found else 0
 
 
 def _log(box: Sandbox) -> str:
@@ -269,7 +328,14 @@ def test_node_crash_borrows_node5_from_the_low_job_and_gives_it_back(
                     state = client.borrow_status(job_id, int(reply["request"]))[0]
                 refusals.append(f"{node}: {state.get('state')}: {state.get('reason')}")
 
-    job_id, run = _train(box, base, "crash-node3", kill=f"{CRASHED_SLOT}:{step}:{phase}", during=beyond_the_limit)
+    job_id, run = _train(
+        box,
+        base,
+        "crash-node3",
+        kill=f"{CRASHED_SLOT}:{step}:{phase}",
+        during=beyond_the_limit,
+        options=(f"--gres=gpu:{JOB_GPUS}", f"--time={TIME_LIMIT_MIN}"),
+    )
     assert f"crashed: ['{CRASHED_NODE}']" in run.output, run.output[-3000:]
 
     # The training: same step, same result as the fault-free run, the slot now on node5.
@@ -281,6 +347,7 @@ def test_node_crash_borrows_node5_from_the_low_job_and_gives_it_back(
     assert (borrowed["node"], borrowed["from_job"], borrowed["lost_node"]) == ("node5", low, CRASHED_NODE)
     holder = int(str(borrowed["holder"]))
     print(f"borrowed: {json.dumps(borrowed, sort_keys=True)}; recovered: {json.dumps(fields, sort_keys=True)}")
+    _assert_the_node_came_with_what_the_job_had(box, job_id, holder, borrowed)
 
     # The daemon's record: which node, from which job, how long each part took; and its give-back.
     daemon_events = _daemon_events(box, job_id)

@@ -248,3 +248,41 @@ def test_health_check_drains_a_node_whose_link_is_suspect_only_when_enabled(
     until("the suspect to clear", lambda: not cli_suspects(sandbox), 20)
     health_check("CLOCKWORK_LENS_DRAIN_SUSPECT_NODES=true")
     assert reason() == "", "a healthy link again: the health check resumes the node it drained"
+
+
+def test_a_rail_switch_losing_three_nodes_ports_drains_none_of_them(sandbox: Sandbox, daemons: NodeDaemons) -> None:
+    """The switch ports of node1-3's nic1 go down at once, as when a leaf switch dies: each node's nic1 loses
+    carrier (what the health check reads), and Lens suspects the three nic1 links on the same switch. The health
+    check of each judges it one switch fault and drains none, and says so in the log (a lone node's NIC still
+    drains: tests/integration/test_hooks_daemon.py)."""
+    env = {**slurm_env(sandbox), "CLOCKWORK_CONFIG": str(sandbox.paths.clockwork_toml)}
+    hc = str(Path(CLOCKWORK).parent / "clockwork-healthcheck")
+    hit = ("node1", "node2", "node3")
+    log = sandbox.paths.logs / "clockwork.log"
+    before = log.stat().st_size if log.exists() else 0
+
+    def drained() -> dict[str, str]:
+        return {n.name: n.reason for n in sandbox.slurm().nodes() if n.has("DRAIN")}
+
+    def suspected_together(node: str) -> bool:
+        suspects = lens_snapshot(daemons, node).get("suspects") or []
+        found = {str(s.get("nic", "")).partition("/")[0] for s in suspects if str(s.get("nic", "")).endswith("/nic1")}
+        return set(hit) <= found
+
+    for node in hit:
+        sandbox.fault("port", node, "nic1", "down")
+    try:
+        for node in hit:
+            until(f"{node}'s daemon to suspect the three nic1 links", lambda n=node: suspected_together(n), 30)
+            assert on_node(sandbox, node, "env", *(f"{k}={v}" for k, v in env.items()), hc).returncode == 0
+        assert drained() == {}, drained()
+        said = log.read_text(errors="replace")[before:] if log.exists() else ""
+        # Lens may suspect node4's nic1 too (the rail's fourth node, its peers all dark): 3 or 4 nodes
+        judged = [
+            line for line in said.splitlines() if "not drained: nic1 down" in line and "switch rail1 fault" in line
+        ]
+        assert {line.split(": not drained")[0].rsplit(" ", 1)[-1] for line in judged} >= set(hit), said[-3000:]
+    finally:
+        for node in hit:
+            sandbox.fault("port", node, "nic1", "up")
+    until("the suspects to clear", lambda: not cli_suspects(sandbox), 30)

@@ -1,6 +1,6 @@
 """The Slurm CLI backend against the real sandbox Slurm: what tests and tools rely on.
 
-Here on the host's Slurm (22.05); test_slurm_2411_sandbox.py runs these same tests on Slurm 24.11."""
+Here on the host's Slurm (22.05); test_slurm_releases.py runs these same tests on Slurm 24.11 and 26.05."""
 
 from __future__ import annotations
 

@@ -366,6 +366,72 @@ def test_a_borrow_submits_a_pinned_holder_and_records_both_sides(fake: FakeSlurm
     assert {"query_ms", "choose_ms", "submit_ms", "preempt_ms", "total_ms"} <= set(fields)
 
 
+def _gpu_training(*, limit_min: int | dict[str, Any], started_min_ago: float, **fields: Any) -> dict[str, Any]:
+    """The training job with a time limit and GPUs, as ``squeue --json`` prints it (start on the test's clock)."""
+    job = _qjob(TRAIN, "node[1-2,4]", partition="high", name="train", user=ME)
+    job.update(
+        account="ml-team",
+        qos="gold",
+        time_limit=limit_min,
+        start_time=int(NOW - 60 * started_min_ago),
+        node_count=3,
+        tres_per_node="gres:gpu:8",
+        tres_alloc_str="cpu=96,node=3,billing=96,gres/gpu=24",
+    )
+    job.update(fields)
+    return job
+
+
+def _gpu_request(fake: FakeSlurm, train: dict[str, Any], cfg: BorrowConfig = POLICY) -> tuple[dict[str, Any], str]:
+    fake.set_queue([train, *BEFORE[1:]], [train, *AFTER[1:]])
+    manager = BorrowManager(
+        cfg, fake.slurm(), "node1", lambda j, k, f: None, poll_s=0.05, threaded=False, wall=lambda: NOW
+    )
+    manager.request(_training(), by="uid 0 pid 1")
+    manager.drain()
+    (state,) = manager.requests_of(TRAIN)["requests"]
+    sbatch = fake.calls("sbatch")
+    return state, sbatch[0] if sbatch else ""
+
+
+def test_the_holder_asks_for_the_jobs_gres_account_qos_and_at_most_its_remaining_time(fake: FakeSlurm) -> None:
+    """A borrowed node comes with what the job had: its GPUs per node (an exclusive holder gets the node's GRES
+    only implicitly, and a step in it none), billed to its account under its QOS, ending no later than the job:
+    120 min limit, started 30.5 min ago -> 89 whole minutes left."""
+    state, sbatch = _gpu_request(fake, _gpu_training(limit_min=120, started_min_ago=30.5))
+    assert state["state"] == "acquired" and state["gres"] == "gpu:8", state
+    for option in ("--gres=gpu:8", "--account=ml-team", "--qos=gold", "--time=89", "--partition=high"):
+        assert option in sbatch.split(), (option, sbatch)
+    # 24.11's shapes; a --gpus=N job (per job: the allocation divided by its nodes); the policy's QOS wins
+    cfg = BorrowConfig(enabled=True, partitions="low", holder_partition="high", holder_qos="borrow", timeout_s=5.0)
+    train = _gpu_training(
+        limit_min={"set": True, "infinite": False, "number": 600},
+        started_min_ago=0,
+        tres_per_node="",
+        tres_per_job="gres/gpu:24",
+    )
+    train["node_count"] = {"set": True, "infinite": False, "number": 3}
+    fake.log.write_text("")
+    state, sbatch = _gpu_request(fake, train, cfg)
+    assert state["gres"] == "gpu:8" and "--qos=borrow" in sbatch.split() and "--time=600" in sbatch.split(), sbatch
+
+
+def test_a_job_without_gres_or_time_limit_asks_for_neither_and_the_job_qos_can_be_left_out(fake: FakeSlurm) -> None:
+    train = _gpu_training(limit_min={"set": False, "infinite": True, "number": 0}, started_min_ago=5)
+    train.update(tres_per_node="", tres_alloc_str="cpu=3,node=3,billing=3")
+    cfg = BorrowConfig(enabled=True, partitions="low", holder_partition="high", holder_qos_from_job=False)
+    state, sbatch = _gpu_request(fake, train, cfg)
+    assert state["state"] == "acquired" and state["gres"] == ""
+    assert not [a for a in sbatch.split() if a.startswith(("--gres", "--time", "--qos"))], sbatch
+    assert "--account=ml-team" in sbatch.split()
+
+
+def test_a_job_with_less_than_a_minute_left_borrows_nothing(fake: FakeSlurm) -> None:
+    state, sbatch = _gpu_request(fake, _gpu_training(limit_min=60, started_min_ago=59.5))
+    assert state["state"] == "failed" and "less than a minute of its time limit left" in state["reason"]
+    assert sbatch == ""
+
+
 def test_beyond_the_limit_is_refused_before_slurm_is_asked(fake: FakeSlurm) -> None:
     fake.set_queue(BEFORE, AFTER)
     manager, events = _manager(fake)

@@ -16,6 +16,7 @@ import pytest
 from linkpass import hbio, heartbeat, peers
 from linkpass.engine import NEVER, LinkPass, PathState
 from linkpass.fabric import FabricMap
+from linkpass.keyring import SharedKey
 from linkpass.outbox import NOTICE_RAILS, Outbox
 from linkpass.settings import LinkPassConfig
 
@@ -76,7 +77,7 @@ def test_outbox_sends_path_peers_every_rail_and_watch_peers_one_rail_in_turn() -
     fab = fabric(64, rails=8, name_len=12)
     index = heartbeat.FabricIndex.of(fab)
     me = index.nodes[0]
-    box = Outbox(index, KEY, me, {p.name: p.nics for p in fab.peers(me)})
+    box = Outbox(index, SharedKey(KEY), me, {p.name: p.nics for p in fab.peers(me)})
     rails = sorted(fab.node(me).nics)
     path = peers.path_peers(index.nodes, me, 1, 4, index.fingerprint)
     watch = set(index.nodes[10:20]) - set(path)

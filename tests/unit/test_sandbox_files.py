@@ -20,7 +20,9 @@ from clockwork.contracts.config.core import SandboxConfig
 from clockwork.sandbox.layout import Layout, build_layout
 from clockwork.sandbox.paths import StatePaths
 from clockwork.sandbox.slurm_files import (
+    GPUS_PER_NODE,
     HOOKS,
+    gres_conf,
     hook_wrapper,
     hosts,
     plugstack,
@@ -91,6 +93,19 @@ def test_slurm_conf_core_settings(paths: StatePaths, layout: Layout) -> None:
     assert conf["AuthInfo"] == f"socket={paths.munge_socket},cred_expire=5"
     assert conf["PlugStackConfig"] == str(paths.plugstack_conf)
     assert conf["StateSaveLocation"] == str(paths.ctld_state)
+
+
+def test_every_node_declares_fake_gpus_slurm_counts(paths: StatePaths, layout: Layout) -> None:
+    text = slurm_conf(paths, layout, accounting=False, cpus_per_node=2)
+    conf = _settings(text)
+    assert conf["GresTypes"] == "gpu" and "AccountingStorageTRES" not in conf  # slurmctld needs slurmdbd for it
+    assert _settings(slurm_conf(paths, layout, accounting=True, cpus_per_node=2))["AccountingStorageTRES"] == "gres/gpu"
+    nodes = _records(text, "NodeName")
+    assert nodes and all(n["Gres"] == f"gpu:{GPUS_PER_NODE}" for n in nodes.values())
+    gres = _records(gres_conf(paths, layout), "NodeName")
+    assert set(gres) == set(nodes)
+    for name, line in gres.items():
+        assert line == {"NodeName": name, "Name": "gpu", "File": f"{paths.root}/nodes/{name}/dev/gpu[0-1]"}
 
 
 def test_slurm_conf_hooks_are_absolute_paths_under_state_hooks(paths: StatePaths, layout: Layout) -> None:

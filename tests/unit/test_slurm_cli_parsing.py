@@ -37,6 +37,7 @@ from clockwork.contracts.slurm.cli_backend import (
     parse_squeue_json,
     parse_version,
 )
+from clockwork.contracts.slurm.data_parser import DATA_PARSERS, data_parser, json_option
 
 DATA = Path(__file__).parent / "data" / "slurm"
 RELEASES = ("22.05", "24.11")
@@ -68,6 +69,11 @@ class Recording:
 
     def job(self, role: str) -> int:
         return int(self.manifest["jobs"][role])
+
+    @property
+    def json_option(self) -> str:
+        """What the backend asks this release's clients for: ``--json=v0.0.42`` from 24.11, plain before."""
+        return json_option(parse_version(self.text("version.txt")))
 
     @property
     def nodes_json(self) -> str:
@@ -278,6 +284,14 @@ def test_scontrol_record_parsing() -> None:
     assert "cpu" not in fields
 
 
+def test_admin_comment_with_or_without_25_11s_trailing_space() -> None:
+    """25.11's ``scontrol show job`` no longer prints a space after AdminComment; both read the same."""
+    before = parse_scontrol_record("JobId=7 AdminComment=clockwork: recorded live  JobName=x")
+    at_end = parse_scontrol_record("JobId=7 AdminComment=clockwork: recorded live ")
+    after = parse_scontrol_record("JobId=7 AdminComment=clockwork: recorded live")
+    assert before["AdminComment"] == at_end["AdminComment"] == after["AdminComment"] == "clockwork: recorded live"
+
+
 def test_scontrol_job_text(rec: Recording) -> None:
     jobs = {j.job_id: j for j in parse_scontrol_jobs(rec.text("scontrol_show_job.txt"))}
     assert sorted(jobs) == sorted(rec.manifest["jobs"].values())
@@ -371,7 +385,7 @@ class FakeSlurm:
     def add_sinfo(self, version: str = "slurm-wlm 22.05.8", json_body: str = "exit 3") -> None:
         self.add(
             "sinfo",
-            f'case "$1" in\n  --version) echo "{version}" ;;\n  --json) {json_body} ;;\n'
+            f'case "$1" in\n  --version) echo "{version}" ;;\n  --json*) {json_body} ;;\n'
             '  *) echo "unexpected sinfo $*" >&2; exit 9 ;;\nesac',
         )
 
@@ -406,17 +420,23 @@ def test_every_command_gets_our_slurm_conf_and_a_clean_env(
 def test_job_from_squeue_json(fake: FakeSlurm, rec: Recording) -> None:
     """job() of a job that ended: the recorded answer to the very command it runs (22.05 dumps every job, so the
     record is picked here; 24.11 lists that one job)."""
+    fake.add_sinfo(version=rec.text("version.txt").strip())
     fake.add("squeue", fake.cat(rec.path("squeue_finished_job_all_states.json")))
     backend = fake.backend()
     failed = rec.job("exits-three")
     job = backend.job(failed)
     assert job is not None and (job.state, job.exit_code, job.nodes) == ("FAILED", "3:0", ["node1"])
     assert backend.job(999999) is None
-    assert fake.calls() == [f"squeue --json --states=all --jobs={failed}", "squeue --json --states=all --jobs=999999"]
+    assert fake.calls() == [
+        "sinfo --version",
+        f"squeue {rec.json_option} --states=all --jobs={failed}",
+        f"squeue {rec.json_option} --states=all --jobs=999999",
+    ]
 
 
 def test_job_json_rejected_falls_back_to_scontrol_once(fake: FakeSlurm, rec: Recording) -> None:
     running = rec.job("running")
+    fake.add_sinfo(version=rec.text("version.txt").strip())
     fake.add("squeue", "echo \"squeue: unrecognized option '--json'\" >&2\nexit 1")
     fake.add(
         "scontrol",
@@ -431,7 +451,8 @@ def test_job_json_rejected_falls_back_to_scontrol_once(fake: FakeSlurm, rec: Rec
     assert backend.job(999999) is None
     assert backend.job(running) == first
     assert fake.calls() == [
-        f"squeue --json --states=all --jobs={running}",
+        "sinfo --version",
+        f"squeue {rec.json_option} --states=all --jobs={running}",
         f"scontrol -o show job {running}",
         "scontrol -o show job 999999",
         f"scontrol -o show job {running}",
@@ -439,6 +460,7 @@ def test_job_json_rejected_falls_back_to_scontrol_once(fake: FakeSlurm, rec: Rec
 
 
 def test_job_json_errors_raise(fake: FakeSlurm) -> None:
+    fake.add_sinfo()
     fake.add("squeue", fake.cat(R2205.path("squeue_controller_down.json")))  # 22.05: exit 0, only "errors" tells
     with pytest.raises(SlurmError, match="Failed while looking for jobs"):
         fake.backend().job(R2205.job("running"))
@@ -448,16 +470,18 @@ def test_an_unreachable_controller_is_an_error_not_a_reason_to_give_up_json(fake
     """24.11 exits 1 with only its error when slurmctld is down: the backend says so, and asks in JSON again
     next time (only a client that cannot print JSON switches the backend to text)."""
     stderr = R2411.path("squeue_controller_down.stderr")
+    fake.add_sinfo(version=R2411.text("version.txt").strip())
     fake.add("squeue", f"cat {shlex.quote(str(stderr))} >&2\nexit 1")
     backend = fake.backend()
     for _ in range(2):
         with pytest.raises(SlurmError, match="Unable to contact slurm controller"):
             backend.job(5)
-    assert fake.calls() == ["squeue --json --states=all --jobs=5"] * 2
+    assert fake.calls() == ["sinfo --version"] + ["squeue --json=v0.0.42 --states=all --jobs=5"] * 2
 
 
 def test_job_invalid_id_reported_in_json_errors_is_none(fake: FakeSlurm) -> None:
     doc = {"jobs": [], "errors": [{"error_number": 2017, "error": "Invalid job id specified"}]}
+    fake.add_sinfo()
     fake.add("squeue", f"echo {shlex.quote(json.dumps(doc))}")
     assert fake.backend().job(5) is None
 
@@ -468,7 +492,7 @@ def test_nodes_come_from_the_releases_json(fake: FakeSlurm, rec: Recording) -> N
     if rec.version != "22.05":
         fake.add("scontrol", fake.cat(rec.path("scontrol_show_node.json")))
     assert fake.backend().nodes() == _expected_nodes(rec)
-    asked = "sinfo --json" if rec.version == "22.05" else "scontrol --json show node"
+    asked = "sinfo --json" if rec.version == "22.05" else f"scontrol {rec.json_option} show node"
     assert fake.calls() == ["sinfo --version", asked]
 
 
@@ -605,6 +629,7 @@ def test_accounting(fake: FakeSlurm, rec: Recording) -> None:
 
 def _squeue_dump(fake: FakeSlurm) -> None:
     """squeue answering every question with 22.05's dump of every job (as 22.05 does with --json)."""
+    fake.add_sinfo()
     fake.add("squeue", fake.cat(R2205.path("squeue.json")))
 
 
@@ -614,7 +639,7 @@ def test_admin_comment_on_live_job_goes_to_slurmctld(fake: FakeSlurm) -> None:
     fake.add("scontrol", "exit 0")
     fake.add("sacctmgr", "exit 99")
     fake.backend().set_admin_comment(held, "clockwork:report=/var/spool/clockwork/3.json")
-    assert [c for c in fake.calls() if not c.startswith("squeue")] == [
+    assert [c for c in fake.calls() if not c.startswith(("squeue", "sinfo"))] == [
         f"scontrol update JobId={held} AdminComment=clockwork:report=/var/spool/clockwork/3.json"
     ]
 
@@ -627,7 +652,7 @@ def test_admin_comment_on_requeued_job_also_goes_to_its_earlier_runs_record(fake
     fake.add("scontrol", "exit 0")
     fake.add("sacctmgr", "exit 99")
     fake.backend().set_admin_comment(requeued, "clockwork: preempted for job 7")
-    assert [c for c in fake.calls() if not c.startswith("squeue")] == [
+    assert [c for c in fake.calls() if not c.startswith(("squeue", "sinfo"))] == [
         f"scontrol update JobId={requeued} AdminComment=clockwork: preempted for job 7",
         f"sacctmgr -i modify job where JobID={requeued} set AdminComment=clockwork: preempted for job 7",
     ]
@@ -641,7 +666,7 @@ def test_admin_comment_on_finished_job_goes_to_slurmdbd(fake: FakeSlurm) -> None
     backend = fake.backend()
     backend.set_admin_comment(failed, "clockwork:report=r.json")  # FAILED: in slurmctld, but finished
     backend.set_admin_comment(31337, "clockwork:report=old.json")  # purged from slurmctld
-    assert [c for c in fake.calls() if not c.startswith("squeue")] == [
+    assert [c for c in fake.calls() if not c.startswith(("squeue", "sinfo"))] == [
         f"sacctmgr -i modify job where JobID={failed} set AdminComment=clockwork:report=r.json",
         "sacctmgr -i modify job where JobID=31337 set AdminComment=clockwork:report=old.json",
     ]
@@ -673,3 +698,61 @@ def test_expand_hostlist_is_local_and_falls_back_to_scontrol(fake: FakeSlurm) ->
 def test_timeout_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="timeout"):
         CliBackend(tmp_path / "slurm.conf", timeout_s=0)
+
+
+# ------------------------------------------------------------------------ the data_parser version asked for
+
+#: The data_parser versions each release serves (Slurm's src/plugins/data_parser/ at each release's tag).
+SERVED = {
+    (24, 11): ("v0.0.40", "v0.0.41", "v0.0.42"),
+    (25, 5): ("v0.0.40", "v0.0.41", "v0.0.42", "v0.0.43"),
+    (25, 11): ("v0.0.41", "v0.0.42", "v0.0.43", "v0.0.44"),
+    (26, 5): ("v0.0.42", "v0.0.43", "v0.0.44", "v0.0.45"),
+}
+
+
+@pytest.mark.parametrize(
+    ("version", "option"),
+    [
+        ((22, 5, 8), "--json"),  # no data_parser versions
+        ((23, 2, 7), "--json"),
+        ((24, 5, 8), "--json"),
+        ((24, 11, 5), "--json=v0.0.42"),
+        ((25, 5, 0), "--json=v0.0.42"),
+        ((25, 11, 2), "--json=v0.0.42"),
+        ((26, 5, 5), "--json=v0.0.42"),
+        ((26, 11, 0), "--json=v0.0.43"),  # 26.11 drops v0.0.42
+    ],
+)
+def test_the_json_option_by_release(version: tuple[int, int, int], option: str) -> None:
+    assert json_option(version) == option
+
+
+def test_one_data_parser_version_for_every_release_from_24_11_to_26_05() -> None:
+    asked = {data_parser((*release, 0)) for release in SERVED}
+    assert len(asked) == 1, asked
+    for release, served in SERVED.items():
+        assert data_parser((*release, 0)) in served, release
+    assert [first for first, _ in DATA_PARSERS] == sorted(first for first, _ in DATA_PARSERS)
+
+
+def test_a_release_without_the_version_asked_for_falls_back_to_text(fake: FakeSlurm) -> None:
+    """A release that no longer serves the version (26.11 and v0.0.42, had the table not moved on) answers
+    "unable to find plugin"; the backend reads the text output from then on."""
+    running = R2411.job("running")
+    fake.add_sinfo(version="slurm 24.11.5")
+    fake.add(
+        "squeue",
+        'echo "squeue: error: data_parser_g_new: unable to find plugin v0.0.42" >&2\n'
+        'echo "squeue: error: application/json output not supported by v0.0.42" >&2\nexit 1',
+    )
+    fake.add("scontrol", fake.cat(R2411.path("scontrol_show_job.txt")))
+    backend = fake.backend()
+    assert backend.job(running) == _expected_live_jobs(R2411)[running]
+    assert backend.job(running) == _expected_live_jobs(R2411)[running]
+    assert fake.calls() == [
+        "sinfo --version",
+        f"squeue --json=v0.0.42 --states=all --jobs={running}",
+        f"scontrol -o show job {running}",
+        f"scontrol -o show job {running}",
+    ]

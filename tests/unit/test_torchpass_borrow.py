@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
+from clockwork.contracts.versions import VERSION
 from tests.conftest import until
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.service import Coordinator
@@ -46,7 +47,13 @@ class FakeDaemon:
 
     def __init__(self, *, refuse: str = "", polls: int = 2, outcome: dict[str, Any] | None = None) -> None:
         self.refuse, self.polls = refuse, polls
-        self.outcome = outcome or {"state": "acquired", "node": "node5", "holder": 900, "preempted": 500}
+        self.outcome = outcome or {
+            "state": "acquired",
+            "node": "node5",
+            "holder": 900,
+            "preempted": 500,
+            "gres": "gpu:8",
+        }
         self.asked: list[tuple[int, str]] = []
 
     def borrow(self, job_id: int, lost_node: str = "") -> dict[str, Any]:
@@ -95,24 +102,35 @@ def test_the_guest_step_gets_the_jobs_key_and_replicas_but_not_the_training_step
     assert cmd[:6] == ["srun", "--jobid=900", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=node5"]
     assert cmd[-7:] == ["/py", "-m", "torchpass", "guest", "train.py", "--steps", "9"]
     assert "ab" * 32 not in " ".join(cmd)  # the key never goes on a command line
+    assert not [a for a in cmd if a.startswith("--gres")]  # a job without GRES: the guest asks for none
+
+
+def test_the_guest_step_asks_for_the_gres_the_holder_got() -> None:
+    """The guest's srun asks for the job's GRES per node (an exclusive allocation's GRES reach a step only when
+    the step asks); a reply that is no GRES specification never becomes an option of srun."""
+    cmd = guest_command("srun", "/py", 900, "node5", "train.py", [], gres="gpu:h100:8,nic:1")
+    assert "--gres=gpu:h100:8,nic:1" in cmd and cmd.index("--gres=gpu:h100:8,nic:1") < cmd.index("/py")
+    for bad in ("gpu:8 --uid=0", "--gpus=8", "gpu:8;rm"):
+        with pytest.raises(ValueError, match="not a GRES specification"):
+            guest_command("srun", "/py", 900, "node5", "train.py", [], gres=bad)
 
 
 def test_a_borrowed_node_is_launched_and_timed() -> None:
     events = Events()
-    launched: list[tuple[int, str]] = []
+    launched: list[tuple[int, str, str]] = []
     failed: list[str] = []
     daemon = FakeDaemon()
     borrower = Borrower(
         100,
         connect=lambda: daemon,
-        launch=lambda holder, node: launched.append((holder, node)) or None,  # type: ignore[func-returns-value]
+        launch=lambda holder, node, gres: launched.append((holder, node, gres)) or None,  # type: ignore[func-returns-value]
         fail=failed.append,
         lost_node=lambda: "node3",
         event_sink=events,
         poll_s=0.01,
     )
     borrower.borrow_once()
-    assert daemon.asked == [(100, "node3")] and launched == [(900, "node5")] and failed == []
+    assert daemon.asked == [(100, "node3")] and launched == [(900, "node5", "gpu:8")] and failed == []
     (borrowed,) = events.of("torchpass.borrowed")
     assert (borrowed["node"], borrowed["holder"], borrowed["from_job"], borrowed["lost_node"]) == (
         "node5",
@@ -120,7 +138,7 @@ def test_a_borrowed_node_is_launched_and_timed() -> None:
         500,
         "node3",
     )
-    assert {"request_ms", "acquire_ms", "launch_ms"} <= set(borrowed)
+    assert {"request_ms", "acquire_ms", "launch_ms"} <= set(borrowed) and borrowed["gres"] == "gpu:8"
 
 
 @pytest.mark.parametrize(
@@ -137,7 +155,7 @@ def test_no_node_fails_the_job_at_once_unless_waiting_was_allowed(daemon: FakeDa
         borrower = Borrower(
             100,
             connect=lambda: daemon,
-            launch=lambda h, n: None,
+            launch=lambda h, n, g: None,
             fail=failed.append,
             fallback=fallback,
             event_sink=events,
@@ -170,7 +188,7 @@ def _register(zctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, wid: str, rol
 
     rpc = CoordinatorRpc(zctx, endpoint, 2.0, identity=f"{wid}.r".encode())
     try:
-        rpc.call("register", wid=wid, pid=port, host="127.0.0.1", store_port=port, role=role)
+        rpc.call("register", wid=wid, pid=port, host="127.0.0.1", store_port=port, role=role, version=VERSION)
     finally:
         rpc.close()
 
@@ -182,7 +200,7 @@ def test_a_lost_member_is_replaced_by_the_borrowed_guest(zctx: zmq.Context[zmq.S
     try:
         launched: list[str] = []
 
-        def launch(holder: int, node: str) -> None:  # what the guest's spare does on the borrowed node
+        def launch(holder: int, node: str, gres: str) -> None:  # what the guest's spare does on the borrowed node
             _register(zctx, coord.endpoint, f"g{holder}.0", "spare", 40009)
             launched.append(node)
 
@@ -208,7 +226,7 @@ def test_a_refused_borrow_fails_the_job_with_the_reason_not_after_spare_timeout(
     try:
         refusing = FakeDaemon(refuse="job 7 was not submitted with --clockwork-spares=borrow")
         borrower = Borrower(
-            7, connect=lambda: refusing, launch=lambda h, n: None, fail=coord.fail_now, event_sink=events
+            7, connect=lambda: refusing, launch=lambda h, n, g: None, fail=coord.fail_now, event_sink=events
         )
         coord.on_spare_needed = borrower.need
         _register(context, coord.endpoint, "a0.0", "slot:0", 40000)
@@ -245,6 +263,7 @@ def test_the_guest_finds_the_leader_through_a_passive_replica(zctx: zmq.Context[
 
 SPARE_SCRIPT = """
 import os, sys, zmq
+from clockwork.contracts.versions import VERSION
 from torchpass.rank.control import CoordinatorRpc
 ctx = zmq.Context()
 wid = os.environ["TORCHPASS_WORKER_ID"]
@@ -302,11 +321,13 @@ os.execv(command[0], command)
 #: A spare of the guest: registers with the job's coordinator through the guest's proxy, says where it runs.
 REGISTERING_SPARE = """
 import os, sys, zmq
+from clockwork.contracts.versions import VERSION
 from torchpass.rank.control import CoordinatorRpc
 ctx = zmq.Context()
 wid = os.environ["TORCHPASS_WORKER_ID"]
 rpc = CoordinatorRpc(ctx, os.environ["TORCHPASS_COORDINATOR"], 5.0, identity=wid.encode() + b".r")
-rpc.call("register", wid=wid, pid=os.getpid(), host=os.environ["TORCHPASS_HOST"], store_port=1, role="spare")
+rpc.call("register", wid=wid, pid=os.getpid(), host=os.environ["TORCHPASS_HOST"], store_port=1, role="spare",
+         version=VERSION)
 open(os.path.join(sys.argv[1], wid), "w").write(f"{os.environ['LOCAL_RANK']} {os.environ['LOCAL_WORLD_SIZE']}")
 rpc.close(); ctx.term()
 """

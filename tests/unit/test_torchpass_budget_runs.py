@@ -76,10 +76,12 @@ def test_a_job_that_fits_trains_and_says_so(tmp_path: Path, monkeypatch: pytest.
     path = tmp_path / "clockwork.toml"
     path.write_text('[snapshots]\nquota = "10G"\n')
     monkeypatch.setenv("CLOCKWORK_CONFIG", str(path))
-    run = _run(tmp_path, "fits", mesh="1x4", settings=_settings(tmp_path))
+    # Each rank's shard is staged through a 16 KiB arena, a window at a time: that is what the budget counts.
+    run = _run(tmp_path, "fits", mesh="1x4", settings=_settings(tmp_path, "snapshot_arena_max=16K"))
     run.check_ok()
     (budget,) = run.logged("torchpass.budget")
     assert budget["verdict"] == "fits" and not budget["shortfalls"], budget
     (node,) = budget["nodes"].values()
-    assert node["ranks"] == NPROC and node["staging"] > 0 and node["peer_copies"] > 0, budget
+    assert node["ranks"] == NPROC and node["staging"] == NPROC * 16384 and node["peer_copies"] > 0, budget
+    assert budget["snapshots"]["per_snapshot"] > NPROC * 16384, budget
     assert run.complete_snapshots(tmp_path / "snapshots" / "local", [3, 7, 11])

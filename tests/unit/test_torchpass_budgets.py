@@ -89,6 +89,19 @@ def test_200_gb_per_gpu_fits_neither_shm_nor_memory_and_degrade_trains_without()
     assert degraded.message().startswith("training without peer_copies and snapshots")
 
 
+def test_200_gb_per_gpu_stages_through_the_default_arena_cap_and_fits_dev_shm() -> None:
+    """With snapshot_arena_max's default (32 GiB), 8 ranks of 200 GB stage through 8 x 32 GiB = 256 GiB of /dev/shm
+    (of 1 TiB): the snapshots fit the node; only the disk and the quota see the whole 200 GB per rank."""
+    big = 200_000_000_000
+    cap = parse_size(TorchPassConfig().snapshot_arena_max, "snapshot_arena_max")
+    uses = [RankUse(f"n{n}", H200, arena=min(big, cap), shard_file=big) for n in range(2) for _ in range(8)]
+    assert cap == 32 * GiB
+    verdict = judge(uses, keep=3, quota=0, policy="refuse")
+    assert not verdict.shortfalls, verdict.message()
+    short = judge(uses, keep=3, quota=10 * TiB, policy="refuse").shortfalls  # 4 x 16 x 200 GB = 11.6 TiB
+    assert [(s.feature, s.where) for s in short] == [(SNAPSHOTS, "under the snapshot quota")]
+
+
 def test_memory_shared_by_both_goes_to_the_peer_copies() -> None:
     """Each fits alone; together they do not: snapshots give way, peer copies stay."""
     tight = NodeReadings(mem_available=800 * GiB, shm_free=TiB, snapshot_free=1 << 50)
@@ -235,3 +248,26 @@ def test_an_arena_larger_than_dev_shm_is_refused_before_any_byte_is_written() ->
     assert set(os.listdir("/dev/shm")) == before
     arena = SharedArena(4096, cuda=False)
     arena.close()
+
+
+def test_the_staging_counted_is_the_arena_cap_not_the_share(tmp_path: Path) -> None:
+    """A share larger than snapshot_arena_max is staged through an arena of the cap: that is what /dev/shm and
+    memory are asked for; the shard file on disk is still the whole share."""
+    import logging
+    from types import SimpleNamespace
+
+    from tests.unit.test_snapshot_store import Trainer
+    from torchpass.config import TorchPassConfig
+    from torchpass.rank.budget_gate import measure
+    from torchpass.snapshot import Snapshotter
+
+    trainer = Trainer(width=256)
+    uses = {}
+    for cap in ("0", "64K"):
+        cfg = TorchPassConfig(snapshot_dir=str(tmp_path), snapshot_every_steps=1, snapshot_arena_max=cap)
+        host = SimpleNamespace(config=cfg, parts=trainer.parts, slot=0, world_size=1, committed_step=-1)
+        snaps = Snapshotter(cfg, logging.LoggerAdapter(logging.getLogger("test"), {}), None)
+        uses[cap] = measure(host, snaps, None)  # type: ignore[arg-type]
+    whole, capped = uses["0"], uses["64K"]
+    assert whole.arena == whole.shard_file > 10 * 65536, whole
+    assert (capped.arena, capped.shard_file) == (65536, whole.shard_file), capped

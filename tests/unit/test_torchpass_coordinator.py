@@ -17,6 +17,7 @@ import zmq
 
 from clockwork.cli.main import run as clockwork
 from clockwork.contracts.coordinator_wire import GenerationInfo, decode, encode
+from clockwork.contracts.versions import VERSION
 from tests.conftest import until
 from torchpass.auth import connect_as_client
 from torchpass.cli import main as cli_main
@@ -63,7 +64,7 @@ class FakeRank:
 
     def register(self) -> None:
         pid = 1000 + int("".join(c for c in self.wid if c.isdigit()))  # w3 -> 1003, a3.0 -> 1030
-        self.call("register", pid=pid, host="127.0.0.1", store_port=self.port, role=self.role)
+        self.call("register", pid=pid, host="127.0.0.1", store_port=self.port, role=self.role, version=VERSION)
 
     def await_generation(self, after: int, timeout: float = 30.0) -> GenerationInfo:
         reply = self.rpc.wait("await_generation", time.monotonic() + timeout, wid=self.wid, after=after)

@@ -41,6 +41,7 @@ from clockwork.contracts.coordinator_requests import (
     Status,
 )
 from clockwork.contracts.coordinator_wire import JobState, Role
+from clockwork.contracts.versions import VERSION
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.core import CoordinatorCore
 from torchpass.coordinator.records import (
@@ -113,7 +114,7 @@ class Sim:
     def register(self, wid: str, role: str, port: int = 0) -> list[Decision]:
         self.handle(HeartbeatIn(f"{wid}.n".encode(), Heartbeat(wid, hello=True)))
         port = port or 40000 + int("".join(c for c in wid if c.isdigit()))
-        return self.ask(wid, Register(next(self.ids), wid, Role.parse(role), 1, "10.0.0.1", port))
+        return self.ask(wid, Register(next(self.ids), wid, Role.parse(role), 1, "10.0.0.1", port, version=VERSION))
 
     def poll(self, wid: str) -> Any:
         """``wid`` long-polls for the next generation; the answer, or None while it is parked."""

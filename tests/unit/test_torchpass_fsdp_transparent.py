@@ -10,7 +10,8 @@ run --local --transparent`` (4 ranks, 1 spare, gloo on 127.0.0.1).
 ``CW_TEST_KILL`` (``slot:step``) makes that slot SIGKILL itself in the backward pass of that step, before the
 reduce-scatter of a layer drawn at random (the step is AdamW's own count, which moves with the state, so it is
 right on a replacement too), or with ``CW_TEST_KILL_UPDATED=1`` right after that step's optimizer step; a marker
-file makes the kill happen once. ``CW_TEST_MESH`` (``RxS``, default 2x2) is the mesh. The seed is printed;
+file makes the kill happen once. ``CW_TEST_MESH`` (``RxS``, default 2x2) is the mesh
+(1-D for one replica, unless ``CW_TEST_MESH_2D=1``). The seed is printed;
 ``CW_TEST_SEED`` replays it. The fault-free run also snapshots every shard, and a job restored from one of its
 snapshots ends bitwise equal to it.
 """
@@ -55,7 +56,7 @@ def _rank_main() -> int:
     dist.init_process_group(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     replicas = int(os.environ.get("CW_TEST_MESH", "2x2").split("x")[0])
-    if replicas == 1:  # pure FSDP: a 1-D mesh
+    if replicas == 1 and not os.environ.get("CW_TEST_MESH_2D"):  # pure FSDP: a 1-D mesh
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     else:
         mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -148,12 +149,14 @@ def _run(
     layer: int = 0,
     updated: bool = False,
     mesh: str = "2x2",
+    two_d: bool = False,
     settings: tuple[str, ...] = (),
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_KILL_LAYER=str(layer), CW_TEST_MESH=mesh)
     env["CW_TEST_KILL_UPDATED"] = "1" if updated else ""
+    env["CW_TEST_MESH_2D"] = "1" if two_d else ""
     cmd = local_command(out, SCRIPT, nproc=NPROC, spares=1, flags=["--transparent"], settings=settings)
     return run_logged(out, cmd, env, RUN_TIMEOUT_S)
 
@@ -263,3 +266,18 @@ def test_rollback_to_a_pass_end_keeps_the_epilogue(base: Path, reference_1x4: Fi
         assert [m["target"] for m in recovered["moves"]] == [slot] and not restored, recovered
     else:  # every survivor restored its own copy
         assert restored == sorted(set(range(NPROC)) - {slot}), recovered
+
+
+def test_a_replicate_dimension_of_size_one_is_ordinary(base: Path, reference_1x4: FinishedJob) -> None:
+    """A configurable script writes ``init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp_replicate", "dp_shard"))``
+    for pure FSDP. That mesh is the 1 x 4 layout it amounts to (it failed before training with "a flat 1x4 mesh
+    names 1 dimension(s)"): the script gets its two named dimensions, a SIGKILL in backward is rebuilt from the
+    peer copy, and every slot ends bitwise equal to the 1-D run's."""
+    draw = random.Random(SEED + 3)
+    slot, step, layer = draw.randrange(NPROC), draw.randrange(1, STEPS - 1), draw.randrange(3)
+    kill = f"{slot}:{step}"
+    print(f"kill {kill} before layer {layer}'s reduce-scatter, over a (1, 4) mesh")
+    run = _run(base, "two-d-1x4", kill=kill, layer=layer, mesh="1x4", two_d=True)
+    recovered = _recovered_bitwise(run, reference_1x4, kill)
+    (move,) = [m for m in recovered["moves"] if m["target"] == slot]
+    assert move["source"] == (slot + 1) % NPROC and move["bytes"] > 0, recovered

@@ -112,6 +112,8 @@ def test_batch_script_launcher_plans_one_step_per_node_with_the_batch_host_last(
         "SLURM_PROCID": "0",
     }
     assert in_batch_script(env) and not in_batch_script(dict(env, SLURM_STEP_ID="0"))
+    # Slurm 26.05's batch script carries the batch step's id (its sbatch -N3 environment, recorded on the sandbox).
+    assert in_batch_script(dict(env, SLURM_STEP_ID="-5", SLURM_STEPID="-5"))
     plan = NodeSteps(["run", "train.py", "--lr", "1"], srun="srun", python="py", environ=env).commands()
     assert [node for node, _, _ in plan] == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.1"]
     node, cmd, step_env = plan[2]

@@ -38,6 +38,7 @@ from clockwork.contracts.coordinator_requests import (
     Status,
 )
 from clockwork.contracts.coordinator_wire import UNKNOWN, JobState
+from clockwork.contracts.versions import VERSION, skew_message
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.lockstep import CollectiveWait
 from torchpass.coordinator.membership import Membership
@@ -171,6 +172,22 @@ class CoordinatorCore:
             if not isinstance(msg, Heartbeat):
                 self.out.send(sender, Refusal(msg.id, "internal coordinator error (see its log)"))
 
+    def _refuse_version(self, sender: bytes, msg: Register) -> None:
+        """A process of another TorchPass version (an older or newer image) wants in: refused, both versions
+        named. Before the job started, one of its initial ranks being another version fails the whole job (it
+        cannot start with that slot, and waiting would only hide why); a spare is turned away and the job goes on."""
+        why = skew_message(
+            "the job's coordinator",
+            f"{msg.wid} (pid {msg.pid} on {msg.host})",
+            msg.version,
+            fix="every node of a job must run the same image (a guest or a re-pulled tag may differ)",
+        )
+        log.error("%s", why)
+        self.out.send(sender, Refusal(msg.id, why))
+        self.out.emit("torchpass.version_mismatch", worker=msg.wid, host=msg.host, theirs=msg.version, ours=VERSION)
+        if self.membership.state == JobState.FORMING and not msg.role.is_spare:
+            self.membership.fail(why)
+
     def _hold(self, sender: bytes, msg: Request | Heartbeat) -> None:
         """Passive replica: the command line is pointed at the leader; a rank's message waits until we lead
         (a proxy only sends here once it believes this replica leads, so it will shortly)."""
@@ -194,6 +211,8 @@ class CoordinatorCore:
             self.out.send(sender, StopAnswer(msg.id, False, "evicted or unknown worker"))
             return
         match msg:
+            case Register() if msg.version != VERSION:
+                self._refuse_version(sender, msg)
             case Register():
                 m.register(sender, msg)
             case AwaitGeneration():

@@ -49,18 +49,22 @@ from types import FrameType
 
 from clockwork.contracts.coordinator_wire import JobState
 from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
+from clockwork.contracts.versions import check_daemon
 from torchpass.auth import job_key
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator.placement import slot_moves
 from torchpass.coordinator.records import worker_id
 from torchpass.coordinator.service import Coordinator
 from torchpass.events import DaemonEventSink, EventSink, JsonlEventSink, emit, tee
+from torchpass.fabric_env import daemon_status_reader
 from torchpass.failure_domains import node_domains
 from torchpass.launch.borrow import BorrowDaemon, Borrower, guest_environment, spawn_guest
+from torchpass.launch.container import container_from_environ, node_mounts
 from torchpass.launch.mesh import AgentMesh
+from torchpass.launch.node_fabric import NodeFabric
 from torchpass.launch.node_ranks import rank_environment
 from torchpass.launch.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
-from torchpass.launch.node_verdicts import VerdictFollower
+from torchpass.launch.node_verdicts import VerdictFollower, node_heard
 from torchpass.launch.proxy import CoordinatorProxy
 from torchpass.launch.slurm_layout import (
     ENV_AGENT_INDEX,
@@ -111,8 +115,16 @@ def daemon_control_socket(config_path: str) -> str:
         log.warning("no events to the node daemon: %s: %s", type(exc).__name__, exc)
         return ""
     endpoint = client.endpoint
-    client.close()
-    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
+    path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
+    try:
+        if path and Path(path).exists():  # a daemon serves here: it must be ours (VersionSkewError: the agent stops)
+            client.timeout_s = 5.0
+            check_daemon(client, "this TorchPass node agent", f"the node daemon ({path})")
+        elif path:
+            log.warning("no node daemon socket at %s (in a container: is its folder mounted?)", path)
+    finally:
+        client.close()
+    return path
 
 
 class SlurmAgent:
@@ -172,11 +184,23 @@ class SlurmAgent:
             domains={k: domains[node] for k, node in enumerate(layout.nodes) if node in domains},
         )
         self.mesh = AgentMesh(layout, config, self.coordinator, event_sink=self.event_sink)
+        if self.daemon_socket:  # a silent agent whose node the fabric still hears gets agent_stall_timeout_s
+            socket = self.daemon_socket
+            self.mesh.fabric_alive = lambda agent: node_heard(socket, layout.nodes[agent])
         self.coordinator.replicate = self.mesh.publish
         self.coordinator.leader_hint = self.mesh.leader_endpoint()
         self.proxy = CoordinatorProxy(layout.address, self.mesh.leader_endpoint)
         self.mesh.listeners.append(lambda _leader, _term: self.proxy.leader_changed())
         self.mesh.listeners.append(lambda _leader, _term: self._announce())
+        # The fabric part of each new process's environment: NCCL_IB_HCA without the HCAs the daemon avoids,
+        # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME on the node address's device.
+        self.fabric = NodeFabric(
+            layout.node,
+            layout.address,
+            self.environ,
+            daemon_status_reader(self.daemon_socket) if self.daemon_socket else None,
+            self.event_sink,
+        )
         self.verdicts: VerdictFollower | None = None
         if self.daemon_socket and config.fabric_verdicts:
             self.verdicts = VerdictFollower(layout.job_id, self.daemon_socket, self._on_node_verdict)
@@ -223,7 +247,7 @@ class SlurmAgent:
         dead = sorted(self.mesh.dead)
         return self.layout.nodes[dead[-1]] if dead else ""
 
-    def _launch_guest(self, holder: int, node: str) -> subprocess.Popen[bytes] | None:
+    def _launch_guest(self, holder: int, node: str, gres: str = "") -> subprocess.Popen[bytes] | None:
         """Start the replacement on the borrowed node, in the holder allocation, as a spare of this job."""
         leader = self.mesh.leader_endpoint()
         endpoints = [leader, *(e for e in self.layout.coordinator_endpoints() if e != leader)]
@@ -236,9 +260,15 @@ class SlurmAgent:
             ranks_per_node=self.layout.ranks_per_node,  # the borrowed node offers G spare slots
         )
         env[ENV_CONFIG] = self.config.to_json()
-        return spawn_guest(self.environ.get("TORCHPASS_SRUN", "srun"), self.python, self.script, self.script_args, env)(
-            holder, node
-        )
+        container = container_from_environ(self.environ)  # the launcher's decision: the guest runs in the image too
+        return spawn_guest(
+            self.environ.get("TORCHPASS_SRUN", "srun"),
+            self.python,
+            self.script,
+            self.script_args,
+            container.step_environment(env),
+            lambda borrowed: container.srun_args(node_mounts(self.environ, borrowed)),
+        )(holder, node, gres)
 
     # ----- start -----------------------------------------------------------------------------
 
@@ -283,6 +313,7 @@ class SlurmAgent:
         env[ENV_CONFIG] = self.config.to_json()
         env[ENV_GLOO_HOST] = self.layout.address
         env[ENV_DAEMON_SOCKET] = self.daemon_socket
+        env.update(self.fabric.current().env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 

@@ -26,6 +26,7 @@ line. This module imports no torch.
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -57,6 +58,9 @@ ENV_GUEST_JOB = "TORCHPASS_GUEST_JOB"  # the training job's id (the guest runs i
 #: Variables a guest's srun must not inherit from the agent's step: they describe the *training* job's step
 #: and would contradict ``--jobid=HOLDER`` (SLURM_CONF is kept: without it clients try DNS).
 _KEEP_SLURM = ("SLURM_CONF",)
+#: What ``--gres`` takes (``gpu:8``, ``gpu:h100:8,nic:1``): the daemon's reply is checked before it becomes an
+#: option of srun.
+_GRES = re.compile(r"[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)*(,[A-Za-z0-9_.\-]+(:[A-Za-z0-9_.\-]+)*)*")
 
 
 class BorrowDaemon(Protocol):
@@ -104,8 +108,22 @@ def guest_environment(
     return env
 
 
-def guest_command(srun: str, python: str, holder: int, node: str, script: str, script_args: Sequence[str]) -> list[str]:
-    """``srun`` into the holder allocation: one task on the borrowed node running the guest agent."""
+def guest_command(
+    srun: str,
+    python: str,
+    holder: int,
+    node: str,
+    script: str,
+    script_args: Sequence[str],
+    container_args: Sequence[str] = (),
+    gres: str = "",
+) -> list[str]:
+    """``srun`` into the holder allocation: one task on the borrowed node running the guest agent, in the job's
+    container (``container_args``: :meth:`torchpass.launch.container.ContainerSpec.srun_args`), asking for the GRES
+    per node the holder asked for (the job's own, ``gpu:8``). Slurm gives a step the GRES its job asked for anyway,
+    but none of those an ``--exclusive`` job got implicitly: the request says which it needs."""
+    if gres and not _GRES.fullmatch(gres):
+        raise ValueError(f"not a GRES specification: {gres!r}")
     return [
         srun,
         f"--jobid={holder}",
@@ -114,7 +132,9 @@ def guest_command(srun: str, python: str, holder: int, node: str, script: str, s
         "--ntasks=1",
         f"--nodelist={node}",
         "--kill-on-bad-exit=0",
+        *container_args,
         "--job-name=torchpass-guest",
+        *([f"--gres={gres}"] if gres else []),
         python,
         "-m",
         "torchpass",
@@ -130,7 +150,8 @@ class Borrower:
 
     job_id: int
     connect: Callable[[], BorrowDaemon]  # a fresh daemon client (one per borrowing thread: not thread-safe)
-    launch: Callable[[int, str], subprocess.Popen[bytes] | None]  # (holder, node) -> the guest's srun
+    #: (holder, node, GRES per node) -> the guest's srun
+    launch: Callable[[int, str, str], subprocess.Popen[bytes] | None]
     fail: Callable[[str], None]  # fail the job now, with this reason
     lost_node: Callable[[], str] = lambda: ""
     fallback: str = "fail"  # "fail" or "wait" (for a standby spare)
@@ -188,9 +209,9 @@ class Borrower:
         if state.get("state") != "acquired":
             self._failed(str(state.get("reason") or f"borrow ended {state.get('state')}"), t0)
             return False
-        holder, node = int(state["holder"]), str(state["node"])
+        holder, node, gres = int(state["holder"]), str(state["node"]), str(state.get("gres") or "")
         t_acquired = time.time()
-        proc = self.launch(holder, node)
+        proc = self.launch(holder, node, gres)
         if proc is not None:
             self.guests.append(proc)
         emit(
@@ -199,6 +220,7 @@ class Borrower:
             "torchpass.borrowed",
             node=node,
             holder=holder,
+            gres=gres,
             from_job=state.get("preempted"),
             lost_node=lost,
             request_ms=round(1000 * (t_asked - t0), 1),
@@ -244,15 +266,17 @@ def spawn_guest(
     script: str,
     script_args: Sequence[str],
     env: Mapping[str, str],
-) -> Callable[[int, str], subprocess.Popen[bytes] | None]:
+    container_args: Callable[[str], Sequence[str]] = lambda node: (),
+) -> Callable[[int, str, str], subprocess.Popen[bytes] | None]:
     """The real launcher: ``srun`` the guest into the holder allocation (its own session, so a signal meant
-    for the agent's step does not reach it before the agent decides)."""
+    for the agent's step does not reach it before the agent decides), in the job's container
+    (``container_args``: the options for a step on that node)."""
 
-    def launch(holder: int, node: str) -> subprocess.Popen[bytes] | None:
-        cmd = guest_command(srun, python, holder, node, script, script_args)
+    def launch(holder: int, node: str, gres: str = "") -> subprocess.Popen[bytes] | None:
         try:
+            cmd = guest_command(srun, python, holder, node, script, script_args, container_args(node), gres)
             return subprocess.Popen(cmd, env=dict(env), start_new_session=True)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             log.error("cannot start the guest on %s (holder %d): %s", node, holder, exc)
             return None
 

@@ -19,13 +19,22 @@ who that is and keeps the others ready to take over:
   (:mod:`torchpass.launch.node_verdicts`), :meth:`AgentMesh.node_verdict` counts that node's agent silent at once, and
   the same rules (the leader declares it lost, or the followers elect a new leader) act without waiting for
   ``agent_timeout_s``. A verdict about an agent heard after it was made is ignored.
+* **A second opinion.** One agent's silence is not evidence enough: a stalled Python process (a long GC pause,
+  a blocked GIL) or a link that only this agent lost would cost a healthy node and a spare. Every heartbeat
+  carries the agents its sender does not hear (``silent``), and an agent silent past ``agent_timeout_s``
+  without a node verdict is lost then only when a second agent that is itself heard agrees (or no other agent
+  is left to ask). Without that agreement (``torchpass.agent_unconfirmed``), or while the node daemon still
+  hears the agent's node on the fabric (``fabric_alive``: a stalled agent on a live node,
+  ``torchpass.agent_stalled``), it is lost only after ``agent_stall_timeout_s``. The leader applies this to
+  its followers, the followers to the leader before one claims leadership.
 * **Replication.** After every change the active coordinator hands its state (a few KB: generation,
   members, spares, workers) to :meth:`AgentMesh.publish`; the leader sends it to each follower until that
   follower's heartbeat acknowledges the version. A follower that the leader has declared lost learns it from
   the snapshot (:attr:`AgentMesh.evicted`) and leaves the job: its processes were already replaced.
 
-A note on partitions: this is failure detection by timeout without a quorum, chosen so that a job of two
-nodes survives the loss of either. If the agents' network splits while every node stays alive, both sides
+A note on partitions: this is failure detection by timeout with a second opinion, not a majority quorum,
+chosen so that a job of two nodes survives the loss of either (with no other agent to ask, the timeout
+alone decides). If the agents' network splits while every node stays alive, both sides
 may elect a leader; the lower index wins as soon as they hear each other again, and the other side's
 processes are evicted (their slots were given to spares). LinkPass's redundant rails are what make such a
 split unlikely. This module imports no torch.
@@ -69,6 +78,7 @@ class _Peer:
     version: tuple[int, int] = (-1, -1)  # snapshot version it acknowledged
     children: dict[str, dict[str, Any]] = field(default_factory=dict)  # wid -> {role, code}
     finished: bool = False
+    silent_view: frozenset[int] = frozenset()  # the agents it does not hear, per its last heartbeat
 
 
 class AgentMesh(SocketThread):
@@ -90,6 +100,12 @@ class AgentMesh(SocketThread):
         self.event_sink = event_sink
         self.interval = config.agent_heartbeat_interval_s
         self.timeout = config.agent_timeout_s
+        self.stall_timeout = max(config.agent_stall_timeout_s, config.agent_timeout_s)
+        #: Whether the node daemon hears agent K's node on the fabric now (None: it cannot tell); set by the
+        #: agent, asked from the mesh thread only for an agent silent past agent_timeout_s, at most once a second.
+        self.fabric_alive: Callable[[int], bool | None] | None = None
+        self._fabric_seen: dict[int, tuple[float, bool | None]] = {}  # agent -> (asked at, answer)
+        self._held: dict[int, str] = {}  # agents silent past the timeout and not lost yet -> event told
         self.startup_timeout = max(config.agent_startup_timeout_s, config.agent_timeout_s)
         self.term = 0
         self.leader = 0
@@ -183,6 +199,15 @@ class AgentMesh(SocketThread):
         """The agents counted lost so far (a copy: one C-level call, safe beside the mesh thread's updates)."""
         return frozenset(self.dead)
 
+    def hears(self) -> frozenset[int]:
+        """The other agents heard within ``agent_timeout_s`` (and not counted lost)."""
+        now = time.monotonic()
+        return frozenset(
+            p.index
+            for p in list(self._peers.values())
+            if p.heard_mono is not None and p.index not in self.dead and now - p.heard_mono <= self.timeout
+        )
+
     def live_peers_finished(self) -> bool:
         """Whether every agent not counted lost has said its processes exited after the job ended."""
         with self._lock:
@@ -265,6 +290,8 @@ class AgentMesh(SocketThread):
     def _on_heartbeat(self, peer: _Peer, msg: dict[str, Any]) -> None:
         if peer.index not in self.dead:
             peer.heard_mono, peer.heard_wall = time.monotonic(), time.time()
+            self._held.pop(peer.index, None)
+        peer.silent_view = frozenset(int(a) for a in msg.get("silent", ()))
         peer.version = tuple(msg.get("version", (-1, -1)))  # type: ignore[assignment]
         peer.children = dict(msg.get("children", {}))
         peer.finished = bool(msg.get("finished"))
@@ -334,6 +361,62 @@ class AgentMesh(SocketThread):
             return now - self._started > self.startup_timeout
         return now - peer.heard_mono > self.timeout
 
+    def _lost(self, peer: _Peer, now: float) -> bool:
+        """Whether ``peer`` counts as lost now: a node verdict, or silence past ``agent_timeout_s`` that a second
+        agent confirms, or past ``agent_stall_timeout_s`` (see the module docstring)."""
+        if peer.index in self.dead or peer.index in self._verdicts:
+            return True
+        if not self._silent(peer, now):
+            return False
+        if peer.heard_mono is None:
+            return True  # never heard within agent_startup_timeout_s: nobody to wait for
+        silent_s = now - peer.heard_mono
+        if silent_s > self.stall_timeout:
+            return True
+        if self._fabric(peer.index, now):
+            self._hold(peer, now, "torchpass.agent_stalled", heard_by=["fabric"])
+            return False
+        witnesses = [
+            p
+            for p in self._peers.values()
+            if p.index != peer.index and p.index not in self.dead and not self._silent(p, now)
+        ]
+        if not witnesses or any(peer.index in w.silent_view for w in witnesses):
+            return True
+        self._hold(peer, now, "torchpass.agent_unconfirmed", heard_by=sorted(w.index for w in witnesses))
+        return False
+
+    def _fabric(self, agent: int, now: float) -> bool:
+        """Whether the node daemon hears ``agent``'s node (asked at most once a second per agent)."""
+        if self.fabric_alive is None:
+            return False
+        asked, answer = self._fabric_seen.get(agent, (-1e9, None))
+        if now - asked >= 1.0:
+            try:
+                answer = self.fabric_alive(agent)
+            except Exception as exc:  # no evidence is not evidence of life
+                log.warning("cannot ask the node daemon about agent %d's node: %s", agent, exc)
+                answer = None
+            self._fabric_seen[agent] = (now, answer)
+        return bool(answer)
+
+    def _hold(self, peer: _Peer, now: float, kind: str, heard_by: list[Any]) -> None:
+        """Tell once per silence why ``peer`` is not counted lost yet."""
+        if self._held.get(peer.index) == kind:
+            return
+        self._held[peer.index] = kind
+        emit(
+            self.event_sink,
+            log,
+            kind,
+            agent=peer.index,
+            node=self.layout.nodes[peer.index],
+            silent_ms=self._silence_ms(peer, now),
+            by=self.me,
+            heard_by=heard_by,
+            lost_after_s=self.stall_timeout,
+        )
+
     def _hints(self, agent: int) -> dict[str, str]:
         """The processes ``agent`` ran, as its heartbeats said (its first one when it said nothing)."""
         children = {wid: str(c.get("role", "?")) for wid, c in self._peers[agent].children.items()}
@@ -352,13 +435,13 @@ class AgentMesh(SocketThread):
             return
         if self.is_leader():
             for peer in self._peers.values():
-                if peer.index not in self.dead and not peer.finished and self._silent(peer, now):
+                if peer.index not in self.dead and not peer.finished and self._lost(peer, now):
                     self._lose(peer, now)
             return
         if self.job_state().ended:
             return  # the job is over: a silent leader has simply exited
         leader = self._peers.get(self.leader)
-        if leader is None or not self._silent(leader, now):
+        if leader is None or not self._lost(leader, now):
             return
         candidates = [self.me] + [p.index for p in self._peers.values() if not self._silent(p, now)]
         if min(candidates) == self.me:
@@ -385,7 +468,7 @@ class AgentMesh(SocketThread):
         self.coordinator.agent_lost(peer.index, self._hints(peer.index), why, at)
 
     def _claim(self, old: _Peer, now: float) -> None:
-        lost = {p.index for p in self._peers.values() if p.index not in self.dead and self._silent(p, now)}
+        lost = {p.index for p in self._peers.values() if p.index not in self.dead and self._lost(p, now)}
         previous = self.leader
         self.term += 1
         self.leader = self.me
@@ -448,6 +531,8 @@ class AgentMesh(SocketThread):
     # ----- sending -------------------------------------------------------------------------
 
     def _send_heartbeats(self) -> None:
+        now = time.monotonic()
+        silent = sorted(p.index for p in self._peers.values() if p.index not in self.dead and self._silent(p, now))
         with self._lock:
             base = {
                 "op": "ahb",
@@ -457,6 +542,7 @@ class AgentMesh(SocketThread):
                 "version": list(self._version),
                 "children": dict(self._children),
                 "finished": self.finished,
+                "silent": silent,
             }
             snapshot, version = self._snapshot, self._version
         plain = msgpack.packb(base, use_bin_type=True)

@@ -4,7 +4,9 @@ Why not one ``srun`` with a task per node? When a node of a job step dies, Slurm
 as it declares the node down (``srun: error: Node failure``, then ``Force Terminated``): the survivors would be
 killed SlurmdTimeout seconds after the crash, however well TorchPass had recovered. With ``--no-kill`` on the
 job, Slurm keeps the job and its other steps, so this launcher starts one single-task step per node
-(``srun --nodes=1 --ntasks=1 --nodelist=NODE``): the crashed node's step ends, the others train on.
+(``srun --nodes=1 --ntasks=1 --nodelist=NODE``): the crashed node's step ends, the others train on. Each step
+asks for the job's container, if it has one (:mod:`torchpass.launch.container`): the agents and their ranks run
+in the user's image.
 
 Each step runs ``torchpass run`` again, with the job's node list and its own index in the environment
 (``TORCHPASS_NODES``, ``TORCHPASS_AGENT_INDEX``) and G, the ranks per node decided once here
@@ -43,6 +45,7 @@ from pathlib import Path
 from types import FrameType
 
 from torchpass.auth import ENV_JOB_KEY, JobKey
+from torchpass.launch.container import ContainerKind, ContainerSpec, bundle_warnings, node_mounts
 from torchpass.launch.slurm_layout import (
     ENV_AGENT_INDEX,
     ENV_LOST_NODES_FILE,
@@ -69,10 +72,16 @@ AGENT_EXIT_LEFT = 3  # this agent was counted lost and left; the job goes on wit
 VERDICTS = (AGENT_EXIT_DONE, AGENT_EXIT_FAILED)
 
 
+#: The batch step's id as a batch script sees it: Slurm 26.05 exports ``SLURM_STEP_ID=-5`` there (its
+#: ``SLURM_BATCH_SCRIPT``, 0xfffffffb, printed signed); 22.05 and 24.11 export no step id at all.
+BATCH_STEP_IDS = frozenset({"-5", str(0xFFFFFFFB), "batch"})
+
+
 def in_batch_script(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process runs in a job's batch script (an allocation, but not inside a job step)."""
     env = os.environ if environ is None else environ
-    return bool(env.get("SLURM_JOB_ID")) and not env.get("SLURM_STEP_ID") and not env.get("SLURM_STEPID")
+    steps = [env.get(name, "") for name in ("SLURM_STEP_ID", "SLURM_STEPID")]
+    return bool(env.get("SLURM_JOB_ID")) and all(not step or step in BATCH_STEP_IDS for step in steps)
 
 
 def cpus_per_node(expr: str, count: int) -> list[int]:
@@ -107,6 +116,7 @@ class NodeSteps:
     lost_grace_s: float = 1.0  # for the steps on nodes the job counted lost
     ranks_per_node: int = 0  # G, decided once here for every agent (0: each agent decides)
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    container: ContainerSpec = field(default_factory=ContainerSpec)  # the job's, on every agent step
     _signal: int | None = None
 
     def commands(self) -> list[tuple[str, list[str], dict[str, str]]]:
@@ -132,8 +142,9 @@ class NodeSteps:
             cmd = [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--kill-on-bad-exit=0"]
             cmd += ["--ntasks-per-node=1"]  # one agent, whatever --ntasks-per-node the job has (its G ranks)
             cmd += [f"--cpus-per-task={cpus[node]}"] if cpus[node] else []
+            cmd += self.container.srun_args(node_mounts(env, node))  # the agent and its ranks run in the image
             cmd += ["--job-name=torchpass-agent", self.python, "-m", "torchpass", *self.argv]
-            out.append((node, cmd, env))
+            out.append((node, cmd, self.container.step_environment(env)))
         return out
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -148,6 +159,11 @@ class NodeSteps:
             file=sys.stderr,
             flush=True,
         )
+        if self.container.srun_args():
+            print(f"torchpass: every agent step in the job's {self.container.describe()}", file=sys.stderr, flush=True)
+        if self.container.kind is ContainerKind.OCI:  # the bundle carries its mounts: say what it lacks, once
+            for warning in bundle_warnings(self.container.bundle, node_mounts(self.environ, plan[0][0])):
+                print(f"torchpass: warning: {warning}", file=sys.stderr, flush=True)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         steps = [_Step(node, subprocess.Popen(cmd, env=env)) for node, cmd, env in plan]
         try:

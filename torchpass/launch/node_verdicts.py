@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["VerdictFollower"]
+__all__ = ["FABRIC_ALIVE_MS", "VerdictFollower", "node_heard"]
 
 log = logging.getLogger("clockwork.torchpass.verdicts")
 
@@ -28,6 +28,24 @@ WAIT_S = 10.0  # one long poll; the daemon answers at once when a verdict exists
 RETRY_S = 1.0
 
 OnVerdict = Callable[[str, str, float, float], None]
+
+#: A node its daemon heard on the fabric this recently is alive (the node watch hears every node every 10 ms).
+FABRIC_ALIVE_MS = 1000.0
+
+
+def node_heard(control_socket: str, node: str, timeout_s: float = 0.3) -> bool | None:
+    """Whether this node's daemon hears ``node`` on the fabric now (its node watch's ``node_view``): True when
+    its trusted evidence heard the node within :data:`FABRIC_ALIVE_MS`, False when not, None when it cannot tell
+    (node watch off, its own NICs unusable). The agent mesh asks it of an agent silent past agent_timeout_s: a
+    silent agent on a node the fabric still hears is a stalled process, not a lost node."""
+    from clockwork.contracts.daemon_client import DaemonClient  # lazy: torchpass -> clockworkd client only
+
+    with DaemonClient(Path(control_socket), timeout_s=timeout_s) as client:
+        view = client.request("node_view", node=node)
+    heard = view.get("heard_ms")
+    if not view.get("trusted") or heard is None:
+        return None
+    return float(heard) <= FABRIC_ALIVE_MS
 
 
 class VerdictFollower:

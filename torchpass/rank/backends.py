@@ -35,7 +35,18 @@ import torch
 import torch.distributed as dist
 
 from torchpass.config import TorchPassConfig
+from torchpass.fabric_env import (
+    NCCL_IB_HCA,
+    NCCL_PORT_FAILOVER,
+    NcclPath,
+    avoid_hcas_of,
+    daemon_status_reader,
+    exclude_hcas,
+    nccl_path,
+    parse_version,
+)
 from torchpass.rank.torch_compat import abort_all_groups, forget_default_group, restart_group_names
+from torchpass.rank_env import ENV_DAEMON_SOCKET
 
 __all__ = ["CommBackend", "GlooBackend", "NcclBackend", "make_backend"]
 
@@ -288,6 +299,8 @@ class NcclBackend(CommBackend):
     def __init__(self, config: TorchPassConfig, local_rank: int) -> None:
         super().__init__(config)
         self.local_rank = local_rank
+        self.nccl_path: NcclPath | None = None
+        self._ib_started = False  # NCCL reads NCCL_IB_HCA once per process: at its first communicator
 
     @property
     def device(self) -> torch.device:
@@ -298,10 +311,37 @@ class NcclBackend(CommBackend):
         """Apply :attr:`ENV` (without overriding what the user set) and bind this process to its GPU."""
         for key, value in self.ENV.items():
             os.environ.setdefault(key, value)
+        # NCCL >= 2.29.7 moves a running communicator's queue pairs off a failed port itself; older ones need the
+        # rebuild at the next step (the node daemon's hca.down move). Said once per rank, in its log.
+        cuda = torch.cuda.is_available()
+        self.nccl_path = nccl_path(parse_version(torch.cuda.nccl.version()) if cuda else None, cuda=cuda)
+        if self.nccl_path.port_failover:
+            os.environ.setdefault(NCCL_PORT_FAILOVER, "1")
+        log.info("RDMA path: %s", self.nccl_path.why)
         torch.cuda.set_device(self.device)
+
+    def _exclude_dead_hcas(self) -> None:
+        """Before this process's first communicator: narrow ``NCCL_IB_HCA`` by the HCAs the node daemon avoids
+        now. A spare started before an HCA died gets the exclusion its node agent gives processes started after."""
+        if self._ib_started:
+            return
+        self._ib_started = True
+        sock = os.environ.get(ENV_DAEMON_SOCKET, "")
+        if not sock:
+            return
+        try:
+            avoid = avoid_hcas_of(daemon_status_reader(sock)())
+        except Exception as exc:  # the daemon restarting: keep what the agent gave this process
+            log.warning("node daemon unreadable, NCCL_IB_HCA as started: %s: %s", type(exc).__name__, exc)
+            return
+        value = exclude_hcas(os.environ.get(NCCL_IB_HCA), avoid)
+        if value is not None and value != os.environ.get(NCCL_IB_HCA):
+            log.warning("NCCL_IB_HCA=%s (the node daemon avoids %s)", value, ", ".join(sorted(avoid)))
+            os.environ[NCCL_IB_HCA] = value
 
     def form_group(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
         """Eagerly initialised, non-blocking NCCL communicator for this generation."""
+        self._exclude_dead_hcas()
         options = dist.ProcessGroupNCCL.Options()
         options.config.blocking = 0
         options._timeout = self.timeout
@@ -350,6 +390,7 @@ class NcclBackend(CommBackend):
             forget_default_group()
 
     def _make_local_group(self) -> dist.ProcessGroup:
+        self._exclude_dead_hcas()  # NCCL's first communicator may be this one
         store = dist.HashStore()
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = self.timeout

@@ -108,8 +108,10 @@ def _align(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _measure(host: BudgetHost, snapshotter: Snapshotter, sharded: ShardedState | None) -> RankUse:
-    """This rank's shares (at the committed state, plus the optimizer state still to be made) and its node."""
+def measure(host: BudgetHost, snapshotter: Snapshotter, sharded: ShardedState | None) -> RankUse:
+    """This rank's shares (at the committed state, plus the optimizer state still to be made) and its node: its
+    staging is its share of the snapshot, at most the arena's cap (``snapshot_arena_max``), its shard file the
+    whole share."""
     cfg, parts = host.config, host.parts
     meta, tensors = describe(parts, host.committed_step)
     unmade = unmade_optimizer_bytes(parts)
@@ -126,7 +128,8 @@ def _measure(host: BudgetHost, snapshotter: Snapshotter, sharded: ShardedState |
     if peers is not None:
         state, copies = payload_offsets(meta["layout"])[1] + unmade, peers.held_copies
     readings = read_node(snapshot_directory(cfg), count_snapshots=host.slot == 0 and snapshotter.periodic)
-    return RankUse(this_node(os.environ), readings, arena, arena, state, copies)
+    staging = min(arena, snapshotter.arena_cap) if snapshotter.arena_cap else arena  # a share past the cap: windowed
+    return RankUse(this_node(os.environ), readings, staging, arena, state, copies)
 
 
 def check_budgets(host: BudgetHost, snapshotter: Snapshotter, sharded: ShardedState | None) -> None:
@@ -134,7 +137,7 @@ def check_budgets(host: BudgetHost, snapshotter: Snapshotter, sharded: ShardedSt
     start the snapshot writer when snapshots stay on."""
     cfg, verdict = host.config, host.rejoiner.budget
     while not verdict.decided:
-        mine = _measure(host, snapshotter, sharded)
+        mine = measure(host, snapshotter, sharded)
         uses: list[Any] = [None] * host.world_size
         try:
             dist.all_gather_object(uses, mine)

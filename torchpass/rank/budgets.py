@@ -10,8 +10,10 @@ module is the arithmetic, pure, and the readings, behind one small seam).
 What is counted, per node (the G ranks of a node share its memory and its /dev/shm):
 
 * **snapshot staging** (when snapshots are on: ``snapshot_interval_s`` or ``snapshot_every_steps``): each rank's
-  arena, a /dev/shm file the size of the part of the state it writes (:mod:`torchpass.snapshot.staging`), kept for
-  the job. It must fit the node's free /dev/shm, and, being memory, its MemAvailable;
+  arena, a /dev/shm file the size of the part of the state it writes (:mod:`torchpass.snapshot.staging`), at most
+  ``snapshot_arena_max`` (a larger share is staged through it a window at a time,
+  :mod:`torchpass.snapshot.windowed`), kept for the job. It must fit the node's free /dev/shm, and, being memory,
+  its MemAvailable;
 * **peer copies** (pure FSDP, or HSDP with ``peer_copies_in_hsdp``): per rank, 3 copies of its own shard (2 with
   ``peer_copy_sync``) and 2 of each of its ``peer_copies`` neighbours' (:mod:`torchpass.sharded.peer_copy`), in host
   memory: ``(3 + 2 r)`` shards. Snapshot staging and peer copies together must fit MemAvailable;
@@ -215,12 +217,12 @@ class Verdict:
 
 
 SHM_CHANGE = (
-    "turn snapshots off (snapshot_interval_s = 0 and snapshot_every_steps = 0; sbatch --clockwork-snapshot=off), "
-    "enlarge /dev/shm, or set budget_policy = degrade"
+    "lower snapshot_arena_max, turn snapshots off (snapshot_interval_s = 0 and snapshot_every_steps = 0; sbatch "
+    "--clockwork-snapshot=off), enlarge /dev/shm, or set budget_policy = degrade"
 )
 SNAPSHOT_CHANGE = (
-    "turn snapshots off (snapshot_interval_s = 0 and snapshot_every_steps = 0; sbatch --clockwork-snapshot=off), "
-    "or set budget_policy = degrade"
+    "lower snapshot_arena_max, turn snapshots off (snapshot_interval_s = 0 and snapshot_every_steps = 0; sbatch "
+    "--clockwork-snapshot=off), or set budget_policy = degrade"
 )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from clockwork.contracts.versions import VERSION
 from torchpass.auth import ENV_JOB_KEY, JobKey
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.service import Coordinator
@@ -23,7 +24,7 @@ from torchpass.errors import TorchPassError
 from torchpass.events import DaemonEventSink, EventSink, tee
 from torchpass.rank.backends import make_backend
 from torchpass.rank.context import Context
-from torchpass.rank.control import ControlChannel, CoordinatorLost, JobStopped
+from torchpass.rank.control import ControlChannel, CoordinatorLost, CoordinatorRefused, JobStopped
 from torchpass.rank.output import configure_logging, whole_lines_on_shared_output
 from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, die_with_parent
 
@@ -74,8 +75,16 @@ def init(config: TorchPassConfig | None = None, *, event_sink: EventSink | None 
         gc.freeze()
     try:
         channel.call(
-            "register", pid=os.getpid(), host=env.host, store_port=store_server.port, role=env.role, agent=env.agent
+            "register",
+            pid=os.getpid(),
+            host=env.host,
+            store_port=store_server.port,
+            role=env.role,
+            agent=env.agent,
+            version=VERSION,  # the coordinator refuses another release than its own (an older or newer image)
         )
+    except CoordinatorRefused as exc:
+        raise TorchPassError(f"the job's coordinator refused this rank: {exc}") from None
     except JobStopped as stop:
         ctx.link.exit_stopped(stop)
     except CoordinatorLost as exc:

@@ -192,7 +192,10 @@ class ShardedState:
         if shape.world_size != host.world_size:
             raise TorchPassError(f"a {shape} mesh needs {shape.world_size} ranks; the job has {host.world_size}")
         self.host = host
-        self.groups = MeshGroups(shape, host.slot, host.device.type, flat=shape.replicas == 1, names=names)
+        # One replica is pure FSDP: a 1-D mesh, unless the script named two dimensions ((1, S), as configurable
+        # scripts write it), which it then indexes by either name: a size-1 replicate dimension is ordinary.
+        flat = shape.replicas == 1 and (names is None or len(names) == 1)
+        self.groups = MeshGroups(shape, host.slot, host.device.type, flat=flat, names=names)
         self.groups.guard = LifecycleGuard(host.lifecycle)
         self.layout = shape
         self.parts = parts

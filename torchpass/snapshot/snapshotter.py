@@ -22,15 +22,17 @@ from pathlib import Path
 
 import torch
 
-from clockwork.contracts.snapshots.messages import FinalizeSpec, Phase, WriteRequest
+from clockwork.contracts.config.snapshots import parse_size
+from clockwork.contracts.snapshots.messages import FinalizeSpec, Phase, WriterAnswer, WriteRequest
 from clockwork.contracts.snapshots.store import FAILED_PREFIX, NICE_INCREMENT, snapshot_path
 from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit, emit_at
 from torchpass.rank.state import StateParts
 from torchpass.rank.transfer_plan import ShardedReplicas
-from torchpass.snapshot.arena import SharedArena
+from torchpass.snapshot.arena import ALIGN, SharedArena
 from torchpass.snapshot.location import snapshot_directory
 from torchpass.snapshot.staging import Staged, lay_out, stage
+from torchpass.snapshot.windowed import WindowedStaging
 from torchpass.snapshot.writer_client import WriterProcess
 
 __all__ = ["Snapshotter"]
@@ -45,6 +47,8 @@ class PendingSnapshot:
     copied: threading.Event | None  # set once the CPU copies are done (the next optimizer step waits for it)
     step: int
     started: float  # time.time() at capture
+    windowed: WindowedStaging | None = None  # the share is larger than the arena: staged a window at a time
+    arena: SharedArena | None = None
 
 
 class Snapshotter:
@@ -76,6 +80,8 @@ class Snapshotter:
         self.last_wait_s = 0.0  # what the optimizer step after it waited for the CPU copies
         self.shard_seconds: list[float] = []  # the writer's time per shard (checksums, HDF5 write, fsync)
         self.off = ""  # why snapshots are switched off for the job (budget_policy = degrade), '' while on
+        #: The staging arena's cap (snapshot_arena_max, whole pages; 0: the rank's whole share).
+        self.arena_cap = parse_size(config.snapshot_arena_max, "snapshot_arena_max") // ALIGN * ALIGN
 
     # ----- when -----------------------------------------------------------------------------
 
@@ -144,14 +150,16 @@ class Snapshotter:
             )
             return False
         layout = lay_out(parts, committed, slot, world_size, self.config.seed, mesh)
+        window = self.arena_cap if 0 < self.arena_cap < layout.size else 0
         try:
-            arena = self._ensure_arena(layout.size, layout.cuda)
+            arena = self._ensure_arena(window or layout.size, layout.cuda)
         except OSError as exc:  # /dev/shm cannot hold it: this snapshot fails, training goes on
             why = "failed: its staging arena does not fit /dev/shm"
             threading.Thread(target=_mark_skipped, args=(snapshot_path(self.directory, committed), slot, why)).start()
-            self._failed(committed, error=f"staging arena of {layout.size} bytes: {exc}")
+            self._failed(committed, error=f"staging arena of {window or layout.size} bytes: {exc}")
             return False
-        staged = stage(arena, layout)
+        windowed = WindowedStaging.of(layout, window) if window else None
+        staged = Staged() if windowed else stage(arena, layout)
         self._pending_event = staged.update_waits
         self._busy.set()
         self._ids += 1
@@ -175,13 +183,19 @@ class Snapshotter:
             rank=slot,
             entries=tuple(e.wire() for e in layout.entries),
             finalize=finalize,
+            window=window,
         )
         self._start()
-        self._copied = threading.Event() if staged.deferred else None
-        self._jobs.put(PendingSnapshot(request, staged, self._copied, committed, time.time()))
+        self._copied = threading.Event() if staged.deferred or windowed else None
+        self._jobs.put(PendingSnapshot(request, staged, self._copied, committed, time.time(), windowed, arena))
         self.taken += 1
         self.last_stall_s = time.perf_counter() - started
         return True
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of /dev/shm the staging arena holds now (0 before the first snapshot)."""
+        return self._arena.size if self._arena is not None else 0
 
     def _ensure_arena(self, size: int, cuda: bool) -> SharedArena:
         if self._arena is None or self._arena.size < size or (cuda and not self._arena.cuda):
@@ -210,6 +224,9 @@ class Snapshotter:
             if job is None:
                 return
             try:
+                if job.windowed is not None:
+                    self._serve_windowed(job)
+                    continue
                 try:
                     job.staged.copy_deferred()  # releases the GIL: the next forward pass runs meanwhile
                 finally:
@@ -227,26 +244,54 @@ class Snapshotter:
         self.failed += 1
         emit_at(logging.ERROR, self.event_sink, self.log, "torchpass.snapshot_failed", step=step, **fields)
 
+    def _serve_windowed(self, job: PendingSnapshot) -> None:
+        """Stage and send a share larger than the arena a piece at a time (:mod:`torchpass.snapshot.windowed`);
+        the optimizer step waiting on ``job.copied`` goes on once the last piece is in the arena."""
+        windowed, arena, request = job.windowed, job.arena, job.request
+        assert windowed is not None and arena is not None and job.copied is not None
+        expected = set(request.phases)
+        try:
+            self._writer.send(request)
+            for index in range(len(windowed.cuts)):
+                windowed.copy(arena, index)
+                if index == len(windowed.cuts) - 1:
+                    windowed.release()
+                    job.copied.set()
+                answer = self._writer.piece(request, index)
+                if answer.phase is not Phase.PIECE:  # the shard failed: no more pieces are read
+                    expected.discard(answer.phase)
+                    self._report(job, answer)
+                    break
+        finally:
+            windowed.release()
+            job.copied.set()  # even on failure: the optimizer step must never hang on us
+        for answer in self._writer.answers(request, expected):
+            self._report(job, answer)
+
     def _serve(self, job: PendingSnapshot) -> None:
+        for answer in self._writer.submit(job.request):
+            self._report(job, answer)
+
+    def _report(self, job: PendingSnapshot, answer: WriterAnswer) -> None:
+        """One answer of the writer: a failure counted and reported, a snapshot or a shard written."""
         request = job.request
-        for answer in self._writer.submit(request):
-            if not answer.ok:
-                self._failed(job.step, phase=answer.phase.value, folder=request.folder, error=answer.error[:500])
-            elif answer.phase is Phase.MANIFEST:
-                emit(
-                    self.event_sink,
-                    self.log,
-                    "torchpass.snapshot_written",
-                    step=job.step,
-                    folder=request.folder,
-                    seconds=round(time.time() - job.started, 3),
-                    removed=list(answer.removed),
-                )
-            else:
-                self.shard_seconds.append(answer.seconds)
-                self.log.info(
-                    "snapshot shard of step %d written (%d bytes, %.3f s)", job.step, answer.bytes, answer.seconds
-                )
+        if not answer.ok:
+            self._failed(job.step, phase=answer.phase.value, folder=request.folder, error=answer.error[:500])
+        elif answer.phase is Phase.MANIFEST:
+            emit(
+                self.event_sink,
+                self.log,
+                "torchpass.snapshot_written",
+                step=job.step,
+                folder=request.folder,
+                seconds=round(time.time() - job.started, 3),
+                removed=list(answer.removed),
+            )
+        else:
+            self.shard_seconds.append(answer.seconds)
+            self.log.info(
+                "snapshot shard of step %d written (%d bytes, %.3f s)", job.step, answer.bytes, answer.seconds
+            )
 
     def wait(self, timeout_s: float) -> bool:
         """Wait until no snapshot is in flight; False on timeout."""

@@ -50,7 +50,15 @@ class BorrowConfig:
         "Partition of the holder allocation. Required for method 'partition_prio'; with 'qos', empty means "
         "the preempted job's own partition.",
     )
-    holder_qos: str = setting("", "QOS of the holder allocation. Required for method 'qos'; empty = none given.")
+    holder_qos: str = setting(
+        "", "QOS of the holder allocation. Required for method 'qos'; empty = see holder_qos_from_job."
+    )
+    holder_qos_from_job: bool = setting(
+        True,
+        "With holder_qos empty, submit the holder with the training job's own QOS (its limits and billing "
+        "apply to the borrowed node too); false: no QOS given (the user's default). The holder always gets "
+        "the job's account, GRES per node and at most its remaining time.",
+    )
     max_nodes_per_job: int = setting(1, "Most nodes one job may hold borrowed at a time; 0 = no borrowing.", min=0)
     min_age_minutes: float = setting(
         0.0,

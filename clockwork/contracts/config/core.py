@@ -65,7 +65,22 @@ class HooksConfig:
     health_nics: str = setting(
         "",
         "Comma-separated fabric NICs the health check requires up with carrier (e.g. 'ib0,ib1'); empty = "
-        "no NIC check. A failing NIC drains the node with a 'clockwork:' reason.",
+        "no NIC check. A failing NIC drains the node with a 'clockwork:' reason, unless Fleet Lens shows it "
+        "as one switch's fault (switch_fault_nodes).",
+    )
+    switch_fault_nodes: int = setting(
+        2,
+        "When Fleet Lens suspects the links of this many nodes or more on one switch at once, the health check "
+        "judges it one switch (leaf or rail) fault and drains none of them for it (a node it drained for that "
+        "link is resumed); a NIC down that Lens watches but has not judged yet waits for the next check. "
+        "0 = judge each node alone (a NIC down drains at once).",
+        min=0,
+    )
+    gpu_job_map_dir: str = setting(
+        "",
+        "dcgm-exporter's --hpc-job-mapping-dir: the Prolog adds every job's ID to one file per GPU index the "
+        "job holds (named by the index, job IDs one per line) and the Epilog takes it out, so DCGM metrics "
+        "carry the job. Empty = off.",
     )
 
 
@@ -147,10 +162,10 @@ class SandboxConfig:
     accounting: bool = setting(False, "Start MariaDB + slurmdbd so that sacct works.")
     slurm: str = setting(
         "22.05",
-        "Slurm release the sandbox runs: '22.05' is the host's own packages (Debian 12); '24.11' comes from a "
-        "Debian 13 root built once under /var/cache/clockwork and laid over /usr in the sandbox's mount "
-        "namespaces (its daemons, hooks, jobs and client commands; see docs/sandbox.md).",
-        choices=("22.05", "24.11"),
+        "Slurm release the sandbox runs: '22.05' is the host's own packages (Debian 12); '24.11' (Debian 13) and "
+        "'26.05' (Debian sid) come from a root built once under /var/cache/clockwork and laid over /usr in the "
+        "sandbox's mount namespaces (its daemons, hooks, jobs and client commands; see docs/sandbox.md).",
+        choices=("22.05", "24.11", "26.05"),
     )
     node_net: str = setting(
         "198.18.0.0/24", "Stable node addresses (/32 each; node i gets host i). RFC 2544 test range."

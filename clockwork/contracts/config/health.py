@@ -131,6 +131,14 @@ class HealthConfig:
         "the node's ranks move together to a spare node; 0 = never (a dead NIC is LinkPass's to ride out).",
         min=0.0,
     )
+    hca_down_move_s: float = setting(
+        1.0,
+        "Seconds an HCA of the node (the RDMA device behind a fabric NIC LinkPass avoids: down, no live path, a Fleet "
+        "Lens suspect) may stay unusable before the node's ranks move together, at their next step, into new "
+        "processes whose NCCL_IB_HCA excludes it (NCCL's RDMA traffic does not follow LinkPass's routes); "
+        "0 = never. A NIC without an HCA (no /sys/class/net/NIC/device/infiniband) never counts.",
+        min=0.0,
+    )
     xid_hold_s: float = setting(
         3600.0,
         "Seconds an XID signal stays raised after the last such XID (an event has no level to fall back from): "

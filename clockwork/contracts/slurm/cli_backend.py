@@ -7,7 +7,7 @@ and more when slurmctld is down, and a hung client must not hang the daemon.
 
 Output formats, per command, chosen from what each Slurm release really prints:
 
-- jobs: ``squeue --json --states=all --jobs=N`` (22.05 ignores both filters with ``--json`` and dumps
+- jobs: ``squeue --json=VERSION --states=all --jobs=N`` (22.05 ignores both filters with ``--json`` and dumps
   every job, so the record is picked here; 24.11 applies them, and without ``--states=all`` leaves out a
   job that has ended, which slurmctld still knows for MinJobAge), else ``scontrol -o show job N``;
 - nodes: ``sinfo --json`` before 23.02, ``scontrol --json show node`` from 23.02 (newer sinfo
@@ -16,7 +16,9 @@ Output formats, per command, chosen from what each Slurm release really prints:
   normal exit as ``{"status": "SUCCESS", "return_code": 0}`` (WIFEXITED is tested before the exit
   status), so a job that exited 3 would read 0:0; the text ExitCode column is exact.
 
-Whether a command accepts ``--json`` is learned on first use and remembered per instance: an
+``--json=VERSION`` names one data_parser version, chosen by release
+(:mod:`clockwork.contracts.slurm.data_parser`: ``v0.0.42`` from 24.11 through 26.05, plain ``--json`` before
+24.11). Whether a command accepts ``--json`` is learned on first use and remembered per instance: an
 "unrecognized option" or a missing serializer plugin switches that command to text for good.
 """
 
@@ -37,6 +39,8 @@ from typing import Any
 from clockwork.contracts.errors import SlurmError
 from clockwork.contracts.hostlist import expand_hostlist
 from clockwork.contracts.slurm.backend import AcctRecord, JobInfo, NodeInfo, SlurmVersion, node_state
+from clockwork.contracts.slurm.data_parser import json_option
+from clockwork.contracts.slurm.resources import JobResources, parse_resources_json, parse_resources_scontrol
 
 __all__ = [
     "CliBackend",
@@ -61,7 +65,9 @@ SACCT_FIELDS = ("JobID", "State", "NodeList", "Start", "End", "ExitCode", "Admin
 _DROPPED_ENV_PREFIXES = ("SQUEUE_", "SINFO_", "SACCT_", "SCONTROL_")
 _DROPPED_ENV = frozenset({"SLURM_CLUSTERS", "SLURM_CONF", "SLURM_TIME_FORMAT"})
 _JSON_UNSUPPORTED = re.compile(
-    r"unrecognized option|invalid option|unknown option|openapi plugin|serializer|mime type", re.I
+    r"unrecognized option|invalid option|unknown option|openapi plugin|serializer|mime type"
+    r"|unable to find plugin|output not supported",
+    re.I,
 )
 _INVALID_JOB = re.compile(r"invalid job id", re.I)
 _ALREADY_DONE = re.compile(r"already completing or completed|invalid job id", re.I)
@@ -132,9 +138,9 @@ class CliBackend:
 
     def nodes(self) -> list[NodeInfo]:
         if self.version() >= (23, 2):
-            key, argv = "scontrol", ["scontrol", "--json", "show", "node"]
+            key, argv = "scontrol", ["scontrol", self._json(), "show", "node"]
         else:
-            key, argv = "sinfo", ["sinfo", "--json"]
+            key, argv = "sinfo", ["sinfo", self._json()]
         doc = self._json_query(key, argv)
         if doc is not None:
             errors = json_errors(doc)
@@ -144,7 +150,7 @@ class CliBackend:
         return parse_scontrol_nodes(self._run(["scontrol", "-o", "show", "node"]).stdout)
 
     def job(self, job_id: int) -> JobInfo | None:
-        argv = ["squeue", "--json", "--states=all", f"--jobs={job_id}"]
+        argv = ["squeue", self._json(), "--states=all", f"--jobs={job_id}"]
         try:
             doc = self._json_query("squeue", argv)
         except SlurmError as exc:
@@ -167,6 +173,30 @@ class CliBackend:
         jobs = parse_scontrol_jobs(out)
         return next((j for j in jobs if j.job_id == job_id), jobs[0] if jobs else None)
 
+    def job_resources(self, job_id: int) -> JobResources | None:
+        """The job's GRES per node, account, QOS and time limit (what a stand-in allocation asks for again);
+        None when slurmctld does not know the job. Not part of :class:`SlurmBackend`: only the borrowing
+        daemon, which always holds this backend, needs it."""
+        argv = ["squeue", "--json", "--states=all", f"--jobs={job_id}"]
+        doc = self._json_query("squeue", argv)
+        if doc is not None:
+            return parse_resources_json(doc, job_id)
+        proc = self._run(["scontrol", "-o", "show", "job", str(job_id)], check=False)
+        if proc.returncode != 0:
+            if _INVALID_JOB.search(proc.stderr):
+                return None
+            raise self._failure(["scontrol", "show", "job", str(job_id)], proc)
+        for line in proc.stdout.splitlines():
+            fields = parse_scontrol_record(line)
+            if _as_int(fields.get("JobId")) == job_id:
+                start = fields.get("StartTime", "")
+                try:
+                    epoch = time.mktime(time.strptime(start, "%Y-%m-%dT%H:%M:%S")) if start[:1].isdigit() else 0.0
+                except ValueError:
+                    epoch = 0.0
+                return parse_resources_scontrol(fields, job_id, epoch)
+        return None
+
     def submit(self, script: Path | str, args: Sequence[str] = ()) -> int:
         if isinstance(args, str):
             raise TypeError("args must be a sequence of sbatch options, not one string")
@@ -182,7 +212,7 @@ class CliBackend:
     def queue_json(self) -> dict[str, Any]:
         """Every job slurmctld knows, as ``squeue --json`` prints it (the borrowing policy reads fields that
         :class:`JobInfo` leaves out: account, QOS, start time, requeue)."""
-        argv = ["squeue", "--json"]
+        argv = ["squeue", self._json()]
         doc = self._json_query("squeue", argv)
         if doc is None:
             raise SlurmError("`squeue --json` is not usable with this Slurm: borrowing needs it")
@@ -312,6 +342,10 @@ class CliBackend:
     def _failure(argv: Sequence[str], proc: subprocess.CompletedProcess[str]) -> SlurmError:
         detail = proc.stderr.strip() or proc.stdout.strip() or "no output"
         return SlurmError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}): {detail}")
+
+    def _json(self) -> str:
+        """The JSON option this release's clients get: one data_parser version for every tested release."""
+        return json_option(self.version())
 
     def _json_query(self, key: str, argv: Sequence[str]) -> dict[str, Any] | None:
         """Run a ``--json`` command; None if this Slurm cannot answer it in JSON (remembered per key)."""

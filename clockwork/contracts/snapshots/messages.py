@@ -11,6 +11,13 @@ Request (one line)::
      "finalize": null | {"world_size": 4, "step": 123, "job": "42", "tensors": 310, "keep": 3,
                           "directory": "...", "timeout_s": 600, "mesh": null | [R, S], "extra": {...}}}
 
+A request with ``"window": W`` (> 0) stages through an arena of only W bytes: the entries' offsets are their
+places in the shard, which is written in pieces of W bytes (piece i: the shard's bytes [i W, (i + 1) W) from
+the first entry's block on, at arena offset 0). For each piece the rank fills the arena, sends
+``{"op": "piece", "id": 7, "index": i}`` and waits for ``{"id": 7, "phase": "piece", "ok": true, "index": i}``
+before it fills the arena again (a failed shard answers ``phase: shard, ok: false`` instead, and no more pieces
+are read). A state larger than the arena so never needs /dev/shm the size of the rank's share.
+
 Answers: ``{"id": 7, "phase": "shard", "ok": true, "bytes": N, "seconds": S}`` and, on the finalizing rank,
 ``{"id": 7, "phase": "manifest", "ok": true, "seconds": S, "removed": [...]}``; ``ok: false`` with ``error``
 when a phase failed; phase ``request`` answers a line that could not be parsed.
@@ -24,7 +31,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Entry", "FinalizeSpec", "Phase", "WriteRequest", "WriterAnswer"]
+__all__ = ["Entry", "FinalizeSpec", "Phase", "PieceReady", "WriteRequest", "WriterAnswer", "pieces"]
 
 
 class Phase(enum.Enum):
@@ -33,6 +40,7 @@ class Phase(enum.Enum):
     REQUEST = "request"  # the request line itself was malformed
     SHARD = "shard"  # this rank's shard is durable (or failed)
     MANIFEST = "manifest"  # the finalizing rank wrote the manifest: the snapshot exists (or failed)
+    PIECE = "piece"  # one window of a windowed shard is written: the rank may fill the arena again
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,50 @@ def _mesh(raw: Any) -> tuple[int, int] | None:
     return replicas, shards
 
 
+#: Pieces start on this boundary (the writer's direct-I/O block, the arena's entry alignment).
+PIECE_ALIGN = 4096
+
+
+def _window(raw: Any) -> int:
+    window = int(raw or 0)
+    if window < 0 or window % PIECE_ALIGN:
+        raise ValueError(f"a window is a positive multiple of {PIECE_ALIGN} bytes, got {window}")
+    return window
+
+
+def pieces(entries: tuple[Entry, ...] | list[Entry], window: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each piece: the bytes from the first entry's block to the end of the last, cut every
+    ``window`` bytes (0: one piece)."""
+    if not entries:
+        return []
+    base = min(e.offset for e in entries) // PIECE_ALIGN * PIECE_ALIGN
+    end = max(e.offset + e.nbytes for e in entries)
+    if not window:
+        return [(base, end)]
+    return [(lo, min(end, lo + window)) for lo in range(base, max(end, base + 1), window)]
+
+
+@dataclass(frozen=True)
+class PieceReady:
+    """The rank's word that the arena holds piece ``index`` of request ``id``."""
+
+    id: int
+    index: int
+
+    def to_line(self) -> str:
+        return json.dumps({"op": "piece", "id": self.id, "index": self.index})
+
+    @classmethod
+    def from_line(cls, line: str) -> PieceReady:
+        try:
+            raw = json.loads(line)
+            if not isinstance(raw, dict) or raw.get("op") != "piece":
+                raise ValueError(f"not a piece line: {line[:200]!r}")
+            return cls(int(raw["id"]), int(raw["index"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed piece line ({type(exc).__name__}: {exc})") from None
+
+
 @dataclass(frozen=True)
 class WriteRequest:
     """Write this rank's shard of one snapshot from the arena (and, with ``finalize``, the manifest)."""
@@ -110,20 +162,22 @@ class WriteRequest:
     rank: int
     entries: tuple[Entry, ...]
     finalize: FinalizeSpec | None = None
+    window: int = 0  # > 0: the arena holds W bytes, the shard comes in pieces (see the module docstring)
 
     def to_line(self) -> str:
-        return json.dumps(
-            {
-                "op": "write",
-                "id": self.id,
-                "arena": self.arena,
-                "arena_id": self.arena_id,
-                "folder": self.folder,
-                "rank": self.rank,
-                "entries": [e.to_wire() for e in self.entries],
-                "finalize": None if self.finalize is None else dataclasses.asdict(self.finalize),
-            }
-        )
+        body: dict[str, Any] = {
+            "op": "write",
+            "id": self.id,
+            "arena": self.arena,
+            "arena_id": self.arena_id,
+            "folder": self.folder,
+            "rank": self.rank,
+            "entries": [e.to_wire() for e in self.entries],
+            "finalize": None if self.finalize is None else dataclasses.asdict(self.finalize),
+        }
+        if self.window:
+            body["window"] = self.window
+        return json.dumps(body)
 
     @classmethod
     def from_line(cls, line: str) -> WriteRequest:
@@ -141,9 +195,14 @@ class WriteRequest:
                 rank=int(raw["rank"]),
                 entries=tuple(Entry.from_wire(e) for e in raw["entries"]),
                 finalize=None if spec is None else FinalizeSpec.from_wire(spec),
+                window=_window(raw.get("window")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed write request ({type(exc).__name__}: {exc})") from None
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """The shard's pieces ``(start, end)`` in shard offsets (one, the whole, without a window)."""
+        return pieces(self.entries, self.window)
 
     @property
     def phases(self) -> set[Phase]:
@@ -162,9 +221,12 @@ class WriterAnswer:
     bytes: int = 0
     seconds: float = 0.0
     removed: tuple[str, ...] = ()
+    index: int = -1  # the piece (phase PIECE)
 
     def to_line(self) -> str:
         body: dict[str, Any] = {"id": self.id, "phase": self.phase.value, "ok": self.ok}
+        if self.phase is Phase.PIECE:
+            body["index"] = self.index
         if self.error:
             body["error"] = self.error
         if self.phase is Phase.SHARD and self.ok:
@@ -188,6 +250,7 @@ class WriterAnswer:
                 bytes=int(raw.get("bytes", 0)),
                 seconds=float(raw.get("seconds", 0.0)),
                 removed=tuple(str(p) for p in raw.get("removed", ())),
+                index=int(raw.get("index", -1)),
             )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed writer answer ({type(exc).__name__}: {exc}): {line[:200]!r}") from None

@@ -95,10 +95,10 @@ class SnapshotCorrupt(RuntimeError):
     """A snapshot failed verification (the message names the file and entry)."""
 
 
-def crc32(data: Any) -> int:
-    """zlib's CRC-32 of a buffer, by ISA-L, in chunks (each releases the GIL)."""
+def crc32(data: Any, value: int = 0) -> int:
+    """zlib's CRC-32 of a buffer, by ISA-L, in chunks (each releases the GIL); ``value``: the CRC of the bytes
+    before it, to continue an entry that arrives in pieces."""
     view = memoryview(data).cast("B")
-    value = 0
     for start in range(0, len(view), _CRC_CHUNK):
         value = isal_zlib.crc32(view[start : start + _CRC_CHUNK], value)
     return value & 0xFFFFFFFF

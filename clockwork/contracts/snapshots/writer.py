@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +30,15 @@ import numpy as np
 
 from clockwork.contracts import atomic_file
 from clockwork.contracts.snapshots.direct_io import DIRECT_ALIGN, IO_CHUNK, DirectWrites, Writeback, open_direct
-from clockwork.contracts.snapshots.messages import Entry, FinalizeSpec, Phase, WriterAnswer, WriteRequest
+from clockwork.contracts.snapshots.messages import (
+    Entry,
+    FinalizeSpec,
+    Phase,
+    PieceReady,
+    WriterAnswer,
+    WriteRequest,
+    pieces,
+)
 from clockwork.contracts.snapshots.store import (
     DATA,
     FAILED_PREFIX,
@@ -105,6 +113,57 @@ def write_shard(arena: mmap.mmap, path: Path, entries: Sequence[Entry], *, direc
                         _write_buffered(f, dset, data[:bulk], 0)
             finally:
                 os.close(fd)
+
+    atomic_file.write_with(path, write)
+    return sum(e.nbytes for e in entries)
+
+
+def write_shard_windowed(
+    arena: mmap.mmap,
+    path: Path,
+    entries: Sequence[Entry],
+    window: int,
+    ready: Callable[[int], None],
+    written: Callable[[int], None],
+) -> int:
+    """:func:`write_shard` through an arena of ``window`` bytes: the same file, byte for byte, written a piece at
+    a time. ``ready(i)`` returns once the rank has put piece ``i`` at the arena's start, ``written(i)`` tells it
+    the arena may be filled again. Each entry's CRC-32 is carried from piece to piece. Written through the
+    page cache (early writeback every few MiB), not O_DIRECT: the bulk path wants the whole shard mapped."""
+    if not entries:
+        raise ValueError("a shard needs at least one entry")
+    cuts = pieces(list(entries), window)
+    base, end = cuts[0][0], cuts[-1][1]
+    if max(hi - lo for lo, hi in cuts) > len(arena):
+        raise ValueError(f"a piece of {window} bytes does not fit the {len(arena)}-byte arena")
+    crcs = [0] * len(entries)
+
+    def write(tmp: Path) -> None:
+        with h5py.File(tmp, "w", alignment_threshold=DIRECT_ALIGN, alignment_interval=DIRECT_ALIGN) as f:
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+            dset = f.create_dataset(DATA, shape=(end - base,), dtype=np.uint8, dcpl=dcpl)
+            writeback = Writeback(f.id.get_vfd_handle())
+            for index, (lo, hi) in enumerate(cuts):
+                ready(index)
+                data = np.frombuffer(arena, dtype=np.uint8, count=hi - lo)
+                for at in range(0, hi - lo, IO_CHUNK):
+                    upto = min(hi - lo, at + IO_CHUNK)
+                    dset.write_direct(data, np.s_[at:upto], np.s_[lo - base + at : lo - base + upto])
+                    writeback.wrote(upto - at)
+                for k, e in enumerate(entries):
+                    first, last = max(lo, e.offset), min(hi, e.offset + e.nbytes)
+                    if first < last:
+                        crcs[k] = crc32(memoryview(arena)[first - lo : last - lo], crcs[k])
+                del data
+                written(index)
+            done: list[Future[int]] = []
+            for value in crcs:
+                future: Future[int] = Future()
+                future.set_result(value)
+                done.append(future)
+            _write_index(f, entries, base, done)
 
     atomic_file.write_with(path, write)
     return sum(e.nbytes for e in entries)
@@ -202,8 +261,28 @@ def _mark_failed(folder: Path, rank: int, error: str) -> None:
         pass  # the disk may be full: the finalizing rank then times out instead
 
 
-def handle(request: WriteRequest) -> list[WriterAnswer]:
-    """Serve one write request; the answers to print."""
+class PieceChannel:
+    """The rank's side of a windowed request, over this process's stdin and stdout."""
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+
+    def ready(self, index: int) -> None:
+        """Wait for the rank's word that piece ``index`` is in the arena (ValueError for anything else)."""
+        line = sys.stdin.readline()
+        if not line:
+            raise ValueError(f"the rank went away before piece {index}")
+        piece = PieceReady.from_line(line)
+        if (piece.id, piece.index) != (self.request_id, index):
+            raise ValueError(f"expected piece {index} of request {self.request_id}, got {line.strip()[:200]!r}")
+
+    def written(self, index: int) -> None:
+        print(WriterAnswer(self.request_id, Phase.PIECE, True, index=index).to_line(), flush=True)
+
+
+def handle(request: WriteRequest, channel: PieceChannel | None = None) -> list[WriterAnswer]:
+    """Serve one write request; the answers to print. A windowed request (``window``) reads its pieces through
+    ``channel`` (:class:`PieceChannel` over stdin and stdout unless a test gives another)."""
     folder = Path(request.folder)
     answers: list[WriterAnswer] = []
     started = time.monotonic()
@@ -211,7 +290,12 @@ def handle(request: WriteRequest) -> list[WriterAnswer]:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         arena = _ARENA.map(request.arena, request.arena_id)
-        nbytes = write_shard(arena, folder / shard_name(request.rank), request.entries)
+        path = folder / shard_name(request.rank)
+        if request.window:
+            channel = channel or PieceChannel(request.id)
+            nbytes = write_shard_windowed(arena, path, request.entries, request.window, channel.ready, channel.written)
+        else:
+            nbytes = write_shard(arena, path, request.entries)
         answers.append(WriterAnswer(request.id, Phase.SHARD, True, bytes=nbytes, seconds=time.monotonic() - started))
     except Exception as exc:  # disk full, I/O error, a bad request: this snapshot fails, the writer lives on
         shard_error = f"{type(exc).__name__}: {exc}"
@@ -238,6 +322,8 @@ def main() -> int:
     for line in sys.stdin:
         if not line.strip():
             continue
+        if '"op": "piece"' in line:
+            continue  # a piece of a request that already failed: its answer was sent
         try:
             request = WriteRequest.from_line(line)
         except ValueError as exc:

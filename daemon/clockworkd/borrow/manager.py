@@ -10,7 +10,8 @@ caller's kernel credentials against the job's registered uid before this module 
    LinkPass and Fleet Lens): the queue is read once; the job's account and partition are checked against
    ``allow_*`` and its holders in Slurm against the limit; :func:`~clockworkd.borrow.candidates.choose` picks
    the job that loses least work; a *holder allocation* (``clockwork-hold-JOBID``, the training job's user,
-   pinned to the node, whole node, the high partition or QOS) is submitted, and slurmctld preempts (requeues)
+   pinned to the node, whole node, the high partition or QOS, with the job's GRES per node, account, QOS (unless
+   the policy names one) and at most its remaining time) is submitted, and slurmctld preempts (requeues)
    whatever the node ran. Slurm's policy and accounting stay the truth: the daemon never kills a job itself.
    The holder is submitted held; the job it will preempt gets the AdminComment ``clockwork: preempted for
    job X ...`` before the holder is released (so that the preempted run's accounting record carries it).
@@ -78,6 +79,8 @@ class BorrowRequest:
     node: str = ""
     holder: int = 0
     preempted: int = 0
+    #: The GRES per node the holder asked for (the job's own): the guest's step asks for the same.
+    gres: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     #: Wall-clock time of the request (seconds since the epoch), for people and other hosts reading
     #: ``borrow_status``; never used to measure a duration (a wall clock may jump).
@@ -96,6 +99,7 @@ class BorrowRequest:
             "node": self.node,
             "holder": self.holder,
             "preempted": self.preempted,
+            "gres": self.gres,
             "lost_node": self.lost_node,
             "timings": dict(self.timings),
             "requested_at": self.requested_at,
@@ -263,6 +267,14 @@ class BorrowManager:
                 f"job {req.job_id} already holds {len(held)} borrowed node(s) in Slurm "
                 f"(holders {', '.join(str(h.job_id) for h in held)}): the limit is {cfg.max_nodes_per_job}"
             )
+        resources = self.slurm.job_resources(req.job_id)
+        if resources is None:
+            raise BorrowRefused(f"job {req.job_id} is not known to slurmctld")
+        minutes = resources.time_option_minutes(now)
+        if minutes == 0:
+            raise BorrowRefused(
+                f"job {req.job_id} has less than a minute of its time limit left: no node is borrowed for it"
+            )
         choice = choose(
             queue_now, cfg, borrower=me, borrower_id=req.job_id, borrower_nodes=me.nodes, nodes=nodes, now=now
         )
@@ -282,9 +294,13 @@ class BorrowManager:
             uid=req.uid,
             gid=self._gid(req.uid),
             partition=partition,
-            qos=cfg.holder_qos.strip(),
+            qos=cfg.holder_qos.strip() or (resources.qos if cfg.holder_qos_from_job else ""),
             comment=f"clockwork: holds {choice.node} for job {req.job_id}",
+            account=resources.account,
+            gres=resources.gres,
+            time_minutes=minutes,
         )
+        req.gres = resources.gres
         t_submit = self.monotonic()
         req.holder = self.slurm.submit_holder(spec)  # held: nothing is preempted yet
         # The victim is labelled before Slurm preempts it: slurmctld writes a job's AdminComment into the

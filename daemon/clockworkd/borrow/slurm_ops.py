@@ -13,6 +13,7 @@ from typing import Protocol
 
 from clockwork.contracts.slurm.backend import JobInfo, NodeInfo
 from clockwork.contracts.slurm.cli_backend import CliBackend
+from clockwork.contracts.slurm.resources import JobResources
 from clockworkd.borrow.candidates import QueueJob, holder_name, parse_queue_json
 
 __all__ = ["BorrowSlurm", "CliBorrowSlurm", "HolderSpec"]
@@ -33,10 +34,16 @@ class HolderSpec:
     partition: str  # '' = Slurm's choice
     qos: str  # '' = none given
     comment: str
+    account: str = ""  # the training job's: the holder is billed where the job is ('' = the user's default)
+    gres: str = ""  # per node, as --gres takes it: the job's GPUs (and other GRES) come with the node
+    time_minutes: int | None = None  # no longer than the job's remaining time (None: the job has no limit)
 
     def sbatch_args(self) -> list[str]:
         """sbatch options: pinned to the node, the whole node, never requeued, owned by the job's user, and
-        held: Slurm starts it (and so preempts) only once the daemon has labelled the job it preempts."""
+        held: Slurm starts it (and so preempts) only once the daemon has labelled the job it preempts. It
+        asks for what the training job has per node (GRES: an ``--exclusive`` job gets the node's GRES only
+        implicitly, and a step in it sees none unless the job asked), its account and a time limit no
+        longer than the job's remaining time."""
         args = [
             f"--job-name={holder_name(self.job_id)}",
             "--hold",
@@ -56,6 +63,12 @@ class HolderSpec:
             args.append(f"--partition={self.partition}")
         if self.qos:
             args.append(f"--qos={self.qos}")
+        if self.account:
+            args.append(f"--account={self.account}")
+        if self.gres:
+            args.append(f"--gres={self.gres}")
+        if self.time_minutes is not None:
+            args.append(f"--time={self.time_minutes}")
         return args
 
 
@@ -65,6 +78,7 @@ class BorrowSlurm(Protocol):
     def queue(self) -> list[QueueJob]: ...
     def nodes(self) -> list[NodeInfo]: ...
     def job(self, job_id: int) -> JobInfo | None: ...
+    def job_resources(self, job_id: int) -> JobResources | None: ...
     def submit_holder(self, spec: HolderSpec) -> int: ...
     def release(self, job_id: int) -> None: ...
     def cancel(self, job_id: int) -> None: ...
@@ -86,6 +100,9 @@ class CliBorrowSlurm:
 
     def job(self, job_id: int) -> JobInfo | None:
         return self.cli.job(job_id)
+
+    def job_resources(self, job_id: int) -> JobResources | None:
+        return self.cli.job_resources(job_id)
 
     def submit_holder(self, spec: HolderSpec) -> int:
         return self.cli.submit(HOLDER_COMMAND, spec.sbatch_args())

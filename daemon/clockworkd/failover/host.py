@@ -1,25 +1,30 @@
-"""How the node daemon hosts LinkPass: fabric map, shared key, and events into the jobs' logs.
+"""How the node daemon hosts LinkPass: fabric map, pairwise keys, and events into the jobs' logs.
 
-LinkPass needs an authentication key every daemon of the cluster shares: it is derived from the
-daemons' CURVE secret key, which the admin installs on every node (`clockwork keys generate`), so
-there is one secret to manage. Without a fabric map or a key LinkPass stays off and ``clockwork node
-status`` says why; the daemon's other work goes on.
+Heartbeats carry a MAC under a key per pair of nodes, derived from this node's CURVE secret key and the
+peer's public key (:mod:`clockwork.contracts.pairwise_keys`): the key pairs the admin installs for the
+daemon-to-daemon plane (`clockwork keys generate`, one per node or one for the cluster), so there is no other
+secret to manage, and with one pair per node no node can sign a heartbeat or a down notice for another.
+Without a fabric map or usable keys LinkPass stays off and ``clockwork node status`` says why; the daemon's
+other work goes on.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 from clockwork.contracts import atomic_file
+from clockwork.contracts.curve_keys import CurveKeyError
 from clockwork.contracts.daemon_paths import DaemonPaths, expand
+from clockwork.contracts.pairwise_keys import PairwiseKeys
 from clockworkd.server import Daemon
 from linkpass.engine import LinkPass
 from linkpass.fabric import FabricError, FabricMap
 from linkpass.settings import LinkPassConfig
 
 log = logging.getLogger("clockwork.daemon")
+
+LABEL = b"clockwork-linkpass"  # the pairwise keys' use: a heartbeat key is no Lens key
 
 
 def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> LinkPass | str:
@@ -31,15 +36,19 @@ def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> L
     except FabricError as exc:
         return f"disabled: {exc}"
     try:
-        key = hashlib.sha256(b"clockwork-linkpass\0" + paths.curve_secret_key.read_bytes()).digest()
+        keys = PairwiseKeys(
+            LABEL, paths.curve_secret_key, paths.curve_keys_dir, [peer.name for peer in fabric.peers(paths.node)]
+        )
+    except CurveKeyError as exc:
+        return f"disabled: no keys to authenticate heartbeats: {exc}"
     except OSError as exc:
-        return f"disabled: no shared key to authenticate heartbeats ({paths.curve_secret_key}: {exc.strerror})"
+        return f"disabled: no keys to authenticate heartbeats ({exc.filename}: {exc.strerror})"
     try:
         engine = LinkPass(
             cfg,
             paths.node,
             fabric,
-            key,
+            keys,
             emit=lambda kind, fields: daemon.emit_node_event(kind, fields, "linkpass"),
             home_file=paths.state_dir / "linkpass-home.json",
             write_file=atomic_file.write_bytes,

@@ -52,4 +52,9 @@ def start_health(cfg: HealthConfig, paths: DaemonPaths, daemon: Daemon) -> Compo
         down = getattr(daemon.components.get("linkpass"), "down_nics", None)
         return dict(down()) if callable(down) else {}
 
-    return HealthWatch(cfg, paths.node, source, daemon.registry, emit, nics_down=nics_down)
+    def hcas_down() -> dict[str, str]:
+        """The HCAs behind the NICs LinkPass avoids (none without LinkPass, or on NICs without an HCA)."""
+        avoid = getattr(daemon.components.get("linkpass"), "avoid_hcas", None)
+        return dict(avoid()) if callable(avoid) else {}
+
+    return HealthWatch(cfg, paths.node, source, daemon.registry, emit, nics_down=nics_down, hcas_down=hcas_down)

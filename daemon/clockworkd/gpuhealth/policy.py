@@ -19,7 +19,10 @@ whole node's, so that the watch moves every rank of the node together (a whole-n
 * every GPU of the node (two or more) raising a migrate-level signal within ``node_window_s`` of each other (the
   same XID on all of them at once: a fault of what they share);
 * a fabric NIC down for ``nic_down_move_s`` (off by default: LinkPass keeps the traffic flowing on the other
-  rails, and the NIC's state comes from LinkPass, not from NVML).
+  rails, and the NIC's state comes from LinkPass, not from NVML);
+* an HCA unusable for ``hca_down_move_s`` (the RDMA device behind a NIC LinkPass avoids: NCCL's queue pairs do
+  not follow LinkPass's routes, so the node's ranks move into processes started with ``NCCL_IB_HCA`` excluding
+  it, which their node agent gives every process it starts: :mod:`torchpass.launch.node_fabric`).
 
 Pure: no clock, no I/O; the watch passes the time in.
 """
@@ -261,10 +264,14 @@ class Policy:
         return name in NODE_SIGNALS or (name.startswith("xid.") and int(name[4:]) in self.xid_node)
 
     def node_fault(
-        self, nics_down: Mapping[str, tuple[float, str]] | None = None, now: float = 0.0
+        self,
+        nics_down: Mapping[str, tuple[float, str]] | None = None,
+        now: float = 0.0,
+        hcas_down: Mapping[str, tuple[float, str]] | None = None,
     ) -> NodeFault | None:
         """The node-level fault raised now (the module docstring's rules, in that order), or None: every raised
-        fault is one GPU's. ``nics_down``: fabric NIC -> (down since, why), as LinkPass reports them."""
+        fault is one GPU's. ``nics_down``: fabric NIC -> (down since, why), as LinkPass reports them; ``hcas_down``:
+        HCA -> (unusable since, why), LinkPass's ``avoid_hcas``."""
         scoped = [
             NodeFault(s.name, s.value, s.threshold, index, f"gpu{index} {s.name}: a fault of the whole node", s.since)
             for index, state in sorted(self.gpus.items())
@@ -288,6 +295,13 @@ class Policy:
             if self.cfg.nic_down_move_s > 0 and now - down_since >= self.cfg.nic_down_move_s:
                 why = f"fabric NIC {nic} down for {now - down_since:.0f} s ({reason or 'no carrier'})"
                 return NodeFault("nic.down", nic, self.cfg.nic_down_move_s, None, why, down_since)
+        for hca, (down_since, reason) in sorted((hcas_down or {}).items()):
+            if self.cfg.hca_down_move_s > 0 and now - down_since >= self.cfg.hca_down_move_s:
+                why = (
+                    f"HCA {hca} unusable for {now - down_since:.0f} s ({reason}): the node's ranks move into "
+                    f"processes started with NCCL_IB_HCA excluding it"
+                )
+                return NodeFault("hca.down", hca, self.cfg.hca_down_move_s, None, why, down_since)
         return None
 
     def health(self, index: int) -> tuple[str, str]:

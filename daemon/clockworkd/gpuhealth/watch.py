@@ -77,6 +77,7 @@ class HealthWatch:
         alive: Callable[[int], bool] = pid_alive,
         environ: Callable[[int], dict[str, str] | None] = read_environ,
         nics_down: Callable[[], dict[str, str]] = dict,
+        hcas_down: Callable[[], dict[str, str]] = dict,
     ) -> None:
         self.cfg = cfg
         self.node = node
@@ -89,6 +90,8 @@ class HealthWatch:
         self.environ = environ
         self.nics_down = nics_down  # fabric NIC -> why it is down (LinkPass's view; none without LinkPass)
         self._nic_down_since: dict[str, tuple[float, str]] = {}
+        self.hcas_down = hcas_down  # HCA -> why new communicators must avoid it (LinkPass's avoid_hcas)
+        self._hca_down_since: dict[str, tuple[float, str]] = {}
         self.readings: list[GpuReading] = []
         self.read_at = 0.0
         self.reads = 0
@@ -144,7 +147,7 @@ class HealthWatch:
         acting = any(
             ACTION_RANK[s.action] >= ACTION_RANK["warn"] for g in self.policy.gpus.values() for s in g.raised.values()
         )
-        fault = self.policy.node_fault(self._nics_down(now), now)
+        fault = self.policy.node_fault(self._nics_down(now), now, self._hcas_down(now))
         ranks = self.live_ranks() if (changes or acting or fault) else []
         for change in changes:
             self._record(change, ranks)
@@ -249,6 +252,16 @@ class HealthWatch:
         self._nic_down_since = {nic: self._nic_down_since.get(nic, (now, why)) for nic, why in down.items()}
         return self._nic_down_since
 
+    def _hcas_down(self, now: float) -> dict[str, tuple[float, str]]:
+        """HCA -> (unusable since, why), since this watch first saw each (LinkPass's ``avoid_hcas``)."""
+        try:
+            down = self.hcas_down()
+        except Exception as exc:
+            log.warning("node %s: HCA state unreadable for the GPU health watch: %s", self.node, exc)
+            down = {}
+        self._hca_down_since = {hca: self._hca_down_since.get(hca, (now, why)) for hca, why in down.items()}
+        return self._hca_down_since
+
     def _move_node(self, fault: NodeFault, ranks: list[LiveRank], now: float) -> set[int]:
         """Ask each job with ranks here to move them all, together (see the module docstring); the jobs."""
         jobs: dict[int, list[LiveRank]] = {}
@@ -328,6 +341,12 @@ class HealthWatch:
         fields = {**request.change, "state": request.outcome}
         if request.outcome == "failed":
             fields["error"] = request.detail
+            if fields.get("signal") == "hca.down":  # say what staying means: the RDMA path has no other way out
+                fields["consequence"] = (
+                    f"TorchPass cannot act: the node's ranks stay in processes whose NCCL still uses {fields['value']} "
+                    "(NCCL reads NCCL_IB_HCA once per process); their collectives fail over it until a spare is "
+                    "ready (the move is asked again every migrate_retry_s) or the job's resets run out"
+                )
         level = logging.INFO if request.outcome == "accepted" else logging.WARNING
         log.log(
             level,

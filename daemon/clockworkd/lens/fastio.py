@@ -34,6 +34,7 @@ MSG_TRUNC = 0x20
 SLOT = 8192  # largest datagram read whole; longer ones are flagged truncated and dropped
 CONTROL = 64  # room for one cmsghdr + struct timespec
 BATCH = 64
+KEY_SLOTS = 4  # keys per node in a key table (the C code's KEY_SLOTS; a build without them is stale)
 RECORD_FIELDS = 12  # int64 fields of one record the C receiver (_probeio.drain) fills; names below
 RECORDS = 64 * 64 + 64  # records one drain can fill (64 recvmmsg batches of 64)
 # The fields of a record, in csrc/records.h's order (the C drain fills them): R_PATH is the index of the
@@ -69,6 +70,9 @@ def probeio() -> ModuleType:
         if _probeio.RECORD_FIELDS != RECORD_FIELDS:
             found, _probeio = _probeio.RECORD_FIELDS, None
             raise ProbeIOMissing(f"clockworkd.lens._probeio is stale ({found} record fields): rebuild it (make venv)")
+        if getattr(_probeio, "KEY_SLOTS", None) != KEY_SLOTS:  # built before pairwise keys: takes one key only
+            _probeio = None
+            raise ProbeIOMissing("clockworkd.lens._probeio is stale (no pairwise key tables): rebuild it (make venv)")
     return _probeio
 
 

@@ -1,21 +1,24 @@
-"""How the node daemon hosts Fleet Lens: fabric map and topology, shared key, clock seam, LinkPass,
+"""How the node daemon hosts Fleet Lens: fabric map and topology, pairwise keys, clock seam, LinkPass,
 events, Prometheus metrics and the per-minute history.
 
 Lens reads the same fabric map as LinkPass (``[linkpass] fabric_file``) and authenticates its packets
-with a key derived from the daemons' CURVE secret key, like LinkPass's heartbeats (one secret for the
-admin to manage). Without a map or a key Lens stays off and ``clockwork node status`` says why.
+with a key per pair of nodes, derived like LinkPass's (:mod:`clockwork.contracts.pairwise_keys`, label
+``clockwork-lens``) from this node's CURVE secret key and each peer's public key: no node can send probes or
+summaries as another and make Lens blame a healthy link. Without a map or usable keys Lens stays off and
+``clockwork node status`` says why.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from clockwork.contracts.config.lens import LensConfig
+from clockwork.contracts.curve_keys import CurveKeyError
 from clockwork.contracts.daemon_paths import DaemonPaths, expand
+from clockwork.contracts.pairwise_keys import PairwiseKeys
 from clockworkd.daemon_component import Component
 from clockworkd.lens.clockseam import ClockSeam, ClockSeamError, load_seams
 from clockworkd.lens.history import HistoryWriter
@@ -30,6 +33,7 @@ from linkpass.settings import LinkPassConfig
 log = logging.getLogger("clockwork.daemon")
 
 HISTORY_EVERY_S = 60.0
+LABEL = b"clockwork-lens"  # the pairwise keys' use: a probe key is no heartbeat key
 
 
 class HostedLens:
@@ -89,9 +93,13 @@ def start_lens(
     except (FabricError, TopologyError) as exc:
         return f"disabled: {exc}"
     try:
-        key = hashlib.sha256(b"clockwork-lens\0" + paths.curve_secret_key.read_bytes()).digest()
+        keys = PairwiseKeys(
+            LABEL, paths.curve_secret_key, paths.curve_keys_dir, [peer.name for peer in fabric.peers(paths.node)]
+        )
+    except CurveKeyError as exc:
+        return f"disabled: no keys to authenticate probes: {exc}"
     except OSError as exc:
-        return f"disabled: no shared key to authenticate probes ({paths.curve_secret_key}: {exc.strerror})"
+        return f"disabled: no keys to authenticate probes ({exc.filename}: {exc.strerror})"
     seam: ClockSeam | None = None
     if cfg.clock_seam_file:
         try:
@@ -104,7 +112,7 @@ def start_lens(
         paths.node,
         fabric,
         topology,
-        key,
+        keys,
         emit=lambda kind, fields: daemon.emit_node_event(kind, fields, "lens"),
         seam=seam,
         gray=gray,

@@ -36,6 +36,7 @@ from clockwork.contracts.lens_model import PathStats, PathVerdict, split_nic
 from clockworkd.lens import budget, fastio, peers, tomography, wire
 from clockworkd.lens.clockkeeper import CLOCK_EVERY_S, FIRST_CLOCK_FIT_S, ClockKeeper
 from clockworkd.lens.clockseam import ClockSeam
+from clockworkd.lens.keys import LensKeys, PeerKeys
 from clockworkd.lens.pathwindow import Thresholds, window_stats
 from clockworkd.lens.probepaths import ProbePaths
 from clockworkd.lens.receiving import ProbeReceiver
@@ -78,7 +79,7 @@ class Lens:
         node: str,
         fabric: FabricMap,
         topology: Topology,
-        key: bytes,
+        key: bytes | PeerKeys,
         emit: Emit,
         seam: ClockSeam | None = None,
         gray: GrayTarget | None = None,
@@ -87,7 +88,6 @@ class Lens:
         self.me = node
         self.fabric = fabric
         self.topology = topology
-        self.key = key
         self.seam = seam
         self.schedule = budget.schedule(
             topology, cfg.peers_per_nic, cfg.interval_ms, cfg.probe_budget_per_s, cfg.pair_every
@@ -98,6 +98,8 @@ class Lens:
         )
         self.paths = ProbePaths(fabric, node)
         nodes = self.paths.nodes
+        # One key every node shares (bytes), or pairwise keys: a node tags packets only as itself.
+        self.keys = LensKeys(nodes, node, key)
         self.reference = cfg.reference_node or nodes[0]
         self.session = int.from_bytes(os.urandom(4), "little")
         self.counters = {
@@ -112,8 +114,8 @@ class Lens:
             "evaluations": 0,
         }
         self.clocks = ClockKeeper(node, nodes, self.reference, fabric, self._clock_ns, cfg.clock_floor_us)
-        self.receiver = ProbeReceiver(self.paths, key, seam, self.counters, self.clocks.envelope)
-        self.summaries = SummaryExchange(node, nodes, key, self.session, self.counters, self.clocks)
+        self.receiver = ProbeReceiver(self.paths, self.keys, seam, self.counters, self.clocks.envelope)
+        self.summaries = SummaryExchange(node, nodes, self.keys, self.session, self.counters, self.clocks)
         self.suspects = LinkSuspects(cfg, node, nodes, emit, gray, self.summaries.peers_alive)
         self.localizer: tomography.Localizer | None = None
         self._bad_told: frozenset[tuple[str, str, tuple[str, ...]]] = frozenset()  # bad paths last told
@@ -140,7 +142,7 @@ class Lens:
         self.localizer = tomography.Localizer(self.topology, plan)
         self.paths.open(plan, peers.probed_by(plan), self.cfg.port)
         self.pacer = self.paths.start_pacer(
-            self.key, self.session, round(self.schedule.interval_ms * 1e6), self.cfg.pair_every, self.seam
+            self.keys.arg(), self.session, round(self.schedule.interval_ms * 1e6), self.cfg.pair_every, self.seam
         )
         self.receiver.attach(self.pacer)
         log.info(
@@ -180,6 +182,8 @@ class Lens:
         now = time.monotonic()
         cpu, spent = time.thread_time_ns, self.cpu_ns
         t0 = cpu()
+        if self.keys.refresh() and self.pacer is not None:  # a key file changed: the pacer tags with the new keys
+            self.pacer.set_keys(self.keys.arg())
         if now >= self.next_drain or now >= self.next_eval:  # late reads cost no accuracy (arrival stamps)
             self.next_drain = now + DRAIN_EVERY_S
             self.receiver.drain_all(now)
@@ -240,7 +244,7 @@ class Lens:
                 n = min(probeio.MAX_TRAIN, count - first)
                 sent, err = probeio.send_train(
                     local.sock.fileno(),
-                    self.key,
+                    self.keys.arg(),  # the C code takes the destination node's key from a table
                     src_index,
                     local.index,
                     path.dst[0],

@@ -34,6 +34,7 @@ from clockworkd.lens.fastio import (
     R_SESSION,
     R_TX,
 )
+from clockworkd.lens.keys import LensKeys
 from clockworkd.lens.pathwindow import file_blocks
 from clockworkd.lens.probepaths import ECHO_RING, LocalNic, ProbePaths
 
@@ -50,13 +51,13 @@ class ProbeReceiver:
     def __init__(
         self,
         paths: ProbePaths,
-        key: bytes,
+        keys: LensKeys,
         seam: ClockSeam | None,
         counters: dict[str, int],
         envelope: Callable[[NicId, NicId], Envelope],
     ) -> None:
         self.paths = paths
-        self.key = key
+        self.keys = keys
         self.seam = seam
         self.counters = counters
         self.envelope = envelope
@@ -132,7 +133,7 @@ class ProbeReceiver:
         try:
             n, rejected, summaries = fastio.probeio().drain(
                 local.sock.fileno(),
-                self.key,
+                self.keys.arg(),
                 paths.node_index[paths.me],
                 local.index,
                 paths.nic_ip,

@@ -20,6 +20,7 @@ from clockwork.contracts.lens_model import NicId, PathStats, PathVerdict
 from clockworkd.lens import fastio, wire
 from clockworkd.lens.clockkeeper import ClockKeeper
 from clockworkd.lens.clockpair import PairEstimate
+from clockworkd.lens.keys import LensKeys
 from clockworkd.lens.probepaths import LocalNic
 
 log = logging.getLogger("clockwork.lens")
@@ -59,7 +60,7 @@ class SummaryExchange:
         self,
         node: str,
         nodes: list[str],
-        key: bytes,
+        keys: LensKeys,
         session: int,
         counters: dict[str, int],
         clocks: ClockKeeper,
@@ -67,7 +68,7 @@ class SummaryExchange:
         self.me = node
         self.nodes = nodes
         self.node_index = {n: i for i, n in enumerate(nodes)}
-        self.key = key
+        self.keys = keys
         self.session = session
         self.counters = counters
         self.clocks = clocks
@@ -132,7 +133,7 @@ class SummaryExchange:
                         head = wire.header(
                             wire.SUMMARY, 0, (src_index, nic.index), dst, self.seq, 0, self.session, len(body)
                         )
-                        messages.append((wire.sign(self.key, head, body), addr))
+                        messages.append((wire.sign(self.keys.send_key(peer), head, body), addr))
         for nic, messages in zip(local, outgoing, strict=True):
             if messages:
                 sent, err = self.sender.send(nic.sock.fileno(), messages)

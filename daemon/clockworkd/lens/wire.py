@@ -8,9 +8,10 @@ echo (probe: the newest sequence number the sender received on the reverse path,
 held it by then, ns; the receiver turns that into a round trip with its own two timestamps).
 
 Node and NIC indices are positions in the sorted fabric map that every daemon shares, so a packet
-names its path in 8 bytes. Every packet is authenticated with a key all daemons share: nobody on
-the fabric can forge probes and make Lens blame (and LinkPass avoid, or the health check drain) a
-healthy link. Train packets carry padding after the tag; only header and body are authenticated.
+names its path in 8 bytes. Every packet is authenticated with the key of its two nodes (pairwise, from
+each node's own key pair: :mod:`clockworkd.lens.keys`; or one key every daemon shares): nobody on the
+fabric can forge probes, nor a node send them as another, and make Lens blame (and LinkPass avoid, or the
+health check drain) a healthy link. Train packets carry padding after the tag; only header and body are authenticated.
 """
 
 from __future__ import annotations

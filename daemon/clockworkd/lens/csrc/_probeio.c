@@ -86,12 +86,12 @@ static PyObject *py_send_probes(PyObject *self, PyObject *args) {
     Py_buffer b[PATH_BUFFERS + ECHO_BUFFERS];
     probe_paths p;
     probe_echoes e;
-    tag_state s;
+    key_set s;
     (void)self;
     if (!PyArg_ParseTuple(args, "iy#llKLiOOOOOOOOO", &fd, &key, &keylen, &src_node, &src_nic, &session, &tx, &pair,
                           &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8]))
         return NULL;
-    if (tag_key(&s, key, keylen) != 0 || paths_from_buffers(o, b, &p) != 0) return NULL;
+    if (key_arg(&s, key, keylen) != 0 || paths_from_buffers(o, b, &p) != 0) return NULL;
     if (echoes_from_buffers(o + PATH_BUFFERS, b + PATH_BUFFERS, &e, 0) != 0) {
         release_buffers(b, PATH_BUFFERS);
         return NULL;
@@ -114,12 +114,12 @@ static PyObject *py_send_train(PyObject *self, PyObject *args) {
     long src_node, src_nic, dst_node, dst_nic;
     unsigned long long seq, session;
     long long tx;
-    tag_state s;
+    key_set s;
     (void)self;
     if (!PyArg_ParseTuple(args, "iy#lllly#KLKiiii", &fd, &key, &keylen, &src_node, &src_nic, &dst_node, &dst_nic,
                           &addr, &addrlen, &seq, &tx, &session, &first, &count, &total, &size))
         return NULL;
-    if (tag_key(&s, key, keylen) != 0) return NULL;
+    if (key_arg(&s, key, keylen) != 0) return NULL;
     if (addrlen != (Py_ssize_t)sizeof(struct sockaddr_in) || count < 1 || count > SEND_BATCH || first < 0 ||
         total > 0xFFFF || first + count > total || size < PROBE_BYTES || size > TRAIN_SLOT) {
         PyErr_Format(PyExc_ValueError, "send_train: bad address length %zd, packets %d+%d of %d or size %d", addrlen,
@@ -131,7 +131,10 @@ static PyObject *py_send_train(PyObject *self, PyObject *args) {
         memset(p + PROBE_BYTES, 0, (size_t)size - PROBE_BYTES);
         probe_header(p, KIND_TRAIN, 0, src_node, src_nic, dst_node, dst_nic, (uint32_t)seq, tx, (uint32_t)session,
                ((uint32_t)(first + i) << 16) | (uint32_t)total, 0, (uint32_t)NO_ECHO);
-        tag_of(&s, p, HEADER, p + HEADER);
+        if (key_set_tag(&s, dst_node, 0, p, HEADER, p + HEADER) != 1) {
+            PyErr_Format(PyExc_ValueError, "send_train: no key for node %ld", dst_node);
+            return NULL;
+        }
         send_slot(&sends, (unsigned)i, p, (size_t)size, (const uint8_t *)addr);
     }
     return send_prepared(fd, (unsigned)count);
@@ -143,7 +146,9 @@ PyDoc_STRVAR(drain_doc,
              "probes and trains addressed to this NIC, from the NIC they name (``nic_ip``: uint32 network-order\n"
              "addresses, rows of ``ncols`` per node), on a watched path (``path_of[node * ncols + nic]`` >= 0), as\n"
              "records of 12 int64 in ``out`` (RECORD_DTYPE). Authentic summaries come back whole, as bytes.\n"
-             "Anything cut, unstamped, forged, misaddressed or spoofed is counted in ``rejected``.");
+             "Anything cut, unstamped, forged, misaddressed or spoofed is counted in ``rejected``. ``key``: one key, or\n"
+             "a key table (per node index, KEY_SLOTS keys of KEY_BYTES): a packet must carry a tag under one of the\n"
+             "keys of the node it names as its source.");
 
 static PyObject *py_drain(PyObject *self, PyObject *args) {
     int fd, max_batches;
@@ -152,13 +157,13 @@ static PyObject *py_drain(PyObject *self, PyObject *args) {
     long me_node, me_nic, ncols;
     PyObject *o_ip, *o_path, *o_out;
     Py_buffer b_ip, b_path, b_out;
-    tag_state s;
+    key_set s;
     PyObject *summaries = NULL, *result = NULL;
     (void)self;
     if (!PyArg_ParseTuple(args, "iy#llOlOOi", &fd, &key, &keylen, &me_node, &me_nic, &o_ip, &ncols, &o_path, &o_out,
                           &max_batches))
         return NULL;
-    if (tag_key(&s, key, keylen) != 0) return NULL;
+    if (key_arg(&s, key, keylen) != 0) return NULL;
     if (ncols < 1) {
         PyErr_SetString(PyExc_ValueError, "ncols must be >= 1");
         return NULL;
@@ -231,10 +236,14 @@ static PyObject *py_drain(PyObject *self, PyObject *args) {
                     continue;
                 }
             }
-            uint8_t digest[TAG];
-            tag_of(&s, p, signed_len, digest);
             long sn = get16(p + 6), snic = p[8], dnic = p[9], dn = get16(p + 10);
-            if (memcmp(digest, p + signed_len, TAG) != 0 || dn != me_node || dnic != me_nic || sn >= nodes ||
+            int authentic = 0; /* under one of the keys the node it names may use now (its own, pairwise) */
+            for (int slot = 0; slot < KEY_SLOTS && !authentic; slot++) {
+                uint8_t digest[TAG];
+                authentic = key_set_tag(&s, sn, slot, p, signed_len, digest) == 1 &&
+                            memcmp(digest, p + signed_len, TAG) == 0;
+            }
+            if (!authentic || dn != me_node || dnic != me_nic || sn >= nodes ||
                 snic >= ncols || nic_ip[sn * ncols + snic] != recv_names[i].sin_addr.s_addr) {
                 rejected++; /* forged, not for this NIC, or not sent by the NIC it claims */
                 continue;
@@ -304,7 +313,9 @@ PyMODINIT_FUNC PyInit__probeio(void) {
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "RECORD_FIELDS", RECORD_FIELDS) != 0 ||
         PyModule_AddIntConstant(m, "MAX_TRAIN", SEND_BATCH) != 0 ||
-        PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) != 0 || pacer_add_type(m) != 0) {
+        PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) != 0 ||
+        PyModule_AddIntConstant(m, "KEY_SLOTS", KEY_SLOTS) != 0 || PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) != 0 ||
+        pacer_add_type(m) != 0) {
         Py_DECREF(m);
         return NULL;
     }

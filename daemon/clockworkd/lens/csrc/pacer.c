@@ -39,7 +39,8 @@ typedef struct {
     int ready;    /* lock and condition initialised */
     int started;  /* the thread runs (until stop) */
     int stopping; /* asked to stop (under lock) */
-    tag_state key;
+    key_set key;
+    uint8_t *key_table; /* the pacer's own copy of a key table (NULL: one key), swapped by set_keys */
     long src_node;
     uint32_t session;
     int64_t interval_ns;
@@ -163,8 +164,17 @@ static int pacer_init(Pacer *pc, PyObject *args, PyObject *kwds) {
         !PyArg_ParseTuple(seam, "LdL;seam must be (offset_ns, drift_ppm, epoch_ns)", &pc->seam_offset_ns,
                           &pc->seam_drift_ppm, &pc->seam_epoch_ns))
         return -1;
-    if (tag_key(&pc->key, key, keylen) != 0 || echoes_from_buffers(echo, pc->echo_views, &pc->echoes, 1) != 0)
-        return -1;
+    if (key_arg(&pc->key, key, keylen) != 0) return -1;
+    if (pc->key.table != NULL) { /* the caller's bytes may go: keep a copy */
+        pc->key_table = PyMem_RawMalloc((size_t)keylen);
+        if (pc->key_table == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        memcpy(pc->key_table, key, (size_t)keylen);
+        pc->key.table = pc->key_table;
+    }
+    if (echoes_from_buffers(echo, pc->echo_views, &pc->echoes, 1) != 0) return -1;
     pc->echoes_held = 1;
     pc->seam = seam != Py_None;
     pc->session = (uint32_t)session;
@@ -187,6 +197,7 @@ static void pacer_dealloc(Pacer *pc) {
     stop(pc);
     for (int i = 0; i < pc->nnics; i++) release_buffers(pc->nics[i].views, PATH_BUFFERS);
     if (pc->echoes_held) release_buffers(pc->echo_views, ECHO_BUFFERS);
+    PyMem_RawFree(pc->key_table);
     if (pc->ready) {
         pthread_mutex_destroy(&pc->lock);
         pthread_cond_destroy(&pc->wake);
@@ -330,7 +341,32 @@ static PyObject *pacer_note_arrivals(Pacer *pc, PyObject *args) {
     return PyLong_FromSsize_t(other);
 }
 
+PyDoc_STRVAR(set_keys_doc, "set_keys(key): tag the probes from the next tick on with these keys (a key change).");
+
+static PyObject *pacer_set_keys(Pacer *pc, PyObject *args) {
+    const char *key;
+    Py_ssize_t keylen;
+    key_set k;
+    if (!usable(pc, 0)) return NULL;
+    if (!PyArg_ParseTuple(args, "y#", &key, &keylen) || key_arg(&k, key, keylen) != 0) return NULL;
+    uint8_t *copy = NULL;
+    if (k.table != NULL) {
+        copy = PyMem_RawMalloc((size_t)keylen);
+        if (copy == NULL) return PyErr_NoMemory();
+        memcpy(copy, key, (size_t)keylen);
+        k.table = copy;
+    }
+    lock(pc);
+    uint8_t *old = pc->key_table;
+    pc->key = k;
+    pc->key_table = copy;
+    pthread_mutex_unlock(&pc->lock);
+    PyMem_RawFree(old);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef pacer_methods[] = {
+    {"set_keys", (PyCFunction)pacer_set_keys, METH_VARARGS, set_keys_doc},
     {"note_arrivals", (PyCFunction)pacer_note_arrivals, METH_VARARGS, note_arrivals_doc},
     {"add_nic", (PyCFunction)pacer_add_nic, METH_VARARGS, add_nic_doc},
     {"start", (PyCFunction)pacer_start, METH_NOARGS, "Start sending, one tick per interval."},

@@ -50,7 +50,7 @@ unsigned send_slots(send_buf *buf, int fd, unsigned count, int *err) {
     return done;
 }
 
-unsigned send_probe_batch(send_buf *buf, int fd, const tag_state *key, long src_node, long src_nic,
+unsigned send_probe_batch(send_buf *buf, int fd, const key_set *keys, long src_node, long src_nic,
                           uint32_t session, int64_t tx, ptrdiff_t pair, const probe_paths *p,
                           const probe_echoes *e, int *err) {
     unsigned count = 0, sent = 0;
@@ -59,6 +59,7 @@ unsigned send_probe_batch(send_buf *buf, int fd, const tag_state *key, long src_
     for (ptrdiff_t step = 0; step <= p->paths; step++) {
         ptrdiff_t k = step == 0 ? pair : step - 1;
         if (k < 0 || (step > 0 && k == pair)) continue;
+        if (keys->table != NULL && (p->dst_node[k] < 0 || p->dst_node[k] >= keys->nodes)) continue;
         uint32_t e_seq = 0, hold = (uint32_t)NO_ECHO;
         ptrdiff_t r = p->rev[k];
         if (r >= 0 && r < e->count && e->seq[r] >= 0) {
@@ -79,7 +80,7 @@ unsigned send_probe_batch(send_buf *buf, int fd, const tag_state *key, long src_
             uint8_t *d = buf->data[count];
             probe_header(d, KIND_PROBE, flags, src_node, src_nic, p->dst_node[k], p->dst_nic[k], (uint32_t)q, tx,
                          session, 0, e_seq, hold);
-            tag_of(key, d, HEADER, d + HEADER);
+            if (key_set_tag(keys, (long)p->dst_node[k], 0, d, HEADER, d + HEADER) != 1) continue; /* no key */
             send_slot(buf, count, d, PROBE_BYTES, p->addrs + 16 * k);
             if (++count == SEND_BATCH) { /* more paths than one batch: send this one, go on */
                 sent += send_slots(buf, fd, count, err);

@@ -62,9 +62,10 @@ void send_slot(send_buf *buf, unsigned i, uint8_t *data, size_t len, const uint8
 unsigned send_slots(send_buf *buf, int fd, unsigned count, int *err);
 
 /* One probe to each path, path ``pair`` (-1: none) a coded pair instead, sent first (its transmit stamp
- * is the one clock sync relies on). Every probe carries the reverse path's newest echo. Returns how many
- * were sent; ``*err`` as send_slots. */
-unsigned send_probe_batch(send_buf *buf, int fd, const tag_state *key, long src_node, long src_nic,
+ * is the one clock sync relies on). Every probe carries the reverse path's newest echo and the tag of the
+ * destination node's key (a path to a node without one is skipped). Returns how many were sent; ``*err`` as
+ * send_slots. */
+unsigned send_probe_batch(send_buf *buf, int fd, const key_set *keys, long src_node, long src_nic,
                           uint32_t session, int64_t tx, ptrdiff_t pair, const probe_paths *p,
                           const probe_echoes *e, int *err);
 

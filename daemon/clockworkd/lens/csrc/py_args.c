@@ -9,6 +9,15 @@ int tag_key(tag_state *s, const char *key, Py_ssize_t keylen) {
     return 0;
 }
 
+int key_arg(key_set *k, const char *key, Py_ssize_t keylen) {
+    if (key_set_init(k, (const uint8_t *)key, (size_t)keylen, TAG) != 0) {
+        PyErr_Format(PyExc_ValueError, "tag key must be 1 to 64 bytes or a table of N x %d bytes, not %zd",
+                     KEY_SLOTS * KEY_BYTES, keylen);
+        return -1;
+    }
+    return 0;
+}
+
 int64_t *i64_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t count, int writable, const char *name) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) != 0) return NULL;
     if (view->len % 8 != 0 || view->len / 8 < count) {

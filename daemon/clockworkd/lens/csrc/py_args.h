@@ -15,6 +15,9 @@
 /* ``s`` keyed for 8-byte tags; -1 with a ValueError for a key that is not 1 to 64 bytes. */
 int tag_key(tag_state *s, const char *key, Py_ssize_t keylen);
 
+/* ``k`` over ``key``: a single key (1 to 64 bytes) or a key table (tag.h); -1 with a ValueError otherwise. */
+int key_arg(key_set *k, const char *key, Py_ssize_t keylen);
+
 /* A C-contiguous buffer of at least ``count`` int64 values (``writable`` when the caller updates it). */
 int64_t *i64_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t count, int writable, const char *name);
 

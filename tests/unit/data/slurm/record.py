@@ -38,6 +38,7 @@ from typing import Any
 from clockwork.contracts.config import load_config
 from clockwork.contracts.slurm.backend import JobInfo
 from clockwork.contracts.slurm.cli_backend import SACCT_FIELDS
+from clockwork.contracts.slurm.data_parser import json_option
 from clockwork.sandbox import processes
 from clockwork.sandbox.cluster import Sandbox
 
@@ -141,17 +142,20 @@ def scenario(rec: Recorder) -> dict[str, Any]:
 
 
 def record(rec: Recorder, manifest: dict[str, Any], major_minor: tuple[int, int]) -> None:
+    """Every JSON command with the option the backend gives this release (``--json=v0.0.42`` from 24.11)."""
     jobs = manifest["jobs"]
+    as_json = json_option((*major_minor, 0))
+    manifest["json_option"] = as_json
     all_ids = ",".join(str(j) for j in jobs.values())
     fields = f"--format={','.join(SACCT_FIELDS)}"
     manifest["version"] = rec.record("version.txt", "sinfo", "--version").strip()
-    rec.record("squeue.json", "squeue", "--json")
+    rec.record("squeue.json", "squeue", as_json)
     finished = f"--jobs={jobs['exits-three']}"
-    rec.record("squeue_finished_job.json", "squeue", "--json", finished)
-    rec.record("squeue_finished_job_all_states.json", "squeue", "--json", "--states=all", finished)
-    rec.record("sinfo.json", "sinfo", "--json")
+    rec.record("squeue_finished_job.json", "squeue", as_json, finished)
+    rec.record("squeue_finished_job_all_states.json", "squeue", as_json, "--states=all", finished)
+    rec.record("sinfo.json", "sinfo", as_json)
     if major_minor >= (23, 2):
-        rec.record("scontrol_show_node.json", "scontrol", "--json", "show", "node")
+        rec.record("scontrol_show_node.json", "scontrol", as_json, "show", "node")
     rec.record("scontrol_show_job.txt", "scontrol", "-o", "show", "job")
     rec.record("scontrol_show_node.txt", "scontrol", "-o", "show", "node")
     rec.record("sacct.txt", "sacct", f"--jobs={all_ids}", "--noheader", "--parsable2", fields)
@@ -163,9 +167,9 @@ def record(rec: Recorder, manifest: dict[str, Any], major_minor: tuple[int, int]
     os.kill(pid, signal.SIGKILL)
     wait("slurmctld to die", lambda: not processes.alive(pid))
     print("  (slurmctld stopped)")
-    down = {"squeue_controller_down.json": ["squeue", "--json"], "sinfo_controller_down.json": ["sinfo", "--json"]}
+    down = {"squeue_controller_down.json": ["squeue", as_json], "sinfo_controller_down.json": ["sinfo", as_json]}
     if major_minor >= (23, 2):
-        down["scontrol_show_node_controller_down.json"] = ["scontrol", "--json", "show", "node"]
+        down["scontrol_show_node_controller_down.json"] = ["scontrol", as_json, "show", "node"]
     for name, argv in down.items():
         proc = rec.run(*argv)
         (rec.out / name).write_text(proc.stdout)
@@ -176,7 +180,7 @@ def record(rec: Recorder, manifest: dict[str, Any], major_minor: tuple[int, int]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--slurm", required=True, help="release to record: 22.05 or 24.11")
+    parser.add_argument("--slurm", required=True, help="release to record: 22.05, 24.11 or 26.05")
     version = parser.parse_args().slurm
     base = load_config(None).config.sandbox
     out = HERE / version

@@ -1,0 +1,100 @@
+"""Whether a node's failing fabric link is the node's fault or its switch's: the health check's drain rule.
+
+Why: a leaf switch (or a rail's switch) that fails takes every node's link on it down at once. Judged node by
+node, each of those nodes' health checks sees its own NIC without carrier (or Fleet Lens suspecting its link)
+and drains itself: a whole rail of healthy nodes is lost to one switch. The rule here judges such a fault as one
+fault, with Fleet Lens's evidence (every daemon holds every raised suspect, each naming the switch the link
+hangs on):
+
+* A link problem of this node (a NIC down or without carrier, or Lens suspecting the node's link) on switch S is
+  a **switch fault** when Lens suspects the node links of at least ``switch_fault_nodes`` distinct nodes on S
+  (this one included): nothing is drained for it; the health check logs it, and a node it drained for that link
+  before the picture was clear is resumed.
+* It is the **node's** fault when Lens suspects this node's link and fewer than ``switch_fault_nodes`` nodes on
+  S: the node is drained, as before.
+* A NIC that is down while Lens, which watches it (it probes the NIC and hears other nodes now), has not
+  judged it yet is **deferred**: no drain now; the next health check decides (Lens raises a suspect within a
+  few evaluations, the health check runs every HealthCheckInterval). So the first nodes to run their check
+  while a switch dies are not drained before the others' evidence arrives.
+* Without Lens's evidence (Lens off, its daemon unreadable, a NIC Lens does not probe, or a Lens that hears no
+  other node at all) each node is judged alone, as before: a NIC down drains.
+
+Pure: the health check (:mod:`slurm_hooks.healthcheck`) reads the NICs and the daemon's ``lens`` reply and
+applies :func:`judge_links`; the tests run this same code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LinkFault", "LinkJudgement", "judge_links"]
+
+
+@dataclass(frozen=True)
+class LinkFault:
+    """One problem with one of this node's fabric NICs, as the health check words it."""
+
+    nic: str  # the NIC's name on this node, e.g. "ib1"
+    text: str  # what the drain reason would say, e.g. "ib1 down (down, carrier 0)"
+    from_lens: bool = False  # Lens suspects the link (rather than the kernel saying it is down)
+
+
+@dataclass(frozen=True)
+class LinkJudgement:
+    """What the health check does with this node's link faults."""
+
+    drain: list[str] = field(default_factory=list)  # the drain reason's parts: the node's own faults
+    switch_faults: list[str] = field(default_factory=list)  # not drained: one fault of a switch, with the evidence
+    deferred: list[str] = field(default_factory=list)  # not drained yet: waiting for Lens's verdict
+
+
+def _nic_suspects(suspects: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
+    """(node, nic, switch) of every raised suspect that names a node's NIC."""
+    out = []
+    for s in suspects:
+        nic = str(s.get("nic") or "")
+        if "/" in nic:
+            node, _, name = nic.partition("/")
+            out.append((node, name, str(s.get("switch") or "")))
+    return out
+
+
+def _watched(paths: Sequence[Mapping[str, Any]], nic_id: str) -> bool:
+    """Lens probes ``nic_id`` and hears some peer now (on any NIC): it will judge the NIC. A Lens that hears no
+    peer at all (the other daemons not running) gives no evidence."""
+    hears = any(int(p.get("received") or 0) > 0 for p in paths)
+    return hears and any(p.get("dst") == nic_id or p.get("src") == nic_id for p in paths)
+
+
+def judge_links(
+    node: str, faults: Sequence[LinkFault], lens: Mapping[str, Any] | None, switch_fault_nodes: int
+) -> LinkJudgement:
+    """Judge this node's link ``faults`` with Lens's snapshot ``lens`` (the daemon's ``lens`` reply; None: no
+    Lens evidence). ``switch_fault_nodes``: how many nodes' links on one switch failing together make it a switch
+    fault (0: judge every node alone). See the module docstring for the rule."""
+    out = LinkJudgement()
+    if lens is None or switch_fault_nodes <= 0:
+        out.drain.extend(f.text for f in faults)
+        return out
+    suspects = _nic_suspects(lens.get("suspects") or [])
+    paths = list(lens.get("paths") or [])
+    for fault in faults:
+        mine = [sw for n, name, sw in suspects if n == node and name == fault.nic]
+        if not mine:
+            if not fault.from_lens and _watched(paths, f"{node}/{fault.nic}"):
+                out.deferred.append(f"{fault.text}: waiting for Fleet Lens's verdict on {node}/{fault.nic}")
+            else:
+                out.drain.append(fault.text)  # Lens does not probe this NIC: no evidence either way
+            continue
+        switch = mine[0]
+        together = sorted({n for n, _, sw in suspects if sw == switch})
+        if switch and len(together) >= switch_fault_nodes:
+            shown = ", ".join(together[:8]) + (f" and {len(together) - 8} more" if len(together) > 8 else "")
+            out.switch_faults.append(
+                f"{fault.text}: switch {switch} fault, {len(together)} nodes' links on it fail together ({shown})"
+            )
+        else:
+            out.drain.append(fault.text)
+    return out
