@@ -167,7 +167,7 @@ def test_sandbox_slurm_release_follows_the_precedence(
     assert run(["sandbox", "prepare"]) == 77  # 24.11 from the environment: its root is built as root only
     assert "clockwork sandbox prepare needs root" in capsys.readouterr().err
     assert run(["sandbox", "prepare", "--slurm", "23.02"]) == 2
-    assert "[sandbox] slurm: invalid value '23.02' (expected one of 22.05, 24.11)" in capsys.readouterr().err
+    assert "[sandbox] slurm: invalid value '23.02' (expected one of 22.05, 24.11, 26.05)" in capsys.readouterr().err
 
 
 def test_sandbox_status_without_a_sandbox(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
