@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -188,4 +189,5 @@ def test_linkpass_and_requests_go_on_while_an_nvml_call_hangs(tmp_path: Path, en
         nvml.release.set()
         daemon.request_stop()
         loop.join(20)
+        shutil.rmtree(root, ignore_errors=True)
         assert not loop.is_alive()
