@@ -1,4 +1,9 @@
-"""Make sure this node's clockworkd runs: adopt a live one, restart a hung one, start a missing one.
+"""Make sure this node's clockworkd runs: adopt a live one, restart a dead one, start a missing one.
+
+A daemon that holds its pid file but does not answer is judged before it is killed (:mod:`slurm_hooks.liveness`):
+one that is busy (its CPU time advancing, or waiting on a disk) is given up to ``BUSY_WAIT_S`` to answer and is
+adopted if it does; one that is gone is replaced without a signal; one that neither answers nor makes progress for
+``STALL_S`` (stopped, or blocked in its loop), or stays busy and silent past the bound, is SIGKILLed and restarted.
 
 Called by the Prolog for every clockwork job and by the health check, so it must be fast (a started
 daemon answers ``ping`` within a fraction of a second) and idempotent (two Prologs racing start at
@@ -21,6 +26,7 @@ from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths
 from clockwork.contracts.errors import DaemonError, DaemonUnavailableError
 from clockwork.contracts.instance_lock import running_pid
+from slurm_hooks.liveness import Liveness, judge
 
 log = logging.getLogger("clockwork.hooks")
 
@@ -67,13 +73,31 @@ def ensure_daemon(cfg: DaemonConfig, config_path: Path | None, log_file: Path | 
         return DaemonCheck("adopted", pid)
     action = "started"
     hung = running_pid(paths.pid_file)
-    if hung is not None:  # a live process holds the daemon's lock but does not answer: restart it
-        log.warning("clockworkd pid %d on %s does not answer; restarting it", hung, paths.node)
-        action = "restarted"
-        try:
-            os.kill(hung, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    if hung is not None and hung <= 0:  # the lock is held but names no pid: never signal a guessed one
+        log.warning("clockworkd on %s holds its pid file %s without a pid in it", paths.node, paths.pid_file)
+    elif hung is not None:  # a live process holds the daemon's lock but does not answer: busy, or dead?
+        answered: list[int] = []
+
+        def answers() -> bool:
+            try:
+                pid = _ping(paths)
+            except DaemonError:
+                pid = None
+            if pid is not None:
+                answered.append(pid)
+            return pid is not None
+
+        verdict, why = judge(hung, answers)
+        if verdict is Liveness.ANSWERS:
+            log.info("clockworkd pid %d on %s was busy and %s; kept", hung, paths.node, why)
+            return DaemonCheck("adopted", answered[-1], f"busy, {why}")
+        if verdict is not Liveness.GONE:
+            log.warning("clockworkd pid %d on %s is %s: %s; killing and restarting it", hung, paths.node, verdict, why)
+            action = "restarted"
+            try:
+                os.kill(hung, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + START_WAIT_S  # a new daemon refuses to start while the lock is held
         while running_pid(paths.pid_file) is not None and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -167,6 +167,8 @@ def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
     console.print(f"  jobs:           {info['jobs_running']} running, {info['jobs_total']} known")
     counters = info.get("counters", {})
     console.print("  requests:       " + ", ".join(f"{k} {v}" for k, v in counters.items()))
+    stuck = info.get("watchdog", {}).get("stuck", [])
+    console.print("  stuck parts:    " + escape(", ".join(_stuck_part(s) for s in stuck) or "none"))
     if not info["caller"]["privileged"]:
         console.print(f"  (showing only the jobs of uid {info['caller']['uid']})")
     table = Table(title="jobs", title_justify="left")
@@ -184,6 +186,12 @@ def status(state: CliContext, node_name: str | None, as_json: bool) -> None:
     console.print(table if info["jobs"] else "no jobs registered")
     events = info["recent_events"]
     console.print(_events_table("recent events", events) if events else "no recent events")
+
+
+def _stuck_part(stuck: dict[str, Any]) -> str:
+    """``health.read for 12.0 s (busy in one call, thread gpu-health-read_0)``: one part the watchdog reports."""
+    thread = f", thread {stuck['thread']}" if stuck.get("thread") else ""
+    return f"{stuck['part']} for {stuck['for_s']} s ({stuck['how']}{thread})"
 
 
 @node.command()

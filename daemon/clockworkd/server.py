@@ -31,6 +31,9 @@ the node's status, and recording and publishing events.
 One thread, one :class:`zmq.Poller`; no thread per client (the ZAP authenticator runs in its own
 thread, as pyzmq provides it). A malformed, oversized or unauthorised message is answered with an
 error (or dropped when it cannot even be addressed), counted and logged; it never stops the loop.
+What can block runs off the loop (GPU reads: :mod:`clockworkd.gpuhealth.guarded`; LinkPass's heartbeats:
+:mod:`linkpass.hbio`), and every part is watched (:mod:`clockworkd.watchdog`): ``status`` names a stuck part and
+for how long, and the watchdog's thread logs it, with where it is stuck, even while the loop itself is.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ from clockworkd.lens.ops import LensOps
 from clockworkd.nodewatch.ops import NodeWatchOps
 from clockworkd.parked import Park, ParkedRequests
 from clockworkd.registry import ENDED, RUNNING, EventLogFullError, JobRecord, Registry, UnknownJobError
+from clockworkd.watchdog import Watchdog
 
 __all__ = ["Daemon"]
 
@@ -121,6 +125,8 @@ class Daemon:
         self.counters = {"requests": 0, "errors": 0, "denied": 0, "malformed": 0}
         #: Hosted components by name (e.g. "linkpass"), or a string saying why one is not running.
         self.components: dict[str, Component | str] = {}
+        #: Which part (the loop, a component's call, a worker thread) is stuck, and for how long (``status``).
+        self.watchdog = Watchdog(self.node)
         self._parked = ParkedRequests()
         hosted = OpsContext(self.node, self.components, self.job)
         #: Every op, from the declarations of the core (:meth:`ops`) and of each hosted component.
@@ -220,27 +226,34 @@ class Daemon:
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
         poller.register(wake_r.fileno(), zmq.POLLIN)
-        hosted = [c for c in self.components.values() if not isinstance(c, str)]
-        owner: dict[int, Component] = {}
-        for component in hosted:
+        named = {name: c for name, c in self.components.items() if not isinstance(c, str)}
+        hosted = list(named.values())
+        owner: dict[int, tuple[str, Component]] = {}
+        for name, component in named.items():
             for fd in component.fds():
-                owner[fd] = component
+                owner[fd] = (name, component)
                 poller.register(fd, zmq.POLLIN)
+        dog = self.watchdog
+        loop_beat = [time.monotonic()]
+        dog.watch("loop", lambda: time.monotonic() - loop_beat[0])
+        dog.start()
         try:
             while not self._stopping:
-                now = time.monotonic()
+                now = loop_beat[0] = time.monotonic()
                 parked = self._parked.next_deadline()
                 deadlines = [c.next_deadline() for c in hosted] + ([parked] if parked is not None else [])
                 wait_ms = min([1000.0, *((d - now) * 1000 for d in deadlines)])
                 # Round up: truncating would poll(0) for the last millisecond before every deadline (a spin).
                 ready = dict(poller.poll(max(0, math.ceil(wait_ms))))
-                for fd, component in owner.items():
+                for fd, (name, component) in owner.items():
                     if fd in ready:
-                        component.on_readable(fd)
+                        with dog.working(name):
+                            component.on_readable(fd)
                 now = time.monotonic()
-                for component in hosted:
+                for name, component in named.items():
                     if now >= component.next_deadline():
-                        component.tick()
+                        with dog.working(name):
+                            component.tick()
                 self._parked.answer_ready(time.monotonic(), self._send)
                 if wake_r.fileno() in ready:
                     try:
@@ -255,6 +268,7 @@ class Daemon:
                     self.counters["denied"] += self.sockets.log_refused_peers(BATCH)
             log.info("node %s: stopping (signal or request)", self.node)
         finally:
+            dog.stop()
             if in_main:
                 signal.set_wakeup_fd(old_wakeup)
                 for sig, handler in old_handlers.items():
@@ -314,7 +328,8 @@ class Daemon:
             log.warning("node %s: request without kernel credentials on the control socket refused", self.node)
             self._send(sock, [*envelope, encode_error(FORBIDDEN, "the caller's credentials cannot be determined")])
             return
-        reply = self.handle(rest[0].bytes, caller)
+        with self.watchdog.working(f"{plane} request"):
+            reply = self.handle(rest[0].bytes, caller)
         if isinstance(reply, Park):
             self._parked.add(sock, envelope, reply, time.monotonic(), self._send)
         else:
@@ -400,6 +415,7 @@ class Daemon:
             "jobs": [j.to_dict() for j in sorted(shown, key=lambda j: j.job_id)],
             "recent_events": recent[-RECENT_EVENTS_IN_STATUS:],
             "counters": dict(self.counters),
+            "watchdog": self.watchdog.report(),
             **{
                 name: ({"enabled": False, "state": c} if isinstance(c, str) else c.status())
                 for name, c in self.components.items()

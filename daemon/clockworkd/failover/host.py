@@ -61,4 +61,11 @@ def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> L
         engine.close()
         log.error("node %s: LinkPass cannot start: %s", paths.node, exc)
         return f"disabled: {exc}"
+
+    def heartbeats_age() -> float:
+        """Seconds since the heartbeat thread's last round (0 without one: the loop's tick restarts it)."""
+        io = engine.io
+        return 0.0 if io is None else max(0.0, engine.clock() - io.last_round)
+
+    daemon.watchdog.watch("linkpass.heartbeats", heartbeats_age)
     return engine

@@ -15,6 +15,7 @@ from clockwork.contracts.config.health import HealthConfig
 from clockwork.contracts.daemon_paths import DaemonPaths, expand
 from clockworkd.daemon_component import Component
 from clockworkd.gpuhealth.faultfile import FaultFileSource
+from clockworkd.gpuhealth.guarded import GuardedSource
 from clockworkd.gpuhealth.nvml import NvmlSource
 from clockworkd.gpuhealth.readings import GpuSource
 from clockworkd.gpuhealth.watch import HealthWatch
@@ -39,7 +40,7 @@ def start_health(cfg: HealthConfig, paths: DaemonPaths, daemon: Daemon) -> Compo
     if daemon.registry is None:
         return "disabled: the daemon has no registry (not started)"
     try:
-        source = make_source(cfg, paths)
+        source = GuardedSource(make_source(cfg, paths), daemon.watchdog)  # a hung read never stops the loop
     except Exception as exc:  # never stop the daemon for its GPU watch
         log.error("node %s: GPU health watch cannot start: %s", paths.node, exc)
         return f"disabled: {exc}"

@@ -72,3 +72,7 @@ class GpuSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class SourceBusyError(Exception):
+    """A read of the GPUs did not return in time (a hung NVML call): no readings this round, the loop goes on."""

@@ -33,7 +33,7 @@ from clockwork.contracts.config.health_signals import ACTION_RANK, SIGNALS
 from clockwork.contracts.coordinator_client import coordinator_record, request_migration
 from clockworkd.gpuhealth.policy import Change, NodeFault, Policy
 from clockworkd.gpuhealth.ranks import LiveRank, gpu_of, pid_alive, ranks_in, read_environ
-from clockworkd.gpuhealth.readings import GpuReading, GpuSource
+from clockworkd.gpuhealth.readings import GpuReading, GpuSource, SourceBusyError
 from clockworkd.registry import RUNNING, Registry
 
 log = logging.getLogger("clockwork.daemon.health")
@@ -96,6 +96,7 @@ class HealthWatch:
         self.read_at = 0.0
         self.reads = 0
         self.failures = 0
+        self.busy_rounds = 0  # rounds skipped because the source's read hung (SourceBusyError)
         self._next = time.monotonic()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gpu-health-migrate")
         self._requests: dict[tuple[int, int], _Request] = {}  # (job, pid) -> latest request
@@ -117,9 +118,17 @@ class HealthWatch:
         self._next = time.monotonic() + self.cfg.interval_s
         try:
             self.step()
+        except SourceBusyError as exc:  # a hung NVML call: skip this round, say so once per hang
+            if self.busy_rounds == 0:
+                log.warning("node %s: GPU health watch skips its rounds while a read hangs: %s", self.node, exc)
+            self.busy_rounds += 1
+            return
         except Exception:  # the watch must never take the daemon down
             self.failures += 1
             log.exception("node %s: GPU health watch failed this round (goes on at the next)", self.node)
+        if self.busy_rounds:
+            log.warning("node %s: GPU reads return again (%d rounds skipped)", self.node, self.busy_rounds)
+            self.busy_rounds = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -132,6 +141,7 @@ class HealthWatch:
             "gpus": len(self.readings),
             "health": {f"gpu{r.index}": self.policy.health(r.index)[0] for r in self.readings},
             "reads": self.reads,
+            "busy_rounds": self.busy_rounds,
         }
 
     # ----- one round ---------------------------------------------------------------------------
