@@ -136,14 +136,20 @@ def test_unstartable_daemon_fails_the_prolog_only_when_required(
 
 
 def _fake_slurm_clients(site: dict[str, Path], queue: dict[str, Any]) -> Path:
-    """Slurm's clients as fakes (no controller runs in a unit test): squeue answers ``queue``, scancel and
-    scontrol succeed; every call is logged to the returned file, and the site's config points at them."""
+    """Slurm's clients as fakes (no controller runs in a unit test): sinfo says 22.05, squeue answers ``queue``,
+    scancel and scontrol succeed; every call is logged to the returned file, and the site's config points at them."""
     root = site["root"]
     fake_bin = root / "bin"
     fake_bin.mkdir()
     calls = root / "calls.log"
     (root / "queue.json").write_text(json.dumps(queue))
-    for tool, body in (("squeue", f"cat {root / 'queue.json'}"), ("scancel", "exit 0"), ("scontrol", "exit 0")):
+    tools = (
+        ("sinfo", 'echo "slurm 22.05.8"'),  # the backend asks the release first (which JSON layout to ask for)
+        ("squeue", f"cat {root / 'queue.json'}"),
+        ("scancel", "exit 0"),
+        ("scontrol", "exit 0"),
+    )
+    for tool, body in tools:
         script = fake_bin / tool
         script.write_text(f'#!/bin/sh\nprintf "%s\\n" "{tool} $*" >> {calls}\n{body}\n')
         script.chmod(0o755)
