@@ -30,7 +30,7 @@ def _require(problem: str | None) -> None:
 
 
 def test_the_releases_and_the_default() -> None:
-    assert list(RELEASES) == ["22.05", "24.11"]
+    assert list(RELEASES) == ["22.05", "24.11", "26.05"]
     host = release("22.05")
     assert not host.from_root and host.ready()
     assert host.overlay_command() == "" and host.plugin_dir() is None

@@ -150,6 +150,13 @@ def check_budgets(host: BudgetHost, snapshotter: Snapshotter, sharded: ShardedSt
             level = logging.ERROR if result.refuse else logging.WARNING if result.shortfalls else logging.INFO
             emit_at(level, host.event_sink, host.log, "torchpass.budget", **_summary(uses, result, cfg, quota))
         if result.refuse:
+            # Every rank judged the same numbers, and each stops the job. The first to stop would exit while
+            # others may still be reading its part of the gather (a closed socket drops what is in flight): they
+            # would leave with "could not gather", slot 0 before it posted the verdict. So all wait here first.
+            try:
+                dist.barrier()
+            except Exception as exc:  # stopping anyway: what the job is told is the same verdict
+                host.log.debug("the budget check's barrier before stopping failed: %s", exc)
             host.link.fatal(result.message())
         if result.shortfalls and host.slot == 0:
             host.log.warning("%s", result.message())
