@@ -11,10 +11,10 @@ expanded), so both backends produce identical records and tests can compare them
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "FINISHED_JOB_STATES",
@@ -23,6 +23,7 @@ __all__ = [
     "NodeInfo",
     "SlurmBackend",
     "SlurmVersion",
+    "json_number",
     "node_state",
 ]
 
@@ -208,3 +209,18 @@ class SlurmBackend(Protocol):
     def expand_hostlist(self, expr: str) -> list[str]:
         """Expand a hostlist expression such as ``n[01-03],gpu1``."""
         ...
+
+
+def json_number(value: Any) -> int | None:
+    """An integer field of Slurm's JSON: a plain number, or 23.02+'s ``{"set": true, "number": N}`` wrapper; None
+    when unset, infinite or not a number."""
+    if isinstance(value, Mapping):
+        if not value.get("set", True) or value.get("infinite"):
+            return None
+        value = value.get("number")
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from clockwork.contracts.slurm.backend import json_number
+
 __all__ = ["JobResources", "gres_per_node", "parse_resources_json", "parse_resources_scontrol"]
 
 #: Slurm's INFINITE / NO_VAL for 32-bit time limits (minutes): no limit.
@@ -53,19 +55,6 @@ class JobResources:
         0 when less than a minute is left (Slurm counts time limits in minutes: nothing fits)."""
         left = self.remaining_s(now)
         return None if left is None else math.floor(left / 60)
-
-
-def _number(value: Any) -> int | None:
-    if isinstance(value, Mapping):
-        if not value.get("set", True) or value.get("infinite"):
-            return None
-        value = value.get("number")
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _gres_entries(spec: str) -> list[str]:
@@ -108,17 +97,17 @@ def _alloc_names(alloc_tres: str) -> list[str]:
 def parse_resources_json(doc: Mapping[str, Any], job_id: int) -> JobResources | None:
     """The job's resources from a ``squeue --json`` document (None when the job is not in it)."""
     for job in doc.get("jobs") or []:
-        if _number(job.get("job_id")) != job_id:
+        if json_number(job.get("job_id")) != job_id:
             continue
-        limit = _number(job.get("time_limit"))
-        nodes = _number(job.get("node_count")) or 0
+        limit = json_number(job.get("time_limit"))
+        nodes = json_number(job.get("node_count")) or 0
         return JobResources(
             job_id=job_id,
             account=str(job.get("account") or ""),
             qos=str(job.get("qos") or ""),
             gres=gres_per_node(str(job.get("tres_per_node") or ""), str(job.get("tres_alloc_str") or ""), nodes),
             time_limit_s=None if limit is None or limit <= 0 or limit >= _NO_LIMIT else 60.0 * limit,
-            start_time=float(_number(job.get("start_time")) or 0),
+            start_time=float(json_number(job.get("start_time")) or 0),
         )
     return None
 
@@ -145,7 +134,7 @@ def _duration_s(text: str) -> float | None:
 def parse_resources_scontrol(fields: Mapping[str, str], job_id: int, start_time: float) -> JobResources:
     """The job's resources from one ``scontrol -o show job`` record (``start_time``: StartTime as epoch
     seconds, which the caller converts: scontrol prints local time)."""
-    nodes = _number(fields.get("NumNodes", "").split("-")[0]) or 0
+    nodes = json_number(fields.get("NumNodes", "").split("-")[0]) or 0
     return JobResources(
         job_id=job_id,
         account=fields.get("Account", ""),

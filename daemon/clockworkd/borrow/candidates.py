@@ -13,7 +13,7 @@ from typing import Any
 
 from clockwork.contracts.config.borrow import BorrowConfig, names
 from clockwork.contracts.hostlist import expand_hostlist
-from clockwork.contracts.slurm.backend import NodeInfo
+from clockwork.contracts.slurm.backend import NodeInfo, json_number
 
 __all__ = [
     "HOLDER_PREFIX",
@@ -58,19 +58,6 @@ class QueueJob:
         return max(0.0, now - self.start_time) if self.start_time > 0 else 0.0
 
 
-def _int(value: Any) -> int | None:
-    if isinstance(value, Mapping):
-        if not value.get("set", True) or value.get("infinite"):
-            return None
-        value = value.get("number")
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
 def _state(value: Any) -> str:
     if isinstance(value, list):
         states = [str(s).upper() for s in value]
@@ -91,7 +78,7 @@ def parse_queue_json(doc: Mapping[str, Any]) -> list[QueueJob]:
     """Jobs of a ``squeue --json`` document (22.05 openapi v0.0.38 and the 23.02+ data_parser shapes)."""
     out: list[QueueJob] = []
     for job in doc.get("jobs") or []:
-        job_id = _int(job.get("job_id"))
+        job_id = json_number(job.get("job_id"))
         if job_id is None:
             continue
         nodes = str(job.get("nodes") or "")
@@ -105,7 +92,7 @@ def parse_queue_json(doc: Mapping[str, Any]) -> list[QueueJob]:
                 partition=str(job.get("partition") or ""),
                 qos=str(job.get("qos") or ""),
                 nodes=tuple(expand_hostlist(nodes)) if nodes else (),
-                start_time=float(_int(job.get("start_time")) or 0),
+                start_time=float(json_number(job.get("start_time")) or 0),
                 requeue=_bool(job.get("requeue")),
                 admin_comment=str(job.get("admin_comment") or ""),
             )
