@@ -8,6 +8,10 @@ it ended (``slots moved: 2 node3/0->node5/0, 3 node3/1->node5/1``: node and loca
 ``torchpass.placement`` event every node agent posts at the job's end. A job that lost hundreds of ranks must
 not turn the comment into a page: the list stops at :data:`SLOTS_MAX_CHARS` and says how many more moved
 (``clockwork report JOBID`` lists every one).
+
+A job TorchPass could not recover says how it ended (:func:`ending`): requeued to restore a snapshot (the
+last line of defence, ``torchpass.requeued``), or failed and why it was not requeued (``torchpass.not_requeued``),
+so an admin reading ``sacct`` sees which way it went.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ COUNTED = {
 #: The most characters the AdminComment spends on the moved slots (sacct shows the comment as one field).
 SLOTS_MAX_CHARS = 240
 PLACEMENT = "torchpass.placement"
+#: The most characters of the ending's reason in the AdminComment (the report keeps all of it).
+ENDING_MAX_CHARS = 120
+ENDINGS = {"torchpass.requeued": "requeued", "torchpass.not_requeued": "not requeued"}
 
 
 #: Event fields that hold secrets (TorchPass's job key, for ``clockwork migrate``): never copied into a report.
@@ -64,8 +71,18 @@ def build(ctx: HookContext, events: list[dict[str, Any]], daemon: str) -> dict[s
         "daemon": daemon,
         "counts": {label: kinds.get(kind, 0) for kind, label in COUNTED.items()},
         **slots_moved(events),
+        "ending": ending(events),
         "events": events,
     }
+
+
+def ending(events: list[dict[str, Any]]) -> str:
+    """``requeued: WHY`` or ``not requeued: WHY`` from the newest such event here ('' when neither happened)."""
+    said = [e for e in events if e.get("kind") in ENDINGS and isinstance(e.get("fields"), dict)]
+    if not said:
+        return ""
+    last = said[-1]
+    return f"{ENDINGS[last['kind']]}: {last['fields'].get('why', '?')}"
 
 
 def slots_moved(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -96,7 +113,9 @@ def summary(report: dict[str, Any], path: Path) -> str:
     one line; ``report=PATH`` stays last: readers take everything after it as the path)."""
     counts = ", ".join(f"{n} {label}" for label, n in report["counts"].items())
     moved = _slots_part(report.get("slots_moved") or {}, int(report.get("slots_moved_total") or 0))
-    return f"clockwork: {counts}; {moved + '; ' if moved else ''}report={path}"
+    end = str(report.get("ending") or "")[:ENDING_MAX_CHARS].replace(";", ",")
+    parts = "".join(f"{part}; " for part in (moved, end) if part)
+    return f"clockwork: {counts}; {parts}report={path}"
 
 
 def write(report: dict[str, Any], reports_dir: Path) -> Path:
@@ -104,5 +123,10 @@ def write(report: dict[str, Any], reports_dir: Path) -> Path:
     empty one."""
     reports_dir.mkdir(parents=True, exist_ok=True)
     path = reports_dir / f"{report['job_id']}.json"
+    if path.exists():  # an earlier run of a requeued job: kept as JOB.1.json, JOB.2.json, ... (oldest first)
+        earlier = 1
+        while (reports_dir / f"{report['job_id']}.{earlier}.json").exists():
+            earlier += 1
+        path.rename(reports_dir / f"{report['job_id']}.{earlier}.json")
     atomic_file.write_text(path, json.dumps(report, indent=2, sort_keys=True) + "\n")
     return path

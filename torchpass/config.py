@@ -180,6 +180,19 @@ class TorchPassConfig:
         "failed, with that diagnosis: an error that survives that many rebuilds at the same step is not transient.",
         min=0,
     )
+    requeue_on_loss: bool = setting(
+        True,
+        "Slurm mode, the last line of defence: when the job fails in a way new nodes and a snapshot can undo (no "
+        "spare came, or every holder of some part of the state is gone) and a complete snapshot exists, the "
+        "leading agent requeues the job (scontrol requeue); the requeued job restores that snapshot (restore="
+        "'auto'). Off: the job fails with the reason and the snapshot to restart from.",
+    )
+    max_requeues: int = setting(
+        3,
+        "requeue_on_loss: requeues of one job (SLURM_RESTART_COUNT, whoever requeued it) after which a failure "
+        "is final: a job that keeps losing its state is not put back in the queue forever.",
+        min=0,
+    )
     store_prefix: str = setting(
         "torchpass", "Key prefix in the rendezvous stores; each generation uses PREFIX/gN/ so none collide."
     )

@@ -12,6 +12,8 @@ Incidents, one per fault the product handled:
 * ``link failover`` / ``link failback``: LinkPass moved a NIC's traffic (``route_ms``);
 * ``gray failure``: Fleet Lens raised ``lens.suspect`` (resolved when ``lens.clear`` names the same target);
 * ``rollback``: ``torchpass.restored`` (the job went back to a disk snapshot: nothing saved; once per step);
+* ``job lost``: ``torchpass.requeued`` or ``torchpass.not_requeued`` (TorchPass could not recover the job: Slurm
+  requeued it to restore a snapshot, or it failed, with why);
 * ``node borrowed`` / ``borrow failed``: ``borrow.acquired`` (which node, from which job, how long Slurm
   took) or a borrow request that ended without a node (``borrow.failed``/``borrow.refused``); part of how a
   ``rank replaced`` was resolved, not a fault of its own.
@@ -62,7 +64,7 @@ class Incident:
 
     time: float
     node: str
-    what: str  # rank replaced, rank migrated, link failover, link failback, gray failure, rollback
+    what: str  # rank replaced, rank migrated, link failover, link failback, gray failure, rollback, job lost
     detail: str
     resolution: str
     duration_s: float | None = None  # how long the repair took (None: not measured, or still open)
@@ -190,6 +192,9 @@ def build_story(
             if incident is not None:
                 incident.duration_s = at - incident.time
                 incident.resolution = f"path healthy again after {incident.duration_s:.1f} s"
+        elif kind in ("torchpass.requeued", "torchpass.not_requeued"):  # TorchPass could not recover the job
+            resolution = "Slurm requeued it" if kind == "torchpass.requeued" else "the job failed"
+            incidents.append(Incident(at, node, "job lost", str(f.get("why", "?")), resolution, fields=f))
         elif kind == "torchpass.restored" and f.get("step") not in restored_steps:  # every rank says so: once
             restored_steps.add(f.get("step"))
             detail = f"restored the snapshot of step {f.get('step')} ({f.get('folder', '?')})"

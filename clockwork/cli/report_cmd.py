@@ -181,6 +181,8 @@ def _reported_jobs(reports_dir: Path) -> list[dict[str, Any]]:
     """The jobs whose Epilog reports lie in ``reports_dir``, shaped like the daemon's ``jobs`` answer."""
     out = []
     for path in sorted(reports_dir.glob("*.json")) if reports_dir.is_dir() else []:
+        if not path.stem.isdigit():  # JOB.N.json: an earlier run of a requeued job, not another job
+            continue
         try:
             report = json.loads(path.read_text())
             nodes = expand_hostlist(str(report.get("nodelist") or ""))

@@ -103,6 +103,23 @@ class JobState(StrEnum):
         return self in (JobState.DONE, JobState.FAILED)
 
 
+class FailureKind(StrEnum):
+    """Why a job failed, as far as what could bring it back is concerned (the reason's text says the rest).
+
+    Only a failure that new nodes and the newest snapshot can undo (:attr:`requeue_helps`) is worth a Slurm
+    requeue: a job the script itself stops (an exception, a replica mismatch) would fail again the same way."""
+
+    SCRIPT = "script"  # the training script or its state: an error, a mismatch, collectives out of line
+    CAPACITY = "capacity"  # no spare came (none ready within spare_timeout_s, none could be borrowed)
+    STATE_LOST = "state_lost"  # every holder of some part of the state is gone (no replica, no peer copy)
+    LIMIT = "limit"  # more failures or rebuilds than max_failures / max_resets allow
+
+    @property
+    def requeue_helps(self) -> bool:
+        """Whether a requeued job (fresh nodes, restored from the newest snapshot) can get past it."""
+        return self in (FailureKind.CAPACITY, FailureKind.STATE_LOST)
+
+
 @dataclass(frozen=True)
 class Role:
     """What a process was started as: the initial member of ``slot``, or a spare (``slot`` None).

@@ -12,7 +12,12 @@ go to ``CLOCKWORK_SNAPSHOT_DIR`` (the test's folder, which every sandbox node se
   ``SLURM_RESTART_COUNT=1``, restores the newest good snapshot by itself (``restore = auto``) and its
   final state equals the fault-free job's on every slot;
 * ``clockwork snapshot take JOBID`` on one of the job's nodes: the step it names becomes a complete snapshot
-  that ``clockwork snapshot verify`` accepts.
+  that ``clockwork snapshot verify`` accepts;
+* the last line of defence: a job on 2 nodes with no spare (``--clockwork-spares=none``) loses a node once a
+  snapshot of step >= 20 exists. No spare comes within ``spare_timeout_s`` (a capacity failure), so the leading
+  agent requeues the job itself (``torchpass.requeued``); it runs again on the nodes left, restores that
+  snapshot and ends bitwise equal to the fault-free job. The crashed node comes back once the requeue is
+  said, as an admin's reboot would bring it, so Slurm can finish the old run's cleanup on it.
 
 Run (root, sandbox built; the lead runs these):
 ``CI=true /work/main/.venv/bin/python -m pytest tests/integration/test_snapshot_sandbox.py -v``
@@ -30,7 +35,7 @@ import pytest
 
 from clockwork.contracts.snapshots.store import list_snapshots, verify_snapshot
 from clockwork.sandbox.cluster import Sandbox
-from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
+from tests.integration.conftest import CLOCKWORK, SandboxManager, daemon_paths, slurm_env
 from tests.unit import test_snapshot_job as job_script
 
 NODES = 3
@@ -52,7 +57,16 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("snapshot-sandbox")
 
 
-def _submit(box: Sandbox, out: Path, *, snapshot: str, steps: int = STEPS) -> tuple[int, dict[str, str]]:
+def _submit(
+    box: Sandbox,
+    out: Path,
+    *,
+    snapshot: str,
+    steps: int = STEPS,
+    nodes: int = NODES,
+    spares: str = "standby",
+    settings: tuple[str, ...] = (),
+) -> tuple[int, dict[str, str]]:
     out.mkdir()
     env = dict(
         slurm_env(box),
@@ -63,14 +77,15 @@ def _submit(box: Sandbox, out: Path, *, snapshot: str, steps: int = STEPS) -> tu
         OMP_NUM_THREADS="1",
         CLOCKWORK_CONFIG=str(box.paths.clockwork_toml),
     )
-    command = f"{sys.executable} -m torchpass run --set collective_timeout_s=20 {job_script.SCRIPT}"
+    sets = "".join(f" --set {s}" for s in ("collective_timeout_s=20", *settings))
+    command = f"{sys.executable} -m torchpass run{sets} {job_script.SCRIPT}"
     options = [
-        f"-N{NODES}",
+        f"-N{nodes}",
         "--no-kill",
         "--requeue",
         "--open-mode=append",
         "--clockwork-ft",
-        "--clockwork-spares=standby",
+        f"--clockwork-spares={spares}",
         f"--clockwork-snapshot={snapshot}",
         f"--output={out}/job.out",
     ]
@@ -166,3 +181,56 @@ def test_clockwork_snapshot_take(box: Sandbox, base: Path) -> None:
         [CLOCKWORK, "snapshot", "verify", str(snapdir)], env=env, capture_output=True, text=True, timeout=120
     )
     assert verified.returncode == 0 and "OK " in verified.stdout, verified.stdout + verified.stderr
+
+
+def _wait_snapshot(out: Path, step: int) -> None:
+    snapdir = out / "snapshots"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        complete = [i for i in list_snapshots(snapdir) if i.complete]
+        if complete and complete[-1].step >= step:
+            return
+        assert not (out / "final-0.json").exists(), f"the job ended before a snapshot of step >= {step} was written"
+        time.sleep(0.1)
+    raise AssertionError(
+        f"no snapshot of step >= {step} in {snapdir}: {[i.summary() for i in list_snapshots(snapdir)]}"
+    )
+
+
+def test_a_job_that_cannot_recover_requeues_itself_and_resumes_bitwise(
+    box: Sandbox, base: Path, reference: list[str]
+) -> None:
+    out = base / "last-line"
+    job_id, _env = _submit(
+        box, out, snapshot="2s", nodes=NPROC, spares="none", settings=("spare_timeout_s=3", "max_requeues=1")
+    )
+    _wait_snapshot(out, 20)
+    info = box.slurm().job(job_id)
+    assert info is not None and len(info.nodes) == NPROC, info
+    lost = info.nodes[-1]
+    box.crash_node(lost)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not _rank_events(out, "torchpass.requeued"):
+            said = _rank_events(out, "torchpass.not_requeued")
+            assert not said, f"the job was not requeued: {said}"
+            assert time.monotonic() < deadline, f"no requeue within {JOB_TIMEOUT_S} s"
+            time.sleep(0.2)
+    finally:
+        box.restore_node(lost)
+    _wait_end(box, job_id, out)
+    requeued = _rank_events(out, "torchpass.requeued")
+    failed = _rank_events(out, "torchpass.failed")
+    assert failed and failed[0]["cause"] == "capacity", failed
+    restored = _rank_events(out, "torchpass.restored")
+    steps = {int(str(e["step"])) for e in restored}
+    assert len(restored) == NPROC and len(steps) == 1 and min(steps) >= int(str(requeued[0]["step"])), restored
+    assert int(str(restored[0]["step"])) >= 20
+    assert _finals(out) == reference
+    final = box.slurm().job(job_id)
+    assert final is not None and final.restart_count == 1, final
+    # The survivor's Epilog reported the first run (moved to JOB.N.json if the second ran there too): requeued.
+    reports = daemon_paths(box, info.nodes[0]).reports_dir
+    runs = [reports / f"{job_id}.json", *sorted(reports.glob(f"{job_id}.*.json"))]
+    endings = [json.loads(p.read_text()).get("ending", "") for p in runs if p.exists()]
+    assert any(e.startswith("requeued: requeued to restore the snapshot of step") for e in endings), endings

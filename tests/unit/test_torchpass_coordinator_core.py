@@ -40,7 +40,7 @@ from clockwork.contracts.coordinator_requests import (
     SnapshotAsk,
     Status,
 )
-from clockwork.contracts.coordinator_wire import JobState, Role
+from clockwork.contracts.coordinator_wire import FailureKind, JobState, Role
 from clockwork.contracts.versions import VERSION
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.core import CoordinatorCore
@@ -173,9 +173,9 @@ class Sim:
             wid, committed = args
             self.ask(wid, Finished(next(self.ids), wid, self.m.gen, committed))
         elif verb == "fatal":
-            self.ask(args[0], Fatal(next(self.ids), args[0], args[1]))
+            self.ask(args[0], Fatal(next(self.ids), args[0], args[1], *args[2:]))
         elif verb == "fail_now":
-            self.handle(FailNow(args[0]))
+            self.handle(FailNow(*args))
         else:
             raise AssertionError(f"no step {verb!r}")
 
@@ -191,6 +191,7 @@ class Expect:
     reason: str | None = None  # a part of the last generation's reason
     handoff: tuple[str, str] | None = None  # (source, target) of the last generation's handoff
     failed: str | None = None  # a part of the failure's reason
+    cause: FailureKind | None = None  # the failure's kind (whether a requeue from a snapshot can undo it)
     events: list[str] = field(default_factory=list)  # kinds that must have been emitted, in this order
     absent: list[str] = field(default_factory=list)  # kinds that must not have been emitted
     refused: str | None = None  # a part of the refusal the command line got (asked again later: retry)
@@ -236,7 +237,7 @@ SCENARIOS: list[tuple[str, int, dict[str, Any], list[Step], Expect]] = [
         2,
         {"spare_timeout_s": 5.0},
         [("start", "w0", "w1"), ("exit", "w1"), ("wait", 6.0)],
-        Expect(state=JobState.FAILED, gen=0, failed="no spare for slot(s) [1] within 5 s"),
+        Expect(state=JobState.FAILED, gen=0, failed="no spare for slot(s) [1] within 5 s", cause=FailureKind.CAPACITY),
     ),
     (
         "two deaths at once (their node agent lost): one generation replaces both",
@@ -308,7 +309,12 @@ SCENARIOS: list[tuple[str, int, dict[str, Any], list[Step], Expect]] = [
             ("broken", "w1", 9),
             ("wait", 1.0),
         ],
-        Expect(state=JobState.FAILED, gen=1, failed="after 1 rebuild(s) at step 9 with no member lost"),
+        Expect(
+            state=JobState.FAILED,
+            gen=1,
+            failed="after 1 rebuild(s) at step 9 with no member lost",
+            cause=FailureKind.LIMIT,
+        ),
     ),
     (
         "a rebuild at a later step starts the count again",
@@ -331,14 +337,19 @@ SCENARIOS: list[tuple[str, int, dict[str, Any], list[Step], Expect]] = [
         2,
         {"max_failures": 1},
         [("start", "w0", "w1"), ("spare", "w2"), ("exit", "w1"), ("join",), ("exit", "w2")],
-        Expect(state=JobState.FAILED, gen=1, failed="2 member failures exceed max_failures=1 (the last: slot 1 (w2)"),
+        Expect(
+            state=JobState.FAILED,
+            gen=1,
+            failed="2 member failures exceed max_failures=1 (the last: slot 1 (w2)",
+            cause=FailureKind.LIMIT,
+        ),
     ),
     (
         "every member gone: nobody holds the state",
         1,
         {},
         [("start", "w0"), ("spare", "w1"), ("exit", "w0")],
-        Expect(state=JobState.FAILED, gen=0, failed="every member is gone"),
+        Expect(state=JobState.FAILED, gen=0, failed="every member is gone", cause=FailureKind.STATE_LOST),
     ),
     (
         "a planned migration: the spare takes the slot and the departing rank hands its state over",
@@ -391,14 +402,21 @@ SCENARIOS: list[tuple[str, int, dict[str, Any], list[Step], Expect]] = [
         2,
         {},
         [("start", "w0", "w1"), ("fatal", "w1", "model state differs")],
-        Expect(state=JobState.FAILED, failed="w1: model state differs"),
+        Expect(state=JobState.FAILED, failed="w1: model state differs", cause=FailureKind.SCRIPT),
+    ),
+    (
+        "a rank's report that every holder of a part is gone fails the job as a state loss",
+        2,
+        {},
+        [("start", "w0", "w1"), ("fatal", "w1", "part 1 has no holder", "state_lost")],
+        Expect(state=JobState.FAILED, failed="w1: part 1 has no holder", cause=FailureKind.STATE_LOST),
     ),
     (
         "fail_now (no node could be borrowed) fails the job at once",
         2,
         {},
-        [("start", "w0", "w1"), ("exit", "w1"), ("fail_now", "no node to borrow")],
-        Expect(state=JobState.FAILED, failed="no node to borrow"),
+        [("start", "w0", "w1"), ("exit", "w1"), ("fail_now", "no node to borrow", FailureKind.CAPACITY)],
+        Expect(state=JobState.FAILED, failed="no node to borrow", cause=FailureKind.CAPACITY),
     ),
     (
         "a silent member is counted dead after heartbeat_timeout_s",
@@ -438,6 +456,10 @@ def test_scenario(world: int, cfg: dict[str, Any], steps: list[Step], expect: Ex
         assert handoff == expect.handoff
     if expect.failed is not None:
         assert expect.failed in m.failure_reason, m.failure_reason
+    if expect.cause is not None:
+        assert m.failure_kind is expect.cause, m.failure_kind
+        exported = m.export()
+        assert exported["failure_kind"] == expect.cause.value  # a successor replica (and every agent) knows it
     kinds = sim.kinds()
     rest = iter(kinds)
     assert all(kind in rest for kind in expect.events), kinds  # a subsequence: in this order, others between

@@ -37,7 +37,7 @@ from clockwork.contracts.coordinator_requests import (
     SnapshotAsk,
     Status,
 )
-from clockwork.contracts.coordinator_wire import UNKNOWN, JobState
+from clockwork.contracts.coordinator_wire import UNKNOWN, FailureKind, JobState
 from clockwork.contracts.versions import VERSION, skew_message
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.lockstep import CollectiveWait
@@ -112,9 +112,9 @@ class CoordinatorCore:
                     log.warning("another replica leads (%s): this one turns passive", leader)
                 self.active = False
                 self.leader_hint = leader
-            case FailNow(reason):
+            case FailNow(reason, kind):
                 if self.active:
-                    m.fail(reason)
+                    m.fail(reason, kind)
             case CheckHeartbeats():
                 if self.active:
                     m.check_heartbeats()
@@ -241,7 +241,8 @@ class CoordinatorCore:
                 if msg.kind == "replica_mismatch" and not m.state.ended:  # the first rank to say so (all may)
                     fields = {"worker": msg.wid, "step": msg.step, "tensor": msg.tensor, "reason": msg.message}
                     self.out.emit("torchpass.replica_mismatch", **fields)
-                m.fail(f"{msg.wid}: {msg.message}")
+                kind = FailureKind.STATE_LOST if msg.kind == FailureKind.STATE_LOST else FailureKind.SCRIPT
+                m.fail(f"{msg.wid}: {msg.message}", kind)
             case Status():
                 self.out.send(sender, StatusAnswer(msg.id, self.status()))
             case SnapshotAsk():

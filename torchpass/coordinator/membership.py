@@ -43,7 +43,7 @@ from clockwork.contracts.coordinator_replies import (
     StopPush,
 )
 from clockwork.contracts.coordinator_requests import AwaitGeneration, Broken, Finished, Joined, Migrate, Register
-from clockwork.contracts.coordinator_wire import GenerationInfo, Handoff, JobState, Role
+from clockwork.contracts.coordinator_wire import FailureKind, GenerationInfo, Handoff, JobState, Role
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.lockstep import MemberProgress, find_mismatch
 from torchpass.coordinator.placement import choose_move_target, choose_spares
@@ -78,6 +78,7 @@ class Membership:
         self.out = outbox
         self.state = JobState.FORMING
         self.failure_reason = ""
+        self.failure_kind = FailureKind.SCRIPT  # meaningful once the job failed
         self.gen = -1
         self.info: GenerationInfo | None = None
         self.members: dict[int, str] = {}  # slot -> wid of the current (or forming) membership
@@ -323,11 +324,12 @@ class Membership:
         if self.failures > self.config.max_failures:
             self.fail(
                 f"{self.failures} member failures exceed max_failures={self.config.max_failures} "
-                f"(the last: slot {slot} ({wid}) {why}, at step {rec.step})"
+                f"(the last: slot {slot} ({wid}) {why}, at step {rec.step})",
+                FailureKind.LIMIT,
             )
             return
         if not self.members:
-            self.fail("every member is gone: no replica holds the training state")
+            self.fail("every member is gone: no replica holds the training state", FailureKind.STATE_LOST)
             return
         self.try_declare()
 
@@ -472,7 +474,8 @@ class Membership:
                 f"failed again (the last error: {self.last_error or 'none reported'}): the "
                 "same collective keeps failing there. Either it outlasts collective_timeout_s="
                 f"{self.config.collective_timeout_s:g}, or the ranks' collectives do not line up (e.g. the "
-                "script's own, gated on a counter of its own, which TorchPass does not restore)"
+                "script's own, gated on a counter of its own, which TorchPass does not restore)",
+                FailureKind.LIMIT,
             )
             return
         if self.recovery is None:
@@ -483,7 +486,10 @@ class Membership:
     def check_spare_timeout(self) -> None:
         """Fail when a vacant slot waited for a spare longer than ``spare_timeout_s``."""
         if self.vacant_since is not None and self.out.now.mono - self.vacant_since > self.config.spare_timeout_s:
-            self.fail(f"no spare for slot(s) {sorted(self.vacant)} within {self.config.spare_timeout_s:g} s")
+            self.fail(
+                f"no spare for slot(s) {sorted(self.vacant)} within {self.config.spare_timeout_s:g} s",
+                FailureKind.CAPACITY,
+            )
 
     def check_heartbeats(self) -> None:
         """Count registered processes silent for ``heartbeat_timeout_s`` as dead (and evict them)."""
@@ -517,13 +523,13 @@ class Membership:
         self.out.emit("torchpass.finished", generation=self.gen, committed=steps, failures=self.failures)
         self.stop_all(done=True, reason="job finished")
 
-    def fail(self, reason: str) -> None:
-        """The job cannot go on: tell everyone why."""
+    def fail(self, reason: str, kind: FailureKind = FailureKind.SCRIPT) -> None:
+        """The job cannot go on: tell everyone why (``kind``: whether new nodes and a snapshot could help)."""
         if self.state.ended:
             return
         self.state = JobState.FAILED
-        self.failure_reason = reason
-        self.out.emit("torchpass.failed", reason=reason, generation=self.gen, failures=self.failures)
+        self.failure_reason, self.failure_kind = reason, kind
+        self.out.emit("torchpass.failed", reason=reason, cause=kind.value, generation=self.gen, failures=self.failures)
         self.stop_all(done=False, reason=reason)
 
     def stop_all(self, *, done: bool, reason: str) -> None:
@@ -549,6 +555,7 @@ class Membership:
         return {
             "state": self.state.value,
             "failure_reason": self.failure_reason,
+            "failure_kind": self.failure_kind.value,
             "gen": self.gen,
             "info": None if self.info is None else self.info.to_wire(),
             "members": {int(k): v for k, v in self.members.items()},
@@ -579,6 +586,7 @@ class Membership:
         """Carry on from a predecessor's :meth:`export` (processes this replica already counts dead stay dead)."""
         self.state = JobState(str(snap["state"]))
         self.failure_reason = str(snap["failure_reason"])
+        self.failure_kind = FailureKind(str(snap.get("failure_kind", FailureKind.SCRIPT.value)))
         self.gen = int(snap["gen"])
         self.info = None if snap["info"] is None else GenerationInfo.from_wire(snap["info"])
         self.members = {int(k): str(v) for k, v in snap["members"].items()}

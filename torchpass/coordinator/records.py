@@ -18,7 +18,7 @@ from typing import Any
 
 from clockwork.contracts.coordinator_replies import Push, Reply
 from clockwork.contracts.coordinator_requests import Heartbeat, Joined, Request
-from clockwork.contracts.coordinator_wire import Role
+from clockwork.contracts.coordinator_wire import FailureKind, Role
 from torchpass.coordinator.lockstep import CollectiveWait
 
 __all__ = [
@@ -222,6 +222,7 @@ class FailNow:
     """Fail the job at once with ``reason``."""
 
     reason: str
+    kind: FailureKind = FailureKind.SCRIPT
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import zmq
 
 from clockwork.contracts.coordinator_replies import Refusal
 from clockwork.contracts.coordinator_requests import Heartbeat, parse_request
-from clockwork.contracts.coordinator_wire import UNKNOWN, GenerationInfo, JobState, ProtocolError, Role
+from clockwork.contracts.coordinator_wire import UNKNOWN, FailureKind, GenerationInfo, JobState, ProtocolError, Role
 from torchpass.auth import serve
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.core import CoordinatorCore
@@ -264,10 +264,10 @@ class Coordinator(SocketThread):
         roles = {wid: _role(role) for wid, role in hints.items()}
         self._post(TakeOver(snapshot, frozenset(dead_agents), roles, why, at))
 
-    def fail_now(self, reason: str) -> None:
+    def fail_now(self, reason: str, kind: FailureKind = FailureKind.SCRIPT) -> None:
         """Fail the job at once with ``reason`` (thread-safe): e.g. no node could be borrowed and the user did
         not allow waiting for a standby spare, so waiting out ``spare_timeout_s`` would only hide the reason."""
-        self._post(FailNow(reason))
+        self._post(FailNow(reason, kind))
 
     def step_down(self, leader: str) -> None:
         """Become passive again (thread-safe): another replica won the leadership."""

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from clockwork.contracts.coordinator_wire import JobState
+from clockwork.contracts.coordinator_wire import FailureKind, JobState
 from clockwork.contracts.job_options import FtMode, JobOptions, JobOptionsError, SpareMode
 from clockwork.contracts.versions import check_daemon
 from torchpass.auth import job_key
@@ -66,6 +66,7 @@ from torchpass.launch.node_ranks import rank_environment
 from torchpass.launch.node_steps import AGENT_EXIT_DONE, AGENT_EXIT_FAILED, AGENT_EXIT_LEFT
 from torchpass.launch.node_verdicts import VerdictFollower, node_heard
 from torchpass.launch.proxy import CoordinatorProxy
+from torchpass.launch.requeue import decide, requeue
 from torchpass.launch.slurm_layout import (
     ENV_AGENT_INDEX,
     ENV_LOST_NODES_FILE,
@@ -210,7 +211,7 @@ class SlurmAgent:
                 layout.job_id,
                 connect=self._daemon_client,
                 launch=self._launch_guest,
-                fail=self.coordinator.fail_now,
+                fail=lambda reason: self.coordinator.fail_now(reason, FailureKind.CAPACITY),
                 lost_node=self._lost_node,
                 fallback=config.borrow_fallback,
                 timeout_s=config.borrow_timeout_s,
@@ -463,7 +464,21 @@ class SlurmAgent:
         if state == JobState.DONE:
             return AGENT_EXIT_DONE
         print(f"torchpass: job failed: {self.mesh.failure_reason() or 'see the leader agent log'}", file=sys.stderr)
+        if self.mesh.is_leader():
+            self._last_line_of_defence()
         return AGENT_EXIT_FAILED
+
+    def _last_line_of_defence(self) -> None:
+        """The job failed: requeue it when new nodes and its newest snapshot can undo that (:mod:`requeue`)."""
+        decision = decide(self.mesh.failure_kind(), self.config, self.environ)
+        error = requeue(str(self.layout.job_id)) if decision.requeue else ""
+        if decision.requeue and not error:
+            emit(self.event_sink, log, "torchpass.requeued", **decision.fields())
+            print(f"torchpass: job {self.layout.job_id}: {decision.why} ({decision.snapshot})", file=sys.stderr)
+            return
+        why = f"{decision.why}, but {error}" if error else decision.why
+        emit(self.event_sink, log, "torchpass.not_requeued", **{**decision.fields(), "why": why})
+        print(f"torchpass: job {self.layout.job_id} not requeued: {why}", file=sys.stderr)
 
     def _post_slot_moves(self) -> None:
         """Tell this node's daemon where the job's replaced ranks went (``torchpass.placement``: per slot, the

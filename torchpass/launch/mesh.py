@@ -52,7 +52,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from clockwork.contracts.coordinator_wire import JobState
+from clockwork.contracts.coordinator_wire import FailureKind, JobState
 from torchpass.auth import connect_as_client, serve
 from torchpass.config import TorchPassConfig
 from torchpass.coordinator.records import worker_id
@@ -179,6 +179,15 @@ class AgentMesh(SocketThread):
         """Why the job failed, per the newest snapshot ('' when it did not)."""
         with self._lock:
             return str(self._snapshot.get("failure_reason", "")) if self._snapshot else ""
+
+    def failure_kind(self) -> FailureKind:
+        """What kind of failure it was, per the newest snapshot (:class:`FailureKind`; SCRIPT before any)."""
+        with self._lock:
+            kind = str(self._snapshot.get("failure_kind", "")) if self._snapshot else ""
+        try:
+            return FailureKind(kind)
+        except ValueError:
+            return FailureKind.SCRIPT
 
     def worker_alive(self, wid: str) -> bool | None:
         """Whether the leader counts ``wid`` alive (None: not in the snapshot yet)."""

@@ -40,7 +40,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from clockwork.contracts.coordinator_wire import GenerationInfo
+from clockwork.contracts.coordinator_wire import FailureKind, GenerationInfo
 from torchpass.config import TorchPassConfig
 from torchpass.errors import TorchPassError
 from torchpass.events import EventSink, emit
@@ -377,7 +377,7 @@ class Rejoiner:
         try:
             plan = plan_transfers(table, self.layout, expect_state=info.expect_state)
         except StateLost as exc:  # the reason says what to restart from: a snapshot, or turn them on
-            self.link.fatal(f"generation {info.gen}: {exc}; {restart_advice(self.config)}")
+            self.link.fatal(f"generation {info.gen}: {exc}; {restart_advice(self.config)}", kind=FailureKind.STATE_LOST)
         me, nbytes, moves = m.slot, 0, []
         before = m.committed if m.has_state else plan.step
         for transfer in plan.involving(me):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torchpass.config import TorchPassConfig
 
-__all__ = ["ENV_RESTART_COUNTS", "restore_target", "snapshot_directory"]
+__all__ = ["ENV_RESTART_COUNTS", "restart_count", "restore_target", "snapshot_directory"]
 
 # What Slurm sets in a requeued job's environment (sbatch(1), "SLURM_RESTART_COUNT"); the longer spelling is
 # accepted too, as some site wrappers and documents use it.
@@ -26,6 +26,17 @@ def snapshot_directory(config: TorchPassConfig, environ: Mapping[str, str] | Non
     return Path(config.snapshot_dir.replace("{job}", job)).expanduser().absolute()
 
 
+def restart_count(environ: Mapping[str, str]) -> int:
+    """How many times Slurm requeued this job (0: its first run, or not under Slurm)."""
+    restarts = 0
+    for name in ENV_RESTART_COUNTS:
+        try:
+            restarts = max(restarts, int(environ.get(name, "0") or 0))
+        except ValueError:
+            pass
+    return restarts
+
+
 def restore_target(config: TorchPassConfig, environ: Mapping[str, str] | None = None) -> tuple[Path | None, bool]:
     """Where to restore from, and whether restoring is required (an explicit request) or only implied.
 
@@ -37,13 +48,7 @@ def restore_target(config: TorchPassConfig, environ: Mapping[str, str] | None = 
     if choice == "never":
         return None, False
     if choice == "auto":
-        restarts = 0
-        for name in ENV_RESTART_COUNTS:
-            try:
-                restarts = max(restarts, int(env.get(name, "0") or 0))
-            except ValueError:
-                pass
-        return (snapshot_directory(config, env), False) if restarts > 0 else (None, False)
+        return (snapshot_directory(config, env), False) if restart_count(env) > 0 else (None, False)
     if choice == "latest":
         return snapshot_directory(config, env), True
     return Path(choice).expanduser().absolute(), True
