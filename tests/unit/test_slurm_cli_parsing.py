@@ -1,9 +1,10 @@
 """The CLI backend: its JSON and text parsers on what real Slurm clients printed, and its command handling.
 
-The parsers read recordings of Slurm 22.05.8 (the host's) and 24.11.5 (the sandbox's Debian 13 root) under
+The parsers read recordings of Slurm 22.05.8 (the host's), 24.11.5 (the sandbox's Debian 13 root) and 26.05.5
+(the sandbox's Debian sid root) under
 data/slurm/VERSION/, made by data/slurm/record.py from a sandbox it put into a known state; that state is in each
 folder's manifest.json (job ids by role, the drained node and its reason, the comments set, each node's address).
-Every parser test runs on both releases and checks the parsed records against the manifest: what the scenario
+Every parser test runs on every release and checks the parsed records against the manifest: what the scenario
 made, not what the recording says.
 
 Command handling is exercised through fake client executables in a temporary ``bin_dir`` (public
@@ -40,7 +41,7 @@ from clockwork.contracts.slurm.cli_backend import (
 from clockwork.contracts.slurm.data_parser import DATA_PARSERS, data_parser, json_option
 
 DATA = Path(__file__).parent / "data" / "slurm"
-RELEASES = ("22.05", "24.11")
+RELEASES = ("22.05", "24.11", "26.05")
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,10 @@ class Recording:
 
 R2205 = Recording("22.05", DATA / "22.05")
 R2411 = Recording("24.11", DATA / "24.11")
+R2605 = Recording("26.05", DATA / "26.05")
 
 
-@pytest.fixture(params=[R2205, R2411], ids=RELEASES)
+@pytest.fixture(params=[R2205, R2411, R2605], ids=RELEASES)
 def rec(request: pytest.FixtureRequest) -> Recording:
     recording = request.param
     assert isinstance(recording, Recording)

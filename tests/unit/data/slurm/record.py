@@ -18,6 +18,7 @@ the sandbox takes the usual ``CLOCKWORK_SANDBOX_*`` settings, e.g. a test slot's
 
     flock /tmp/cw-heavy.lock .venv/bin/python tests/unit/data/slurm/record.py --slurm 22.05
     flock /tmp/cw-heavy.lock .venv/bin/python tests/unit/data/slurm/record.py --slurm 24.11
+    flock /tmp/cw-heavy.lock .venv/bin/python tests/unit/data/slurm/record.py --slurm 26.05
 """
 
 from __future__ import annotations
