@@ -4,12 +4,17 @@ Layout under the state folder::
 
     jobs/JOBID.json      one job record, replaced atomically (temp file, fsync, rename, fsync folder)
     events/JOBID.jsonl   the job's events, one JSON object per line, appended with a single write
-                         of an O_APPEND file and fsync'd before the daemon answers
+                         of an O_APPEND file (in the page cache before the daemon answers) and fsync'd on
+                         a thread of its own (:mod:`clockworkd.log_sync`), so a slow disk never stalls the loop
 
 A crash can therefore leave at most a torn *last* line in an event log (the write that was under
 way); loading drops it (truncating the file, so the next append starts on a fresh line) and keeps
 everything before it. Unregistering a job marks it ended but keeps its events, so the Epilog may
 gather them before or after it unregisters the job.
+
+A big log is read in pages (``events(after=SEQ)``): every :data:`MARK_EVERY` events the registry notes where
+in the file an event starts, so each page reads from the nearest mark on and stops when it is full, instead of
+reading (and parsing) the whole log for every page.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from clockwork.contracts import atomic_file
+from clockworkd.log_sync import LogSync
 
 log = logging.getLogger("clockwork.daemon")
 
@@ -34,6 +40,10 @@ ENDED = "ended"
 # A job's event log may not grow past this (a runaway job must not fill the node's disk).
 MAX_EVENT_LOG_BYTES = 64 * 1024 * 1024
 RECENT_EVENTS = 100
+#: Every this many events a log's in-memory index notes the event's offset (reading a page seeks there).
+MARK_EVERY = 256
+#: How much of a log one read takes while a page fills.
+READ_CHUNK = 1 << 20
 
 
 class UnknownJobError(LookupError):
@@ -96,10 +106,28 @@ class JobRecord:
 
 @dataclass
 class _Log:
-    """Bookkeeping of one job's event log: next sequence number and bytes used."""
+    """Bookkeeping of one job's event log: next sequence number, bytes used, and where some events start."""
 
     last_seq: int = 0
     size: int = 0
+    count: int = 0  # events in the file
+    marks: list[tuple[int, int]] = field(default_factory=list)  # (seq, byte offset) of every MARK_EVERY-th event
+
+    def note(self, seq: int, offset: int) -> None:
+        """An event with ``seq`` starts at ``offset``."""
+        if self.count % MARK_EVERY == 0:
+            self.marks.append((seq, offset))
+        self.count += 1
+
+    def start_for(self, after: int | None) -> int:
+        """The offset of the last marked event with seq <= ``after`` + 1 (0: read from the start)."""
+        offset = 0
+        if after is not None:
+            for seq, where in self.marks:
+                if seq > after + 1:
+                    break
+                offset = where
+        return offset
 
 
 class Registry:
@@ -112,12 +140,14 @@ class Registry:
         *,
         clock: Callable[[], float] = time.time,
         max_log_bytes: int = MAX_EVENT_LOG_BYTES,
+        sync: LogSync | None = None,
     ) -> None:
         self.node = node
         self.jobs_dir = state_dir / "jobs"
         self.events_dir = state_dir / "events"
         self._clock = clock
         self._max_log_bytes = max_log_bytes
+        self._sync = LogSync() if sync is None else sync
         self._jobs: dict[int, JobRecord] = {}
         self._logs: dict[int, _Log] = {}
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
@@ -177,7 +207,13 @@ class Registry:
                 os.fsync(fh.fileno())
             data = data[:end]
         book.size = len(data)
-        events = list(self._parse_lines(job_id, path, data.splitlines()))
+        events: list[dict[str, Any]] = []
+        offset = 0
+        for line in data.splitlines(keepends=True):
+            for event in self._parse_lines(job_id, path, [line]):
+                book.note(int(event["seq"]), offset)
+                events.append(event)
+            offset += len(line)
         if events:
             book.last_seq = max(int(e["seq"]) for e in events)
         return events
@@ -265,7 +301,8 @@ class Registry:
     def append_event(
         self, job_id: int, kind: str, fields: dict[str, Any], *, node: str | None = None, by: str = ""
     ) -> dict[str, Any]:
-        """Record one event durably (fsync'd before returning) and return it with its seq and time."""
+        """Record one event (written before returning, durable within the syncer's next round) and return it
+        with its seq and time."""
         if job_id not in self._jobs:
             raise UnknownJobError(job_id)
         book = self._logs.setdefault(job_id, _Log())
@@ -292,11 +329,10 @@ class Registry:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, book.size)
                 raise OSError(f"short write to {path} ({written} of {len(line)} bytes)")
-            os.fsync(fd)
         finally:
             os.close(fd)
-        if created:
-            atomic_file.fsync_dir(path.parent)
+        self._sync.dirty(path, created)
+        book.note(book.last_seq + 1, book.size)
         book.last_seq += 1
         book.size += len(line)
         self._recent.append(event)
@@ -320,14 +356,10 @@ class Registry:
         if job_id not in self._jobs:
             raise UnknownJobError(job_id)
         path = self._log_path(job_id)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return [], False
-        data = data[: data.rfind(b"\n") + 1]
+        book = self._logs.get(job_id)
         out: list[dict[str, Any]] = []
         used = 0
-        for line in data.splitlines():
+        for line in self._lines_from(path, book.start_for(after) if book is not None else 0):
             for event in self._parse_lines(job_id, path, [line]):
                 if since is not None and not event.get("time", 0) > since:
                     continue
@@ -340,6 +372,26 @@ class Registry:
                 out.append(event)
                 used += len(line)
         return out, False
+
+    @staticmethod
+    def _lines_from(path: Path, offset: int) -> Iterator[bytes]:
+        """The complete lines of ``path`` from ``offset`` on, read a chunk at a time (a torn last line is not
+        yielded: a write may be under way)."""
+        try:
+            fh = open(path, "rb")  # a generator: closed when it ends or is dropped
+        except FileNotFoundError:
+            return
+        with fh:
+            fh.seek(offset)
+            rest = b""
+            while chunk := fh.read(READ_CHUNK):
+                lines = (rest + chunk).split(b"\n")
+                rest = lines.pop()
+                yield from lines
+
+    def close(self) -> None:
+        """Make every event written durable and stop the syncer's thread."""
+        self._sync.close()
 
     def recent_events(self, limit: int = RECENT_EVENTS) -> list[dict[str, Any]]:
         """The last events recorded on this node (any job), oldest first."""

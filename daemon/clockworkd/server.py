@@ -285,6 +285,8 @@ class Daemon:
                 component.close()
                 self.components[name] = "stopped"
         self.sockets.close()
+        if self.registry is not None:
+            self.registry.close()  # every event written is made durable before the daemon goes
         self._lock.release()
 
     # ----- receiving ------------------------------------------------------------------------

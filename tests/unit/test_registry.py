@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
 
+from clockworkd.log_sync import LogSync
 from clockworkd.registry import (
     ENDED,
+    MARK_EVERY,
     RUNNING,
     EventLogFullError,
     JobRecord,
@@ -192,3 +196,73 @@ def test_job_record_from_dict_rejects_garbage() -> None:
     with pytest.raises(ValueError):
         JobRecord.from_dict({**good, "uid": "2"})
     assert JobRecord.from_dict(good).to_dict() == good
+
+
+def test_a_slow_disk_never_holds_up_an_append(tmp_path: Path) -> None:
+    """The fsync waits for the disk (here: until the test lets it go); the append, and a read of what was
+    appended, do not wait for it. flush() says when everything is durable."""
+    disk = threading.Event()
+    synced: list[int] = []
+
+    def slow_fsync(fd: int) -> None:
+        assert disk.wait(60), "the test never released the disk"
+        os.fsync(fd)
+        synced.append(fd)
+
+    reg = Registry(tmp_path, "node1", clock=FakeClock(), sync=LogSync(fsync=slow_fsync))
+    reg.load()
+    reg.register(7, 1000, "alice", ["node1"], {})
+    for k in range(50):  # every one returns while the disk is stuck
+        reg.append_event(7, "tick", {"k": k})
+    events, _ = reg.events(7)
+    assert [e["fields"].get("k") for e in events[1:]] == list(range(50))
+    assert not synced
+    disk.set()
+    assert reg.events(7)[0] == events
+    reg.close()  # waits for the syncer: everything written is durable now
+    assert synced, "nothing was fsync'd"
+    assert len(synced) < 51, "one fsync per event, where one per round was expected"
+
+
+def test_an_fsync_error_is_counted_and_loses_no_written_event(tmp_path: Path) -> None:
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    sync = LogSync(fsync=failing)
+    reg = Registry(tmp_path, "node1", clock=FakeClock(), sync=sync)
+    reg.load()
+    reg.register(7, 1000, "alice", ["node1"], {})
+    reg.append_event(7, "link.failover", {})
+    assert sync.flush(30)
+    assert sync.errors >= 1
+    again = _registry(tmp_path)
+    assert _kinds(again.events(7)[0]) == ["job.registered", "link.failover"]
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_pages_of_a_big_log_match_one_read(tmp_path: Path, restart: bool) -> None:
+    """Paging with after=SEQ starts at the nearest noted event (MARK_EVERY apart), in memory or rebuilt after a
+    restart: the pages are exactly the whole log, at every page size, also across a torn last line."""
+    reg = _registry(tmp_path)
+    reg.register(7, 1000, "alice", ["node1"], {})
+    total = 3 * MARK_EVERY + 17
+    for k in range(total):
+        reg.append_event(7, "tick", {"k": k, "pad": "x" * (k % 40)})
+    if restart:
+        with open(tmp_path / "events" / "7.jsonl", "ab") as fh:
+            fh.write(b'{"seq": 99999, "torn')
+        reg = _registry(tmp_path)
+    whole, more = reg.events(7)
+    assert not more and [e["seq"] for e in whole] == list(range(1, total + 2))
+    for limit in (1, 7, MARK_EVERY - 1, MARK_EVERY, MARK_EVERY + 1):
+        pages: list[dict] = []
+        after = None
+        while True:
+            page, more = reg.events(7, after=after, limit=limit)
+            pages += page
+            if not more:
+                break
+            after = page[-1]["seq"]
+        assert pages == whole, limit
+    tail, more = reg.events(7, after=2 * MARK_EVERY + 3, limit=5)
+    assert [e["seq"] for e in tail] == list(range(2 * MARK_EVERY + 4, 2 * MARK_EVERY + 9)) and more
