@@ -13,6 +13,10 @@ BUNDLE``, so the agents and their ranks run in the bundle.
 * 3 ranks and a standby node on 4 nodes (the batch host, node1, is last in agent order: the standby); slot 1's
   node crashes at a random step and point (``CW_TEST_SEED`` replays it), its rank moves to the standby node, and the
   job ends bitwise equal to the fault-free containerised run, each step committed once.
+* The same crash with no standby node: 3 ranks on node1-3 (partition high, ``--clockwork-spares=borrow``) while a
+  preemptible job of partition low holds node4. The spare is borrowed from it: the guest step that the leading
+  agent starts (from inside its container) in the holder's allocation on node4 runs the replacement rank in the
+  bundle too, and the job ends bitwise equal to the fault-free containerised run.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from clockwork.sandbox.cluster import Sandbox
 from clockwork.sandbox.oci import IMAGE_MARKER, Bind, python_binds, write_bundle
+from tests.conftest import until
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager
 from tests.unit import test_torchpass_oracle as oracle
@@ -62,6 +68,10 @@ def bundle(box: Sandbox, base: Path) -> Path:
         Bind(str(base), writable=True),  # the jobs' folders: events, journals, final states, crash requests
         Bind(str(box.paths.root / "nodes"), writable=True),  # every node daemon's run folder (its control socket)
         Bind(str(box.paths.etc)),  # Clockwork's configuration (CLOCKWORK_CONFIG) and slurm.conf
+        # Slurm's client as the image must carry it for TorchPass's own srun/scontrol inside (a borrowed node's
+        # guest step, a requeue): the release's plugins (slurm.conf's PluginDir) and munge's socket.
+        Bind(str(box.slurm_release().root)),
+        Bind(str(box.paths.munge)),
     ]
     return write_bundle(base / "bundle", binds)
 
@@ -74,6 +84,7 @@ class Inside:
         self.script = str(script).encode()
         self.agents: dict[int, bool] = {}
         self.ranks: dict[int, bool] = {}
+        self.rank_nodes: dict[int, str] = {}  # pid -> SLURMD_NODENAME
         self.launchers: dict[int, bool] = {}
         self._next = 0.0
 
@@ -97,28 +108,43 @@ class Inside:
             pid = int(entry.name)
             if self.script in cmdline and b"-m" not in cmdline:
                 self.ranks[pid] = inside
+                node = [v for v in environ if v.startswith(b"SLURMD_NODENAME=")]
+                self.rank_nodes[pid] = node[0].split(b"=", 1)[1].decode() if node else "?"
             elif any(v.startswith(b"TORCHPASS_AGENT_INDEX=") for v in environ):
                 self.agents[pid] = inside
             elif b"run" in cmdline and any(v.startswith(b"SLURM_JOB_ID=") for v in environ):
                 self.launchers[pid] = inside
 
 
-def _run(box: Sandbox, base: Path, bundle: Path, name: str, kill: str = "") -> tuple[oracle.Run, Inside]:
+STANDBY = [f"-N{NODES}", "--clockwork-spares=standby"]
+BORROW = [f"-N{NPROC}", "-w", "node[1-3]", "-p", "high", "--clockwork-spares=borrow"]  # node4: the low job's
+
+
+def _run(
+    box: Sandbox,
+    base: Path,
+    bundle: Path,
+    name: str,
+    kill: str = "",
+    spares: list[str] = STANDBY,
+    before_gone: Callable[[], None] = lambda: None,
+) -> tuple[oracle.Run, Inside]:
     out = base / name
     out.mkdir()
     env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS))
     command = jobs.torchpass_command(out, oracle.SCRIPT, f"--container {bundle} --container-python {sys.executable}")
-    options = [f"-N{NODES}", "--no-kill", "--clockwork-ft", "--clockwork-spares=standby", f"--output={out}/job.out"]
+    options = [*spares, "--no-kill", "--clockwork-ft", f"--output={out}/job.out"]
     job_id = jobs.submit(options, command, env)
     inside = Inside(oracle.SCRIPT)
     crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S, inside.look)
     run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}", jobs.job_events(out))
+    before_gone()  # e.g. cancel other work that holds a node
     jobs.wait_gone(box, job_id)
     return run, inside
 
 
-def _all_inside(run: oracle.Run, inside: Inside) -> None:
-    assert len(inside.agents) >= NODES - 1 and all(inside.agents.values()), (inside.agents, run.output[-3000:])
+def _all_inside(run: oracle.Run, inside: Inside, agents: int = NODES - 1) -> None:
+    assert len(inside.agents) >= agents and all(inside.agents.values()), (inside.agents, run.output[-3000:])
     assert len(inside.ranks) >= NPROC and all(inside.ranks.values()), inside.ranks
     assert inside.launchers and not any(inside.launchers.values()), inside.launchers  # the batch script: outside
     assert f"--container={run.out.parent / 'bundle'}" in run.output  # the launcher said so
@@ -152,3 +178,38 @@ def test_node_crash_in_a_containerised_job_ends_bitwise_equal(
     fields = oracle._recovered(run, slot)
     # The daemons' verdict reached the agents in the containers through the mounted control socket.
     assert "silent on every rail" in str(fields["reason"]), fields
+
+
+def test_a_borrowed_nodes_replacement_rank_runs_in_the_container(
+    box: Sandbox, base: Path, bundle: Path, reference: oracle.Run
+) -> None:
+    low_out = base / "low.out"
+    low = jobs.submit(
+        ["-p", "low", "--requeue", "-N1", "-w", "node4", "-J", "low-work", f"--output={low_out}"],
+        "echo started; exec sleep 3600",
+        jobs.job_env(box, base, kill="", step_sleep=0),
+    )
+    until(f"low job {low} to start", lambda: low_out.exists() and "started" in low_out.read_text(), 60)
+    rng = random.Random(SEED + 1)
+    slot, step, phase = 1, rng.randint(8, 20), rng.choice(CRASH_PHASES)
+    print(f"crash of slot {slot}'s node at step {step}, {phase}; the spare is borrowed from job {low}")
+
+    def cancel_low() -> None:  # the low job runs again on node4 once the borrowed node is given back
+        box.slurm().cancel(low)
+
+    try:
+        run, inside = _run(
+            box, base, bundle, "borrow-crash", kill=f"{slot}:{step}:{phase}", spares=BORROW, before_gone=cancel_low
+        )
+    finally:
+        cancel_low()
+    assert "crashed: ['node3']" in run.output, run.output[-3000:]  # slot 1's (node1, the batch host, is last)
+    run.check_ok()
+    (borrowed,) = run.of_kind("torchpass.borrowed")
+    assert (borrowed["node"], borrowed["from_job"]) == ("node4", low), borrowed
+    _all_inside(run, inside, agents=NPROC - 1)
+    on_node4 = [pid for pid, node in inside.rank_nodes.items() if node == "node4"]
+    assert on_node4 and all(inside.ranks[pid] for pid in on_node4), (inside.rank_nodes, inside.ranks)
+    oracle._assert_same_final_state(run, reference, nproc=NPROC, steps=STEPS)
+    oracle._assert_each_step_once(run, nproc=NPROC, steps=STEPS)
+    oracle._recovered(run, slot)

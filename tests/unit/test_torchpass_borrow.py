@@ -8,6 +8,7 @@ real daemon does), because no Slurm runs here.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -139,6 +140,53 @@ def test_a_borrowed_node_is_launched_and_timed() -> None:
         "node3",
     )
     assert {"request_ms", "acquire_ms", "launch_ms"} <= set(borrowed) and borrowed["gres"] == "gpu:8"
+
+
+def test_a_guest_step_that_ends_before_its_spare_joined_fails_the_borrow_at_once() -> None:
+    """srun refused the guest (here: a real process that exits 1 at once, as srun does without a usable Slurm
+    client); the job must not wait out spare_timeout_s for a spare that will never come."""
+    events, failed = Events(), threading.Event()
+    reasons: list[str] = []
+
+    def fail(reason: str) -> None:
+        reasons.append(reason)
+        failed.set()
+
+    borrower = Borrower(
+        100,
+        connect=FakeDaemon,
+        launch=lambda holder, node, gres: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"]),
+        fail=fail,
+        event_sink=events,
+        poll_s=0.01,
+    )
+    assert borrower.borrow_once()
+    assert failed.wait(60), "the guest's early end was not noticed"
+    assert "the guest step on node5 (holder job 900) ended with exit 1 before its spare joined" in reasons[0]
+    assert events.of("torchpass.borrow_failed")
+
+
+def test_a_guest_whose_spare_joined_may_end_later_without_failing_the_borrow() -> None:
+    joined, reasons = threading.Event(), []
+    proc: list[subprocess.Popen[bytes]] = []
+
+    def launch(holder: int, node: str, gres: str) -> subprocess.Popen[bytes]:
+        proc.append(subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE))
+        return proc[0]
+
+    borrower = Borrower(100, connect=FakeDaemon, launch=launch, fail=reasons.append, filled=joined.is_set, poll_s=0.01)
+    assert borrower.borrow_once()
+    joined.set()  # the coordinator filled the slot: the watcher stops watching
+
+    def watching() -> bool:
+        return any(t.name == "torchpass-guest-watch" and t.is_alive() for t in threading.enumerate())
+
+    until("the guest watcher to stop once the spare joined", lambda: not watching(), 30)
+    joined.clear()  # a later loss leaves the slot vacant again: the guest's rank died, handled as any member's
+    assert proc[0].stdin is not None
+    proc[0].stdin.close()
+    assert proc[0].wait(30) == 0
+    assert reasons == []
 
 
 @pytest.mark.parametrize(

@@ -213,6 +213,7 @@ class SlurmAgent:
                 launch=self._launch_guest,
                 fail=lambda reason: self.coordinator.fail_now(reason, FailureKind.CAPACITY),
                 lost_node=self._lost_node,
+                filled=lambda: not self.coordinator.vacant,
                 fallback=config.borrow_fallback,
                 timeout_s=config.borrow_timeout_s,
                 event_sink=self.event_sink,

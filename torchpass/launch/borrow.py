@@ -154,12 +154,16 @@ class Borrower:
     launch: Callable[[int, str, str], subprocess.Popen[bytes] | None]
     fail: Callable[[str], None]  # fail the job now, with this reason
     lost_node: Callable[[], str] = lambda: ""
+    #: whether the coordinator has no vacant slot any more (a guest's spare joined); a guest step that ends before
+    #: that never brought its spare (srun refused: say, no Slurm client in a container image)
+    filled: Callable[[], bool] = lambda: False
     fallback: str = "fail"  # "fail" or "wait" (for a standby spare)
     timeout_s: float = 120.0  # the whole borrow, daemon and Slurm included
     poll_s: float = 0.2
     event_sink: EventSink | None = None
     guests: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _busy: threading.Lock = field(default_factory=threading.Lock)
+    _stopping: bool = False
 
     def need(self) -> None:
         """The coordinator needs a spare (called on its thread: returns at once)."""
@@ -214,6 +218,9 @@ class Borrower:
         proc = self.launch(holder, node, gres)
         if proc is not None:
             self.guests.append(proc)
+            threading.Thread(
+                target=self._watch_guest, args=(proc, holder, node, t0), name="torchpass-guest-watch", daemon=True
+            ).start()
         emit(
             self.event_sink,
             log,
@@ -229,6 +236,23 @@ class Borrower:
             slurm=state.get("timings", {}),
         )
         return proc is not None
+
+    def _watch_guest(self, proc: subprocess.Popen[bytes], holder: int, node: str, t0: float) -> None:
+        """A guest step that ends before its spare joined failed to start: say so now, rather than let the job
+        wait out spare_timeout_s for a spare that will never come."""
+        while True:
+            try:
+                code = proc.wait(timeout=self.poll_s)
+                break
+            except subprocess.TimeoutExpired:
+                if self.filled():
+                    return  # its spare joined: from now on its exit is a member's loss, handled as any other
+        if not self.filled() and not self._stopping:
+            self._failed(
+                f"the guest step on {node} (holder job {holder}) ended with exit {code} before its spare joined "
+                "(srun's words are in the job's output)",
+                t0,
+            )
 
     def _failed(self, reason: str, t0: float) -> None:
         emit(
@@ -249,6 +273,7 @@ class Borrower:
 
     def stop(self) -> None:
         """End the guests' sruns (the job is over; the Epilog gives the nodes back)."""
+        self._stopping = True
         for proc in self.guests:
             if proc.poll() is None:
                 proc.terminate()

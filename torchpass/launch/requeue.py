@@ -4,7 +4,7 @@ Why a requeue, and why only sometimes: some failures are beyond any in-job repai
 ``spare_timeout_s`` and none could be borrowed; every holder of some part of the state died at once, with no
 replica and no peer copy left), yet new nodes and the newest snapshot undo them. Slurm gives both: a requeued
 job gets a fresh allocation, and its ranks restore the newest complete snapshot themselves (``restore =
-"auto"``, :func:`torchpass.snapshot.location.restore_target`). A failure of the script itself (an exception, a
+"auto"``, :func:`torchpass.snapshot_location.restore_target`). A failure of the script itself (an exception, a
 replica mismatch, collectives out of line) or one over ``max_failures``/``max_resets`` would only fail again, so it
 ends the job as before; so does a job with no complete snapshot (a requeue would start it over from step 0,
 which the user did not ask for) and one requeued ``max_requeues`` times already.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from clockwork.contracts.coordinator_wire import FailureKind
 from clockwork.contracts.snapshots.store import list_snapshots
 from torchpass.config import TorchPassConfig
-from torchpass.snapshot.location import restart_count, snapshot_directory
+from torchpass.snapshot_location import restart_count, snapshot_directory
 
 __all__ = ["RequeueDecision", "decide", "requeue"]
 

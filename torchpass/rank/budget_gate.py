@@ -38,9 +38,9 @@ from torchpass.rank.rejoin import CoordinatorLink, Rejoiner
 from torchpass.rank.state import StateParts, describe, local_tensor, payload_offsets
 from torchpass.sharded.fsdp import ShardedState
 from torchpass.snapshot.arena import ALIGN
-from torchpass.snapshot.location import snapshot_directory
 from torchpass.snapshot.snapshotter import Snapshotter
 from torchpass.snapshot.staging import plan_entries, rank_state
+from torchpass.snapshot_location import snapshot_directory
 
 __all__ = ["MOMENTS", "check_budgets", "unmade_optimizer_bytes"]
 

@@ -22,13 +22,13 @@ Taking one (:class:`Snapshotter`, at a step boundary right after a commit, on ev
 Restoring (:func:`restore`, :mod:`~torchpass.snapshot.restore`): the newest snapshot whose manifest and every
 checksum verify on every rank, bitwise; a sharded model's rank loads its own shard, and only a job of the same
 mesh shape can. Where the snapshots are and whether a start restores one:
-:mod:`~torchpass.snapshot.location`.
+:mod:`torchpass.snapshot_location`.
 """
 
 from __future__ import annotations
 
-from torchpass.snapshot.location import restore_target, snapshot_directory
 from torchpass.snapshot.restore import RestoreError, restart_advice, restore
 from torchpass.snapshot.snapshotter import Snapshotter
+from torchpass.snapshot_location import restore_target, snapshot_directory
 
 __all__ = ["RestoreError", "Snapshotter", "restart_advice", "restore", "restore_target", "snapshot_directory"]

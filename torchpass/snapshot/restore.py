@@ -36,7 +36,7 @@ from torchpass.config import TorchPassConfig
 from torchpass.events import EventSink, emit, emit_at
 from torchpass.rank.state import StateParts, apply_state, as_bytes, destinations_for
 from torchpass.rank.transfer_plan import ShardedReplicas
-from torchpass.snapshot.location import snapshot_directory
+from torchpass.snapshot_location import snapshot_directory
 
 __all__ = ["MeshMismatch", "RestoreError", "mesh_problem", "restart_advice", "restore"]
 

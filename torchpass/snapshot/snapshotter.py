@@ -30,10 +30,10 @@ from torchpass.events import EventSink, emit, emit_at
 from torchpass.rank.state import StateParts
 from torchpass.rank.transfer_plan import ShardedReplicas
 from torchpass.snapshot.arena import ALIGN, SharedArena
-from torchpass.snapshot.location import snapshot_directory
 from torchpass.snapshot.staging import Staged, lay_out, stage
 from torchpass.snapshot.windowed import WindowedStaging
 from torchpass.snapshot.writer_client import WriterProcess
+from torchpass.snapshot_location import snapshot_directory
 
 __all__ = ["Snapshotter"]
 

@@ -1,4 +1,4 @@
-"""Where a job's snapshots live, and whether this start restores one.
+"""Where a job's snapshots live, and whether this start restores one (torch-free: node agents ask too).
 
 Kept apart from taking and restoring snapshots because the launcher and the command line need these answers
 before any state exists (and without a process group).
