@@ -51,8 +51,9 @@ system-packages:
 
 # torch is pinned to the CPU build that lies on local disk; it is installed first so that the
 # project's `torch>=2.4` range is already satisfied and nothing newer (or CUDA) is pulled.
-# setup.py and the C sources too: `pip install -e` compiles Fleet Lens's extension (clockworkd.lens._probeio) in place.
-$(STAMP): pyproject.toml setup.py $(wildcard daemon/clockworkd/lens/csrc/*.[ch])
+# setup.py and the C sources too: `pip install -e` compiles Fleet Lens's extension (clockworkd.lens._probeio) and
+# LinkPass's (linkpass._hbfast) in place.
+$(STAMP): pyproject.toml setup.py $(wildcard daemon/clockworkd/lens/csrc/*.[ch]) $(wildcard linkpass/csrc/*.[ch])
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[node,torch,dev,frameworks]'
@@ -84,4 +85,4 @@ sandbox-down: venv
 
 clean:
 	$(MAKE) -C spank clean
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache daemon/clockworkd/lens/*.so
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache daemon/clockworkd/lens/*.so linkpass/*.so

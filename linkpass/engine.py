@@ -18,24 +18,23 @@ the peer whose address sent it signed it for itself (:mod:`linkpass.inbox`).
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from linkpass import hbio, heartbeat, report, sysctls
+from linkpass import hbio, heartbeat, homes, moves, report, sysctls
 from linkpass import peers as peer_choice
 from linkpass.fabric import FabricMap
+from linkpass.fastpath import FastPath
 from linkpass.hca import SysfsHcas
 from linkpass.inbox import Inbox, Refused
 from linkpass.keyring import KeyRing, SharedKey
-from linkpass.outbox import Outbox, Outgoing
+from linkpass.outbox import Batch, Outbox, Outgoing
 from linkpass.routes import Kernel, LinkState
 from linkpass.settings import LinkPassConfig
 
@@ -87,10 +86,7 @@ class LinkPass:
         if home_file is not None and write_file is None:
             raise ValueError("LinkPass: a home_file needs a write_file to replace it durably")
         self.cfg = cfg
-        # Each peer's home rail, kept across daemon restarts: a daemon restarted while a route is failed over
-        # must not take the failed-over rail for home (the kernel's route is then not the admin's). Written
-        # durably: a rename without fsync may leave an empty file after a power loss, and a daemon that then
-        # takes the failed-over rail for home never fails back.
+        # Each peer's home rail, kept across daemon restarts, durably (:mod:`linkpass.homes` says why).
         self.home_file = home_file
         self.write_file = write_file
         self.me = fabric.node(node)
@@ -111,6 +107,7 @@ class LinkPass:
         peer_nics = {name: p.nics for name, p in self.peers.items()}
         self.outbox = Outbox(self.index, self.keys, node, peer_nics)
         self.inbox = Inbox(self.index, self.keys, node, peer_nics)
+        self.fast = FastPath(self.index, self.keys, node, peer_nics)  # what the heartbeat thread sends and reads with
         # netdev -> HCA (``ib3`` -> ``mlx5_3``): what NCCL's NCCL_IB_HCA names; sysfs by default, a fake tree in tests
         self.hca_of = hca_of if hca_of is not None else SysfsHcas().hca_of
         self.emit = emit
@@ -133,6 +130,7 @@ class LinkPass:
         self.last_any: dict[str, float] = {}  # peer -> its newest packet on any rail
         self.home: dict[str, str] = {}
         self.current: dict[str, tuple[str, ...]] = {}
+        self.hears_seq: dict[str, int] = {}  # path peer -> the newest seq whose "hears" bits were filed
         self.heard_from: set[str] = set()  # path peers that ever sent a heartbeat: only those are judged by them
         self.next_send = 0.0
         self.next_notice = NEVER
@@ -148,6 +146,7 @@ class LinkPass:
             "rejected": 0,
             "refused": 0,  # of the rejected: from a peer's address, not signed by that peer for itself (forged)
             "send_errors": 0,
+            "receive_errors": 0,
             "notices_sent": 0,
             "failovers": 0,
             "failbacks": 0,
@@ -220,25 +219,11 @@ class LinkPass:
         )
 
     def _load_homes(self) -> dict[str, str]:
-        if self.home_file is None:
-            return {}
-        try:
-            data = json.loads(self.home_file.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            log.warning("%s: ignoring %s: %s", self.me.name, self.home_file, exc)
-            return {}
-        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+        return {} if self.home_file is None else homes.load(self.home_file, self.me.name)
 
     def _save_homes(self) -> None:
-        if self.home_file is None or self.write_file is None:
-            return
-        try:
-            self.home_file.parent.mkdir(parents=True, exist_ok=True)
-            self.write_file(self.home_file, json.dumps(self.home, sort_keys=True).encode())
-        except OSError as exc:
-            log.warning("%s: cannot record the home rails in %s: %s", self.me.name, self.home_file, exc)
+        if self.home_file is not None and self.write_file is not None:
+            homes.save(self.home_file, self.write_file, self.home, self.me.name)
 
     def close(self) -> None:
         if self.io is not None:
@@ -316,30 +301,50 @@ class LinkPass:
             out = self._notice([] if state.usable else [rail], [rail] if state.usable else [])
         self._send(out)  # tell the whole fabric now, over the rails that still work
 
+    def receive(self, sockets: dict[str, socket.socket], now: float) -> None:
+        """Read, check (in C, every rail in one call: :mod:`linkpass.fastpath`) and file all ``sockets`` (rail ->
+        its socket) hold."""
+        self._fresh_keys()
+        accepted, rejected, errors = self.fast.receive(sockets)
+        wake = False
+        rails = self.index.rails
+        with self.lock:
+            for r, node, seq, down, up, _flags, hears in accepted:
+                wake |= self._file(rails[r], self.by_number[node], seq, hears, down, up, now)
+            for r, src, _peer, code, named_node, named_rail in rejected:
+                self.counters["rejected"] += 1
+                self.counters["refused"] += self.inbox.explain(rails[r], src, code, named_node, named_rail, now)
+            self.counters["receive_errors"] += errors
+        self._woken(wake)
+
     def absorb(self, rail: str, batch: list[tuple[bytes, str]], now: float) -> None:
-        """File a batch of packets that arrived on ``rail``'s socket (``(data, source address)`` each)."""
+        """File packets that arrived on ``rail``'s socket (``(data, source address)`` each), checked in Python
+        (:class:`linkpass.inbox.Inbox`: the reference; tests feed packets of their own making here)."""
         wake = False
         with self.lock:
             for data, src in batch:
-                wake |= self._absorb_one(rail, data, src, now)
-            if wake:
-                self.dirty = self.full_pass = True
-        if wake:
-            try:
-                self._wake_w.send(b"!")
-            except OSError:
-                pass  # the loop has a wake-up pending already, or it is closing
+                try:
+                    name, hb = self.inbox.open(rail, src, data, now)
+                except heartbeat.PacketError as exc:
+                    self.counters["rejected"] += 1
+                    self.counters["refused"] += isinstance(exc, Refused)
+                    continue
+                wake |= self._file(rail, name, hb.seq, hb.hears_mask(self.my_number), hb.down, hb.up, now)
+        self._woken(wake)
 
-    def _absorb_one(self, rail: str, data: bytes, src: str, now: float) -> bool:
+    def _woken(self, wake: bool) -> None:
+        if not wake:
+            return
+        with self.lock:
+            self.dirty = self.full_pass = True
         try:
-            name, hb = self.inbox.open(rail, src, data, now)
-        except Refused:
-            self.counters["rejected"] += 1
-            self.counters["refused"] += 1
-            return False
-        except heartbeat.PacketError:
-            self.counters["rejected"] += 1
-            return False
+            self._wake_w.send(b"!")
+        except OSError:
+            pass  # the loop has a wake-up pending already, or it is closing
+
+    def _file(self, rail: str, name: str, seq: int, hears: int, down: int, up: int, now: float) -> bool:
+        """File an authentic heartbeat of peer ``name`` on ``rail``; ``hears``: the rails (bit = rail index) on which
+        it hears this node. True when it carried a notice (the loop decides at once)."""
         self.counters["received"] += 1
         self.last_any[name] = now
         paths = self.paths[name]
@@ -350,19 +355,24 @@ class LinkPass:
                 self.heard_from.add(name)
                 for path in paths.values():
                     path.last_in = path.last_out_ok = now
-            byte, mask, heard, numbers = self.my_number >> 3, 1 << (self.my_number & 7), hb.heard, self.rail_number
-            for r, path in paths.items():
-                if heard[numbers[r]][byte] & mask:  # it hears us on r
-                    path.last_out_ok = now
+            # A peer's packets of one interval say the same on every rail: file the newest interval once (a seq
+            # far below the last one is a restarted peer or a wrapped counter, and counts as newer).
+            last = self.hears_seq.get(name, -1)
+            if seq > last or seq < last - 64:
+                self.hears_seq[name] = seq
+                numbers = self.rail_number
+                for r, path in paths.items():
+                    if hears >> numbers[r] & 1:  # it hears us on r
+                        path.last_out_ok = now
         paths[rail].last_in = now
         paths[rail].notice_until = NEVER  # it speaks on this rail: whatever it said before, this NIC works
-        if not (hb.down or hb.up):
+        if not (down or up):
             return False
         changed = False
         for bit, lost in enumerate(self.index.rails):
             if lost not in paths:
                 continue
-            if hb.down >> bit & 1:
+            if down >> bit & 1:
                 changed = True
                 path = paths[lost]
                 path.reason = f"{name} reported {lost} down"
@@ -370,7 +380,7 @@ class LinkPass:
                     path.last_in = path.last_out_ok = NEVER
                 else:
                     path.notice_until = now + NOTICE_TTL_S
-            elif hb.up >> bit & 1 and paths[lost].notice_until != NEVER:
+            elif up >> bit & 1 and paths[lost].notice_until != NEVER:
                 changed = True
                 paths[lost].notice_until = NEVER
         return changed
@@ -386,7 +396,7 @@ class LinkPass:
     def send_due(self, now: float) -> float:
         """Send this interval's heartbeats (and a repeated down notice when due); returns when the next are due."""
         with self.lock:
-            out = self.outgoing(now)
+            out = self.outbox.heartbeat_batches(self._usable(), self._heard(now), self.path_peers, self.watch_peers)
             if now >= self.next_notice != NEVER:
                 out += self._notice([r for r in self.rails if not self.nic_up.get(r, False)], [])
                 self.next_notice = now + NOTICE_REPEAT_S
@@ -395,25 +405,28 @@ class LinkPass:
         return self.next_send
 
     def outgoing(self, now: float) -> Outgoing:
-        """One interval's heartbeats (see :class:`linkpass.outbox.Outbox`)."""
+        """One interval's heartbeats, sealed in Python (see :class:`linkpass.outbox.Outbox`; :meth:`send_due`
+        sends the same in C)."""
         return self.outbox.heartbeats(self._usable(), self._heard(now), self.path_peers, self.watch_peers)
 
-    def _notice(self, down: list[str], up: list[str]) -> Outgoing:
-        out = self.outbox.notices(self._usable(), self._heard(self.clock()), down, up)
-        self.counters["notices_sent"] += len(out)
+    def _notice(self, down: list[str], up: list[str]) -> list[Batch]:
+        out = self.outbox.notice_batches(self._usable(), self._heard(self.clock()), down, up)
+        self.counters["notices_sent"] += sum(len(nodes) for _rail, _body, nodes in out)
         return out
 
-    def _send(self, out: Outgoing) -> None:
-        port = self.cfg.heartbeat_port
-        for rail, packet, ip in out:
-            sock = self.sockets.get(rail)
-            if sock is None:
-                continue
-            try:
-                sock.sendto(packet, (ip, port))
-                self.counters["sent"] += 1
-            except OSError:
-                self.counters["send_errors"] += 1
+    def _fresh_keys(self) -> None:
+        if self.fast.refresh():
+            log.info("%s: heartbeat keys (re)loaded into the C path", self.me.name)
+
+    def _send(self, out: list[Batch]) -> None:
+        """Tag and send in C (:mod:`linkpass.fastpath`): one call for every rail, under the keys of the moment."""
+        self._fresh_keys()
+        sockets = self.sockets
+        sent, failed = self.fast.send(
+            self.cfg.heartbeat_port, [(sockets[r], r, body, nodes) for r, body, nodes in out if r in sockets]
+        )
+        self.counters["sent"] += sent
+        self.counters["send_errors"] += failed
 
     # ----- decisions ------------------------------------------------------------------------
 
@@ -525,63 +538,7 @@ class LinkPass:
         return plan
 
     def _apply(self, plan: list[tuple[str, tuple[str, ...], str, str]]) -> None:
-        assert self.kernel is not None
-        # (kind, old rails, new rails, reason) -> [(peer, route_ms)]: one event per kind of move, not per peer
-        moves: dict[tuple[str, tuple[str, ...], tuple[str, ...], str], list[tuple[str, float]]] = defaultdict(list)
-        for peer, want, kind, reason in plan:
-            old = self.current[peer]
-            t0 = self.clock()
-            try:
-                self._program(peer, want)
-            except Exception as exc:
-                log.error("%s: cannot route %s via %s: %s", self.me.name, peer, ",".join(want), exc)
-                continue
-            moves[(kind, old, want, reason)].append((peer, (self.clock() - t0) * 1000))
-            self.current[peer] = want
-        if moves:
-            self.kernel.flush_route_cache()
-        # Only now, with no route left through them, drop the neighbour entries the moved traffic used
-        # on the rails it left: a segment queued on such an entry (waiting for an ARP answer that
-        # cannot come) is held for seconds and TCP will not retransmit it while it is held. Flushing
-        # before the routes moved would only create fresh entries for the packets still sent there.
-        for (kind, old, _new, _reason), done in moves.items():
-            if kind != "link.failover":
-                continue  # a fail-back leaves a healthy rail: its entries are fine
-            for rail in old:
-                for peer, _ms in done:
-                    self.kernel.delete_neighbour(self.ifindex[rail], self.peers[peer].nics[rail])
-        for rail in sorted(self.flush_pending):
-            dropped = self.kernel.flush_neighbours(self.ifindex[rail])
-            log.info("%s: flushed %d neighbour entries of %s", self.me.name, dropped, rail)
-        self.flush_pending.clear()
-        for (kind, old, new, reason), done in moves.items():
-            self.counters["failovers" if kind == "link.failover" else "failbacks"] += 1
-            peers = sorted(peer for peer, _ in done)
-            fields = {
-                "nic": ",".join(old),
-                "via": ",".join(new),
-                "peers": peers,
-                "reason": reason,
-                "route_ms": round(max(ms for _, ms in done), 3),
-                "avoid_nics": self.avoid_nics(),
-                "avoid_hcas": self.avoid_hcas(),
-            }
-            log.warning(
-                "%s: %s %s -> %s for %s (%s)",
-                self.me.name,
-                kind,
-                fields["nic"],
-                fields["via"],
-                ",".join(peers),
-                reason,
-            )
-            self.emit(kind, fields)
-
-    def _program(self, peer: str, rails: tuple[str, ...]) -> None:
-        assert self.kernel is not None
-        target = self.peers[peer]
-        hops = [(target.nics[r], self.ifindex[r]) for r in rails]
-        self.kernel.set_route(target.addr, self.me.addr, hops)
+        moves.apply(self, plan)
 
     # ----- reporting ------------------------------------------------------------------------
 
@@ -603,34 +560,16 @@ class LinkPass:
 
     def avoid_nics(self) -> list[str]:
         """Local NICs a new communicator should not use (NCCL: NCCL_IB_HCA=^...): down, or no live path."""
-        out = []
-        for rail in self.rails:
-            paths = [p[rail] for name, p in self.paths.items() if rail in p and name in self.heard_from]
-            if not self.nic_up.get(rail, False) or (paths and not any(p.alive for p in paths)):
-                out.append(rail)
-        return out
+        return report.avoid_nics(self)
 
     def avoid_reasons(self) -> dict[str, str]:
-        """:meth:`avoid_nics`, each with why: down (carrier, admin), or every managed path dead (heartbeats, a Lens
-        suspect marking the path gray, a peer's down notice)."""
-        out = {}
-        for rail in self.avoid_nics():
-            if not self.nic_up.get(rail, False):
-                out[rail] = self.nic_down_reason.get(rail) or f"{rail} down"
-                continue
-            reasons = sorted({p[rail].reason for p in self.paths.values() if rail in p and p[rail].reason})
-            out[rail] = f"no live path on {rail}" + (f" ({'; '.join(reasons)})" if reasons else "")
-        return out
+        """:meth:`avoid_nics`, each with why (down; or every managed path dead, and why)."""
+        return report.avoid_reasons(self)
 
     def avoid_hcas(self) -> dict[str, str]:
-        """HCA -> why, for the :meth:`avoid_nics` that have an RDMA device behind them (``mlx5_3`` for ``ib3``):
-        what a new NCCL communicator on this node must exclude (``NCCL_IB_HCA=^mlx5_3``)."""
-        out = {}
-        for rail, reason in self.avoid_reasons().items():
-            hca = self.hca_of(rail)
-            if hca is not None:
-                out[hca] = f"{rail}: {reason}"
-        return out
+        """HCA -> why, for the :meth:`avoid_nics` with an RDMA device behind them (``mlx5_3`` for ``ib3``): what a new
+        NCCL communicator on this node must exclude (``NCCL_IB_HCA=^mlx5_3``)."""
+        return report.avoid_hcas(self)
 
     def status(self) -> dict[str, Any]:
         with self.lock:

@@ -6,9 +6,10 @@ NVML calls can hang for seconds. Were heartbeats sent and read there, one slow p
 heartbeats that arrived meanwhile would be read late, all at once). Here they are sent on time and stamped as
 they arrive whatever the loop does; the loop only reads the evidence (under the engine's lock) and decides.
 
-Once an interval the thread runs :meth:`Engine.absorb` on what each rail's socket holds, then :meth:`Engine.send_due`;
-both take the engine's lock briefly. The thread survives an error in either (logged, counted)
-and reports when it last went round, so the daemon's status tells a stuck thread from a slow one.
+Once an interval the thread runs :meth:`Engine.receive` on the rails' sockets (which reads, checks and files what
+they hold, in C: :mod:`linkpass.fastpath`), then :meth:`Engine.send_due`; both take the engine's lock briefly.
+The thread survives an error in either (logged, counted) and reports when it last went round, so the daemon's
+status tells a stuck thread from a slow one.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ SO_BINDTODEVICE = getattr(socket, "SO_BINDTODEVICE", 25)
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 #: What the kernel charges a receive buffer per datagram beyond its payload (sk_buff and slab overhead).
 SKB_OVERHEAD = 768
-RECV_BYTES = 65536
+RECV_BYTES = 65536  # a read of one datagram whole (tests, benchmarks)
 
 
 class Engine(Protocol):
     """What the thread drives (:class:`linkpass.engine.LinkPass`)."""
 
-    def absorb(self, rail: str, batch: list[tuple[bytes, str]], now: float) -> None: ...
+    def receive(self, sockets: dict[str, socket.socket], now: float) -> None: ...
     def send_due(self, now: float) -> float: ...
 
 
@@ -101,8 +102,7 @@ class HeartbeatThread:
             ready, _w, _x = select.select([self._stop_r], [], [], max(0.0, next_send - self.clock()))
             if ready:
                 return
-            for rail, sock in self.sockets.items():
-                self._read(rail, sock)
+            self._read()
             now = self.clock()
             self.last_round = now
             try:
@@ -112,20 +112,9 @@ class HeartbeatThread:
                 log.exception("linkpass: sending heartbeats failed")
                 next_send = now + 0.01
 
-    def _read(self, rail: str, sock: socket.socket) -> None:
-        batch: list[tuple[bytes, str]] = []
-        while True:
-            try:
-                data, (src, _port) = sock.recvfrom(RECV_BYTES)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                break
-            batch.append((data, src))
-        if not batch:
-            return
+    def _read(self) -> None:
         try:
-            self.engine.absorb(rail, batch, self.clock())
+            self.engine.receive(self.sockets, self.clock())
         except Exception:
             self.errors += 1
-            log.exception("linkpass: reading heartbeats on %s failed", rail)
+            log.exception("linkpass: reading heartbeats failed")

@@ -1,9 +1,14 @@
 """Heartbeat packets: who sends, on which rail, and which nodes the sender hears on each rail.
 
 "I hear you on rail X" is what lets a node learn that its *outbound* side of a path is broken (a
-one-way blackhole keeps its own receive side healthy). Every packet carries an HMAC-SHA256 tag under
+one-way blackhole keeps its own receive side healthy). Every packet carries a keyed BLAKE2b tag (16 bytes) under
 the key of the pair (sender, receiver) (:mod:`linkpass.keyring`), so no one on the fabric can forge a
-heartbeat or a down notice and make nodes move their traffic, and no node can sign one for another.
+heartbeat or a down notice and make nodes move their traffic, and no node can sign one for another. The tag is
+the keyed BLAKE2b of the body's BLAKE2b-256 digest (hash, then MAC): a rail's body is the same for every peer, so
+the sender hashes it once and each peer's tag costs one BLAKE2b block, and a receiver hashes a packet once
+whatever number of keys it tries while a key changes. BLAKE2b, not HMAC-SHA256 (version 2): the daemon tags and
+checks heartbeats in C (:mod:`linkpass.fastpath`) with libsodium's BLAKE2b, as Fleet Lens does; this module is
+the reference the C code is tested against byte for byte.
 
 Why a fixed binary layout and no names: a packet's size must not depend on the node names or on how
 many peers the sender hears, or a cluster with long names silently loses every heartbeat (a name-based
@@ -31,8 +36,9 @@ from typing import NamedTuple
 
 from linkpass.fabric import FabricMap
 
-VERSION = 2
+VERSION = 3  # 3: keyed BLAKE2b tags (2: HMAC-SHA256)
 TAG_BYTES = 16
+DIGEST_BYTES = 32  # the body's BLAKE2b digest, which the tag is the keyed BLAKE2b of
 #: IPoIB's datagram-mode MTU, less the IPv4 (20) and UDP (8) headers: the most one unfragmented heartbeat may carry.
 MAX_PACKET = 4092 - 28
 MAX_RAILS = 16  # the down and up masks are 16 bits
@@ -95,11 +101,26 @@ class FabricIndex:
     def bitmap_bytes(self) -> int:
         return (len(self.nodes) + 7) // 8
 
+    @cached_property
+    def _numbers(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.nodes)}
+
+    @cached_property
+    def _rail_numbers(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.rails)}
+
     def node_number(self, name: str) -> int:
-        return self.nodes.index(name)
+        """``name``'s index (a dict read: the send path asks per peer every interval); ValueError if none."""
+        try:
+            return self._numbers[name]
+        except KeyError:
+            raise ValueError(f"{name} is not a node of the fabric map") from None
 
     def rail_number(self, name: str) -> int:
-        return self.rails.index(name)
+        try:
+            return self._rail_numbers[name]
+        except KeyError:
+            raise ValueError(f"{name} is not a rail of the fabric map") from None
 
 
 class Heartbeat(NamedTuple):
@@ -119,6 +140,11 @@ class Heartbeat(NamedTuple):
     def hears(self, node: int, rail: int) -> bool:
         """Whether the sender hears node index ``node`` on rail index ``rail``."""
         return bool(self.heard[rail][node >> 3] & (1 << (node & 7)))
+
+    def hears_mask(self, node: int) -> int:
+        """The rails (bit r = rail index r) on which the sender hears node index ``node`` (what the C path gives)."""
+        byte, bit = node >> 3, 1 << (node & 7)
+        return sum(1 << r for r, bits in enumerate(self.heard) if bits[byte] & bit)
 
 
 def bitmap(index: FabricIndex, members: set[int]) -> bytes:
@@ -148,6 +174,17 @@ def encode_body(hb: Heartbeat, index: FabricIndex) -> bytes:
     return header + b"".join(hb.heard)
 
 
+def encode_bodies(hb: Heartbeat, rails: list[int], index: FabricIndex) -> list[bytes]:
+    """:func:`encode_body` of ``hb`` on each rail index of ``rails`` (one interval's bodies: the bitmaps checked and
+    joined once)."""
+    if len(hb.heard) != len(index.rails) or any(len(b) != index.bitmap_bytes for b in hb.heard):
+        raise ValueError("one bitmap of the fabric's size per rail expected")
+    bitmaps = b"".join(hb.heard)
+    head = (VERSION, hb.flags, index.fingerprint, hb.node)
+    tail = (len(index.rails), len(index.nodes), hb.seq & 0xFFFFFFFF, hb.down, hb.up)
+    return [_HEADER.pack(*head, rail, *tail) + bitmaps for rail in rails]
+
+
 def seal(body: bytes, key: bytes) -> bytes:
     """``body`` with its authentication tag under ``key``."""
     return body + _tag(key, body)
@@ -158,8 +195,10 @@ def encode(hb: Heartbeat, index: FabricIndex, key: bytes) -> bytes:
 
 
 def _tag(key: bytes, body: bytes) -> bytes:
-    # hmac.digest: OpenSSL's one-shot HMAC, without building an hmac.HMAC object per packet (4x cheaper).
-    return hmac.digest(key, body, hashlib.sha256)[:TAG_BYTES]
+    # What linkpass._hbfast computes with libsodium's crypto_generichash_blake2b (keys of 1 to 64 bytes).
+    return hashlib.blake2b(
+        hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest(), key=key, digest_size=TAG_BYTES
+    ).digest()
 
 
 def sender(data: bytes) -> int:

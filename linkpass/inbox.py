@@ -10,23 +10,45 @@ it is counted apart from the other rejects and logged, once a minute per source 
 cannot flood the log. Packets that the peer did sign but that this node cannot use (another fabric map, another
 packet size or version) are rejected without being called forged, and said once per address.
 
-Apart from the engine so that the rule is one function of (rail, source, packet), tested without sockets.
+Apart from the engine so that the rule is one function of (rail, source, packet), tested without sockets. The
+daemon applies the same rule in C (:mod:`linkpass.fastpath`), which hands back each rejected packet's
+:class:`Reject` code; :meth:`Inbox.explain` counts and logs those as :meth:`Inbox.open` does its own.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from enum import IntEnum
 
 from linkpass import heartbeat
 from linkpass.keyring import KeyRing
 
-__all__ = ["Inbox", "Refused"]
+__all__ = ["Inbox", "Refused", "Reject"]
 
 log = logging.getLogger("clockwork.linkpass")
 
 #: A refusal of the same source address for the same reason is logged at most this often.
 REFUSED_LOG_EVERY_S = 60.0
+
+
+class Reject(IntEnum):
+    """Why the C path (linkpass/csrc/_hbfast.c's REJ_*, in the order it checks) dropped a packet."""
+
+    UNKNOWN = 1  # no peer has the source address on this rail
+    SIZE = 2  # not this fabric's packet size (truncated, oversized, another map's)
+    TAG = 3  # no key the peer may use made the tag: forged, or a key out of step (refused)
+    VERSION = 4  # another wire version
+    MAP = 5  # another fabric map (fingerprint, node or rail count)
+    RANGE = 6  # node, rail or masks out of range
+    CLAIM = 7  # signed by the peer at that address but naming another node or rail (refused)
+
+
+_UNUSABLE = {
+    Reject.VERSION: "unknown version",
+    Reject.MAP: heartbeat.OTHER_MAP,
+    Reject.RANGE: "node or rail out of range",
+}
 
 
 class Refused(heartbeat.PacketError):
@@ -65,6 +87,32 @@ class Inbox:
             raise self._refused(rail, src, name, why, now)
         return name, hb
 
+    def explain(self, rail: str, src: str, code: int, named_node: int, named_rail: int, now: float) -> bool:
+        """Log a packet the C path rejected on ``rail`` from ``src`` (``code``: :class:`Reject`; the node and rail
+        it named, -1 when not read) as :meth:`open` would; True when it was refused (forged or a key out of step)."""
+        sender = self.sender_of.get((rail, src))
+        if sender is None or code == Reject.UNKNOWN:
+            log.debug("%s: heartbeat from %s on %s dropped: no peer has that address there", self.me, src, rail)
+            return False
+        name = sender[0]
+        if code == Reject.TAG:
+            self._refused(rail, src, name, "bad authentication tag", now)
+            return True
+        if code == Reject.CLAIM:
+            why = f"signed by {name} but claims to be {self.index.nodes[named_node]} on {self.index.rails[named_rail]}"
+            self._refused(rail, src, name, why, now)
+            return True
+        why = _UNUSABLE.get(Reject(code), f"bad size (this fabric's heartbeats are {self.index.size} bytes)")
+        self._unusable(rail, src, name, why)
+        return False
+
+    def _unusable(self, rail: str, src: str, name: str, why: object) -> None:
+        # Not a forgery: the peer's daemon speaks another map, release or size; said once per address.
+        if src not in self.unusable_logged:
+            self.unusable_logged.add(src)
+            log.warning("%s: heartbeats from %s (%s's %s) dropped: %s", self.me, src, name, rail, why)
+        log.debug("%s: heartbeat from %s on %s dropped: %s", self.me, src, rail, why)
+
     def _authentic(self, rail: str, src: str, data: bytes, name: str, now: float) -> heartbeat.Heartbeat:
         why = "no key for this peer"
         for key in self.keys.accept_keys(name):
@@ -73,11 +121,7 @@ class Inbox:
             except heartbeat.NotAuthentic as exc:
                 why = str(exc)
             except heartbeat.PacketError as exc:
-                # Not a forgery: the peer's daemon speaks another map, release or size; said once per address.
-                if src not in self.unusable_logged:
-                    self.unusable_logged.add(src)
-                    log.warning("%s: heartbeats from %s (%s's %s) dropped: %s", self.me, src, name, rail, exc)
-                log.debug("%s: heartbeat from %s on %s dropped: %s", self.me, src, rail, exc)
+                self._unusable(rail, src, name, exc)
                 raise
         raise self._refused(rail, src, name, why, now)
 

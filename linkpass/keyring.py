@@ -4,7 +4,8 @@ The host derives them (pairwise X25519 keys from each node's own CURVE key pair,
 ``clockwork.contracts.pairwise_keys``); linkpass imports nothing of Clockwork, so it takes any object with these
 two methods. :class:`SharedKey` is one key for every peer (tests; a cluster-wide secret). The packets are
 tagged with them by :func:`linkpass.heartbeat.seal` (:class:`linkpass.outbox.Outbox`: one body per rail, one
-tag per peer) and checked by :func:`linkpass.heartbeat.decode` (:class:`linkpass.engine.LinkPass`).
+tag per peer) and checked by :func:`linkpass.heartbeat.decode` (:class:`linkpass.engine.LinkPass`); the daemon's
+path does both in C (:mod:`linkpass.fastpath`) from a table of these keys by node index.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from typing import Protocol
 
 
 class KeyRing(Protocol):
+    #: Changes whenever the keys do: the C fast path (:mod:`linkpass.fastpath`) rebuilds its key table then.
+    version: int
+
+    def maybe_reload(self) -> None:
+        """Read the keys again if their files changed (cheap to call every interval)."""
+        ...
+
     def send_key(self, peer: str) -> bytes:
         """The key of packets to ``peer``."""
         ...
@@ -28,6 +36,10 @@ class SharedKey:
 
     def __init__(self, key: bytes) -> None:
         self.key = key
+        self.version = 0
+
+    def maybe_reload(self) -> None:
+        return None
 
     def send_key(self, peer: str) -> bytes:
         return self.key

@@ -1,5 +1,6 @@
 """What ``clockwork node status`` shows of LinkPass: NICs, routes, paths, the NICs and HCAs new communicators avoid,
-heartbeat counters (forged ones refused among them), heartbeat peers and the heartbeat thread.
+heartbeat counters (forged ones refused among them), heartbeat peers and the heartbeat thread; and which NICs and
+HCAs those are (:func:`avoid_nics`, :func:`avoid_hcas`).
 
 Apart from the engine to keep it to its decisions; read under the engine's lock (:meth:`LinkPass.status`).
 """
@@ -15,7 +16,7 @@ from linkpass.hbio import HeartbeatThread
 from linkpass.heartbeat import FabricIndex
 from linkpass.settings import LinkPassConfig
 
-__all__ = ["Reported", "status"]
+__all__ = ["Reported", "avoid_hcas", "avoid_nics", "avoid_reasons", "status"]
 
 
 class Reported(Protocol):
@@ -38,10 +39,44 @@ class Reported(Protocol):
     io: HeartbeatThread | None
     sysctl_problems: dict[str, str]
     hca_of: Callable[[str], str | None]
+    heard_from: set[str]
 
     def eligible(self, path: Any, now: float) -> bool: ...
     def avoid_nics(self) -> list[str]: ...
     def avoid_hcas(self) -> dict[str, str]: ...
+
+
+def avoid_nics(engine: Reported) -> list[str]:
+    """Local NICs a new communicator should not use (NCCL: NCCL_IB_HCA=^...): down, or no live path."""
+    out = []
+    for rail in engine.rails:
+        paths = [p[rail] for name, p in engine.paths.items() if rail in p and name in engine.heard_from]
+        if not engine.nic_up.get(rail, False) or (paths and not any(p.alive for p in paths)):
+            out.append(rail)
+    return out
+
+
+def avoid_reasons(engine: Reported) -> dict[str, str]:
+    """:func:`avoid_nics`, each with why: down (carrier, admin), or every managed path dead (heartbeats, a Lens
+    suspect marking the path gray, a peer's down notice)."""
+    out = {}
+    for rail in avoid_nics(engine):
+        if not engine.nic_up.get(rail, False):
+            out[rail] = engine.nic_down_reason.get(rail) or f"{rail} down"
+            continue
+        reasons = sorted({p[rail].reason for p in engine.paths.values() if rail in p and p[rail].reason})
+        out[rail] = f"no live path on {rail}" + (f" ({'; '.join(reasons)})" if reasons else "")
+    return out
+
+
+def avoid_hcas(engine: Reported) -> dict[str, str]:
+    """HCA -> why, for the :func:`avoid_nics` that have an RDMA device behind them (``mlx5_3`` for ``ib3``)."""
+    out = {}
+    for rail, reason in avoid_reasons(engine).items():
+        hca = engine.hca_of(rail)
+        if hca is not None:
+            out[hca] = f"{rail}: {reason}"
+    return out
 
 
 def status(engine: Reported, now: float) -> dict[str, Any]:
@@ -68,7 +103,8 @@ def status(engine: Reported, now: float) -> dict[str, Any]:
         "failovers": engine.counters["failovers"],
         "failbacks": engine.counters["failbacks"],
         "heartbeats": {
-            k: engine.counters[k] for k in ("sent", "received", "rejected", "refused", "send_errors", "notices_sent")
+            k: engine.counters[k]
+            for k in ("sent", "received", "rejected", "refused", "send_errors", "receive_errors", "notices_sent")
         },
         "heartbeat_peers": {
             "path": sorted(engine.path_peers),

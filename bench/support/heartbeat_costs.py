@@ -4,12 +4,15 @@ and the cost model built on it (for ``bench/control_plane_scale.py``).
 Measured per packet, on a synthetic fabric of N nodes x R rails with 64-character names (only loopback
 addresses, 127.16.0.0/12: nothing leaves the machine):
 
-* **send**: :meth:`LinkPass.send_due` (heard bitmaps, one packet body per rail, one tag per packet under the key
-  of that pair of nodes, as with per-node key pairs, one ``sendto`` per peer and rail) divided by the packets it
-  sent. Over loopback the kernel delivers the datagram inside ``sendto``, so this
-  also carries the receiving kernel's work, which a NIC's interrupt charges to the receiver on a cluster;
-* **receive**: ``recvfrom`` and :meth:`LinkPass.absorb` (tag check, decoding, filing) per packet, each rail's
-  socket drained when it holds as many packets as it does in the daemon (one per path peer);
+* **send**: :meth:`LinkPass.send_due`, what the heartbeat thread runs (heard bitmaps, one packet body per rail in
+  Python; then in C, :mod:`linkpass.fastpath`, one tag per packet under the key of that pair of nodes, as with
+  per-node key pairs, and ``sendmmsg`` per rail, every rail in one call) divided by the packets it sent. Over
+  loopback the kernel delivers each datagram inside ``sendmmsg``, so this also carries the receiving kernel's
+  work, which a NIC's interrupt charges to the receiver on a cluster;
+* **receive**: :meth:`LinkPass.receive`, what the heartbeat thread runs once an interval (in C, every rail's socket
+  in one call: ``recvmmsg``, the sender by source address, the tag check, the header checks; then filing in
+  Python) per packet, each rail's socket drained when it holds as many packets as it does in the daemon (one per
+  path peer);
 * **tick**: the daemon loop's share each interval: LinkPass's decision over its path peers and the node
   watch's judge over every peer it hears (the path and watch peers).
 
@@ -81,6 +84,10 @@ class PairKeys:
 
     def __init__(self, me: str, peers: Sequence[str]) -> None:
         self.keys = {p: hashlib.sha256(KEY + "\0".join(sorted((me, p))).encode()).digest() for p in peers}
+        self.version = 0
+
+    def maybe_reload(self) -> None:
+        return None
 
     def send_key(self, peer: str) -> bytes:
         return self.keys[peer]
@@ -134,18 +141,10 @@ def measure(nodes: int, rails: int, rounds: int, cfg: LinkPassConfig) -> Costs:
             if k % per_drain != per_drain - 1:
                 continue
             t0 = time.thread_time()
-            for rail, sock in receiver.sockets.items():
-                batch = []
-                while True:
-                    try:
-                        data, (src, _p) = sock.recvfrom(hbio.RECV_BYTES)
-                    except BlockingIOError:
-                        break
-                    batch.append((data, src))
-                if batch:
-                    receiver.absorb(rail, batch, now)
-                    got += len(batch)
+            before = receiver.counters["received"]
+            receiver.receive(receiver.sockets, now)
             recv_s += time.thread_time() - t0
+            got += receiver.counters["received"] - before
             _drain(sink)
         assert receiver.counters["rejected"] == 0 and got > 0, "the receiver must accept the sender's heartbeats"
         # The loop's share per interval: LinkPass deciding over its path peers, the node watch judging its peers.
