@@ -1,0 +1,97 @@
+"""The fault campaign's trace and figures (``bench/support/fault_trace.py``), without a job: the same seed gives the
+same trace, every fault falls in its own window, caps hold, every kind shows before any repeats, Young/Daly's
+interval, and the per-fault figures read from step logs (time to full width, recomputed steps, YOCO)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.support.fault_trace import (
+    QUICK_KINDS,
+    Fault,
+    FaultKind,
+    checkpoint_every_steps,
+    make_trace,
+    outcomes,
+    percentile,
+    recomputed_total,
+    summary,
+    young_daly_interval_s,
+)
+
+
+def test_same_seed_same_trace_and_another_seed_another() -> None:
+    a = make_trace(7, 10, 100.0, 3)
+    assert a == make_trace(7, 10, 100.0, 3)
+    assert a != make_trace(8, 10, 100.0, 3)
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_one_fault_per_window_inside_its_middle(seed: int) -> None:
+    trace = make_trace(seed, 12, 60.0, 4)
+    window = 60.0 / 12
+    for i, fault in enumerate(trace):
+        assert i * window + 0.2 * window - 1e-3 <= fault.at_s <= i * window + 0.8 * window + 1e-3
+        assert 0 <= fault.slot < 4
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_every_kind_before_repeats_and_caps_hold(seed: int) -> None:
+    trace = make_trace(seed, 14, 100.0, 3, caps={FaultKind.NODE_CRASH: 2})
+    first = [f.kind for f in trace[: len(QUICK_KINDS)]]
+    assert sorted(k.value for k in first) == sorted(k.value for k in QUICK_KINDS)
+    assert sum(f.kind is FaultKind.NODE_CRASH for f in trace) <= 2
+
+
+def test_quick_trace_of_four_with_one_crash() -> None:
+    trace = make_trace(1, 4, 20.0, 3, caps={FaultKind.NODE_CRASH: 1})
+    assert len(trace) == 4 and len({f.kind for f in trace}) == 4
+    assert all(f.hold_s >= 0 for f in trace)
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError):
+        make_trace(1, 0, 10.0, 3)
+    with pytest.raises(ValueError):
+        make_trace(1, 3, 10.0, 3, kinds=[FaultKind.NODE_CRASH], caps={FaultKind.NODE_CRASH: 1})
+
+
+def test_young_daly() -> None:
+    assert young_daly_interval_s(0.5, 100.0) == pytest.approx(10.0)
+    assert checkpoint_every_steps(0.5, 100.0, 0.1) == 100
+    assert checkpoint_every_steps(0.0, 100.0, 0.1) == 1
+    with pytest.raises(ValueError):
+        young_daly_interval_s(1.0, 0.0)
+
+
+def _log(steps: list[int], t0: float = 0.0, dt: float = 1.0) -> list[tuple[int, float]]:
+    return [(s, t0 + i * dt) for i, s in enumerate(steps)]
+
+
+def test_outcomes_no_recompute_and_full_width() -> None:
+    fault = Fault(at_s=2.5, kind=FaultKind.NODE_STOP, slot=0)
+    logs = {0: _log([0, 1, 2, 3, 4, 5]), 1: _log([0, 1, 2, 3, 4, 5])}
+    (out,) = outcomes(logs, [(fault, 2.5)])
+    assert out.recomputed == 0 and out.full_width_s == pytest.approx(1.5)  # steps begun at 3 and 4: done at 4
+    assert summary([out])["yoco_rate"] == 1.0
+
+
+def test_outcomes_restart_recomputes_since_the_checkpoint() -> None:
+    crash = Fault(at_s=4.5, kind=FaultKind.RANK_KILL, slot=1)
+    stop = Fault(at_s=20.0, kind=FaultKind.NODE_STOP, slot=0)
+    steps = [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]  # checkpoint after step 1: steps 2..4 again after the crash
+    logs = {0: _log(steps), 1: _log(steps)}
+    first, second = outcomes(logs, [(stop, 20.0), (crash, 4.5)])
+    assert first.fault is crash and first.recomputed == 3
+    assert second.full_width_s is None  # nothing after t = 20: never back
+    assert recomputed_total(logs) == 3
+    s = summary([first, second])
+    assert s["yoco_rate"] == 0.0 and s["never_full_width"] == 1
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile([3.0], 99) == 3.0
+    assert math.isclose(percentile([1.0, 2.0], 100), 2.0)
