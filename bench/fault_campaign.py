@@ -22,7 +22,7 @@ crashes are capped at the standby nodes less one.
 
 Reported per system: time to N steps (first step begun -> last rank finished), ratio to TorchPass, ETTR
 (fault-free / faulted, each against its own environment's fault-free run), steps recomputed, each applied fault's
-time to full width (until every slot completed a step begun after the fault) as p50/p99/max, the YOCO rate
+time to full width (until the most stalled slot began a step again) as p50/p99/max, the YOCO rate
 (faults resolved with zero recomputed steps / faults applied), and whether TorchPass's final state (a SHA-256 per
 rank of parameters and optimizer state) is bitwise equal to the fault-free run's. The last line is one JSON object.
 
@@ -125,6 +125,9 @@ def figures(run: Run, base_s: float | None) -> dict[str, Any]:
     """One system's row: time to N, ETTR against ``base_s``, recomputed steps, the applied faults' outcomes."""
     took = time_to_n(run.out)
     applied = [a for a in run.applied if not a.note.startswith("not applied")]
+    record = [{"kind": a.fault.kind.value, "at_s": a.fault.at_s, "at": a.at, "target": a.target, "note": a.note}
+              for a in run.applied]  # fmt: skip
+    (run.out / "applied.json").write_text(json.dumps(record, indent=1))  # the figures can be redone from the logs
     results = outcomes(read_logs(run.out), [(a.fault, a.at) for a in applied])
     row: dict[str, Any] = {
         "time_to_n_s": round(took, 2) if took is not None else None,

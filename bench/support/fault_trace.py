@@ -10,6 +10,7 @@ one definition for every system, testable without a job.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import random
 import statistics
@@ -134,12 +135,35 @@ class FaultOutcome:
     recomputed: int
 
 
+STALL_FLOOR_S = 0.05  # a gap between two steps of a slot counts as a stall above this, or 5 median steps
+
+
+def _resumed_after(log: StepLog, at: float, until: float) -> float:
+    """When ``log``'s slot trained normally again after a fault at ``at``, in seconds after it (inf: never). The
+    largest stall (a gap between two consecutive steps begun, longer than 5 median steps and STALL_FLOOR_S) that
+    begins before ``until`` (less that floor) and ends after ``at`` -- including the one that spans ``at``: a
+    crashed rank's last step before it, its replacement's first after -- ends at the resume; with no stall, the
+    slot's second step begun after the fault (its first completed one)."""
+    times = [t for _, t in log]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    floor = max(STALL_FLOOR_S, 5 * statistics.median(gaps)) if gaps else STALL_FLOOR_S
+    before = [t for t in times if t <= at][-1:]
+    after = [t for t in times if t > at]
+    seq = before + after
+    # A stall that begins within a stall's length of the next fault is the next fault's (a whole-job restart: the
+    # last step begun just before that kill); one that begins just after this fault is this one's.
+    stalls = [(b - a, b) for a, b in itertools.pairwise(seq) if b - a > floor and a < until - floor]
+    if stalls:
+        return max(stalls)[1] - at
+    return after[1] - at if len(after) >= 2 else math.inf
+
+
 def outcomes(logs: Mapping[int, StepLog], fault_times: Sequence[tuple[Fault, float]]) -> list[FaultOutcome]:
-    """Each fault's outcome, ``fault_times`` giving each fault's wall time (as the step logs' clock). A step is
-    complete on a slot when the slot begins its next one (or, for the last step, at its last entry), so the time
-    to full width is the latest, over slots, of the second step begun after the fault: conservative by one step.
-    Recomputed steps are counted per slot in the fault's window (up to the next fault) and the most of any slot
-    is the fault's: steps that the whole job did again, not per-rank copies of the same redo."""
+    """Each fault's outcome, ``fault_times`` giving each fault's wall time (as the step logs' clock). The time to
+    full width is the latest, over slots, of :func:`_resumed_after`: when the most stalled slot trained again
+    (a respawned replica's or a restarted job's first step, a stopped node's next one). Recomputed steps are counted
+    per slot in the fault's window (up to the next fault: a recovery still under way then is the next fault's) and
+    the most of any slot is the fault's: steps that the whole job did again, not per-rank copies of the same redo."""
     results = []
     ordered = sorted(fault_times, key=lambda ft: ft[1])
     for i, (fault, at) in enumerate(ordered):
@@ -147,8 +171,7 @@ def outcomes(logs: Mapping[int, StepLog], fault_times: Sequence[tuple[Fault, flo
         widths: list[float] = []
         redone = 0
         for log in logs.values():
-            after = [t for _, t in log if t > at]
-            widths.append(after[1] - at if len(after) >= 2 else math.inf)
+            widths.append(_resumed_after(log, at, until))
             seen = {s for s, t in log if t <= at}
             again = 0
             for step, t in log:

@@ -91,6 +91,30 @@ def test_outcomes_restart_recomputes_since_the_checkpoint() -> None:
     assert s["yoco_rate"] == 0.0 and s["never_full_width"] == 1
 
 
+def test_full_width_waits_for_the_stalled_slot_to_resume() -> None:
+    """A crash injected while the ranks still stepped: the survivors begin two more steps, then every slot stalls
+    until the replacement's first step at t = 7.9. Full width is that resume (5.5 s after the fault), not the two
+    steps begun before the crash took effect."""
+    crash = Fault(at_s=2.4, kind=FaultKind.NODE_CRASH, slot=1)
+    normal = [(s, s * 0.1) for s in range(30)]  # 0.1 s steps up to t = 2.9
+    resumed = [(s, 7.9 + (s - 29) * 0.1) for s in range(29, 40)]  # the step in flight (29) again, from t = 7.9
+    logs = {0: normal + resumed, 1: normal[:26] + resumed}
+    (out,) = outcomes(logs, [(crash, 2.4)])
+    assert out.full_width_s == pytest.approx(5.5)
+    assert out.recomputed == 1
+
+
+def test_a_stall_that_the_next_fault_caused_is_not_this_ones() -> None:
+    """A node stop (no stall here), then 2 s later a kill restarts the whole job: the restart's gap, which begins at
+    the last step before the kill, is the kill's, not the stop's."""
+    stop = Fault(at_s=1.0, kind=FaultKind.NODE_STOP, slot=0)
+    kill = Fault(at_s=3.05, kind=FaultKind.RANK_KILL, slot=1)
+    log = [(s, s * 0.1) for s in range(31)] + [(s, 10.0 + (s - 24) * 0.1) for s in range(24, 40)]
+    first, second = outcomes({0: log, 1: log}, [(stop, 1.0), (kill, 3.05)])
+    assert first.full_width_s == pytest.approx(0.2) and first.recomputed == 0
+    assert second.full_width_s == pytest.approx(6.95) and second.recomputed == 7
+
+
 def test_percentile_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile([3.0], 99) == 3.0
