@@ -28,7 +28,9 @@ rank of parameters and optimizer state) is bitwise equal to the fault-free run's
 
     sudo .venv/bin/python bench/fault_campaign.py [--quick] [--seed 1] [--faults 14] [--keep]
 
-``--quick``: 4 faults, a shorter job (about 3 minutes in all).
+``--quick``: 4 faults, a shorter job (about 3 minutes in all). ``--soak MINUTES``: TorchPass alone, Poisson faults
+(``--soak-gap`` seconds apart on average), stopping at the first fault that loses state, hangs or takes over 5 s to
+get back to full width; the logs are kept (``bench/support/campaign_soak.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from support.campaign_runs import (
     run_torchpass_slurm,
     time_to_n,
 )
+from support.campaign_soak import soak
 from support.fault_trace import (
     QUICK_KINDS,
     Fault,
@@ -101,6 +104,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one system may take (default 600)")
     parser.add_argument("--skip-torchft", action="store_true", help="leave TorchFT out")
     parser.add_argument("--keep", action="store_true", help="keep the runs' folders (logs, events)")
+    parser.add_argument(
+        "--soak", type=float, default=0.0, metavar="MINUTES",
+        help="TorchPass only: Poisson faults for MINUTES, stopping at the first that loses state, hangs or waits",
+    )  # fmt: skip
+    parser.add_argument("--soak-gap", type=float, default=10.0, help="--soak: mean seconds between faults (10)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.seed = args.seed if args.seed is not None else (12 if quick else 1)
@@ -213,10 +221,36 @@ def print_table(rows: dict[str, dict[str, Any]], tp_s: float | None) -> None:
         say(f"{label:<34}" + "".join(f"{cell(s, key):>14}" for s in SYSTEMS))
 
 
+def sandbox_for(args: argparse.Namespace, work: Path) -> Sandbox:
+    config = replace(
+        SandboxConfig(), nodes=args.ranks + args.spares, accounting=False, state_dir=str(work / "state"),
+        tag=SANDBOX_TAG, mgmt_net=SANDBOX_MGMT_NET, port_base=SANDBOX_PORT_BASE,
+    )  # fmt: skip
+    return Sandbox(config)
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    """``--soak``: TorchPass alone under Poisson faults; the folder is always kept."""
+    work = Path(tempfile.mkdtemp(prefix="cw-soak-"))
+    say(f"fault_campaign --soak {args.soak:g}: {args.ranks} ranks + {args.spares} standby nodes; logs in {work}")
+    box = sandbox_for(args, work)
+    box.up()
+    try:
+        result = soak(box, work / "torchpass", args, say)
+    finally:
+        box.down()
+    say(f"soak {'stopped: ' + result.stopped if result.stopped else 'ran its time'}; logs kept in {work}")
+    print(json.dumps({"bench": "fault_campaign", "soak_minutes": args.soak, "stopped": result.stopped or None,
+                      **result.figures, "per_fault": result.per_fault}))  # fmt: skip
+    return 1 if result.stopped else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if recovery.lacks_root("bench/fault_campaign.py"):
         return 2
+    if args.soak > 0:
+        return run_soak(args)
     ft_note = "left out (--skip-torchft)" if args.skip_torchft else torchft_status()
     work = Path(tempfile.mkdtemp(prefix="cw-campaign-"))
     runs: dict[str, Run] = {}
@@ -225,11 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps, {args.faults} faults, seed {args.seed}; runs in {work}"
     )
     try:
-        config = replace(
-            SandboxConfig(), nodes=args.ranks + args.spares, accounting=False, state_dir=str(work / "state"),
-            tag=SANDBOX_TAG, mgmt_net=SANDBOX_MGMT_NET, port_base=SANDBOX_PORT_BASE,
-        )  # fmt: skip
-        box = Sandbox(config)
+        box = sandbox_for(args, work)
         box.up()
         try:
             say("  fault-free (Slurm) ...")

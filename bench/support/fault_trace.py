@@ -108,6 +108,35 @@ def make_trace(
     ]
 
 
+def poisson_trace(
+    seed: int,
+    duration_s: float,
+    mean_gap_s: float,
+    slots: int,
+    kinds: Sequence[FaultKind] = QUICK_KINDS,
+    caps: Mapping[FaultKind, int] | None = None,
+    min_gap_s: float = 3.0,
+) -> list[Fault]:
+    """A soak's faults: arrivals of a Poisson process of mean gap ``mean_gap_s`` (each gap at least ``min_gap_s``,
+    so one recovery is over before the next fault) until ``duration_s``; each fault's kind drawn uniformly from
+    the kinds whose cap (``caps``) is not reached, its slot uniformly."""
+    if duration_s <= 0 or mean_gap_s <= 0 or slots < 1 or not kinds:
+        raise ValueError(f"a soak needs duration > 0, mean gap > 0, slots >= 1, kinds: {duration_s}, {mean_gap_s}")
+    caps = dict(caps or {})
+    rng = random.Random(seed)
+    used: dict[FaultKind, int] = {}
+    faults: list[Fault] = []
+    at = 0.0
+    while True:
+        at += max(min_gap_s, rng.expovariate(1.0 / mean_gap_s))
+        open_kinds = [k for k in kinds if used.get(k, 0) < caps.get(k, math.inf)]
+        if at >= duration_s or not open_kinds:
+            return faults
+        kind = rng.choice(open_kinds)
+        used[kind] = used.get(kind, 0) + 1
+        faults.append(Fault(round(at, 3), kind, rng.randrange(slots), HOLD_S.get(kind, 0.0)))
+
+
 def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
     """Young/Daly's optimal time between checkpoints, sqrt(2 C M) (C the cost of one checkpoint, M the mean time
     between failures)."""

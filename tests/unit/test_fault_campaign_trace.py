@@ -16,6 +16,7 @@ from bench.support.fault_trace import (
     make_trace,
     outcomes,
     percentile,
+    poisson_trace,
     recomputed_total,
     summary,
     young_daly_interval_s,
@@ -56,6 +57,16 @@ def test_bad_input_is_refused() -> None:
         make_trace(1, 0, 10.0, 3)
     with pytest.raises(ValueError):
         make_trace(1, 3, 10.0, 3, kinds=[FaultKind.NODE_CRASH], caps={FaultKind.NODE_CRASH: 1})
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_poisson_trace_gaps_caps_and_duration(seed: int) -> None:
+    trace = poisson_trace(seed, 600.0, 8.0, 3, caps={FaultKind.NODE_CRASH: 2}, min_gap_s=3.0)
+    assert trace == poisson_trace(seed, 600.0, 8.0, 3, caps={FaultKind.NODE_CRASH: 2}, min_gap_s=3.0)
+    times = [f.at_s for f in trace]
+    assert all(b - a >= 3.0 - 1e-3 for a, b in zip(times, times[1:], strict=False)) and times[-1] < 600.0
+    assert sum(f.kind is FaultKind.NODE_CRASH for f in trace) <= 2
+    assert 600.0 / 8.0 * 0.6 < len(trace) < 600.0 / 3.0  # about one per mean gap (floored at 3 s)
 
 
 def test_young_daly() -> None:
