@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -79,6 +81,11 @@ class Recorder:
         self.log = open(self.out / f"steps-{rank}.log", "a")  # open for the process's life
         self.t_warm: float | None = None
         self.timed = 0
+        # Who holds this rank now, for a benchmark that kills or stops it from outside (bench/fault_campaign.py):
+        # the pid and the Slurm node (empty outside Slurm); a spare that takes the slot rewrites it.
+        node = os.environ.get("SLURMD_NODENAME", "")
+        (self.out / f"pid-{rank}.tmp").write_text(f"{os.getpid()} {node}\n")
+        os.replace(self.out / f"pid-{rank}.tmp", self.out / f"pid-{rank}")
 
     def executed(self, step: int) -> None:
         """Record that ``step`` is (being) computed by this rank."""
@@ -120,10 +127,26 @@ class Recorder:
             "timed_steps": self.timed,
             "seconds": round(seconds, 4),
             "steps_per_s": round(self.timed / seconds, 3) if seconds > 0 else None,
+            "finished_at": time.time(),
             **(extra or {}),
         }
         (self.out / f"result-{self.rank}.json").write_text(json.dumps(result))
         self.log.close()
+
+
+def state_sha256(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    """A hash of the final training state (parameters, then the optimizer's per-parameter state in order), which a
+    benchmark compares across runs to the bit (``bench/fault_campaign.py``: TorchPass under faults = fault-free)."""
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    state = opt.state_dict()["state"]
+    for key in sorted(state):
+        for name in sorted(state[key]):
+            value = state[key][name]
+            data = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            digest.update(name.encode() + data.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def train_ddp(args: argparse.Namespace) -> None:
@@ -147,6 +170,7 @@ def train_ddp(args: argparse.Namespace) -> None:
         opt.load_state_dict(state["optim"])
         start = int(state["next_step"])
     rec = Recorder(args, rank, world)
+    save_s: list[float] = []
     for step in range(start, args.steps):
         rec.begin(step)
         x, y = batch(step, rank, args.batch)
@@ -155,10 +179,13 @@ def train_ddp(args: argparse.Namespace) -> None:
         opt.step()
         opt.zero_grad()
         if ckpt is not None and rank == 0 and (step + 1) % args.ckpt_every == 0:
+            t_save = time.perf_counter()
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "next_step": step + 1}, tmp)
             os.replace(tmp, ckpt)
-    rec.finish("ddp", {"resumed_at": start})
+            save_s.append(time.perf_counter() - t_save)
+    extra = {"resumed_at": start, "state_sha256": state_sha256(model, opt)}
+    rec.finish("ddp", {**extra, "checkpoint_save_s": statistics.mean(save_s) if save_s else None})
     dist.destroy_process_group()
 
 
@@ -176,7 +203,8 @@ def train_torchpass(args: argparse.Namespace) -> None:
     while len(list(out.glob("spare-ready-*"))) < args.wait_spares and time.monotonic() < deadline:
         time.sleep(0.05)  # on a cluster spares wait on nodes of their own: do not train while they start here
     ddp = ctx.wrap_model(model)
-    opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = ctx.wrap_optimizer(inner)
     rec = Recorder(args, ctx.slot, ctx.world_size)
     for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), args.steps):
         rec.begin(step)
@@ -184,7 +212,7 @@ def train_torchpass(args: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-    rec.finish("torchpass")
+    rec.finish("torchpass", {"state_sha256": state_sha256(model, inner)})
     ctx.close()
 
 
@@ -377,7 +405,7 @@ def train_torchft(args: argparse.Namespace) -> None:
             rec.executed(step)
         if manager.num_participants() < world:
             reduced += 1
-    rec.finish("torchft", {"reduced_width_steps": reduced})
+    rec.finish("torchft", {"reduced_width_steps": reduced, "state_sha256": state_sha256(model, opt_inner)})
     manager.shutdown(wait=False)
 
 
