@@ -3,10 +3,11 @@ fault-free run, every step committed once, a failed rank rebuilt from the rank a
 the other replica.
 
 Each test launches a real local job (``python -m torchpass run --local``, gloo on 127.0.0.1) of a small
-Llama-shaped model (attention and MLP blocks, RMSNorm, an output head) trained deterministically with AdamW and an
-LR scheduler, sharded with ``ctx.wrap_fsdp(mesh_shape=(R, S), tp=T, tp_plan=...)``: a Colwise/Rowwise plan as
-torchtitan's ``parallelize_llama`` writes it (without sequence parallelism), then ``fully_shard`` per block over
-the (replicate, shard) submesh. Layouts: (dp_replicate 2 x tp 2), 4 ranks; (2 x dp_shard 2 x tp 2), 8 ranks.
+Llama-shaped model (attention and MLP blocks, RMSNorm, an output head) trained deterministically with AdamW,
+``tp.clip_grad_norm_`` (over gradients on two meshes) and an LR scheduler, sharded with
+``ctx.wrap_fsdp(mesh_shape=(R, S), tp=T, tp_plan=...)``: a Colwise/Rowwise plan as torchtitan's
+``parallelize_llama`` writes it (without sequence parallelism), then ``fully_shard`` per block over the
+(replicate, shard) submesh. Layouts: (dp_replicate 2 x tp 2), 4 ranks; (2 x dp_shard 2 x tp 2), 8 ranks.
 This file is also the rank script: executed directly, it trains.
 
 Faults (``CW_TEST_KILL``: ``slot:step:phase:layer``, comma separated; a marker file makes each happen once) are
@@ -193,6 +194,7 @@ def _rank_main() -> int:
         began = now
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
+        tp.clip_grad_norm_(model.parameters(), max_norm=0.5)  # over both meshes' gradients
         opt.step()
         opt.zero_grad()
         sched.step()

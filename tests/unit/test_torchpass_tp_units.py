@@ -78,3 +78,34 @@ def test_received_optimizer_state_is_rebuilt_over_each_parameters_mesh() -> None
         filled = _fill_optimizer(opt, stripped, tensors, StateParts(mesh=full).mesh)
         assert filled["state"][0]["exp_avg"].device_mesh == full
         assert filled["state"][1]["exp_avg"].device_mesh == dp  # not the job's whole mesh
+
+
+def test_clip_grad_norm_matches_torchs_on_one_mesh() -> None:
+    """On plain tensors (one "mesh") the helper clips exactly as torch does; the mixed-mesh case runs in the oracle."""
+    import torchpass as tp
+
+    torch.manual_seed(0)
+    ours, theirs = [nn.Parameter(torch.randn(5, 3)) for _ in range(3)], []
+    for p in ours:
+        p.grad = torch.randn_like(p) * 4
+        q = nn.Parameter(p.detach().clone())
+        q.grad = p.grad.clone()
+        theirs.append(q)
+    total = tp.clip_grad_norm_(ours, max_norm=1.0)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm=1.0)
+    assert torch.allclose(total, expected)
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.allclose(p.grad, q.grad)  # type: ignore[arg-type]
+    assert float(tp.clip_grad_norm_([nn.Parameter(torch.ones(2))], 1.0)) == 0.0  # no gradient: nothing to clip
+
+
+def test_a_snapshot_of_a_tp_mesh_restores_only_into_the_same_tp_mesh() -> None:
+    """Its manifest's ``mesh`` is [R, S x T] (the parts), and ``mesh_tp`` says how they split: a plain mesh of the
+    same part count is refused, naming the options that would take it."""
+    from torchpass.snapshot.restore import mesh_problem
+
+    tp_body = {"mesh": [2, 4], "mesh_tp": 2}
+    assert mesh_problem(tp_body, ShardedReplicas(2, 4, tp=2)) == ""
+    refused = mesh_problem(tp_body, ShardedReplicas(2, 4))
+    assert "written by a 2x2x2 mesh and this job's mesh is 2x4" in refused and "mesh_shape=(2, 2), tp=2" in refused
+    assert "written by a 2x4 mesh" in mesh_problem({"mesh": [2, 4]}, ShardedReplicas(2, 4, tp=2))
