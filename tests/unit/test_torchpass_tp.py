@@ -15,6 +15,8 @@ SIGKILLs the rank deals itself at a point of the step:
 
 * ``tpforward``: in block ``layer``'s forward, after its MLP's RowwiseParallel ``w2`` computed its partial sum and
   before the all-reduce over the TP group (the TP peer waits in that all-reduce for a dead rank);
+* ``tpgather``: in the output head's forward, after its ColwiseParallel matmul and before the all-gather of the
+  logits over the TP group (``output_layouts=Replicate()``);
 * ``tpbackward``: in the backward pass, before block ``layer``'s attention input gradient is all-reduced over the
   TP group (the gradient of ColwiseParallel ``wq``'s output arrives; the TP peer waits in the all-reduce);
 * ``optimizer``: inside the optimizer step;
@@ -55,8 +57,13 @@ RUN_TIMEOUT_S = 180
 def _rank_main() -> int:
     import torch
     from torch import nn
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
     from torch.utils.data import TensorDataset
 
     import torchpass as tp
@@ -65,6 +72,7 @@ def _rank_main() -> int:
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))
     replicas, shards, tp_size = (int(v) for v in os.environ.get("CW_TEST_MESH", "2x1x2").split("x"))
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
+    sequence_parallel = os.environ.get("CW_TEST_SP") == "1"
 
     def journal(slot: int, line: str) -> None:
         with open(out / f"journal-slot{slot}.txt", "a") as f:
@@ -147,8 +155,29 @@ def _rank_main() -> int:
         plan |= {f"layers.{i}.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
         plan |= {f"layers.{i}.feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")}
         plan |= {f"layers.{i}.attention.wo": RowwiseParallel(), f"layers.{i}.feed_forward.w2": RowwiseParallel()}
+    if sequence_parallel:  # torchtitan's full plan: norms sequence-sharded, Rowwise outputs reduce-scattered
+        seq_sharded = (Shard(1),)
+        plan = {
+            "layers.0": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=seq_sharded, use_local_output=True
+            ),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+        for i in range(LAYERS):
+            for norm, sub in (("attention_norm", "attention"), ("ffn_norm", "feed_forward")):
+                plan[f"layers.{i}.{norm}"] = SequenceParallel()
+                plan[f"layers.{i}.{sub}"] = PrepareModuleInput(
+                    input_layouts=seq_sharded, desired_input_layouts=(Replicate(),)
+                )
+            plan |= {f"layers.{i}.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+            plan |= {f"layers.{i}.feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")}
+            plan |= {
+                f"layers.{i}.{w}": RowwiseParallel(output_layouts=Shard(1)) for w in ("attention.wo", "feed_forward.w2")
+            }
     for index, block in enumerate(blocks):  # before the plan's hooks: ahead of w2's all-reduce
         block.feed_forward.w2.register_forward_hook(lambda *_, i=index: maybe_kill("tpforward", i))
+    plain.output.register_forward_hook(lambda *_: maybe_kill("tpgather"))  # ahead of the logits' all-gather
     if tp_size == 1:  # the same model without tensor parallelism: HSDP only (the numerical cross-check)
         model = ctx.wrap_fsdp(plain, mesh_shape=(replicas, shards), shard=Block)
     else:
@@ -246,13 +275,22 @@ def _point() -> tuple[int, int]:
 
 
 def _run(
-    base: Path, name: str, *, mesh: str = "2x1x2", kill: str = "", spares: int = 1, together: bool = False
+    base: Path,
+    name: str,
+    *,
+    mesh: str = "2x1x2",
+    kill: str = "",
+    spares: int = 1,
+    together: bool = False,
+    sp: bool = False,
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MESH=mesh)
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
-    cmd = local_command(out, SCRIPT, nproc=_ranks(mesh), spares=spares)
+    env["CW_TEST_SP"] = "1" if sp else ""
+    # the runtime net compares the replicas of each (shard, tp) part every 3 steps (a mismatch stops the job)
+    cmd = local_command(out, SCRIPT, nproc=_ranks(mesh), spares=spares, settings=("replica_check_every_steps=3",))
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -336,35 +374,71 @@ def test_fault_free_tp_run_is_consistent(reference: FinishedJob) -> None:
     for slot in range(1, 4):
         assert_bitwise_equal(load_final(reference.out, slot), expected, f"slot {slot}")
     assert expected["optim"]["state"], "no optimizer state: nothing trained"
+    assert "the replicas agree" in reference.output, "the runtime net never compared the replicas"
     # wq is cut by rows over tp (ColwiseParallel) and FSDP's dim-0 shard over (replicate, shard): 16 / 2 rows
     names, placements, local = expected["layout"]
     assert names == ("replicate", "shard", "tp") and placements[2] == "S(0)" and local == (8, 16), expected["layout"]
 
 
-def test_tp_trains_the_model_hsdp_alone_trains(base: Path, reference: FinishedJob) -> None:
-    """The same job without tensor parallelism (HSDP 2 x 1) ends numerically at the same weights (not bitwise: TP
-    sums in another order): the TP plan's collectives run, and a TP group's ranks train on the same batch."""
+@pytest.fixture(scope="module")
+def without_tp(base: Path) -> FinishedJob:
+    """The same job without tensor parallelism: HSDP 2 x 1."""
+    run = _run(base, "no-tp", mesh="2x1x1")
+    run.check_ok()
+    return run
+
+
+def _assert_close(run: FinishedJob, plain: FinishedJob) -> None:
     import torch
 
-    plain = _run(base, "no-tp", mesh="2x1x1")
-    plain.check_ok()
-    expected, got = load_final(plain.out, 0)["model"], load_final(reference.out, 0)["model"]
+    expected, got = load_final(plain.out, 0)["model"], load_final(run.out, 0)["model"]
     assert expected.keys() == got.keys()
     for name, value in expected.items():
         assert torch.allclose(got[name], value, atol=1e-5, rtol=1e-4), name
 
 
+def test_tp_trains_the_model_hsdp_alone_trains(reference: FinishedJob, without_tp: FinishedJob) -> None:
+    """The same job without tensor parallelism (HSDP 2 x 1) ends numerically at the same weights (not bitwise: TP
+    sums in another order): the TP plan's collectives run, and a TP group's ranks train on the same batch."""
+    _assert_close(reference, without_tp)
+
+
+@pytest.fixture(scope="module")
+def reference_sp(base: Path) -> FinishedJob:
+    """The fault-free run of torchtitan's full plan (sequence parallelism: reduce-scatters and all-gathers)."""
+    run = _run(base, "sp-reference", sp=True)
+    run.check_ok()
+    return run
+
+
+@pytest.mark.parametrize("phase", ["tpforward", "tpbackward"], ids=["forward-reducescatter", "backward-reducescatter"])
+def test_sequence_parallel_plan_survives_a_sigkill_in_its_reduce_scatter(
+    base: Path, reference_sp: FinishedJob, without_tp: FinishedJob, phase: str
+) -> None:
+    """SequenceParallel norms and PrepareModuleInput around attention and MLP, RowwiseParallel outputs sharded by
+    sequence: the TP peer waits in a reduce-scatter (forward: w2's output; backward: the attention input's
+    gradient) for a dead rank. The run ends bitwise equal to its fault-free run, which trains the same model as
+    HSDP alone does."""
+    _assert_close(reference_sp, without_tp)
+    step, layer = _point()
+    victim = _draw.randrange(4)
+    kill = f"{victim}:{step}:{phase}:{layer}"
+    run = _run(base, "sp-kill-" + kill.replace(":", "-"), kill=kill, sp=True)
+    moves = _check_fault(run, reference_sp, kill)
+    assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
+
+
 @pytest.mark.parametrize(
     ("phase", "slot"),
-    [("tpforward", 0), ("tpbackward", None), ("optimizer", None), ("moment", None)],
-    ids=["forward-tp-allreduce-slot0", "backward-tp-allreduce", "optimizer-step", "random-moment"],
+    [("tpforward", 0), ("tpgather", None), ("tpbackward", None), ("optimizer", None), ("moment", None)],
+    ids=["forward-tp-allreduce-slot0", "forward-tp-allgather", "backward-tp-allreduce", "optimizer-step", "moment"],
 )
 def test_sigkill_rebuilds_the_coordinate_from_the_other_replica(
     base: Path, reference: FinishedJob, phase: str, slot: int | None
 ) -> None:
     victim = slot if slot is not None else _draw.randrange(1, 4)
     step, layer = _point()
-    if phase == "optimizer":
+    if phase in ("optimizer", "tpgather"):
         layer = -1
     elif phase == "moment":
         layer = _draw.randrange(50, 950)
