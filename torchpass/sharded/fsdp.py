@@ -26,6 +26,12 @@ its copies), nothing is invented: the job stops with that reason (:class:`torchp
 which names the newest snapshot to restart from (or says that snapshots are off). Snapshots hold every shard, each
 written by one of its holders, and a restore gives slot (r, s) shard s (:mod:`torchpass.snapshot`).
 
+Tensor parallelism (``tp=T, tp_plan=...``): ``parallelize_module`` over the mesh's ``tp`` dimension, then
+``fully_shard`` over (replicate, shard). Slot ``r * S * T + s * T + t``'s state is part ``s * T + t`` (its local
+shards of TP- and FSDP-sharded parameters and their optimizer state), held by the same coordinate in every other
+replica: the layout is :class:`ShardedReplicas` with ``S * T`` parts, so transfers, plans and snapshots are
+unchanged (:func:`mesh_layout`).
+
 Buffers are not synchronised by FSDP2: a buffer a forward pass updates (BatchNorm's running statistics) then
 differs per rank, and a replica's copy is not the dead rank's. ``wrap_fsdp`` warns about such modules.
 """

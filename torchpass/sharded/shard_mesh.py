@@ -1,4 +1,5 @@
-"""The device mesh of a sharded model (FSDP2, HSDP), owned by TorchPass and re-bound at every generation.
+"""The device mesh of a sharded model (FSDP2, HSDP, and tensor parallelism beside them), owned by TorchPass and
+re-bound at every generation.
 
 Why a mesh that outlives generations: ``fully_shard`` keeps its mesh's process groups (FSDP's mesh info
 caches them at construction), every parameter is a ``DTensor`` that keeps its mesh, and so is every piece of
@@ -8,7 +9,8 @@ state. Neither is needed: the :class:`~torch.distributed.device_mesh.DeviceMesh`
 ``fully_shard`` is built once, over one stable :class:`GenerationGroup` per mesh dimension, and each of those
 forwards its collectives to the *current* generation's real group of that dimension. After every membership
 change :meth:`MeshGroups.bind` forms the new generation's groups (one per replica row and one per shard
-column, over the generation's default group) and the proxies forward there. The mesh's shape, this rank's
+column, over the generation's default group; with tensor parallelism also one per TP group, T adjacent slots)
+and the proxies forward there. The mesh's shape, this rank's
 coordinates in it and every parameter's sharding are functions of the slot, which a recovery never changes,
 so nothing in FSDP, DTensor or the optimizer notices the rebuild. DTensor's own collectives
 (``clip_grad_norm_``, ``full_tensor``) find the proxies by name (they are registered with c10d again after each
