@@ -73,6 +73,7 @@ def _rank_main() -> int:
     replicas, shards, tp_size = (int(v) for v in os.environ.get("CW_TEST_MESH", "2x1x2").split("x"))
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
     sequence_parallel = os.environ.get("CW_TEST_SP") == "1"
+    migrate = os.environ.get("CW_TEST_MIGRATE", "")
 
     def journal(slot: int, line: str) -> None:
         with open(out / f"journal-slot{slot}.txt", "a") as f:
@@ -221,6 +222,10 @@ def _rank_main() -> int:
         now = time.monotonic()
         kill_at_a_moment(step, now - began)
         began = now
+        if migrate:  # a planned migration of slot S at step N, asked by another rank (as clockwork migrate would)
+            slot, when = (int(v) for v in migrate.split(":"))
+            if ctx.slot == (1 if slot == 0 else 0) and step == when and not (out / "migrate-requested").exists():
+                (out / "migrate-requested").write_text(str(ctx.request_migration(slot)))
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         tp.clip_grad_norm_(model.parameters(), max_norm=0.5)  # over both meshes' gradients
@@ -283,12 +288,14 @@ def _run(
     spares: int = 1,
     together: bool = False,
     sp: bool = False,
+    migrate: str = "",
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_MESH=mesh)
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     env["CW_TEST_SP"] = "1" if sp else ""
+    env["CW_TEST_MIGRATE"] = migrate
     # the runtime net compares the replicas of each (shard, tp) part every 3 steps (a mismatch stops the job)
     cmd = local_command(out, SCRIPT, nproc=_ranks(mesh), spares=spares, settings=("replica_check_every_steps=3",))
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
@@ -378,6 +385,21 @@ def test_fault_free_tp_run_is_consistent(reference: FinishedJob) -> None:
     # wq is cut by rows over tp (ColwiseParallel) and FSDP's dim-0 shard over (replicate, shard): 16 / 2 rows
     names, placements, local = expected["layout"]
     assert names == ("replicate", "shard", "tp") and placements[2] == "S(0)" and local == (8, 16), expected["layout"]
+
+
+def test_planned_migration_moves_a_tp_rank_with_its_state(base: Path, reference: FinishedJob) -> None:
+    """A planned migration (clockwork migrate, the GPU health watch) of a TP rank: the departing rank hands its own
+    (shard, tp) state to the spare, and the job ends bitwise equal to the fault-free run."""
+    step, _ = _point()
+    victim = _draw.randrange(4)
+    run = _run(base, "migrate", migrate=f"{victim}:{step}")
+    run.check_ok()
+    _assert_same_final_state(run, reference, 4)
+    journals = _assert_each_step_once(run, 4)
+    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not moved to another process"
+    migrated = run.of_kind("torchpass.migrated")
+    assert migrated and migrated[0]["slots"] == [victim] and migrated[0]["handoff_ok"], migrated
+    assert not run.of_kind("torchpass.member_failed")
 
 
 @pytest.fixture(scope="module")
