@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from torchpass.rank.context import Context
     from torchpass.rank.data import StepLoader
     from torchpass.rank.start import init
+    from torchpass.sharded.tensor_parallel import clip_grad_norm_
 
 __all__ = [
     "ConfigError",
@@ -39,6 +40,7 @@ __all__ = [
     "StepLoader",
     "TorchPassConfig",
     "TorchPassError",
+    "clip_grad_norm_",
     "init",
 ]
 
@@ -52,6 +54,7 @@ _WHERE = {
     "DaemonEventSink": "torchpass.events",
     "EventSink": "torchpass.events",
     "JsonlEventSink": "torchpass.events",
+    "clip_grad_norm_": "torchpass.sharded.tensor_parallel",
 }
 
 

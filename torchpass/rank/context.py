@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from clockwork.contracts.coordinator_wire import GenerationInfo
 from torchpass.config import TorchPassConfig
@@ -55,7 +56,7 @@ from torchpass.rank.state import StateParts
 from torchpass.rank.step import StepLifecycle, carried_gradients_reason
 from torchpass.rank.transfer_plan import Replicated, ShardedReplicas
 from torchpass.rank_env import LaunchEnv
-from torchpass.sharded.fsdp import ShardedState, ShardPlan
+from torchpass.sharded.fsdp import ShardedState, ShardPlan, mesh_layout
 from torchpass.snapshot import RestoreError, Snapshotter, restart_advice, restore, restore_target
 
 if TYPE_CHECKING:
@@ -118,6 +119,7 @@ class Context:
         )
         self.mesh: DeviceMesh | None = None  # a sharded model's device mesh (ctx.wrap_fsdp)
         self._sharded: ShardedState | None = None  # its state: what moves, how
+        self._data_group = 1  # adjacent slots that take the same batch (a tensor-parallel group)
         self._closed = False
         self._snapshotter = Snapshotter(config, self.log, event_sink)
         self.lifecycle.before_update_hooks.append(self._snapshotter.before_update)
@@ -183,22 +185,40 @@ class Context:
         )
         return ddp
 
-    def wrap_fsdp(self, model: nn.Module, *, mesh_shape: tuple[int, int], shard: Any = None, **kw: Any) -> nn.Module:
+    def wrap_fsdp(
+        self,
+        model: nn.Module,
+        *,
+        mesh_shape: tuple[int, int],
+        shard: Any = None,
+        tp: int = 1,
+        tp_plan: Mapping[str, ParallelStyle] | None = None,
+        **kw: Any,
+    ) -> nn.Module:
         """FSDP2 over a ``(replicas, shards)`` mesh TorchPass owns: ``fully_shard(..., **kw)`` on what ``shard``
-        names, deepest first, then on ``model`` (returned). See :mod:`torchpass.sharded.fsdp`."""
-        sharded = self.shard_state(ShardedReplicas(*mesh_shape))
-        ShardPlan(sharded.layout, shard, kw).apply(model, sharded.groups)
+        names, deepest first, then on ``model`` (returned). See :mod:`torchpass.sharded.fsdp`.
+
+        With ``tp_plan`` the mesh is ``(replicas, shards, tp)`` (``replicas * shards * tp`` ranks, tp innermost):
+        ``parallelize_module(model, <tp submesh>, tp_plan)`` first, then ``fully_shard`` over the (replicate,
+        shard) submesh, as torchtitan's ``parallelize_llama``; the ranks of one TP group (adjacent slots) take
+        the same batch from ``ctx.steps``."""
+        shape = mesh_layout(mesh_shape, tp, tp_plan)
+        sharded = self.shard_state(shape, tensor_parallel=tp_plan is not None)
+        ShardPlan(sharded.layout, shard, kw, tp_plan).apply(model, sharded.groups)
         sharded.adopt(model)
+        self._data_group = tp
         return model
 
-    def shard_state(self, shape: ShardedReplicas, names: tuple[str, ...] | None = None) -> ShardedState:
+    def shard_state(
+        self, shape: ShardedReplicas, names: tuple[str, ...] | None = None, tensor_parallel: bool = False
+    ) -> ShardedState:
         """The job's one mesh (the same ``shape`` again returns it) and, from now on, the rank's shard as what
         moves: what ``wrap_fsdp`` and transparent mode's ``init_device_mesh`` build on."""
         if self._sharded is not None and self._sharded.layout == shape:
             return self._sharded
         if self._sharded is not None or self._model is not None:
             raise TorchPassError("the job's model is already wrapped (one model, one mesh per job)")
-        self._sharded = sharded = ShardedState(shape, self, self._parts, names)
+        self._sharded = sharded = ShardedState(shape, self, self._parts, names, tensor_parallel)
         chunk, self.net.shape = int(self.config.transfer_chunk_mb * (1 << 20)), shape
         self.rejoiner.transport = sharded.transport(self._backend, chunk, self.net if self.net.on else None)
         self.rejoiner.layout, self.mesh = sharded.part_layout, sharded.groups.mesh
@@ -290,7 +310,8 @@ class Context:
         yielded again (same batch, same RNG) when it was abandoned by a failure; a committed step is never
         yielded twice. Returns when every member has committed the last step.
         """
-        fetch = batch_source(source, lambda: self.slot, self.world_size)
+        group = self._data_group  # a TP group's ranks train on the same batch
+        fetch = batch_source(source, lambda: self.slot // group, self.world_size // group)
         self.start()
         while True:
             if not self.follow_generation(stop_when_done=True):

@@ -119,6 +119,22 @@ def _fill(obj: Any, tensors: Sequence[torch.Tensor], mesh: Any = None) -> Any:
     return obj
 
 
+def _fill_optimizer(optimizer: torch.optim.Optimizer, state: Any, tensors: Sequence[torch.Tensor], mesh: Any) -> Any:
+    """:func:`_fill` of an optimizer's state dict, each parameter's state rebuilt over that parameter's own mesh.
+
+    Why per parameter: under tensor parallelism beside FSDP the parameters do not share one mesh (a TP-sharded
+    weight's DTensor spans (replicate, shard, tp), a norm's weight only (replicate, shard)), and DTensor refuses
+    an update between a gradient and a state on different meshes. The state dict numbers parameters in the order
+    of the optimizer's param groups."""
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+        return _fill(state, tensors, mesh)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    meshes = {i: p.device_mesh for i, p in enumerate(params) if isinstance(p, DTensor)}
+    filled = {k: _fill(v, tensors, mesh) for k, v in state.items() if k != "state"}
+    filled["state"] = {k: _fill(v, tensors, meshes.get(k, mesh)) for k, v in state["state"].items()}
+    return filled
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor as it travels: a ``DTensor``'s local shard (a view of the live parameter), else itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -363,7 +379,7 @@ def apply_state(parts: StateParts, meta: dict[str, Any], tensors: list[torch.Ten
     :class:`TensorRef` s (model tensors were received in place already)."""
     try:
         for optimizer, state in zip(parts.optimizers, meta["optim"], strict=True):
-            optimizer.load_state_dict(_fill(state, tensors, parts.mesh))
+            optimizer.load_state_dict(_fill_optimizer(optimizer, state, tensors, parts.mesh))
         for name, state in meta["extra"].items():
             parts.extra[name].load_state_dict(_fill(state, tensors, parts.mesh))
     except StateError:

@@ -123,11 +123,18 @@ class ShardedReplicas:
 
     ``replicas=1`` is pure FSDP: each shard lives in one slot only, plus whatever peer copies members report.
     ``peer_copies``: how many ring successors in each replica keep one (0: none), for the message when a shard
-    is lost anyway."""
+    is lost anyway.
+
+    ``tp``: with tensor parallelism, each replica's ``shards`` slots are ``shards // tp`` FSDP shards times ``tp``
+    tensor-parallel ranks, tp innermost (slot ``r * shards + s * tp + t``, so a TP group is adjacent slots: one
+    node). A rank's state is still named by its coordinate outside the replicate dimension, ``slot % shards``
+    (its (shard, tp) pair): everything here (parts, holders, the plan) is the same as for ``shards`` plain
+    shards, and only the names and the mesh's groups (:mod:`torchpass.sharded.shard_mesh`) see ``tp``."""
 
     replicas: int
     shards: int
     peer_copies: int = 0
+    tp: int = field(default=1, kw_only=True)
     # Each replica row's peer-copy ring, once the first generation decided it (filled in place by the transport,
     # :class:`torchpass.sharded.fsdp.ShardTransport`; empty: the shard order). Not part of the mesh's identity.
     rings: list[tuple[int, ...]] = field(default_factory=list, compare=False, hash=False, repr=False, kw_only=True)
@@ -135,6 +142,8 @@ class ShardedReplicas:
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.shards < 1:
             raise ValueError(f"replicas and shards must be >= 1, got {self.replicas} x {self.shards}")
+        if self.tp < 1 or self.shards % self.tp:
+            raise ValueError(f"a replica's {self.shards} slots do not split into tensor-parallel groups of {self.tp}")
 
     @property
     def parts(self) -> int:
@@ -167,6 +176,8 @@ class ShardedReplicas:
         return [self.slot(r, shard) for r in range(self.replicas)]
 
     def __str__(self) -> str:
+        if self.tp > 1:
+            return f"{self.replicas}x{self.shards // self.tp}x{self.tp}"
         return f"{self.replicas}x{self.shards}"
 
     def domain_of(self, slot: int) -> int:
@@ -174,7 +185,10 @@ class ShardedReplicas:
         return slot // self.shards
 
     def part_name(self, part: int) -> str:
-        """``shard S of the RxS mesh``."""
+        """``shard S of the RxS mesh``; with tensor parallelism ``part P (shard S, tp T) of the RxSxT mesh``."""
+        if self.tp > 1:
+            shard, tp = divmod(part, self.tp)
+            return f"part {part} (shard {shard}, tp {tp}) of the {self} mesh"
         return f"shard {part} of the {self.replicas}x{self.shards} mesh"
 
     def copy_holders(self, part: int) -> list[int]:

@@ -26,6 +26,12 @@ its copies), nothing is invented: the job stops with that reason (:class:`torchp
 which names the newest snapshot to restart from (or says that snapshots are off). Snapshots hold every shard, each
 written by one of its holders, and a restore gives slot (r, s) shard s (:mod:`torchpass.snapshot`).
 
+Tensor parallelism (``tp=T, tp_plan=...``): ``parallelize_module`` over the mesh's ``tp`` dimension, then
+``fully_shard`` over (replicate, shard). Slot ``r * S * T + s * T + t``'s state is part ``s * T + t`` (its local
+shards of TP- and FSDP-sharded parameters and their optimizer state), held by the same coordinate in every other
+replica: the layout is :class:`ShardedReplicas` with ``S * T`` parts, so transfers, plans and snapshots are
+unchanged (:func:`mesh_layout`).
+
 Buffers are not synchronised by FSDP2: a buffer a forward pass updates (BatchNorm's running statistics) then
 differs per rank, and a replica's copy is not the dead rank's. ``wrap_fsdp`` warns about such modules.
 """
@@ -35,13 +41,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from torchpass.config import TorchPassConfig
 from torchpass.errors import TorchPassError
@@ -57,7 +64,7 @@ from torchpass.rank.transfer_plan import Holdings, ShardedReplicas
 from torchpass.rank_env import LaunchEnv
 from torchpass.sharded import peer_ring
 from torchpass.sharded.peer_copy import PeerCopies
-from torchpass.sharded.shard_mesh import MeshGroups
+from torchpass.sharded.shard_mesh import DIM_NAMES, TP_DIM, MeshGroups
 
 __all__ = [
     "LifecycleGuard",
@@ -66,6 +73,7 @@ __all__ = [
     "ShardSpec",
     "ShardTransport",
     "ShardedState",
+    "mesh_layout",
     "sharded_modules",
 ]
 
@@ -108,27 +116,67 @@ class LifecycleGuard:
 
 class ShardPlan:
     """How one job shards its model: the mesh's shape, which submodules get their own ``fully_shard``, and
-    ``fully_shard``'s options. Applied once per process (:meth:`apply`), identically on every slot."""
+    ``fully_shard``'s options; with tensor parallelism, the TP plan (``{fqn: ParallelStyle}``, as
+    ``parallelize_module`` takes it). Applied once per process (:meth:`apply`), identically on every slot."""
 
-    def __init__(self, shape: ShardedReplicas, shard: ShardSpec | None, options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        shape: ShardedReplicas,
+        shard: ShardSpec | None,
+        options: dict[str, Any],
+        tp_plan: Mapping[str, ParallelStyle] | None = None,
+    ) -> None:
         reserved = sorted({"mesh"} & set(options))
         if reserved:
             raise TypeError("ctx.wrap_fsdp builds the mesh itself (mesh_shape=...); do not pass mesh=")
+        if shape.tp > 1 and not tp_plan:
+            raise TypeError(f"tp={shape.tp} needs a tp_plan ({{module name: ParallelStyle}}) to shard the model by")
+        for name, style in (tp_plan or {}).items():
+            if not isinstance(style, ParallelStyle):
+                raise TypeError(f"tp_plan[{name!r}] is a {type(style).__name__}, not a ParallelStyle")
         self.shape = shape
         self.shard = shard
         self.options = options
+        self.tp_plan = dict(tp_plan) if tp_plan is not None else None
 
     def apply(self, model: nn.Module, groups: MeshGroups) -> list[str]:
-        """``fully_shard`` the chosen submodules (deepest first) and then the root; the names sharded."""
+        """With a TP plan, ``parallelize_module`` over the mesh's tp dimension first (as torchtitan's
+        ``parallelize_llama`` does); then ``fully_shard`` the chosen submodules (deepest first) and the root over
+        the (replicate, shard) dimensions; the names sharded.
+
+        Each TP rank cuts its own copy of the initial weights (``src_data_rank=None``): no collective runs before
+        the first generation forms, so every rank must build the model identically (the same seed), as the
+        replicas of any TorchPass job do."""
         if isinstance(model, FSDPModule):
             raise TypeError("the model is already sharded: give ctx.wrap_fsdp the plain module")
         chosen = sharded_modules(model, self.shard)
         with groups.before_first_generation():
+            mesh = groups.mesh
+            if self.tp_plan is not None:
+                parallelize_module(model, groups.submesh(TP_DIM), self.tp_plan, src_data_rank=None)
+                mesh = groups.submesh(DIM_NAMES)
             for _, module in chosen:
-                fully_shard(module, mesh=groups.mesh, **self.options)
-            fully_shard(model, mesh=groups.mesh, **self.options)
+                fully_shard(module, mesh=mesh, **self.options)
+            fully_shard(model, mesh=mesh, **self.options)
         warn_unsynchronised_buffers(model, self.shape.replicas)
         return [name for name, _ in chosen] + [""]
+
+
+def mesh_layout(
+    mesh_shape: tuple[int, int], tp: int = 1, tp_plan: Mapping[str, ParallelStyle] | None = None
+) -> ShardedReplicas:
+    """The layout of ``ctx.wrap_fsdp(mesh_shape=(R, S), tp=T, tp_plan=...)``: R replicas of S * T parts (a rank's
+    (shard, tp) coordinate), refusing at start what is not protected."""
+    replicas, shards = mesh_shape
+    if tp != 1 or tp_plan is not None:
+        if tp < 1 or not tp_plan:
+            raise TorchPassError(f"tensor parallelism needs tp >= 1 and a non-empty tp_plan (got tp={tp})")
+        if replicas < 2:
+            raise TorchPassError(
+                "tensor parallelism is protected only beside a replica (mesh_shape's replicas >= 2): peer copies "
+                "of TP-sharded state are not implemented yet, so a lost rank's shard would exist nowhere"
+            )
+    return ShardedReplicas(replicas, shards * tp, tp=tp)
 
 
 class ShardHost(Protocol):
@@ -187,15 +235,23 @@ class ShardedState:
     over, and the name of this rank's shard; :meth:`adopt` makes a ``fully_shard``-ed module the state's model."""
 
     def __init__(
-        self, shape: ShardedReplicas, host: ShardHost, parts: StateParts, names: tuple[str, ...] | None = None
+        self,
+        shape: ShardedReplicas,
+        host: ShardHost,
+        parts: StateParts,
+        names: tuple[str, ...] | None = None,
+        tensor_parallel: bool = False,
     ) -> None:
         if shape.world_size != host.world_size:
             raise TorchPassError(f"a {shape} mesh needs {shape.world_size} ranks; the job has {host.world_size}")
         self.host = host
+        tensor_parallel = tensor_parallel or shape.tp > 1
         # One replica is pure FSDP: a 1-D mesh, unless the script named two dimensions ((1, S), as configurable
         # scripts write it), which it then indexes by either name: a size-1 replicate dimension is ordinary.
-        flat = shape.replicas == 1 and (names is None or len(names) == 1)
-        self.groups = MeshGroups(shape, host.slot, host.device.type, flat=flat, names=names)
+        flat = shape.replicas == 1 and (names is None or len(names) == 1) and not tensor_parallel
+        self.groups = MeshGroups(
+            shape, host.slot, host.device.type, flat=flat, names=names, tensor_parallel=tensor_parallel
+        )
         self.groups.guard = LifecycleGuard(host.lifecycle)
         self.layout = shape
         self.parts = parts

@@ -1,4 +1,5 @@
-"""The device mesh of a sharded model (FSDP2, HSDP), owned by TorchPass and re-bound at every generation.
+"""The device mesh of a sharded model (FSDP2, HSDP, and tensor parallelism beside them), owned by TorchPass and
+re-bound at every generation.
 
 Why a mesh that outlives generations: ``fully_shard`` keeps its mesh's process groups (FSDP's mesh info
 caches them at construction), every parameter is a ``DTensor`` that keeps its mesh, and so is every piece of
@@ -8,7 +9,8 @@ state. Neither is needed: the :class:`~torch.distributed.device_mesh.DeviceMesh`
 ``fully_shard`` is built once, over one stable :class:`GenerationGroup` per mesh dimension, and each of those
 forwards its collectives to the *current* generation's real group of that dimension. After every membership
 change :meth:`MeshGroups.bind` forms the new generation's groups (one per replica row and one per shard
-column, over the generation's default group) and the proxies forward there. The mesh's shape, this rank's
+column, over the generation's default group; with tensor parallelism also one per TP group, T adjacent slots)
+and the proxies forward there. The mesh's shape, this rank's
 coordinates in it and every parameter's sharding are functions of the slot, which a recovery never changes,
 so nothing in FSDP, DTensor or the optimizer notices the rebuild. DTensor's own collectives
 (``clip_grad_norm_``, ``full_tensor``) find the proxies by name (they are registered with c10d again after each
@@ -51,12 +53,13 @@ from torchpass.rank.torch_compat import (
 )
 from torchpass.rank.transfer_plan import ShardedReplicas
 
-__all__ = ["DIM_NAMES", "GenerationGroup", "MeshGroups", "StepGuard"]
+__all__ = ["DIM_NAMES", "TP_DIM", "GenerationGroup", "MeshGroups", "StepGuard"]
 
 log = logging.getLogger("clockwork.torchpass.shard_mesh")
 
-DIM_NAMES = ("replicate", "shard")
-_instances = itertools.count()  # the mesh's dimension names, as in FSDP2's HSDP examples
+DIM_NAMES = ("replicate", "shard")  # the mesh's dimension names, as in FSDP2's HSDP examples
+TP_DIM = "tp"  # the tensor-parallel dimension, innermost (a TP group is adjacent slots: one node's ranks)
+_instances = itertools.count()
 
 
 class StepGuard(Protocol):
@@ -240,6 +243,8 @@ class MeshGroups:
 
     :attr:`mesh` is the ``DeviceMesh`` to give ``fully_shard``: dimensions ``("replicate", "shard")``, or only
     ``("shard",)`` for pure FSDP when ``flat`` (``names`` renames them, as a script's ``init_device_mesh`` may).
+    With ``tensor_parallel`` (or ``shape.tp > 1``) it is ``("replicate", "shard", "tp")``, tp innermost:
+    ``parallelize_module`` takes ``submesh("tp")`` and ``fully_shard`` ``submesh(("replicate", "shard"))``.
     :meth:`bind` runs on every member after each generation's default group formed; :meth:`unbind` when it is
     torn down."""
 
@@ -251,30 +256,70 @@ class MeshGroups:
         *,
         flat: bool = False,
         names: tuple[str, ...] | None = None,
+        tensor_parallel: bool = False,
     ) -> None:
         if not 0 <= slot < shape.world_size:
             raise ValueError(f"slot {slot} is outside a {shape} mesh")
-        roles = DIM_NAMES[1:] if flat else DIM_NAMES
+        self.tensor_parallel = tensor_parallel or shape.tp > 1
+        if self.tensor_parallel and flat:
+            raise ValueError("a tensor-parallel mesh is never flat: it names (replicate, shard, tp)")
+        self.flat = flat
+        roles = self.roles()
         names = roles if names is None else tuple(names)
         if len(names) != len(roles) or len(set(names)) != len(names):
             raise ValueError(f"a {'flat ' if flat else ''}{shape} mesh names {len(roles)} dimension(s), got {names}")
         self.shape = shape
         self.slot = slot
-        self.flat = flat
+        self.names = names
         self.guard: StepGuard | None = None
         self.backend_name = "gloo"
         self.generation = -1
-        replica, shard = shape.coordinate(slot)
+        tp = shape.tp
+        shards = shape.shards // tp  # FSDP shards per replica (each a TP group of tp slots)
+        replica, part = shape.coordinate(slot)
+        shard, rank_in_tp = divmod(part, tp)
         self._real: dict[str, dist.ProcessGroup] = {}
         self.proxies = {
             "replicate": GenerationGroup(self, "replicate", replica, shape.replicas),
-            "shard": GenerationGroup(self, "shard", shard, shape.shards),
+            "shard": GenerationGroup(self, "shard", shard, shards),
         }
-        layout = torch.arange(shape.world_size, dtype=torch.int).view(shape.replicas, shape.shards)
+        if self.tensor_parallel:
+            self.proxies[TP_DIM] = GenerationGroup(self, TP_DIM, rank_in_tp, tp)
+        layout = torch.arange(shape.world_size, dtype=torch.int)
+        if self.tensor_parallel:
+            layout = layout.view(shape.replicas, shards, tp)
+        else:
+            layout = layout.view(shape.replicas, shape.shards)
         self.mesh = _mesh_over(
             device_type, layout[replica] if flat else layout, names, [self.proxies[r] for r in roles], slot
         )
         self._register()
+
+    def roles(self) -> tuple[str, ...]:
+        """What the mesh's dimensions are, outermost first (their names may differ: ``names``)."""
+        if self.flat:
+            return DIM_NAMES[1:]
+        return (*DIM_NAMES, TP_DIM) if self.tensor_parallel else DIM_NAMES
+
+    def submesh(self, role: str | tuple[str, ...]) -> DeviceMesh:
+        """The mesh's dimension(s) of ``role`` (``"tp"``, or ``("replicate", "shard")``), by the names it was
+        given: what ``parallelize_module`` and ``fully_shard`` take beside each other under tensor parallelism."""
+        roles = (role,) if isinstance(role, str) else role
+        order = self.roles()
+        picked = tuple(self.names[order.index(r)] for r in roles)
+        return self.mesh[picked[0] if len(picked) == 1 else picked]
+
+    def groups_of(self, dim: str) -> list[list[int]]:
+        """The slots of each of ``dim``'s groups, in the order every member forms them."""
+        shape, tp = self.shape, self.shape.tp
+        shards = shape.shards // tp
+        if dim == "replicate":
+            return [shape.column(part) for part in range(shape.shards)]
+        if dim == TP_DIM:
+            return [
+                [shape.slot(r, s * tp + t) for t in range(tp)] for r in range(shape.replicas) for s in range(shards)
+            ]
+        return [[shape.slot(r, s * tp + t) for s in range(shards)] for r in range(shape.replicas) for t in range(tp)]
 
     @contextlib.contextmanager
     def before_first_generation(self) -> Iterator[None]:
@@ -303,9 +348,9 @@ class MeshGroups:
         return group
 
     def bind(self, generation: int, new_group: Callable[[list[int]], dist.ProcessGroup | None] | None = None) -> None:
-        """Form this generation's shard-row and replica-column groups over its default group (every member calls
-        this, in the same order) and point the proxies at the two this rank belongs to. ``new_group`` makes one
-        group (the backend's: gloo's tracks its sockets for an abort, NCCL's is non-blocking)."""
+        """Form this generation's groups of every dimension over its default group (every member calls this, in
+        the same order: :meth:`groups_of`) and point the proxies at the ones this rank belongs to. ``new_group``
+        makes one group (the backend's: gloo's tracks its sockets for an abort, NCCL's is non-blocking)."""
         world_size = dist.get_world_size()
         if world_size != self.shape.world_size:
             raise RuntimeError(
@@ -313,9 +358,11 @@ class MeshGroups:
             )
         make = new_group or _new_group
         real: dict[str, dist.ProcessGroup] = {}
-        dims = [("shard", self.shape.row(r)) for r in range(self.shape.replicas)]
+        dims = [("shard", ranks) for ranks in self.groups_of("shard")]
         if not self.flat:  # pure FSDP's mesh is flat: no replicate groups
-            dims += [("replicate", self.shape.column(s)) for s in range(self.shape.shards)]
+            dims += [("replicate", ranks) for ranks in self.groups_of("replicate")]
+        if self.tensor_parallel:
+            dims += [(TP_DIM, ranks) for ranks in self.groups_of(TP_DIM)]
         for dim, ranks in dims:
             group = make(ranks)
             if self.slot in ranks:

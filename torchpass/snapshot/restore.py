@@ -66,14 +66,13 @@ def mesh_problem(body: dict[str, Any], mesh: ShardedReplicas | None) -> str:
         ranks = body.get("world_size")
         return f"it holds an unsharded model's state ({ranks} ranks); this job's model is sharded {mesh}"
     replicas, shards = int(written[0]), int(written[1])
-    shape = f"{replicas}x{shards}"
+    tp = int(body.get("mesh_tp", 1))  # a tensor-parallel mesh: its shards are (shard, tp) pairs
+    shape = str(ShardedReplicas(replicas, shards, tp=tp))
+    options = f"mesh_shape=({replicas}, {shards // tp})" + (f", tp={tp}" if tp > 1 else "")
     if mesh is None:
-        return f"it holds a model sharded {shape} (mesh_shape=({replicas}, {shards})); this job's is not sharded"
+        return f"it holds a model sharded {shape} ({options}); this job's is not sharded"
     if shape != str(mesh):
-        return (
-            f"it was written by a {shape} mesh and this job's mesh is {mesh}: "
-            f"restore it with mesh_shape=({replicas}, {shards})"
-        )
+        return f"it was written by a {shape} mesh and this job's mesh is {mesh}: restore it with {options}"
     return ""
 
 

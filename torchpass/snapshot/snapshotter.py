@@ -174,6 +174,7 @@ class Snapshotter:
                 directory=str(self.directory),
                 timeout_s=self.config.snapshot_timeout_s,
                 mesh=None if mesh is None else (mesh.replicas, mesh.shards),
+                extra={} if mesh is None or mesh.tp == 1 else {"mesh_tp": mesh.tp},  # (shard, tp) pairs
             )
         request = WriteRequest(
             id=self._ids,
