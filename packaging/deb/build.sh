@@ -89,17 +89,31 @@ STAGED="$PKG$VENV"
 # The venv was made in the staging folder: point it at the path it is installed to.
 grep -rlI --null "$STAGED" "$STAGED/bin" "$STAGED/pyvenv.cfg" | xargs -0r sed -i "s|$STAGED|$VENV|g"
 find "$STAGED" -name __pycache__ -prune -exec rm -rf {} +
-find "$STAGED" -name '*.so' -exec strip --strip-unneeded {} + 2>/dev/null || true
+# The wheels' shared objects are shipped as built: strip breaks the ones auditwheel repaired (numpy's bundled
+# OpenBLAS: "ELF load command address/offset not page-aligned"), and the package's numpy would not import.
 rm -rf "$STAGED"/lib/python3.11/site-packages/pip "$STAGED"/lib/python3.11/site-packages/pip-*.dist-info "$STAGED"/bin/pip*
 find "$STAGED" -type f -name '*.so*' -exec chmod 0644 {} +
 mkdir -p "$PKG/usr/bin"
 ln -s "$VENV/bin/clockwork" "$PKG/usr/bin/clockwork"
+# Its manual page: the command's own --help (so it never goes stale), as help2man would lay it out.
+mkdir -p "$PKG/usr/share/man/man1"
+{
+	printf '.TH CLOCKWORK 1 "" "clockwork-slurm %s" "User Commands"\n.SH NAME\nclockwork \\- Clockwork for Slurm command line\n' "$VERSION"
+	printf '.SH DESCRIPTION\n.nf\n'
+	"$STAGED/bin/python" -c 'from clockwork.cli.main import cli; cli(["--help"], prog_name="clockwork")' | sed -e 's/\\/\\e/g' -e "s/^[.']/\\\\\&&/"
+	printf '.fi\n.SH SEE ALSO\nclockwork COMMAND --help, and the guides in the clockwork-slurm sources (docs/).\n'
+} | gzip -9n >"$PKG/usr/share/man/man1/clockwork.1.gz"
+chmod 0644 "$PKG/usr/share/man/man1/clockwork.1.gz"
+# The venv must load what a node runs (the page above loaded the command line): the daemon, its C extensions, the
+# hooks. A package that cannot is not built.
+"$STAGED/bin/python" -c 'import clockworkd.server, clockworkd.lens._probeio, linkpass._hbfast, slurm_hooks.runner'
 # What lintian reports of any bundled venv, by design here (the issue asks for the venv under /opt, as sites run
 # it): files in /opt, the venv's own interpreter, and the wheels' own bundled libraries, scripts and fonts.
 install -d "$PKG/usr/share/lintian/overrides"
 cat >"$PKG/usr/share/lintian/overrides/clockwork-slurm" <<'OVERRIDES'
 clockwork-slurm: dir-or-file-in-opt [opt/*]
 clockwork-slurm: unusual-interpreter /opt/clockwork/venv/bin/python3.11 [opt/clockwork/venv/bin/*]
+clockwork-slurm: unusual-interpreter python [opt/clockwork/venv/lib/python3.11/site-packages/*]
 clockwork-slurm: embedded-library * [opt/clockwork/venv/lib/python3.11/site-packages/*]
 clockwork-slurm: unstripped-binary-or-object [opt/clockwork/venv/lib/python3.11/site-packages/*]
 clockwork-slurm: duplicate-font-file * [opt/clockwork/venv/lib/python3.11/site-packages/*]
