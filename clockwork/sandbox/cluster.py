@@ -143,7 +143,7 @@ class Sandbox:
         self._claim_state_dir(layout)
         t0 = time.monotonic()
         st = SandboxState(
-            config=replace(self.config, state_dir=str(self.paths.root)), python=sys.executable, builder=os.getpid()
+            config=replace(self.config, state_dir=str(self.paths.root)), python=self._python(), builder=os.getpid()
         )
         st.save(self.paths.state_file)
         try:
@@ -240,6 +240,10 @@ class Sandbox:
             processes.wait_until(name, ready, timeout_s=timeout_s, pid=pid, log_file=log_file, interval_s=interval_s)
         return pid
 
+    def _python(self) -> str:
+        """The interpreter of the nodes' hooks (``[sandbox] python``, else this one)."""
+        return self.config.python or sys.executable
+
     def _build(self, st: SandboxState, layout: Layout) -> None:
         p = self.paths
         accounting = self.config.accounting
@@ -250,11 +254,12 @@ class Sandbox:
             layout,
             accounting=accounting,
             cpus_per_node=self.config.cpus_per_node,
-            python=sys.executable,
-            spank_so=spank_plugin(slurm),
+            python=self._python(),
+            spank_so=Path(self.config.spank_plugin) if self.config.spank_plugin else spank_plugin(slurm),
             plugin_dir=slurm.plugin_dir(),
             slurm_bin=self.slurm_bin(),
-            pythonpath=os.environ.get("PYTHONPATH", ""),
+            # An installed Clockwork ([sandbox] python) runs its own code: the builder's checkout must not shadow it.
+            pythonpath="" if self.config.python else os.environ.get("PYTHONPATH", ""),
         )
         if slurm.from_root:
             slurm.write_client_wrappers(p.slurm_bin)

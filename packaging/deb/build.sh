@@ -150,7 +150,7 @@ Version: $VERSION
 Architecture: $ARCH
 Maintainer: $MAINTAINER
 Installed-Size: 0
-Depends: python3.11, libc6
+Depends: python3.11, libc6, libsodium23
 Recommends: clockwork-slurm-spank, slurm-client
 Section: admin
 Priority: optional

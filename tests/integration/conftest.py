@@ -75,8 +75,13 @@ class SandboxManager:
     state_dir: Path
     current: Sandbox | None = None
 
-    def ensure_up(self, nodes: int = 4, accounting: bool = True, slurm: str = "22.05", racks: str = "") -> Sandbox:
-        cfg = worker_sandbox_config(self.state_dir, nodes=nodes, accounting=accounting, slurm=slurm, racks=racks)
+    def ensure_up(
+        self, nodes: int = 4, accounting: bool = True, slurm: str = "22.05", racks: str = "", **changes: Any
+    ) -> Sandbox:
+        """The sandbox of this shape (``changes``: other ``[sandbox]`` settings), brought up if it is not the one up."""
+        cfg = worker_sandbox_config(
+            self.state_dir, nodes=nodes, accounting=accounting, slurm=slurm, racks=racks, **changes
+        )
         if self.current is not None and self.current.running() and self.current.config == cfg:
             return self.current
         self.ensure_down()

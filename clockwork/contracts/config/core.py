@@ -184,3 +184,15 @@ class SandboxConfig:
         "First of four private TCP ports: slurmctld, slurmd, slurmdbd, MariaDB (base .. base+3).",
         min=1024,
     )
+    python: str = setting(
+        "",
+        "The Python whose Clockwork the nodes' hooks run, and with them the node daemons they start: empty is the "
+        "interpreter running `clockwork sandbox up` (with its PYTHONPATH); a path tests an installed Clockwork, "
+        "e.g. the clockwork-slurm package's /opt/clockwork/venv/bin/python (its own code alone: no PYTHONPATH).",
+    )
+    spank_plugin: str = setting(
+        "",
+        "The SPANK plugin the sandbox's Slurm loads: empty is this checkout's build for the release "
+        "(spank/clockwork.so, spank/slurm-VERSION/clockwork.so); a path tests another, e.g. the one the Debian "
+        "package installs.",
+    )
