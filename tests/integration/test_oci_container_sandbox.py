@@ -77,11 +77,14 @@ def bundle(box: Sandbox, base: Path) -> Path:
 
 
 class Inside:
-    """Which TorchPass processes on the nodes ran inside the bundle: agents (``TORCHPASS_AGENT_INDEX`` in their
-    environment) and ranks (the rank script on their command line), by pid, and the launcher outside."""
+    """Which TorchPass processes of the job writing to ``out`` ran inside the bundle: agents
+    (``TORCHPASS_AGENT_INDEX`` in their environment) and ranks (the rank script on their command line), by pid,
+    and the launcher outside. Only this job's (``CW_TEST_DIR=out`` in their environment, the guest's too): the
+    other pytest worker's sandbox jobs run TorchPass agents on this machine at the same time."""
 
-    def __init__(self, script: Path) -> None:
+    def __init__(self, script: Path, out: Path) -> None:
         self.script = str(script).encode()
+        self.mine = f"CW_TEST_DIR={out}".encode()
         self.agents: dict[int, bool] = {}
         self.ranks: dict[int, bool] = {}
         self.rank_nodes: dict[int, str] = {}  # pid -> SLURMD_NODENAME
@@ -105,6 +108,8 @@ class Inside:
                 inside = (entry / "root" / IMAGE_MARKER).exists()
             except OSError:  # ended meanwhile
                 continue
+            if self.mine not in environ:
+                continue  # another job's
             pid = int(entry.name)
             if self.script in cmdline and b"-m" not in cmdline:
                 self.ranks[pid] = inside
@@ -135,7 +140,7 @@ def _run(
     command = jobs.torchpass_command(out, oracle.SCRIPT, f"--container {bundle} --container-python {sys.executable}")
     options = [*spares, "--no-kill", "--clockwork-ft", f"--output={out}/job.out"]
     job_id = jobs.submit(options, command, env)
-    inside = Inside(oracle.SCRIPT)
+    inside = Inside(oracle.SCRIPT, out)
     crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S, inside.look)
     run = oracle.Run(out, returncode, f"{output}\ncrashed: {crashed}", jobs.job_events(out))
     before_gone()  # e.g. cancel other work that holds a node
