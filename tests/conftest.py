@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -45,18 +45,21 @@ def until(what: str, check: Callable[[], Any], timeout_s: float, interval_s: flo
         time.sleep(max(interval_s, time.monotonic() - started))
 
 
+def unavailable(message: str) -> NoReturn:
+    """What a test needs is missing: a failure in CI (which must run everything), a skip on a developer machine."""
+    if in_ci():
+        pytest.fail(message + " (CI must run everything)")
+    pytest.skip(message + " (skipped on a developer machine only)")
+
+
 def require_root_and_slurm() -> None:
     problems = []
     if os.geteuid() != 0:
         problems.append("root")
     if shutil.which("slurmctld", path="/usr/sbin:/usr/bin") is None:
         problems.append("Slurm (make venv installs it)")
-    if not problems:
-        return
-    message = "integration test needs " + " and ".join(problems)
-    if in_ci():
-        pytest.fail(message + " (CI must run everything)")
-    pytest.skip(message + " (skipped on a developer machine only)")
+    if problems:
+        unavailable("integration test needs " + " and ".join(problems))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

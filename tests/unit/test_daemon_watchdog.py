@@ -13,7 +13,6 @@ import logging
 import os
 import pwd
 import shutil
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +30,8 @@ from clockworkd.gpuhealth.watch import HealthWatch
 from clockworkd.server import Daemon
 from clockworkd.watchdog import Watchdog
 from linkpass.engine import LinkPass
-from linkpass.fabric import FabricMap
-from linkpass.settings import LinkPassConfig
 from tests.conftest import until
+from tests.unit.linkpass_engines import loopback_engines
 from tests.unit.test_gpu_health import FakeNvml
 
 KEY = b"w" * 32
@@ -112,26 +110,12 @@ def test_the_watchdog_logs_a_stuck_part_with_its_stack_once_and_its_recovery(cap
     assert any("disk is moving again" in r.getMessage() for r in caplog.records)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind((IPS["n1"], 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def engines() -> Iterator[dict[str, LinkPass]]:
     if os.geteuid() != 0:
         pytest.fail("LinkPass binds its heartbeat sockets to a device (SO_BINDTODEVICE), which needs root")
-    fab = FabricMap.parse({"nodes": {n: {"addr": ip, "nics": {"lo": ip}} for n, ip in IPS.items()}})
-    cfg = LinkPassConfig(heartbeat_port=_free_port(), apply_sysctls=False)
-    out = {n: LinkPass(cfg, n, fab, KEY, lambda kind, fields: None) for n in IPS}
-    try:
-        for engine in out.values():
-            engine.start()
+    with loopback_engines(IPS, KEY) as out:
         yield out
-    finally:
-        for engine in out.values():
-            engine.close()
 
 
 def test_linkpass_and_requests_go_on_while_an_nvml_call_hangs(tmp_path: Path, engines: dict[str, LinkPass]) -> None:

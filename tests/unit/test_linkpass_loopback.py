@@ -9,49 +9,25 @@ routes stay as they are).
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from linkpass.engine import LinkPass
-from linkpass.fabric import FabricMap
-from linkpass.settings import LinkPassConfig
-from tests.conftest import in_ci, until
+from tests.conftest import unavailable, until
+from tests.unit.linkpass_engines import loopback_engines
 
 KEY = b"k" * 32
 IPS = {"n1": "127.0.0.31", "n2": "127.0.0.32", "n3": "127.0.0.33"}
 
 
-def _require_root() -> None:
-    if os.geteuid() == 0:
-        return
-    message = "LinkPass binds its heartbeat sockets to a device (SO_BINDTODEVICE), which needs root"
-    if in_ci():
-        pytest.fail(message + " (CI must run everything)")
-    pytest.skip(message + " (skipped on a developer machine only)")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind((IPS["n1"], 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def engines() -> Iterator[dict[str, LinkPass]]:
-    _require_root()
-    fab = FabricMap.parse({"nodes": {n: {"addr": ip, "nics": {"lo": ip}} for n, ip in IPS.items()}})
-    cfg = LinkPassConfig(heartbeat_port=_free_port(), apply_sysctls=False)
-    out = {n: LinkPass(cfg, n, fab, KEY, lambda kind, fields: None) for n in IPS}
-    try:
-        for engine in out.values():
-            engine.start()
+    if os.geteuid() != 0:
+        unavailable("LinkPass binds its heartbeat sockets to a device (SO_BINDTODEVICE), which needs root")
+    with loopback_engines(IPS, KEY) as out:
         yield out
-    finally:
-        for engine in out.values():
-            engine.close()
 
 
 def test_heartbeats_flow_on_their_own_thread_and_a_stopped_engine_falls_silent(engines: dict[str, LinkPass]) -> None:
