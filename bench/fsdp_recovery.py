@@ -41,7 +41,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from support.torchpass_jobs import Lighthouse, base_env, free_port, say, spawn, step_logs, torchft_status, wait_all
+from support.torchpass_jobs import (
+    Lighthouse,
+    base_env,
+    free_port,
+    say,
+    spawn,
+    step_logs,
+    torchft_status,
+    wait_all,
+    whole_job_ran,
+)
 from torchpass_vs_restart import MONITOR_S, crash_times, stamped_steps
 
 WORKLOAD = Path(__file__).resolve().parent / "support" / "fsdp_workload.py"
@@ -170,17 +180,8 @@ def run_restart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             env.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             cmd = [sys.executable, *workload(args, out, "restart", *extra)]
             procs.append(spawn(cmd, env, out / f"restart-{rank}.err"))
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(MONITOR_S)
-        if all(p.poll() == 0 for p in procs):
+        if whole_job_ran(procs, deadline, MONITOR_S):  # else one rank died: the whole job stopped, as torchrun would
             break
-        for p in procs:  # one rank died: stop the whole job, as torchrun would
-            if p.poll() is None:
-                p.kill()
-        wait_all(procs, 10)
         if time.monotonic() >= deadline:
             raise RuntimeError(f"checkpoint-restart did not finish within {args.timeout:g} s; see {out}")
         restarts += 1

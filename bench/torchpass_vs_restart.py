@@ -49,6 +49,7 @@ from support.torchpass_jobs import (
     torchft_status,
     torchpass_job,
     wait_all,
+    whole_job_ran,
 )
 
 MONITOR_S = 0.05
@@ -146,18 +147,8 @@ def run_restart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     while True:
         port = free_port()
         procs = [ddp_rank(args, out, rank, port, extra) for rank in range(args.nproc)]
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(MONITOR_S)
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
+        if whole_job_ran(procs, deadline, MONITOR_S):  # else one rank died (or the deadline passed)
             break
-        for p in procs:  # one rank died (or the deadline passed): stop the whole job
-            if p.poll() is None:
-                p.kill()
-        wait_all(procs, 10)
         if time.monotonic() >= deadline:
             raise RuntimeError(f"checkpoint-restart did not finish within {args.timeout:g} s; see {out}")
         restarts += 1

@@ -26,7 +26,7 @@ from clockwork.sandbox.cluster import Sandbox
 from support import sandbox_recovery as recovery
 from support.campaign_inject import Applied, LocalFaults, Replay, SandboxFaults
 from support.fault_trace import Fault, StepLog
-from support.torchpass_jobs import Lighthouse, ddp_rank, free_port, torchft_replica, wait_all
+from support.torchpass_jobs import Lighthouse, ddp_rank, free_port, torchft_replica, whole_job_ran
 
 WORKLOAD = recovery.WORKLOAD
 MONITOR_S = 0.05
@@ -128,17 +128,8 @@ def run_ddp_local(out: Path, args: argparse.Namespace, trace: list[Fault], ckpt_
             port = free_port()
             procs = [ddp_rank(local, out, rank, port, extra) for rank in range(args.ranks)]
             current.update(enumerate(procs))
-            while time.monotonic() < deadline:
-                codes = [p.poll() for p in procs]
-                if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
-                    break
-                time.sleep(MONITOR_S)
-            if all(p.poll() == 0 for p in procs):
+            if whole_job_ran(procs, deadline, MONITOR_S):
                 break
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            wait_all(procs, 10)
             run.restarts += 1
         else:
             run.error = f"checkpoint-restart did not finish within {args.timeout:g} s"

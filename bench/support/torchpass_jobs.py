@@ -83,6 +83,24 @@ def wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int
     return [p.returncode for p in procs]
 
 
+def whole_job_ran(procs: list[subprocess.Popen[bytes]], deadline: float, poll_s: float = 0.05) -> bool:
+    """Watch a job's ranks as torchrun (or Slurm without TorchPass) does: True once every rank exited 0; at the
+    first rank that fails, or at ``deadline`` (monotonic), stop the others and return False (the job is to be
+    started again from its checkpoint)."""
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+            break
+        time.sleep(poll_s)
+    if all(p.poll() == 0 for p in procs):
+        return True
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    wait_all(procs, 10)
+    return False
+
+
 def ddp_rank(
     args: argparse.Namespace, out: Path, rank: int, port: int, extra: list[str] | None = None
 ) -> subprocess.Popen[bytes]:
