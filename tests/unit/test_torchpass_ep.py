@@ -58,6 +58,14 @@ def _rank_main() -> int:
     import torchpass as tp
     from torchpass.sharded.expert_parallel import MoE
 
+    if os.environ.get("CW_TEST_TRANSPARENT") == "1":  # an unmodified script's MoE mesh: refused at start
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group(backend="gloo")
+        init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp_replicate", "ep"))
+        return 0
+
     out = Path(os.environ["CW_TEST_DIR"])
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))
     ep = int(os.environ.get("CW_TEST_EP", "2"))
@@ -327,3 +335,13 @@ def test_sigkill_rebuilds_the_ep_coordinate_from_the_other_replica(
         assert move["what"] == f"ep {part} (experts and FSDP shard {part}) of the 2x2 (replicate x ep) mesh", moves
         assert move["bytes"] > 0, moves
     assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
+
+
+def test_transparent_mode_refuses_an_expert_parallel_mesh_at_start(tmp_path: Path) -> None:
+    """An unmodified script whose mesh names an ep dimension is refused before training, naming the feature."""
+    env = dict(os.environ, CW_TEST_DIR=str(tmp_path), CW_TEST_TRANSPARENT="1")
+    cmd = local_command(tmp_path, SCRIPT, nproc=2, spares=0, flags=["--transparent"])
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output[-3000:]
+    assert "expert parallelism (MoE) in transparent mode is not built" in output, output[-3000:]

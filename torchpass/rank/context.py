@@ -202,14 +202,9 @@ class Context:
         With ``tp_plan`` the mesh is ``(replicas, shards, tp)`` (``replicas * shards * tp`` ranks, tp innermost):
         ``parallelize_module(model, <tp submesh>, tp_plan)`` first, then ``fully_shard`` over the (replicate,
         shard) submesh, as torchtitan's ``parallelize_llama``; the ranks of one TP group (adjacent slots) take
-        the same batch from ``ctx.steps``.
-
-        With ``ep=E`` (``mesh_shape=(R, E)``) the mesh is ``("replicate", "ep")``: each
-        :class:`torchpass.sharded.expert_parallel.MoE` layer keeps experts of its ep coordinate only and moves
-        tokens with all-to-all over ep; everything else is HSDP over the same mesh."""
+        the same batch from ``ctx.steps``. ``ep=E``: :mod:`torchpass.sharded.expert_parallel`."""
         shape = mesh_layout(mesh_shape, tp, tp_plan, ep)
-        names = ("replicate", "ep") if ep > 1 else None
-        sharded = self.shard_state(shape, names, tensor_parallel=tp_plan is not None)
+        sharded = self.shard_state(shape, ("replicate", "ep") if ep > 1 else None, tensor_parallel=tp_plan is not None)
         ShardPlan(sharded.layout, shard, kw, tp_plan, ep).apply(model, sharded.groups)
         sharded.adopt(model)
         self._data_group = tp
