@@ -70,6 +70,7 @@ def _rank_main() -> int:
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))
     ep = int(os.environ.get("CW_TEST_EP", "2"))
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
+    migrate = os.environ.get("CW_TEST_MIGRATE", "")
 
     def journal(slot: int, line: str) -> None:
         with open(out / f"journal-slot{slot}.txt", "a") as f:
@@ -85,6 +86,11 @@ def _rank_main() -> int:
             return  # done once: the replacement must not kill itself too
         os.write(fd, f"{time.time()}\n".encode())
         os.close(fd)
+        if os.environ.get("CW_TEST_KILL_TOGETHER") == "1":  # one crash of all victims: each waits for the rest
+            markers = [out / ("killed-" + "-".join(k)) for k in kills]
+            deadline = time.monotonic() + 60.0
+            while not all(m.exists() for m in markers) and time.monotonic() < deadline:
+                time.sleep(0.001)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def sink(kind: str, fields: dict[str, Any]) -> None:
@@ -172,6 +178,10 @@ def _rank_main() -> int:
         now = time.monotonic()
         kill_at_a_moment(step, now - began)
         began = now
+        if migrate:  # a planned migration of slot S at step N, asked by another rank (as clockwork migrate would)
+            slot, when = (int(v) for v in migrate.split(":"))
+            if ctx.slot == (1 if slot == 0 else 0) and step == when and not (out / "migrate-requested").exists():
+                (out / "migrate-requested").write_text(str(ctx.request_migration(slot)))
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -219,12 +229,15 @@ def _point() -> tuple[int, int]:
     return _draw.randrange(2, STEPS - 2), _draw.randrange(LAYERS)
 
 
-def _run(base: Path, name: str, *, kill: str = "", ep: int = 2) -> FinishedJob:
+def _run(
+    base: Path, name: str, *, kill: str = "", ep: int = 2, spares: int = 1, together: bool = False, migrate: str = ""
+) -> FinishedJob:
     out = base / name
     out.mkdir()
-    env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_EP=str(ep))
+    env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_EP=str(ep), CW_TEST_MIGRATE=migrate)
+    env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     # the runtime net compares the replicas of each ep coordinate every 3 steps (a mismatch stops the job)
-    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=1, settings=("replica_check_every_steps=3",))
+    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares, settings=("replica_check_every_steps=3",))
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -319,12 +332,21 @@ def test_sigkill_rebuilds_the_ep_coordinate_from_the_other_replica(
     kill = f"{victim}:{step}:{phase}:{layer}"
     print(f"kill {kill}")
     run = _run(base, "kill-" + kill.replace(":", "-"), kill=kill)
+    moves = _check_fault(run, reference, kill)
+    assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
+
+
+def _check_fault(run: FinishedJob, reference: FinishedJob, kill: str) -> list[dict[str, Any]]:
+    """The oracle, and the moves: each victim's state came from its ep coordinate in the other replica."""
     run.check_ok()
-    assert (run.out / ("killed-" + kill.replace(":", "-"))).exists(), f"the fault {kill} was not injected"
+    for spec in kill.split(","):
+        assert (run.out / ("killed-" + spec.replace(":", "-"))).exists(), f"the fault {spec} was not injected"
     for s in range(RANKS):
         assert_bitwise_equal(load_final(run.out, s), load_final(reference.out, s), f"slot {s}")
     journals = _assert_each_step_once(run)
-    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
+    victims = sorted({int(spec.split(":")[0]) for spec in kill.split(",")})
+    for victim in victims:
+        assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
     recovered = run.of_kind("torchpass.recovered")
     assert recovered, f"no recovery: {run.output[-4000:]}"
     moves = [m for f in recovered for m in f.get("moves", [])]
@@ -334,7 +356,46 @@ def test_sigkill_rebuilds_the_ep_coordinate_from_the_other_replica(
         part = move["part"]
         assert move["what"] == f"ep {part} (experts and FSDP shard {part}) of the 2x2 (replicate x ep) mesh", moves
         assert move["bytes"] > 0, moves
-    assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
+    for victim in victims:
+        assert any(m["target"] == victim for m in moves), f"slot {victim} received nothing: {moves}"
+    return moves
+
+
+def test_node_crash_kills_a_whole_replica_row(base: Path, reference: FinishedJob) -> None:
+    """Both ep ranks of replica 1 (slots 2 and 3: one node at 2 ranks per node) die in the same step, inside the
+    forward all-to-all; two spares take them, each fed by its ep counterpart in replica 0 (slots 0 and 1)."""
+    step, layer = _point()
+    kill = f"2:{step}:epforward:{layer},3:{step}:epforward:{layer}"
+    run = _run(base, "node-crash", kill=kill, spares=2, together=True)
+    moves = _check_fault(run, reference, kill)
+    assert {m["target"]: m["source"] for m in moves} == {2: 0, 3: 1}, moves
+
+
+def test_two_failures_at_different_ep_coordinates(base: Path, reference: FinishedJob) -> None:
+    """One rank of each ep coordinate, in different replicas and steps (forward, then backward all-to-all): two
+    recoveries, each fed from the other replica."""
+    first, layer = _point()
+    second = first + 1
+    kill = f"1:{first}:epforward:{layer},2:{second}:epbackward:{_draw.randrange(LAYERS)}"
+    run = _run(base, "two-failures", kill=kill, spares=2)
+    moves = _check_fault(run, reference, kill)
+    assert sorted((m["target"], m["source"]) for m in moves) == [(1, 3), (2, 0)], moves
+
+
+def test_planned_migration_moves_an_ep_rank_with_its_state(base: Path, reference: FinishedJob) -> None:
+    """A planned migration (clockwork migrate, the GPU health watch) of an ep rank: it hands its own experts and
+    shard to the spare, and the job ends bitwise equal to the fault-free run."""
+    step, _ = _point()
+    victim = _draw.randrange(RANKS)
+    run = _run(base, "migrate", migrate=f"{victim}:{step}")
+    run.check_ok()
+    for s in range(RANKS):
+        assert_bitwise_equal(load_final(run.out, s), load_final(reference.out, s), f"slot {s}")
+    journals = _assert_each_step_once(run)
+    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not moved to another process"
+    migrated = run.of_kind("torchpass.migrated")
+    assert migrated and migrated[0]["slots"] == [victim] and migrated[0]["handoff_ok"], migrated
+    assert not run.of_kind("torchpass.member_failed")
 
 
 def test_transparent_mode_refuses_an_expert_parallel_mesh_at_start(tmp_path: Path) -> None:
