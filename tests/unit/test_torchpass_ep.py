@@ -4,10 +4,10 @@ replica (its experts, its FSDP shard of everything else, optimizer and scheduler
 
 Each test launches a real local job (``python -m torchpass run --local``, gloo on 127.0.0.1) of a small
 Llama-shaped MoE model (attention blocks whose feed-forward is a top-1 :class:`torchpass.sharded.expert_parallel.MoE`
-of 4 experts, RMSNorm, an output head) trained deterministically with AdamW and an LR scheduler, sharded with
-``ctx.wrap_fsdp(mesh_shape=(2, 2), ep=2, shard=Block)``: (dp_replicate 2 x ep 2), 4 ranks + 1 spare, each rank
-its own batch, tokens moved to their experts' rank and back with all-to-all. This file is also the rank script:
-executed directly, it trains.
+of 4 experts, RMSNorm, an output head) trained deterministically with AdamW and an LR scheduler (two micro-batches
+accumulated per step), sharded with ``ctx.wrap_fsdp(mesh_shape=(2, 2), ep=2, shard=Block)``: (dp_replicate 2 x ep
+2), 4 ranks + 1 spare, each rank its own batch, tokens moved to their experts' rank and back with all-to-all.
+This file is also the rank script: executed directly, it trains.
 
 Faults (``CW_TEST_KILL``: ``slot:step:phase:layer``; a marker file makes each happen once) are SIGKILLs the rank
 deals itself at a point of the step:
@@ -182,8 +182,9 @@ def _rank_main() -> int:
             slot, when = (int(v) for v in migrate.split(":"))
             if ctx.slot == (1 if slot == 0 else 0) and step == when and not (out / "migrate-requested").exists():
                 (out / "migrate-requested").write_text(str(ctx.request_migration(slot)))
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        for part in range(2):  # gradient accumulation: two micro-batches of 2 sequences per step
+            chunk = slice(2 * part, 2 * part + 2)
+            (nn.functional.mse_loss(model(x[chunk]), y[chunk]) / 2).backward()
         opt.step()
         opt.zero_grad()
         sched.step()

@@ -147,8 +147,8 @@ def shard_experts(
 ) -> set[nn.Parameter]:
     """Cut every :class:`MoE` layer of ``model`` to this rank's experts (each rank cuts its own copy: the model
     was built identically everywhere, as every TorchPass job's replicas are) and route its tokens over
-    ``ep_group``; the expert weights' gradients are summed over ``replicate_group`` and divided by
-    ``world_size`` as each is accumulated. Returns the expert parameters (for ``fully_shard``'s
+    ``ep_group``; each backward's contribution to an expert weight's gradient is summed over ``replicate_group``
+    and divided by ``world_size`` before it is accumulated. Returns the expert parameters (for ``fully_shard``'s
     ``ignored_params``). Call before the optimizer is built: the parameters are new objects."""
     layers = moe_layers(model)
     if not layers:
@@ -164,7 +164,7 @@ def shard_experts(
         cut = slice(ep_rank * local, (ep_rank + 1) * local)
         for attr in ("w1", "w2"):
             weight = nn.Parameter(getattr(layer, attr).detach()[cut].clone())
-            weight.register_post_accumulate_grad_hook(_replicate_mean(replicate_group, world_size))
+            weight.register_hook(_replicate_mean(replicate_group, world_size))
             setattr(layer, attr, weight)
             ignored.add(weight)
         layer.ep_group, layer.ep_size = ep_group, ep
@@ -173,11 +173,13 @@ def shard_experts(
 
 
 def _replicate_mean(group: dist.ProcessGroup, world_size: int) -> Any:
-    def hook(param: torch.Tensor) -> None:
-        grad = param.grad
-        if grad is None:
-            return
-        group.allreduce([grad], AllreduceOptions()).wait()  # a sum; guarded like any mesh collective
-        grad.div_(world_size)
+    """A gradient hook that reduces each backward's contribution before it is accumulated into ``.grad``, so that
+    gradient accumulation over several backward passes sums reduced contributions (reducing the accumulated
+    gradient again would count the earlier ones once per replica)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        reduced = grad.clone()
+        group.allreduce([reduced], AllreduceOptions()).wait()  # a sum; guarded like any mesh collective
+        return reduced.div_(world_size)
 
     return hook
