@@ -231,14 +231,22 @@ def _point() -> tuple[int, int]:
 
 
 def _run(
-    base: Path, name: str, *, kill: str = "", ep: int = 2, spares: int = 1, together: bool = False, migrate: str = ""
+    base: Path,
+    name: str,
+    *,
+    kill: str = "",
+    ep: int = 2,
+    spares: int = 1,
+    together: bool = False,
+    migrate: str = "",
+    settings: tuple[str, ...] = (),
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_EP=str(ep), CW_TEST_MIGRATE=migrate)
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     # the runtime net compares the replicas of each ep coordinate every 3 steps (a mismatch stops the job)
-    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares, settings=("replica_check_every_steps=3",))
+    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares, settings=("replica_check_every_steps=3", *settings))
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -274,8 +282,9 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(base: Path) -> FinishedJob:
-    """The fault-free (dp_replicate 2 x ep 2) run every faulted one must match bit for bit, per slot."""
-    run = _run(base, "reference")
+    """The fault-free (dp_replicate 2 x ep 2) run every faulted one must match bit for bit, per slot; it snapshots
+    after steps 3 and 7 (which must change nothing in the training)."""
+    run = _run(base, "reference", settings=("snapshot_every_steps=4", f"snapshot_dir={base / 'snapshots'}"))
     run.check_ok()
     return run
 
@@ -407,3 +416,16 @@ def test_transparent_mode_refuses_an_expert_parallel_mesh_at_start(tmp_path: Pat
     output = run.stdout + run.stderr
     assert run.returncode != 0, output[-3000:]
     assert "expert parallelism (MoE) in transparent mode is not built" in output, output[-3000:]
+
+
+def test_restored_from_a_snapshot_ends_bitwise_equal(base: Path, reference: FinishedJob) -> None:
+    """The ep job's snapshot (every ep coordinate's experts and FSDP shard) restored into a new job: every slot
+    loads its own coordinate's state and ends bitwise equal to the run that wrote it."""
+    steps = reference.complete_snapshots(base / "snapshots", [3, 7])
+    step = 3 if 3 in steps else steps[0]
+    run = _run(base, "restored", settings=(f"restore={base / 'snapshots' / f'step-{step:010d}'}",))
+    run.check_ok()
+    restored = run.logged("torchpass.restored")
+    assert len(restored) == RANKS and {r["step"] for r in restored} == {step}, restored
+    for slot in range(RANKS):
+        assert_bitwise_equal(load_final(run.out, slot), load_final(reference.out, slot), f"slot {slot}")

@@ -70,3 +70,17 @@ def test_what_is_refused_at_start() -> None:
         shard_experts(nn.Linear(4, 4), groups.proxies["shard"], 0, 2, groups.proxies["replicate"], 4)
     with pytest.raises(TorchPassError, match="3 experts do not split over ep=2"):
         shard_experts(MoE(4, 4, 3), groups.proxies["shard"], 0, 2, groups.proxies["replicate"], 4)
+
+
+def test_a_snapshot_of_an_ep_mesh_restores_only_into_the_same_ep_mesh() -> None:
+    """Its manifest records ``mesh_ep`` (its parts hold experts): a plain HSDP mesh of the same shape is refused,
+    and so is an ep snapshot restored into it, naming the options that would take it."""
+    from torchpass.snapshot.restore import mesh_problem
+
+    ep_body = {"mesh": [2, 2], "mesh_ep": 2}
+    assert mesh_problem(ep_body, ShardedReplicas(2, 2, ep=2)) == ""
+    refused = mesh_problem(ep_body, ShardedReplicas(2, 2))
+    assert "written by a 2x2 (ep 2) mesh and this job's mesh is 2x2" in refused and "mesh_shape=(2, 2), ep=2" in refused
+    assert "written by a 2x2 mesh and this job's mesh is 2x2 (ep 2)" in mesh_problem(
+        {"mesh": [2, 2]}, ShardedReplicas(2, 2, ep=2)
+    )
