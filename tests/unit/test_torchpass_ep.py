@@ -69,6 +69,7 @@ def _rank_main() -> int:
     out = Path(os.environ["CW_TEST_DIR"])
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))
     ep = int(os.environ.get("CW_TEST_EP", "2"))
+    replicas = int(os.environ.get("CW_TEST_REPLICAS", "2"))
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
     migrate = os.environ.get("CW_TEST_MIGRATE", "")
 
@@ -148,7 +149,7 @@ def _rank_main() -> int:
     for index, block in enumerate(blocks):
         block.moe.router.register_forward_hook(lambda *_, i=index: maybe_kill("epforward", i))
         block.moe.register_forward_hook(before_backward_of(index))
-    model = ctx.wrap_fsdp(plain, mesh_shape=(RANKS // 2, 2), ep=ep, shard=Block)
+    model = ctx.wrap_fsdp(plain, mesh_shape=(replicas, 2), ep=ep, shard=Block)
     w1 = blocks[0].moe.w1
     layout = (ctx.mesh.mesh_dim_names if ep > 1 and ctx.mesh is not None else None, type(w1).__name__, tuple(w1.shape))
     opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01))
@@ -240,13 +241,17 @@ def _run(
     together: bool = False,
     migrate: str = "",
     settings: tuple[str, ...] = (),
+    replicas: int = 2,
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_EP=str(ep), CW_TEST_MIGRATE=migrate)
+    env["CW_TEST_REPLICAS"] = str(replicas)
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     # the runtime net compares the replicas of each ep coordinate every 3 steps (a mismatch stops the job)
-    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares, settings=("replica_check_every_steps=3", *settings))
+    cmd = local_command(
+        out, SCRIPT, nproc=replicas * 2, spares=spares, settings=("replica_check_every_steps=3", *settings)
+    )
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -257,10 +262,10 @@ def _run(
     return FinishedJob(out, returncode, (out / "launcher.log").read_text())
 
 
-def _assert_each_step_once(run: FinishedJob) -> dict[int, list[tuple[str, int, int, int]]]:
+def _assert_each_step_once(run: FinishedJob, ranks: int = RANKS) -> dict[int, list[tuple[str, int, int, int]]]:
     """Per slot: commits are 0..N-1 in order, each once; an adopted state is the step the slot had to reach."""
     journals = {}
-    for slot in range(RANKS):
+    for slot in range(ranks):
         lines = (run.out / f"journal-slot{slot}.txt").read_text().splitlines()
         entries = [(kind, int(gen), int(step), int(pid)) for kind, gen, step, pid in (ln.split() for ln in lines)]
         next_step = 0
@@ -429,3 +434,25 @@ def test_restored_from_a_snapshot_ends_bitwise_equal(base: Path, reference: Fini
     assert len(restored) == RANKS and {r["step"] for r in restored} == {step}, restored
     for slot in range(RANKS):
         assert_bitwise_equal(load_final(run.out, slot), load_final(reference.out, slot), f"slot {slot}")
+
+
+def test_without_a_replica_peer_copies_rebuild_the_ep_coordinate(base: Path) -> None:
+    """(1 x ep 2), ``peer_copy_sync``: no replica holds a rank's experts, so its ring neighbour's peer copy does. A
+    SIGKILL in the backward all-to-all ends bitwise equal to the fault-free run, every step committed once."""
+    settings = ("peer_copy_sync=true",)
+    reference = _run(base, "1x2-reference", replicas=1, settings=settings)
+    reference.check_ok()
+    step, layer = _point()
+    victim = _draw.randrange(2)
+    kill = f"{victim}:{step}:epbackward:{layer}"
+    print(f"kill {kill} (1 x ep 2)")
+    run = _run(base, "1x2-kill", replicas=1, kill=kill, settings=settings)
+    run.check_ok()
+    assert (run.out / ("killed-" + kill.replace(":", "-"))).exists(), f"the fault {kill} was not injected"
+    for s in range(2):
+        assert_bitwise_equal(load_final(run.out, s), load_final(reference.out, s), f"slot {s}")
+    journals = _assert_each_step_once(run, 2)
+    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
+    moves = [m for f in run.of_kind("torchpass.recovered") for m in f.get("moves", [])]
+    (move,) = [m for m in moves if m["target"] == victim]
+    assert move["source"] == 1 - victim and move["part"] == victim and move["bytes"] > 0, moves

@@ -61,8 +61,7 @@ def test_what_is_refused_at_start() -> None:
         mesh_layout((2, 1), 2, {"w": ColwiseParallel()}, ep=2)
     with pytest.raises(TorchPassError, match="ep carved from a larger dp_shard"):
         mesh_layout((2, 4), ep=2)
-    with pytest.raises(TorchPassError, match="beside a replica"):
-        mesh_layout((1, 2), ep=2)
+    assert mesh_layout((1, 2), ep=2) == ShardedReplicas(1, 2, ep=2)  # no replica: peer copies keep each part
     with pytest.raises(TorchPassError, match="ep must be >= 1"):
         mesh_layout((2, 2), ep=0)
     groups = MeshGroups(ShardedReplicas(2, 2, ep=2), 0, "cpu")

@@ -25,9 +25,9 @@ What this module adds:
   gradients of the non-expert parameters). That all-reduce also runs on a guarded proxy.
 
 Refused at start (:func:`check_expert_layout`): ep together with tensor parallelism, ep carved from a larger
-dp_shard (mesh_shape's shards != ep), ep without a replica (R < 2: expert shards have no peer copies), and a
-model with no :class:`MoE` layer. Other MoE implementations are not recognised: their experts would be FSDP
-parameters like any other.
+dp_shard (mesh_shape's shards != ep), and a model with no :class:`MoE` layer. Without a replica (R = 1) a
+rank's part is kept by pure FSDP's peer copies (:mod:`torchpass.sharded.peer_copy`), experts included. Other MoE
+implementations are not recognised: their experts would be FSDP parameters like any other.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def expert_names(model: nn.Module) -> list[str]:
 
 def check_expert_layout(mesh_shape: tuple[int, int], ep: int, tp: int) -> None:
     """Refuse, naming it, an expert-parallel layout TorchPass does not protect (see the module's docstring)."""
-    replicas, shards = mesh_shape
+    shards = mesh_shape[1]
     if ep < 1:
         raise TorchPassError(f"ep must be >= 1, got {ep}")
     if ep == 1:
@@ -129,11 +129,6 @@ def check_expert_layout(mesh_shape: tuple[int, int], ep: int, tp: int) -> None:
         raise TorchPassError(
             f"expert parallelism needs mesh_shape's shards == ep (got {shards} shards, ep={ep}): ep carved from a "
             "larger dp_shard (dp_shard_mod_ep) is not built yet"
-        )
-    if replicas < 2:
-        raise TorchPassError(
-            "expert parallelism is protected only beside a replica (mesh_shape's replicas >= 2): peer copies of "
-            "expert shards are not implemented yet, so a lost rank's experts would exist nowhere"
         )
 
 
