@@ -33,10 +33,11 @@ def submit(box: Sandbox, *args: str) -> int:
 
 
 def start_and_wait(box: Sandbox, tmp_path: Path, seconds: int, *args: str) -> int:
-    """Submit a job whose script runs ``seconds``; return once the script started (so the batch host's Prolog ran;
-    from 26.05 the other nodes' Prologs may still run)."""
-    marker = tmp_path / "started"
-    job_id = submit(box, *args, "--wrap", f"touch {marker}; sleep {seconds}")
+    """Submit a job whose script runs until the test creates ``tmp_path/release`` or ``seconds`` pass; return once
+    the script started (so the batch host's Prolog ran; from 26.05 the other nodes' Prologs may still run)."""
+    marker, release = tmp_path / "started", tmp_path / "release"
+    script = f"touch {marker}; for i in $(seq {seconds * 5}); do [ -e {release} ] && break; sleep 0.2; done"
+    job_id = submit(box, *args, "--wrap", script)
     # generous: on a loaded CI machine the previous test's Epilog (a Python hook) may still hold the nodes
     deadline = time.monotonic() + 180
     while not marker.exists():
@@ -71,7 +72,9 @@ def admin_comment(box: Sandbox, job_id: int) -> str:
 
 
 def test_clockwork_job_is_registered_reported_and_summarised(sandbox: Sandbox, tmp_path: Path) -> None:
-    job_id = start_and_wait(sandbox, tmp_path, 3, "-N2", "-w", "node1,node2", "--clockwork-ft")
+    # held until node2's registration was seen: a job of a few seconds could end, and node2's Epilog unregister
+    # it, before node2's Prolog (which 26.05 no longer waits for) had registered it on a loaded machine
+    job_id = start_and_wait(sandbox, tmp_path, 300, "-N2", "-w", "node1,node2", "--clockwork-ft")
 
     def node2_jobs() -> dict[int, dict[str, Any]] | None:
         status = subprocess.run(
@@ -87,8 +90,9 @@ def test_clockwork_job_is_registered_reported_and_summarised(sandbox: Sandbox, t
 
     # 26.05 starts the batch script once the batch host's Prolog is done, not every node's (22.05 and 24.11
     # waited for all): node2's Prolog may still be registering the job.
-    jobs = until(f"node2's daemon to list job {job_id}", node2_jobs, 30)
+    jobs = until(f"node2's daemon to list job {job_id}", node2_jobs, 120)
     assert jobs[job_id]["nodes"] == ["node1", "node2"] and jobs[job_id]["options"]["ft"] == "aware"
+    (tmp_path / "release").touch()
     assert wait_job(sandbox, job_id) == "COMPLETED"
 
     comment = admin_comment(sandbox, job_id)

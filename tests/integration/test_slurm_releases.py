@@ -49,10 +49,8 @@ from clockwork.sandbox.daemons import NodeDaemons
 from tests.conftest import until
 from tests.integration import sandbox_jobs as jobs
 from tests.integration.conftest import SandboxManager, daemon_paths, slurm_env, wait_job
-from tests.integration.test_hooks_daemon import (
-    test_clockwork_job_is_registered_reported_and_summarised as hooks_register_report_and_summarise,
-)
 from tests.integration.test_hooks_daemon import (  # noqa: F401  (collected here: they run on every release)
+    test_clockwork_job_is_registered_reported_and_summarised,
     test_healthcheck_drains_a_node_with_a_dead_nic_and_resumes_only_its_own_drains,
 )
 from tests.integration.test_slurm_backend_live import (  # noqa: F401  (collected here: they run on every release)
@@ -237,13 +235,6 @@ def test_the_release_build_sets_the_init_failure_mode_where_slurm_has_it(sandbox
     names = {line.split()[-1] for line in exported.stdout.splitlines() if line.strip()}
     major, minor, _ = sandbox.slurm().version()
     assert ("slurm_spank_init_failure_mode" in names) == ((major, minor) >= (25, 5)), sorted(names)
-
-
-@pytest.mark.parametrize("slurm_release", ["24.11"], indirect=True)
-def test_clockwork_job_is_registered_reported_and_summarised(sandbox: Sandbox, tmp_path: Path) -> None:
-    """test_hooks_daemon's test, on 24.11 only for now: on 26.05 node2's daemon did not list the job within 30 s
-    in one run of three (26.05 starts the batch script before the other nodes' Prologs end); not yet understood."""
-    hooks_register_report_and_summarise(sandbox, tmp_path)
 
 
 @pytest.mark.parametrize("slurm_release", [LONG_TESTS_ON["node_crash"]], indirect=True)
