@@ -57,6 +57,7 @@ from torchpass.rank.step import StepLifecycle, carried_gradients_reason
 from torchpass.rank.transfer_plan import Replicated, ShardedReplicas
 from torchpass.rank_env import LaunchEnv
 from torchpass.sharded.fsdp import ShardedState, ShardPlan, mesh_layout
+from torchpass.sharded.pipeline import Pipeline, pipeline_layout
 from torchpass.snapshot import RestoreError, Snapshotter, restart_advice, restore, restore_target
 
 if TYPE_CHECKING:
@@ -223,6 +224,18 @@ class Context:
         self.rejoiner.transport = sharded.transport(self._backend, chunk, self.net if self.net.on else None)
         self.rejoiner.layout, self.mesh = sharded.part_layout, sharded.groups.mesh
         return sharded
+
+    def wrap_pipeline(
+        self, stages: Any, *, mesh_shape: tuple[int, int], schedule: Any, n_microbatches: int, loss_fn: Any, **kw: Any
+    ) -> Pipeline:
+        """Pipeline parallelism over a ``(replicas, stages)`` mesh TorchPass owns: slot ``r * P + k`` runs stage
+        ``k`` (``stages[k]`` or ``stages(k)``) of replica ``r`` under ``schedule`` (``ScheduleGPipe`` or
+        ``Schedule1F1B``; ``kw`` goes to it); the P ranks of a pipeline take the same batch from ``ctx.steps``.
+        See :mod:`torchpass.sharded.pipeline`."""
+        shape = pipeline_layout(mesh_shape, schedule)
+        pipeline = Pipeline(self.shard_state(shape), stages, schedule, n_microbatches, loss_fn, kw)
+        self._data_group = shape.shards
+        return pipeline
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` skip abandoned steps; its state becomes part of the state that moves.

@@ -1,0 +1,284 @@
+"""TorchPass's oracle for pipeline parallelism beside a replica (dp_replicate 2 x pp 2): jobs with injected
+faults end bitwise equal to the fault-free run, every step committed once, a dead stage rebuilt from the same stage
+of the other replica.
+
+Each test launches a real local job (``python -m torchpass run --local``, gloo on 127.0.0.1) of a small MLP cut in
+two stages (dropout in both, AdamW, an LR scheduler), run by ``ctx.wrap_pipeline(..., schedule=ScheduleGPipe or
+Schedule1F1B, n_microbatches=4)``. This file is also the rank script: executed directly, it trains.
+
+Faults (``CW_TEST_KILL``: ``slot:step:phase:microbatch``, comma separated; a marker file makes each happen once) are
+SIGKILLs the rank deals itself at a point of the schedule step:
+
+* ``forward``: after the stage computed micro-batch ``microbatch``'s forward, before it sends the activations (the
+  next stage is blocked in ``recv`` for them: warm-up for early micro-batches);
+* ``backward``: when the gradient of the stage's output for ``microbatch`` arrives, before the stage sends its input
+  gradient back (the stage before is blocked in ``recv`` for it: cool-down for late micro-batches);
+* ``loss``: on the last stage, inside the loss function of ``microbatch``;
+* ``moment``: at a random moment of the step (``microbatch``: thousandths of the step before's wall time).
+
+The oracle: every slot's stage, optimizer and scheduler state are ``torch.equal`` to the fault-free run's; each
+slot's journal shows every step committed exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve()
+STEPS = 6
+MICROBATCHES = 4
+RUN_TIMEOUT_S = 150
+
+
+# ======================================================================================================
+# The rank script (runs in each rank and spare process)
+# ======================================================================================================
+
+
+def _rank_main() -> int:
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.utils.data import TensorDataset
+
+    import torchpass as tp
+
+    out = Path(os.environ["CW_TEST_DIR"])
+    kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
+    schedule_name = os.environ.get("CW_TEST_SCHEDULE", "gpipe")
+    schedule: Any = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(schedule_name)
+    if schedule is None:  # a schedule TorchPass refuses (the test of the refusal)
+        from torch.distributed import pipelining
+
+        schedule = getattr(pipelining, schedule_name)
+    counters = {"forward": 0, "backward": 0, "loss": 0}
+
+    def journal(slot: int, line: str) -> None:
+        with open(out / f"journal-slot{slot}.txt", "a") as f:
+            f.write(f"{line} {os.getpid()}\n")
+
+    def maybe_kill(phase: str, microbatch: int) -> None:
+        spec = (str(ctx.slot), str(ctx.step), phase, str(microbatch))
+        if spec not in kills:
+            return
+        try:
+            fd = os.open(out / ("killed-" + "-".join(spec)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return  # done once: the replacement must not kill itself too
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def sink(kind: str, fields: dict[str, Any]) -> None:
+        if kind == "torchpass.joined" and fields["received"]:
+            journal(fields["slot"], f"adopt {fields['generation']} {fields['resume_step'] - 1}")
+
+    ctx = tp.init(event_sink=sink)
+
+    torch.manual_seed(1234)  # the same model on every rank: each keeps its own stage
+    stages = [
+        nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32)),
+        nn.Sequential(nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)),
+    ]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        maybe_kill("loss", counters["loss"])
+        counters["loss"] += 1
+        return nn.functional.mse_loss(output, target)
+
+    pipe = ctx.wrap_pipeline(
+        stages, mesh_shape=(2, 2), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn
+    )
+
+    def on_forward(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        microbatch = counters["forward"]
+        counters["forward"] += 1
+        maybe_kill("forward", microbatch)
+        if output.requires_grad:
+            output.register_hook(lambda grad: maybe_kill("backward", microbatch))
+
+    pipe.module.register_forward_hook(on_forward)
+    opt = ctx.wrap_optimizer(torch.optim.AdamW(pipe.module.parameters(), lr=0.01, weight_decay=0.01))
+    sched = ctx.register("sched", torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
+    ctx.on_commit(lambda step: journal(ctx.slot, f"commit {ctx.generation} {step}"))
+
+    def kill_at_a_moment(step: int, took_s: float) -> None:
+        for spec in kills:
+            marker = out / ("killed-" + "-".join(spec))
+            if spec[:3] != (str(ctx.slot), str(step), "moment") or marker.exists():
+                continue
+
+            def fire(marker: Path = marker) -> None:
+                marker.write_text(f"{time.time()}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            threading.Timer(int(spec[3]) / 1000 * took_s, fire).start()
+
+    generator = torch.Generator().manual_seed(7)
+    x_all = torch.randn(128, 8, generator=generator)
+    y_all = torch.tanh(x_all[:, :4]) + 0.1 * torch.randn(128, 4, generator=generator)
+    loader = tp.StepLoader(TensorDataset(x_all, y_all), batch_size=8, seed=3)  # one batch per pipeline
+
+    began = time.monotonic()
+    for step, (x, y) in ctx.steps(loader, STEPS):
+        now = time.monotonic()
+        kill_at_a_moment(step, now - began)
+        began = now
+        counters.update(forward=0, backward=0, loss=0)
+        losses: list[torch.Tensor] = []
+        pipe.step(x, target=y, losses=losses)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    final = {
+        "model": dict(pipe.module.state_dict()),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "committed": ctx.committed_step,
+        "stage": pipe.stage_index,
+    }
+    torch.save(final, out / f"final-slot{ctx.slot}.pt")
+    print(f"slot {ctx.slot} done at step {ctx.committed_step} (generation {ctx.generation})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main())
+
+
+# ======================================================================================================
+# The tests (run by pytest in the parent process)
+# ======================================================================================================
+
+from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final, local_command  # noqa: E402
+
+SEED = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
+print(f"test_torchpass_pp: CW_TEST_SEED={SEED}")
+_draw = random.Random(SEED)
+RANKS = 4
+
+
+def _run(base: Path, name: str, *, schedule: str = "gpipe", kill: str = "", spares: int = 1) -> FinishedJob:
+    out = base / name
+    out.mkdir()
+    env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_SCHEDULE=schedule)
+    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares)
+    with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            returncode = proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # the launcher's ranks die with it (PR_SET_PDEATHSIG)
+            returncode = proc.wait()
+    return FinishedJob(out, returncode, (out / "launcher.log").read_text())
+
+
+def _assert_each_step_once(run: FinishedJob) -> dict[int, list[tuple[str, int, int, int]]]:
+    """Per slot: commits are 0..N-1 in order, each once; an adopted state is the step the slot had to reach."""
+    journals = {}
+    for slot in range(RANKS):
+        lines = (run.out / f"journal-slot{slot}.txt").read_text().splitlines()
+        entries = [(kind, int(gen), int(step), int(pid)) for kind, gen, step, pid in (ln.split() for ln in lines)]
+        next_step = 0
+        for kind, _gen, step, _pid in entries:
+            if kind == "commit":
+                assert step == next_step, f"slot {slot}: committed {step}, expected {next_step}: {entries}"
+            else:
+                assert step in (next_step - 1, next_step), f"slot {slot}: adopted {step} at {next_step}: {entries}"
+            next_step = step + 1
+        assert next_step == STEPS, f"slot {slot} ended at {next_step}: {entries}"
+        journals[slot] = entries
+    return journals
+
+
+def _check_fault(run: FinishedJob, reference: FinishedJob, kill: str) -> list[dict[str, Any]]:
+    """The oracle, and the move: the victim's stage came from the same stage of the other replica."""
+    run.check_ok()
+    assert (run.out / ("killed-" + kill.replace(":", "-"))).exists(), f"the fault {kill} was not injected"
+    for slot in range(RANKS):
+        assert_bitwise_equal(load_final(run.out, slot), load_final(reference.out, slot), f"slot {slot}")
+    journals = _assert_each_step_once(run)
+    victim = int(kill.split(":")[0])
+    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
+    moves = [m for f in run.of_kind("torchpass.recovered") for m in f.get("moves", [])]
+    assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
+    for move in moves:
+        assert move["what"] == f"shard {move['part']} of the 2x2 mesh" and move["bytes"] > 0, moves
+    return moves
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("torchpass-pp")
+
+
+@pytest.fixture(scope="module")
+def references(base: Path) -> dict[str, FinishedJob]:
+    """The fault-free run of each schedule, which every faulted one must match bit for bit."""
+    runs = {name: _run(base, f"reference-{name}", schedule=name) for name in ("gpipe", "1f1b")}
+    for run in runs.values():
+        run.check_ok()
+    return runs
+
+
+def test_fault_free_pipeline_is_consistent(references: dict[str, FinishedJob]) -> None:
+    """Each stage's replicas end equal (their gradients averaged), the two stages differ, training moved the
+    weights, and both schedules compute the same thing (to rounding: the micro-batches' gradients are summed in
+    another order)."""
+    import torch
+
+    for name, run in references.items():
+        _assert_each_step_once(run)
+        assert not run.of_kind("torchpass.recovered")
+        for stage in range(2):
+            assert_bitwise_equal(load_final(run.out, stage), load_final(run.out, stage + 2), f"{name}: stage {stage}")
+            assert load_final(run.out, stage)["stage"] == stage
+        assert load_final(run.out, 0)["optim"]["state"], "no optimizer state: nothing trained"
+    for slot in range(2):
+        a, b = (load_final(references[n].out, slot)["model"] for n in ("gpipe", "1f1b"))
+        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), f"slot {slot}: the schedules disagree"
+
+
+_PHASES = [
+    # (schedule, phase, victim, microbatch): what the victim's neighbour is doing when it dies
+    ("gpipe", "forward", 0, 0),  # slot 0; stage 1 blocked in recv for its first activations (warm-up)
+    ("1f1b", "forward", 2, 1),  # stage 1 of replica 1 blocked in recv during warm-up
+    ("gpipe", "backward", 3, MICROBATCHES - 1),  # stage 0 blocked in recv for gradients (cool-down)
+    ("1f1b", "backward", 1, MICROBATCHES - 1),  # the same under 1F1B
+    ("1f1b", "loss", 3, None),  # the last stage while it computes the loss
+    ("gpipe", "moment", None, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "phase", "slot", "microbatch"),
+    _PHASES,
+    ids=["gpipe-warmup-slot0", "1f1b-warmup", "gpipe-cooldown", "1f1b-cooldown", "1f1b-loss", "gpipe-moment"],
+)
+def test_sigkill_rebuilds_the_stage_from_the_other_replica(
+    base: Path,
+    references: dict[str, FinishedJob],
+    schedule: str,
+    phase: str,
+    slot: int | None,
+    microbatch: int | None,
+) -> None:
+    victim = slot if slot is not None else _draw.randrange(RANKS)
+    step = _draw.randrange(1, STEPS - 1)
+    point = microbatch if microbatch is not None else _draw.randrange(MICROBATCHES)
+    if phase == "moment":
+        point = _draw.randrange(50, 950)
+    kill = f"{victim}:{step}:{phase}:{point}"
+    print(f"{schedule}: kill {kill}")
+    run = _run(base, f"kill-{schedule}-" + kill.replace(":", "-"), schedule=schedule, kill=kill)
+    _check_fault(run, references[schedule], kill)
