@@ -95,9 +95,7 @@ def _rank_main() -> int:
         counters["loss"] += 1
         return nn.functional.mse_loss(output, target)
 
-    pipe = ctx.wrap_pipeline(
-        stages, mesh_shape=(2, 2), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn
-    )
+    pipe = ctx.wrap_pipeline(stages, mesh_shape=(2, 2), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
 
     def on_forward(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
         microbatch = counters["forward"]
@@ -212,6 +210,8 @@ def _check_fault(run: FinishedJob, reference: FinishedJob, kill: str) -> list[di
     assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
     moves = [m for f in run.of_kind("torchpass.recovered") for m in f.get("moves", [])]
     assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
+    for fields in run.logged("torchpass.step_abandoned"):  # freed by the broken socket or the abort, not a timeout
+        assert "timed out" not in fields["reason"].lower(), fields
     for move in moves:
         assert move["what"] == f"shard {move['part']} of the 2x2 mesh" and move["bytes"] > 0, moves
     return moves
@@ -282,3 +282,52 @@ def test_sigkill_rebuilds_the_stage_from_the_other_replica(
     print(f"{schedule}: kill {kill}")
     run = _run(base, f"kill-{schedule}-" + kill.replace(":", "-"), schedule=schedule, kill=kill)
     _check_fault(run, references[schedule], kill)
+
+
+@pytest.mark.parametrize("name", ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble"])
+def test_unprotected_schedules_are_refused_at_start(name: str) -> None:
+    """Schedules with several stages per rank are not protected yet: refused by name before anything runs."""
+    from torch.distributed import pipelining
+
+    from torchpass.errors import TorchPassError
+    from torchpass.sharded.pipeline import pipeline_layout
+
+    with pytest.raises(TorchPassError, match=f"schedule {name} is not protected"):
+        pipeline_layout((2, 2), getattr(pipelining, name))
+
+
+def test_a_subclass_or_instance_of_a_protected_schedule_is_refused() -> None:
+    """A subclass may reorder sends and receives: only the classes themselves are protected."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from torchpass.errors import TorchPassError
+    from torchpass.sharded.pipeline import pipeline_layout
+
+    class Mine(ScheduleGPipe):
+        pass
+
+    with pytest.raises(TorchPassError, match="schedule Mine is not protected"):
+        pipeline_layout((2, 2), Mine)
+    with pytest.raises(TorchPassError, match="is not protected"):
+        pipeline_layout((2, 2), "ScheduleGPipe")
+
+
+def test_a_pipeline_without_a_replica_or_of_one_stage_is_refused() -> None:
+    from torch.distributed.pipelining import Schedule1F1B
+
+    from torchpass.errors import TorchPassError
+    from torchpass.sharded.pipeline import pipeline_layout
+
+    with pytest.raises(TorchPassError, match="only beside a replica"):
+        pipeline_layout((1, 4), Schedule1F1B)
+    with pytest.raises(TorchPassError, match="at least 2 stages"):
+        pipeline_layout((2, 1), Schedule1F1B)
+    assert pipeline_layout((2, 3), Schedule1F1B).world_size == 6
+
+
+def test_a_job_with_an_interleaved_schedule_fails_at_start_naming_it(base: Path) -> None:
+    """End to end: the ranks refuse before the first step, and the job's failure says why."""
+    run = _run(base, "refused", schedule="ScheduleInterleaved1F1B", spares=0)
+    assert run.returncode != 0
+    assert "schedule ScheduleInterleaved1F1B is not protected by TorchPass" in run.output
+    assert not list(run.out.glob("journal-slot*.txt")), "a step ran"
