@@ -62,6 +62,7 @@ def _rank_main() -> int:
 
         schedule = getattr(pipelining, schedule_name)
     counters = {"forward": 0, "backward": 0, "loss": 0}
+    migrate = os.environ.get("CW_TEST_MIGRATE", "")
 
     def journal(slot: int, line: str) -> None:
         with open(out / f"journal-slot{slot}.txt", "a") as f:
@@ -131,6 +132,10 @@ def _rank_main() -> int:
         now = time.monotonic()
         kill_at_a_moment(step, now - began)
         began = now
+        if migrate:  # a planned migration of slot S at step N, asked by another rank (as clockwork migrate would)
+            slot, when = (int(v) for v in migrate.split(":"))
+            if ctx.slot == (1 if slot == 0 else 0) and step == when and not (out / "migrate-requested").exists():
+                (out / "migrate-requested").write_text(str(ctx.request_migration(slot)))
         counters.update(forward=0, backward=0, loss=0)
         losses: list[torch.Tensor] = []
         pipe.step(x, target=y, losses=losses)
@@ -166,11 +171,15 @@ _draw = random.Random(SEED)
 RANKS = 4
 
 
-def _run(base: Path, name: str, *, schedule: str = "gpipe", kill: str = "", spares: int = 1) -> FinishedJob:
+def _run(
+    base: Path, name: str, *, schedule: str = "gpipe", kill: str = "", spares: int = 1, migrate: str = ""
+) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_SCHEDULE=schedule)
-    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares)
+    env["CW_TEST_MIGRATE"] = migrate
+    # the runtime net compares the replicas of each stage every 2 steps (a mismatch stops the job)
+    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares, settings=("replica_check_every_steps=2",))
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -200,20 +209,21 @@ def _assert_each_step_once(run: FinishedJob) -> dict[int, list[tuple[str, int, i
 
 
 def _check_fault(run: FinishedJob, reference: FinishedJob, kill: str) -> list[dict[str, Any]]:
-    """The oracle, and the move: the victim's stage came from the same stage of the other replica."""
+    """The oracle, and the moves: each victim's stage came from the same stage of the other replica."""
     run.check_ok()
-    assert (run.out / ("killed-" + kill.replace(":", "-"))).exists(), f"the fault {kill} was not injected"
+    for spec in kill.split(","):
+        assert (run.out / ("killed-" + spec.replace(":", "-"))).exists(), f"the fault {spec} was not injected"
     for slot in range(RANKS):
         assert_bitwise_equal(load_final(run.out, slot), load_final(reference.out, slot), f"slot {slot}")
     journals = _assert_each_step_once(run)
-    victim = int(kill.split(":")[0])
-    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
     moves = [m for f in run.of_kind("torchpass.recovered") for m in f.get("moves", [])]
-    assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
+    for victim in sorted({int(spec.split(":")[0]) for spec in kill.split(",")}):
+        assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
+        assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
     for fields in run.logged("torchpass.step_abandoned"):  # freed by the broken socket or the abort, not a timeout
         assert "timed out" not in fields["reason"].lower(), fields
     for move in moves:
-        assert move["what"] == f"shard {move['part']} of the 2x2 mesh" and move["bytes"] > 0, moves
+        assert move["what"] == f"stage {move['part']} of the 2x2 pipeline" and move["bytes"] > 0, moves
     return moves
 
 
@@ -244,6 +254,7 @@ def test_fault_free_pipeline_is_consistent(references: dict[str, FinishedJob]) -
             assert_bitwise_equal(load_final(run.out, stage), load_final(run.out, stage + 2), f"{name}: stage {stage}")
             assert load_final(run.out, stage)["stage"] == stage
         assert load_final(run.out, 0)["optim"]["state"], "no optimizer state: nothing trained"
+        assert "the replicas agree" in run.output, "the runtime net never compared the replicas"
     for slot in range(2):
         a, b = (load_final(references[n].out, slot)["model"] for n in ("gpipe", "1f1b"))
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a), f"slot {slot}: the schedules disagree"
@@ -282,6 +293,31 @@ def test_sigkill_rebuilds_the_stage_from_the_other_replica(
     print(f"{schedule}: kill {kill}")
     run = _run(base, f"kill-{schedule}-" + kill.replace(":", "-"), schedule=schedule, kill=kill)
     _check_fault(run, references[schedule], kill)
+
+
+def test_two_stages_of_different_replicas_die_in_one_step(base: Path, references: dict[str, FinishedJob]) -> None:
+    """Stage 0 of replica 0 and stage 1 of replica 1 die in the same step (each as it sends its first activations or
+    computes its first loss); two spares take them, each fed by the same stage of the other replica."""
+    step = _draw.randrange(1, STEPS - 1)
+    kill = f"0:{step}:forward:0,3:{step}:loss:0"
+    run = _run(base, "two-replicas", schedule="1f1b", kill=kill, spares=2)
+    moves = _check_fault(run, references["1f1b"], kill)
+    assert {m["target"]: m["source"] for m in moves} == {0: 2, 3: 1}, moves
+
+
+def test_planned_migration_moves_a_stage_with_its_state(base: Path, references: dict[str, FinishedJob]) -> None:
+    """A planned migration (clockwork migrate, the GPU health watch) of a stage: the departing rank hands its own
+    stage's state to the spare, and the job ends bitwise equal to the fault-free run."""
+    step, victim = _draw.randrange(1, STEPS - 1), _draw.randrange(RANKS)
+    run = _run(base, "migrate", schedule="gpipe", migrate=f"{victim}:{step}")
+    run.check_ok()
+    for slot in range(RANKS):
+        assert_bitwise_equal(load_final(run.out, slot), load_final(references["gpipe"].out, slot), f"slot {slot}")
+    journals = _assert_each_step_once(run)
+    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not moved to another process"
+    migrated = run.of_kind("torchpass.migrated")
+    assert migrated and migrated[0]["slots"] == [victim] and migrated[0]["handoff_ok"], migrated
+    assert not run.of_kind("torchpass.member_failed")
 
 
 @pytest.mark.parametrize("name", ["ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble"])

@@ -33,6 +33,7 @@ stage), and a pipeline beside FSDP or tensor parallelism (one model, one mesh pe
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,13 +45,23 @@ from torchpass.errors import TorchPassError
 from torchpass.rank.transfer_plan import ShardedReplicas
 from torchpass.sharded.fsdp import ShardedState
 
-__all__ = ["PROTECTED_SCHEDULES", "Pipeline", "pipeline_layout"]
+__all__ = ["PROTECTED_SCHEDULES", "Pipeline", "PipelineReplicas", "pipeline_layout"]
 
 log = logging.getLogger("clockwork.torchpass.pipeline")
 
 PROTECTED_SCHEDULES: tuple[type, ...] = (ScheduleGPipe, Schedule1F1B)  # one stage per rank, tested here
 
 StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
+
+
+@dataclass(frozen=True)
+class PipelineReplicas(ShardedReplicas):
+    """HSDP's layout with stages for shards (slot ``r * P + k`` holds stage k): only the names differ, so events
+    and messages say which stage moved."""
+
+    def part_name(self, part: int) -> str:
+        """``stage K of the RxP pipeline``."""
+        return f"stage {part} of the {self.replicas}x{self.shards} pipeline"
 
 
 def pipeline_layout(mesh_shape: tuple[int, int], schedule: Any) -> ShardedReplicas:
@@ -70,7 +81,7 @@ def pipeline_layout(mesh_shape: tuple[int, int], schedule: Any) -> ShardedReplic
             "pipeline parallelism is protected only beside a replica (mesh_shape's replicas >= 2): a lost stage is "
             "rebuilt from the same stage of another replica, and peer copies of a stage are not implemented yet"
         )
-    return ShardedReplicas(replicas, stages)
+    return PipelineReplicas(replicas, stages)
 
 
 class Pipeline:
@@ -110,8 +121,7 @@ class Pipeline:
         self._built_generation = -1
         self.rebuilds = 0  # how many times the stage and schedule were built (one per generation it trained in)
         host, parts = sharded.host, sharded.parts
-        parts.model, parts.mesh = module, None  # plain tensors: nothing is rebuilt as a DTensor
-        parts.label = f"stage {self.stage_index} of the {shape.replicas}x{self.num_stages} pipeline"
+        parts.model, parts.mesh = module, None  # plain tensors: nothing is rebuilt as a DTensor (label: the stage)
         host.lifecycle.watch_zero_grad(module)
         host.lifecycle.track_model(list(module.buffers()) if host.config.snapshot_buffers else [], None)
         log.info("slot %d: %s", host.slot, parts.label)
