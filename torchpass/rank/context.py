@@ -228,10 +228,8 @@ class Context:
     def wrap_pipeline(
         self, stages: Any, *, mesh_shape: tuple[int, int], schedule: Any, n_microbatches: int, loss_fn: Any, **kw: Any
     ) -> Pipeline:
-        """Pipeline parallelism over a ``(replicas, stages)`` mesh TorchPass owns: slot ``r * P + k`` runs stage
-        ``k`` (``stages[k]`` or ``stages(k)``) of replica ``r`` under ``schedule`` (``ScheduleGPipe`` or
-        ``Schedule1F1B``; ``kw`` goes to it); the P ranks of a pipeline take the same batch from ``ctx.steps``.
-        See :mod:`torchpass.sharded.pipeline`."""
+        """Slot ``r * P + k`` runs stage ``k`` (``stages[k]`` or ``stages(k)``) of replica ``r`` of a ``(R, P)``
+        pipeline under ``schedule`` (``kw`` goes to it); see :mod:`torchpass.sharded.pipeline`."""
         shape = pipeline_layout(mesh_shape, schedule)
         pipeline = Pipeline(self.shard_state(shape), stages, schedule, n_microbatches, loss_fn, kw)
         self._data_group = shape.shards

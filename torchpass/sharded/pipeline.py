@@ -33,8 +33,8 @@ stage), and a pipeline beside FSDP or tensor parallelism (one model, one mesh pe
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
