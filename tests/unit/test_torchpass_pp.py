@@ -45,6 +45,19 @@ RUN_TIMEOUT_S = 150
 # ======================================================================================================
 
 
+def _unmodified_main() -> int:
+    """An unmodified pipeline script (what transparent mode must refuse): a PipelineStage per rank."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    dist.init_process_group("gloo")
+    stage = PipelineStage(nn.Linear(4, 4), dist.get_rank() % 2, 2, torch.device("cpu"))
+    print(f"built {stage}", flush=True)
+    return 0
+
+
 def _rank_main() -> int:
     import torch
     from torch import nn
@@ -156,14 +169,20 @@ def _rank_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main())
+    sys.exit(_unmodified_main() if os.environ.get("CW_TEST_UNMODIFIED") == "1" else _rank_main())
 
 
 # ======================================================================================================
 # The tests (run by pytest in the parent process)
 # ======================================================================================================
 
-from tests.unit.local_jobs import FinishedJob, assert_bitwise_equal, load_final, local_command  # noqa: E402
+from tests.unit.local_jobs import (  # noqa: E402
+    FinishedJob,
+    assert_bitwise_equal,
+    load_final,
+    local_command,
+    run_framework_job,
+)
 
 SEED = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
 print(f"test_torchpass_pp: CW_TEST_SEED={SEED}")
@@ -348,7 +367,7 @@ def test_a_subclass_or_instance_of_a_protected_schedule_is_refused() -> None:
         pipeline_layout((2, 2), "ScheduleGPipe")
 
 
-def test_a_pipeline_without_a_replica_or_of_one_stage_is_refused() -> None:
+def test_a_pipeline_without_a_replica_or_of_one_stage_or_with_peer_copies_is_refused() -> None:
     from torch.distributed.pipelining import Schedule1F1B
 
     from torchpass.errors import TorchPassError
@@ -358,6 +377,8 @@ def test_a_pipeline_without_a_replica_or_of_one_stage_is_refused() -> None:
         pipeline_layout((1, 4), Schedule1F1B)
     with pytest.raises(TorchPassError, match="at least 2 stages"):
         pipeline_layout((2, 1), Schedule1F1B)
+    with pytest.raises(TorchPassError, match="peer_copies_in_hsdp is not built for pipeline parallelism"):
+        pipeline_layout((2, 2), Schedule1F1B, peer_copies=True)
     assert pipeline_layout((2, 3), Schedule1F1B).world_size == 6
 
 
@@ -367,3 +388,40 @@ def test_a_job_with_an_interleaved_schedule_fails_at_start_naming_it(base: Path)
     assert run.returncode != 0
     assert "schedule ScheduleInterleaved1F1B is not protected by TorchPass" in run.output
     assert not list(run.out.glob("journal-slot*.txt")), "a step ran"
+
+
+def test_transparent_mode_refuses_an_unmodified_pipeline_script(base: Path) -> None:
+    """``torchpass run --transparent`` of a script that builds a PipelineStage: refused when it builds the stage,
+    naming the feature and the API that protects it."""
+    run = run_framework_job(base, "transparent", SCRIPT, nproc=4, timeout_s=RUN_TIMEOUT_S, CW_TEST_UNMODIFIED="1")
+    assert run.returncode != 0
+    assert "pipeline parallelism (torch.distributed.pipelining's PipelineStage) is not protected" in run.output
+    assert "built " not in run.output, "a stage was built"
+
+
+def test_the_refusal_patches_an_already_imported_stage_module_and_undoes() -> None:
+    """A spare imports the script's modules before the interposers exist (torchpass.launch.warmup): the stage
+    class is then patched at once, and the patch is undone with the other interposers."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, stage
+
+    from torchpass.errors import TorchPassError
+    from torchpass.transparent.pipelining import refuse_pipelining
+
+    undo: list[Any] = []
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        undo.append(lambda: setattr(owner, name, original))
+
+    real_init = stage._PipelineStageBase.__init__
+    refuse_pipelining(patch, undo)
+    try:
+        with pytest.raises(TorchPassError, match="ctx.wrap_pipeline"):
+            PipelineStage(nn.Linear(2, 2), 0, 2, torch.device("cpu"))
+    finally:
+        while undo:
+            undo.pop()()
+    assert stage._PipelineStageBase.__init__ is real_init

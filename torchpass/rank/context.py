@@ -57,11 +57,11 @@ from torchpass.rank.step import StepLifecycle, carried_gradients_reason
 from torchpass.rank.transfer_plan import Replicated, ShardedReplicas
 from torchpass.rank_env import LaunchEnv
 from torchpass.sharded.fsdp import ShardedState, ShardPlan, mesh_layout
-from torchpass.sharded.pipeline import Pipeline, pipeline_layout
 from torchpass.snapshot import RestoreError, Snapshotter, restart_advice, restore, restore_target
 
 if TYPE_CHECKING:
     from torchpass.coordinator.service import Coordinator
+    from torchpass.sharded.pipeline import Pipeline
 
 __all__ = ["Context", "TorchPassError"]
 
@@ -230,7 +230,9 @@ class Context:
     ) -> Pipeline:
         """Slot ``r * P + k`` runs stage ``k`` (``stages[k]`` or ``stages(k)``) of replica ``r`` of a ``(R, P)``
         pipeline under ``schedule`` (``kw`` goes to it); see :mod:`torchpass.sharded.pipeline`."""
-        shape = pipeline_layout(mesh_shape, schedule)
+        from torchpass.sharded.pipeline import Pipeline, pipeline_layout  # torch's pipelining: only when used
+
+        shape = pipeline_layout(mesh_shape, schedule, self.config.peer_copies_in_hsdp)
         pipeline = Pipeline(self.shard_state(shape), stages, schedule, n_microbatches, loss_fn, kw)
         self._data_group = shape.shards
         return pipeline

@@ -64,9 +64,14 @@ class PipelineReplicas(ShardedReplicas):
         return f"stage {part} of the {self.replicas}x{self.shards} pipeline"
 
 
-def pipeline_layout(mesh_shape: tuple[int, int], schedule: Any) -> ShardedReplicas:
+def pipeline_layout(mesh_shape: tuple[int, int], schedule: Any, peer_copies: bool = False) -> ShardedReplicas:
     """The layout of ``ctx.wrap_pipeline(mesh_shape=(R, P), schedule=...)``: R replicas of P stages, refusing at
-    start what TorchPass cannot protect."""
+    start what TorchPass cannot protect (``peer_copies``: the job asks for ``peer_copies_in_hsdp``)."""
+    if peer_copies:
+        raise TorchPassError(
+            "peer_copies_in_hsdp is not built for pipeline parallelism yet: a lost stage is rebuilt from the same "
+            "stage of another replica only (set peer_copies_in_hsdp = false)"
+        )
     if not isinstance(schedule, type) or schedule not in PROTECTED_SCHEDULES:
         name = getattr(schedule, "__name__", repr(schedule))
         raise TorchPassError(
