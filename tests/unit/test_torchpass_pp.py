@@ -419,7 +419,7 @@ def test_the_refusal_patches_an_already_imported_stage_module_and_undoes() -> No
     real_init = stage._PipelineStageBase.__init__
     refuse_pipelining(patch, undo)
     try:
-        with pytest.raises(TorchPassError, match="ctx.wrap_pipeline"):
+        with pytest.raises(TorchPassError, match=r"ctx\.wrap_pipeline"):
             PipelineStage(nn.Linear(2, 2), 0, 2, torch.device("cpu"))
     finally:
         while undo:
