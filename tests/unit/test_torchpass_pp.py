@@ -109,7 +109,11 @@ def _rank_main() -> int:
         counters["loss"] += 1
         return nn.functional.mse_loss(output, target)
 
+    if os.environ.get("CW_TEST_BESIDE") == "fsdp":  # a pipeline beside FSDP: refused (not built yet)
+        ctx.wrap_fsdp(nn.Linear(2, 2), mesh_shape=(2, 2))
     pipe = ctx.wrap_pipeline(stages, mesh_shape=(2, 2), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    if os.environ.get("CW_TEST_BESIDE") == "twice":  # a second model: refused
+        ctx.wrap_pipeline(stages, mesh_shape=(2, 2), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
 
     def on_forward(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
         microbatch = counters["forward"]
@@ -382,11 +386,23 @@ def test_a_pipeline_without_a_replica_or_of_one_stage_or_with_peer_copies_is_ref
     assert pipeline_layout((2, 3), Schedule1F1B).world_size == 6
 
 
-def test_a_job_with_an_interleaved_schedule_fails_at_start_naming_it(base: Path) -> None:
+@pytest.mark.parametrize(
+    ("schedule", "beside", "why"),
+    [
+        ("ScheduleInterleaved1F1B", "", "schedule ScheduleInterleaved1F1B is not protected by TorchPass"),
+        ("gpipe", "fsdp", "the job's model is already wrapped (one model, one mesh per job)"),
+        ("gpipe", "twice", "the job's model is already wrapped (one model, one mesh per job)"),
+    ],
+    ids=["interleaved-schedule", "beside-fsdp", "two-pipelines"],
+)
+def test_a_job_torchpass_cannot_protect_fails_at_start_naming_why(
+    base: Path, monkeypatch: pytest.MonkeyPatch, schedule: str, beside: str, why: str
+) -> None:
     """End to end: the ranks refuse before the first step, and the job's failure says why."""
-    run = _run(base, "refused", schedule="ScheduleInterleaved1F1B", spares=0)
+    monkeypatch.setenv("CW_TEST_BESIDE", beside)
+    run = _run(base, f"refused-{schedule}-{beside}", schedule=schedule, spares=0)
     assert run.returncode != 0
-    assert "schedule ScheduleInterleaved1F1B is not protected by TorchPass" in run.output
+    assert why in run.output, run.output[-3000:]
     assert not list(run.out.glob("journal-slot*.txt")), "a step ran"
 
 

@@ -102,6 +102,8 @@ class Pipeline:
         loss_fn: Callable[..., torch.Tensor] | None,
         schedule_kwargs: dict[str, Any],
     ) -> None:
+        if sharded.parts.model is not None:
+            raise TorchPassError("the job's model is already wrapped (one model, one mesh per job)")
         shape = sharded.layout
         self.replica, self.stage_index = shape.coordinate(sharded.host.slot)
         self.num_stages = shape.shards
