@@ -90,6 +90,11 @@ def _rank_main() -> int:
         except FileExistsError:
             return  # done once: the replacement must not kill itself too
         os.close(fd)
+        if os.environ.get("CW_TEST_KILL_TOGETHER") == "1":  # one crash of all victims: each waits for the rest
+            markers = [out / ("killed-" + "-".join(k)) for k in kills]
+            deadline = time.monotonic() + 60.0
+            while not all(m.exists() for m in markers) and time.monotonic() < deadline:
+                time.sleep(0.001)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def sink(kind: str, fields: dict[str, Any]) -> None:
@@ -195,11 +200,19 @@ RANKS = 4
 
 
 def _run(
-    base: Path, name: str, *, schedule: str = "gpipe", kill: str = "", spares: int = 1, migrate: str = ""
+    base: Path,
+    name: str,
+    *,
+    schedule: str = "gpipe",
+    kill: str = "",
+    spares: int = 1,
+    migrate: str = "",
+    together: bool = False,
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_SCHEDULE=schedule)
+    env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     env["CW_TEST_MIGRATE"] = migrate
     # the runtime net compares the replicas of each stage every 2 steps (a mismatch stops the job)
     cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares, settings=("replica_check_every_steps=2",))
@@ -326,6 +339,17 @@ def test_two_stages_of_different_replicas_die_in_one_step(base: Path, references
     run = _run(base, "two-replicas", schedule="1f1b", kill=kill, spares=2)
     moves = _check_fault(run, references["1f1b"], kill)
     assert {m["target"]: m["source"] for m in moves} == {0: 2, 3: 1}, moves
+
+
+def test_node_crash_takes_both_stages_of_one_replica(base: Path, references: dict[str, FinishedJob]) -> None:
+    """Both stages of replica 1 (slots 2 and 3: one node at 2 ranks per node) die together in one step, stage 0
+    before sending its second micro-batch, stage 1 after its first; two spares take them, each fed by the same
+    stage of replica 0."""
+    step = _draw.randrange(1, STEPS - 1)
+    kill = f"2:{step}:forward:1,3:{step}:forward:0"
+    run = _run(base, "node-crash", schedule="gpipe", kill=kill, spares=2, together=True)
+    moves = _check_fault(run, references["gpipe"], kill)
+    assert {m["target"]: m["source"] for m in moves} == {2: 0, 3: 1}, moves
 
 
 def test_planned_migration_moves_a_stage_with_its_state(base: Path, references: dict[str, FinishedJob]) -> None:
