@@ -14,6 +14,7 @@ SIGKILLs the rank deals itself at a point of the schedule step:
 * ``backward``: when the gradient of the stage's output for ``microbatch`` arrives, before the stage sends its input
   gradient back (the stage before is blocked in ``recv`` for it: cool-down for late micro-batches);
 * ``loss``: on the last stage, inside the loss function of ``microbatch``;
+* ``optimizer``: inside the optimizer step, after the schedule step and the gradients' all-reduce (``-1``);
 * ``moment``: at a random moment of the step (``microbatch``: thousandths of the step before's wall time).
 
 The oracle: every slot's stage, optimizer and scheduler state are ``torch.equal`` to the fault-free run's; each
@@ -130,6 +131,7 @@ def _rank_main() -> int:
     pipe.module.register_forward_hook(on_forward)
     opt = ctx.wrap_optimizer(torch.optim.AdamW(pipe.module.parameters(), lr=0.01, weight_decay=0.01))
     sched = ctx.register("sched", torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
+    opt.register_step_pre_hook(lambda *_: maybe_kill("optimizer", -1))
     ctx.on_commit(lambda step: journal(ctx.slot, f"commit {ctx.generation} {step}"))
 
     def kill_at_a_moment(step: int, took_s: float) -> None:
@@ -304,13 +306,22 @@ _PHASES = [
     ("1f1b", "backward", 1, MICROBATCHES - 1),  # the same under 1F1B
     ("1f1b", "loss", 3, None),  # the last stage while it computes the loss
     ("gpipe", "moment", None, None),
+    ("1f1b", "optimizer", None, -1),  # inside the optimizer step: the other replica's stage has updated
 ]
 
 
 @pytest.mark.parametrize(
     ("schedule", "phase", "slot", "microbatch"),
     _PHASES,
-    ids=["gpipe-warmup-slot0", "1f1b-warmup", "gpipe-cooldown", "1f1b-cooldown", "1f1b-loss", "gpipe-moment"],
+    ids=[
+        "gpipe-warmup-slot0",
+        "1f1b-warmup",
+        "gpipe-cooldown",
+        "1f1b-cooldown",
+        "1f1b-loss",
+        "gpipe-moment",
+        "1f1b-optimizer",
+    ],
 )
 def test_sigkill_rebuilds_the_stage_from_the_other_replica(
     base: Path,
