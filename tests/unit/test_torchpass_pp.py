@@ -14,6 +14,8 @@ SIGKILLs the rank deals itself at a point of the schedule step:
 * ``backward``: when the gradient of the stage's output for ``microbatch`` arrives, before the stage sends its input
   gradient back (the stage before is blocked in ``recv`` for it: cool-down for late micro-batches);
 * ``loss``: on the last stage, inside the loss function of ``microbatch``;
+* ``scheduled``: after the schedule step, before the stage's gradients are averaged over the replicas (``-1``):
+  stage 0's column averages, stage 1's fails, and no stage of either replica may update;
 * ``optimizer``: inside the optimizer step, after the schedule step and the gradients' all-reduce (``-1``);
 * ``moment``: at a random moment of the step (``microbatch``: thousandths of the step before's wall time).
 
@@ -129,6 +131,7 @@ def _rank_main() -> int:
             output.register_hook(lambda grad: maybe_kill("backward", microbatch))
 
     pipe.module.register_forward_hook(on_forward)
+    pipe.schedule_hooks.append(lambda: maybe_kill("scheduled", -1))
     opt = ctx.wrap_optimizer(torch.optim.AdamW(pipe.module.parameters(), lr=0.01, weight_decay=0.01))
     sched = ctx.register("sched", torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9))
     opt.register_step_pre_hook(lambda *_: maybe_kill("optimizer", -1))
@@ -307,6 +310,7 @@ _PHASES = [
     ("1f1b", "loss", 3, None),  # the last stage while it computes the loss
     ("gpipe", "moment", None, None),
     ("1f1b", "optimizer", None, -1),  # inside the optimizer step: the other replica's stage has updated
+    ("gpipe", "scheduled", 1, -1),  # stage 1 between its schedule step and the gradients' all-reduce: no update
 ]
 
 
@@ -321,6 +325,7 @@ _PHASES = [
         "1f1b-loss",
         "gpipe-moment",
         "1f1b-optimizer",
+        "gpipe-before-allreduce",
     ],
 )
 def test_sigkill_rebuilds_the_stage_from_the_other_replica(

@@ -15,8 +15,9 @@ half-finished step (outstanding sends, received activations, shape metadata). Th
 the same stage across replicas), formed anew after every membership change, so the stage and schedule are built
 over the current generation's row before its first step, and after any step that failed.
 
-Why a failure never hangs or raises into the loop: :meth:`Pipeline.step` runs one ``schedule.step()`` and then
-averages the stage's gradients over its replicate column (guarded like every mesh collective). A peer that dies
+Why a failure never hangs or raises into the loop: :meth:`Pipeline.step` runs one ``schedule.step()``, averages
+the stage's gradients over its replicate column, then votes over its pipeline row (one integer: a replica updates
+all of its stages or none, :meth:`Pipeline._vote`), each guarded like every mesh collective. A peer that dies
 breaks its neighbours' gloo sockets, so a ``recv`` for its activations or a ``send`` of gradients to it fails at
 once; a rank blocked on a live peer that is itself stuck (the other replica's all-reduce, a neighbour waiting in
 recovery) is freed when the coordinator announces the next generation, which aborts every group of the old one
@@ -127,6 +128,9 @@ class Pipeline:
         self._schedule: Any = None
         self._built_generation = -1
         self.rebuilds = 0  # how many times the stage and schedule were built (one per generation it trained in)
+        # Called after each schedule step that succeeded, before the gradients are averaged (a time or a metric of
+        # the schedule alone; the oracle test's fault point between the two).
+        self.schedule_hooks: list[Callable[[], None]] = []
         host, parts = sharded.host, sharded.parts
         parts.model, parts.mesh = module, None  # plain tensors: nothing is rebuilt as a DTensor (label: the stage)
         host.lifecycle.watch_zero_grad(module)
@@ -183,8 +187,20 @@ class Pipeline:
             log.warning("pipeline step abandoned on stage %d: %s", self.stage_index, str(exc).splitlines()[0][:300])
             guard.failed(exc)
             return None
+        for hook in self.schedule_hooks:
+            hook()
         self._average_gradients()
+        self._vote()
         return output
+
+    def _vote(self) -> None:
+        """One integer all-reduced over this rank's pipeline (guarded): it completes only once every stage of the
+        replica averaged its gradients, so a replica updates all of its stages or none. Without it a stage whose
+        column averaged while another stage's column failed (its rank died between the schedule step and the
+        all-reduce) committed the step that the other stage abandoned, and no member held that stage at the
+        step the first one reached: the job stopped, state lost (test_torchpass_pp.py, ``scheduled``)."""
+        flag = torch.ones(1, dtype=torch.int32, device=self._sharded.host.device)
+        self._sharded.groups.proxies["shard"].allreduce([flag]).wait()
 
     def _average_gradients(self) -> None:
         """The stage's gradients summed over its replicate column (one flat all-reduce, guarded: a failure
