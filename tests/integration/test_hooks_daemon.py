@@ -37,11 +37,23 @@ def start_and_wait(box: Sandbox, tmp_path: Path, seconds: int, *args: str) -> in
     from 26.05 the other nodes' Prologs may still run)."""
     marker = tmp_path / "started"
     job_id = submit(box, *args, "--wrap", f"touch {marker}; sleep {seconds}")
-    deadline = time.monotonic() + 60
+    # generous: on a loaded CI machine the previous test's Epilog (a Python hook) may still hold the nodes
+    deadline = time.monotonic() + 180
     while not marker.exists():
-        assert time.monotonic() < deadline, f"job {job_id} never started: {box.slurm().job(job_id)}"
+        assert time.monotonic() < deadline, f"job {job_id} never started:\n{_why_pending(box, job_id)}"
         time.sleep(0.1)
     return job_id
+
+
+def _why_pending(box: Sandbox, job_id: int) -> str:
+    """What Slurm says about a job that did not start, and the nodes' states with their reasons."""
+    job = subprocess.run(
+        ["scontrol", "show", "job", str(job_id)], capture_output=True, text=True, env=slurm_env(box), timeout=60
+    )
+    nodes = subprocess.run(
+        ["sinfo", "-N", "-o", "%N %T %E"], capture_output=True, text=True, env=slurm_env(box), timeout=60
+    )
+    return f"{job.stdout}{job.stderr}\n{nodes.stdout}{nodes.stderr}"
 
 
 def drained(box: Sandbox) -> dict[str, str]:

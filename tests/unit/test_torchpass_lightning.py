@@ -246,13 +246,17 @@ def test_sigkills_at_random_moments_end_bitwise_equal(base: Path, reference: Run
 
 
 def test_a_kill_on_an_epochs_last_batch_ends_bitwise_equal(base: Path, reference: Run) -> None:
-    """Killed in the forward of epoch 0's last batch: the survivor rolls back across the epoch's end while the
-    replacement reaches it; their mismatched collectives time out at collective_timeout_s (they once waited on
-    gloo's 30 min default) and a rebuild puts them back in step, bitwise equal to the fault-free run."""
+    """Killed in the forward of epoch 0's last batch: the epoch's last step is closed before Lightning runs the
+    epoch's end, so the survivor redoes that batch with the replacement and the epoch ends once. It used to stay
+    open: the survivor ran the epoch's end, rolled back across it at the next step while the replacement reached
+    it, and both waited out collective_timeout_s in mismatched collectives (``torchpass.collective_error``: "Timed
+    out waiting 20000ms for recv") before a rebuild with no member lost."""
     kill = f"0:{BATCHES_PER_EPOCH - 1}:forward"
     run = _run(base, "epoch-end-" + kill.replace(":", "-"), CW_TEST_KILL=kill)
     _assert_like_reference(run, reference, kill)
     assert len(run.of_kind("torchpass.member_failed")) == 1, run.of_kind("torchpass.member_failed")
+    assert not run.of_kind("torchpass.collective_error"), run.of_kind("torchpass.collective_error")
+    assert len(run.of_kind("torchpass.recovered")) == 1, run.of_kind("torchpass.recovered")
 
 
 def test_planned_migration_moves_a_lightning_rank_live(base: Path, reference: Run) -> None:

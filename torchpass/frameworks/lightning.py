@@ -29,7 +29,8 @@ TorchPass makes of it:
   replicas' next batch. A survivor that rolls back across an epoch boundary jumps back the same way.
 * **The end.** Lightning asks for no batch after the last one of an epoch, so the last step of training is
   closed right after it (the epoch loop's ``on_advance_end``); when that step was abandoned, the rolled-back
-  counters make Lightning fetch the same batch again.
+  counters make Lightning fetch the same batch again. So is an epoch's last step that was abandoned, before
+  Lightning runs the epoch's end: the batch is redone and the epoch ends once.
 * **Gradient accumulation** (``accumulate_grad_batches``): a step spans the window, so a failure inside a
   window redoes the window (:mod:`torchpass.transparent.bootstrap`).
 
@@ -221,12 +222,24 @@ class LightningAdapter:
 
         def on_advance_end(loop: Any, data_fetcher: Any) -> None:
             original(data_fetcher)
-            if adapter.session.step_open and adapter._training_ends_here() and adapter.session.roll_back_open_step():
+            if adapter.session.step_open and adapter._step_closes_here() and adapter.session.roll_back_open_step():
                 # Redo: the counters went back; the fetcher, which counted the batch as its last, must too.
                 data_fetcher.done = False
                 data_fetcher.fetched = int(loop.batch_progress.current.ready)
 
         epoch_loop.on_advance_end = types.MethodType(on_advance_end, epoch_loop)
+
+    def _step_closes_here(self) -> bool:
+        """Whether the step just done must close before Lightning goes on: the last of training, or the last of
+        an epoch when it was abandoned. An abandoned step left open there would let a survivor run the epoch's
+        end and then roll back across it at the next step while the replacement reaches the end for the first
+        time: their collectives no longer match, and both wait out ``collective_timeout_s``. A committed step at
+        an epoch's end stays open, as every other step does until the next batch: the epoch's end (validation,
+        ``ModelCheckpoint``'s barrier) is then part of it, which a replacement that jumps into the replicas' epoch
+        never runs, so it must not count as collectives between steps."""
+        if not self.trainer.fit_loop.epoch_loop.done:
+            return False
+        return self._training_ends_here() or self.session.ctx.lifecycle.abandoned
 
     def _training_ends_here(self) -> bool:
         """Whether the batch just done is the last of training (Lightning asks for no further batch)."""

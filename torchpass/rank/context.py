@@ -194,6 +194,7 @@ class Context:
         shard: Any = None,
         tp: int = 1,
         tp_plan: Mapping[str, ParallelStyle] | None = None,
+        ep: int = 1,
         **kw: Any,
     ) -> nn.Module:
         """FSDP2 over a ``(replicas, shards)`` mesh TorchPass owns: ``fully_shard(..., **kw)`` on what ``shard``
@@ -202,10 +203,10 @@ class Context:
         With ``tp_plan`` the mesh is ``(replicas, shards, tp)`` (``replicas * shards * tp`` ranks, tp innermost):
         ``parallelize_module(model, <tp submesh>, tp_plan)`` first, then ``fully_shard`` over the (replicate,
         shard) submesh, as torchtitan's ``parallelize_llama``; the ranks of one TP group (adjacent slots) take
-        the same batch from ``ctx.steps``."""
-        shape = mesh_layout(mesh_shape, tp, tp_plan)
-        sharded = self.shard_state(shape, tensor_parallel=tp_plan is not None)
-        ShardPlan(sharded.layout, shard, kw, tp_plan).apply(model, sharded.groups)
+        the same batch from ``ctx.steps``. ``ep=E``: :mod:`torchpass.sharded.expert_parallel`."""
+        shape = mesh_layout(mesh_shape, tp, tp_plan, ep)
+        sharded = self.shard_state(shape, ("replicate", "ep") if ep > 1 else None, tensor_parallel=tp_plan is not None)
+        ShardPlan(sharded.layout, shard, kw, tp_plan, ep).apply(model, sharded.groups)
         sharded.adopt(model)
         self._data_group = tp
         return model

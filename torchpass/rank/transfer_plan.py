@@ -135,6 +135,8 @@ class ShardedReplicas:
     shards: int
     peer_copies: int = 0
     tp: int = field(default=1, kw_only=True)
+    # ``ep``: expert parallelism over the shard dimension (shards == ep): part e is FSDP shard e and experts shard e
+    ep: int = field(default=1, kw_only=True)
     # Each replica row's peer-copy ring, once the first generation decided it (filled in place by the transport,
     # :class:`torchpass.sharded.fsdp.ShardTransport`; empty: the shard order). Not part of the mesh's identity.
     rings: list[tuple[int, ...]] = field(default_factory=list, compare=False, hash=False, repr=False, kw_only=True)
@@ -189,6 +191,9 @@ class ShardedReplicas:
         if self.tp > 1:
             shard, tp = divmod(part, self.tp)
             return f"part {part} (shard {shard}, tp {tp}) of the {self} mesh"
+        if self.ep > 1:
+            mesh = f"{self.replicas}x{self.shards} (replicate x ep)"
+            return f"ep {part} (experts and FSDP shard {part}) of the {mesh} mesh"
         return f"shard {part} of the {self.replicas}x{self.shards} mesh"
 
     def copy_holders(self, part: int) -> list[int]:

@@ -63,6 +63,7 @@ from torchpass.rank.torch_compat import check_fsdp_internals
 from torchpass.rank.transfer_plan import Holdings, ShardedReplicas
 from torchpass.rank_env import LaunchEnv
 from torchpass.sharded import peer_ring
+from torchpass.sharded.expert_parallel import check_expert_layout, shard_experts
 from torchpass.sharded.peer_copy import PeerCopies
 from torchpass.sharded.shard_mesh import DIM_NAMES, TP_DIM, MeshGroups
 
@@ -125,6 +126,7 @@ class ShardPlan:
         shard: ShardSpec | None,
         options: dict[str, Any],
         tp_plan: Mapping[str, ParallelStyle] | None = None,
+        ep: int = 1,
     ) -> None:
         reserved = sorted({"mesh"} & set(options))
         if reserved:
@@ -138,6 +140,7 @@ class ShardPlan:
         self.shard = shard
         self.options = options
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
+        self.ep = ep
 
     def apply(self, model: nn.Module, groups: MeshGroups) -> list[str]:
         """With a TP plan, ``parallelize_module`` over the mesh's tp dimension first (as torchtitan's
@@ -150,24 +153,34 @@ class ShardPlan:
         if isinstance(model, FSDPModule):
             raise TypeError("the model is already sharded: give ctx.wrap_fsdp the plain module")
         chosen = sharded_modules(model, self.shard)
+        options = self.options
         with groups.before_first_generation():
             mesh = groups.mesh
+            if self.ep > 1:  # experts cut to this rank's ep coordinate, left out of FSDP (expert_parallel.py)
+                ep_rank, proxies = groups.shape.coordinate(groups.slot)[1], groups.proxies
+                world = groups.shape.world_size
+                experts = shard_experts(model, proxies["shard"], ep_rank, self.ep, proxies["replicate"], world)
+                options = {**options, "ignored_params": set(options.get("ignored_params") or ()) | experts}
             if self.tp_plan is not None:
                 parallelize_module(model, groups.submesh(TP_DIM), self.tp_plan, src_data_rank=None)
                 mesh = groups.submesh(DIM_NAMES)
             for _, module in chosen:
-                fully_shard(module, mesh=mesh, **self.options)
-            fully_shard(model, mesh=mesh, **self.options)
+                fully_shard(module, mesh=mesh, **options)
+            fully_shard(model, mesh=mesh, **options)
         warn_unsynchronised_buffers(model, self.shape.replicas)
         return [name for name, _ in chosen] + [""]
 
 
 def mesh_layout(
-    mesh_shape: tuple[int, int], tp: int = 1, tp_plan: Mapping[str, ParallelStyle] | None = None
+    mesh_shape: tuple[int, int], tp: int = 1, tp_plan: Mapping[str, ParallelStyle] | None = None, ep: int = 1
 ) -> ShardedReplicas:
-    """The layout of ``ctx.wrap_fsdp(mesh_shape=(R, S), tp=T, tp_plan=...)``: R replicas of S * T parts (a rank's
-    (shard, tp) coordinate), refusing at start what is not protected."""
+    """The layout of ``ctx.wrap_fsdp(mesh_shape=(R, S), tp=T, tp_plan=..., ep=E)``: R replicas of S * T parts (a
+    rank's (shard, tp) coordinate; under ep, S == E and part e holds experts e), refusing at start what is not
+    protected."""
     replicas, shards = mesh_shape
+    check_expert_layout(mesh_shape, ep, 1 if tp_plan is None else tp)
+    if ep > 1:
+        return ShardedReplicas(replicas, shards, ep=ep)
     if tp != 1 or tp_plan is not None:
         if tp < 1 or not tp_plan:
             raise TorchPassError(f"tensor parallelism needs tp >= 1 and a non-empty tp_plan (got tp={tp})")

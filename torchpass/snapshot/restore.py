@@ -67,12 +67,16 @@ def mesh_problem(body: dict[str, Any], mesh: ShardedReplicas | None) -> str:
         return f"it holds an unsharded model's state ({ranks} ranks); this job's model is sharded {mesh}"
     replicas, shards = int(written[0]), int(written[1])
     tp = int(body.get("mesh_tp", 1))  # a tensor-parallel mesh: its shards are (shard, tp) pairs
-    shape = str(ShardedReplicas(replicas, shards, tp=tp))
-    options = f"mesh_shape=({replicas}, {shards // tp})" + (f", tp={tp}" if tp > 1 else "")
+    ep = int(body.get("mesh_ep", 1))  # an expert-parallel mesh: its parts hold experts
+    shape = str(ShardedReplicas(replicas, shards, tp=tp)) + (f" (ep {ep})" if ep > 1 else "")
+    options = (
+        f"mesh_shape=({replicas}, {shards // tp})" + (f", tp={tp}" if tp > 1 else "") + (f", ep={ep}" if ep > 1 else "")
+    )
     if mesh is None:
         return f"it holds a model sharded {shape} ({options}); this job's is not sharded"
-    if shape != str(mesh):
-        return f"it was written by a {shape} mesh and this job's mesh is {mesh}: restore it with {options}"
+    mine = str(mesh) + (f" (ep {mesh.ep})" if mesh.ep > 1 else "")
+    if shape != mine:
+        return f"it was written by a {shape} mesh and this job's mesh is {mine}: restore it with {options}"
     return ""
 
 

@@ -174,7 +174,7 @@ class Snapshotter:
                 directory=str(self.directory),
                 timeout_s=self.config.snapshot_timeout_s,
                 mesh=None if mesh is None else (mesh.replicas, mesh.shards),
-                extra={} if mesh is None or mesh.tp == 1 else {"mesh_tp": mesh.tp},  # (shard, tp) pairs
+                extra=_mesh_extra(mesh),
             )
         request = WriteRequest(
             id=self._ids,
@@ -322,3 +322,11 @@ def _mark_skipped(folder: Path, slot: int, why: str = "skipped: this rank's writ
         (folder / f"{FAILED_PREFIX}{slot:05d}").write_text(f"{why}\n")
     except OSError:
         pass  # rank 0's writer then gives up at snapshot_timeout_s
+
+
+def _mesh_extra(mesh: ShardedReplicas | None) -> dict[str, int]:
+    """What a manifest records beyond the mesh's [R, S]: how its parts split (tensor parallelism's (shard, tp)
+    pairs; expert parallelism's ep coordinates, whose parts hold experts): a restore checks it."""
+    if mesh is None:
+        return {}
+    return ({"mesh_tp": mesh.tp} if mesh.tp > 1 else {}) | ({"mesh_ep": mesh.ep} if mesh.ep > 1 else {})

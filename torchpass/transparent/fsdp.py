@@ -90,6 +90,11 @@ class FsdpInterposers:
                     "data-parallel mesh TorchPass can own: it takes (N,) for FSDP or (replicas, shards) for HSDP, "
                     "without backend_override (tensor parallelism needs the model-aware API)"
                 )
+            if names is not None and any("ep" in name.lower().split("_") for name in names):
+                raise TorchPassError(
+                    f"transparent mode: init_device_mesh(mesh_dim_names={names}) names an expert-parallel dimension: "
+                    "expert parallelism (MoE) in transparent mode is not built; use ctx.wrap_fsdp(..., ep=E)"
+                )
             ctx = self.session.ctx
             if device_type.split(":")[0] != ctx.device.type:
                 raise TorchPassError(
