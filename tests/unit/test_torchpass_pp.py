@@ -56,6 +56,10 @@ def _unmodified_main() -> int:
     from torch.distributed.pipelining import PipelineStage
 
     dist.init_process_group("gloo")
+    if os.environ["CW_TEST_UNMODIFIED"] == "mesh":  # torchtitan's way: a mesh with a pp dimension first
+        from torch.distributed.device_mesh import init_device_mesh
+
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     stage = PipelineStage(nn.Linear(4, 4), dist.get_rank() % 2, 2, torch.device("cpu"))
     print(f"built {stage}", flush=True)
     return 0
@@ -183,7 +187,7 @@ def _rank_main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_unmodified_main() if os.environ.get("CW_TEST_UNMODIFIED") == "1" else _rank_main())
+    sys.exit(_unmodified_main() if os.environ.get("CW_TEST_UNMODIFIED") else _rank_main())
 
 
 # ======================================================================================================
@@ -457,12 +461,24 @@ def test_a_job_torchpass_cannot_protect_fails_at_start_naming_why(
     assert not list(run.out.glob("journal-slot*.txt")), "a step ran"
 
 
-def test_transparent_mode_refuses_an_unmodified_pipeline_script(base: Path) -> None:
-    """``torchpass run --transparent`` of a script that builds a PipelineStage: refused when it builds the stage,
-    naming the feature and the API that protects it."""
-    run = run_framework_job(base, "transparent", SCRIPT, nproc=4, timeout_s=RUN_TIMEOUT_S, CW_TEST_UNMODIFIED="1")
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        ("stage", "pipeline parallelism (torch.distributed.pipelining's PipelineStage) is not protected"),
+        ("mesh", "names a pipeline-parallel dimension: pipeline parallelism in transparent mode is not built"),
+    ],
+    ids=["pipeline-stage", "pp-mesh"],
+)
+def test_transparent_mode_refuses_an_unmodified_pipeline_script(base: Path, how: str, why: str) -> None:
+    """``torchpass run --transparent`` of a script that builds a PipelineStage (over the default group, or after an
+    init_device_mesh naming a pp dimension): refused before the stage exists, naming the feature and the API that
+    protects it."""
+    run = run_framework_job(
+        base, f"transparent-{how}", SCRIPT, nproc=4, timeout_s=RUN_TIMEOUT_S, CW_TEST_UNMODIFIED=how
+    )
     assert run.returncode != 0
-    assert "pipeline parallelism (torch.distributed.pipelining's PipelineStage) is not protected" in run.output
+    assert why in run.output, run.output[-3000:]
+    assert "ctx.wrap_pipeline" in run.output
     assert "built " not in run.output, "a stage was built"
 
 
