@@ -61,6 +61,7 @@ from torchpass.snapshot import RestoreError, Snapshotter, restart_advice, restor
 
 if TYPE_CHECKING:
     from torchpass.coordinator.service import Coordinator
+    from torchpass.sharded.pipeline import Pipeline
 
 __all__ = ["Context", "TorchPassError"]
 
@@ -224,6 +225,18 @@ class Context:
         self.rejoiner.transport = sharded.transport(self._backend, chunk, self.net if self.net.on else None)
         self.rejoiner.layout, self.mesh = sharded.part_layout, sharded.groups.mesh
         return sharded
+
+    def wrap_pipeline(
+        self, stages: Any, *, mesh_shape: tuple[int, int], schedule: Any, n_microbatches: int, loss_fn: Any, **kw: Any
+    ) -> Pipeline:
+        """Slot ``r * P + k`` runs stage ``k`` (``stages[k]`` or ``stages(k)``) of replica ``r`` of a ``(R, P)``
+        pipeline under ``schedule`` (``kw`` goes to it); see :mod:`torchpass.sharded.pipeline`."""
+        from torchpass.sharded.pipeline import Pipeline, pipeline_layout  # torch's pipelining: only when used
+
+        shape = pipeline_layout(mesh_shape, schedule, self.config.peer_copies_in_hsdp)
+        pipeline = Pipeline(self.shard_state(shape), stages, schedule, n_microbatches, loss_fn, kw)
+        self._data_group = shape.shards
+        return pipeline
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` skip abandoned steps; its state becomes part of the state that moves.

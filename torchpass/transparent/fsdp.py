@@ -95,6 +95,11 @@ class FsdpInterposers:
                     f"transparent mode: init_device_mesh(mesh_dim_names={names}) names an expert-parallel dimension: "
                     "expert parallelism (MoE) in transparent mode is not built; use ctx.wrap_fsdp(..., ep=E)"
                 )
+            if names is not None and any("pp" in name.lower().split("_") for name in names):
+                raise TorchPassError(
+                    f"transparent mode: init_device_mesh(mesh_dim_names={names}) names a pipeline-parallel dimension: "
+                    "pipeline parallelism in transparent mode is not built; use ctx.wrap_pipeline"
+                )
             ctx = self.session.ctx
             if device_type.split(":")[0] != ctx.device.type:
                 raise TorchPassError(

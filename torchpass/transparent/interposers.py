@@ -27,6 +27,7 @@ from torchpass.launch.warmup import rebind_in_loaded_modules
 from torchpass.rank.backends import BOUND_GLOO
 from torchpass.rank.ddp import TorchPassDDP
 from torchpass.transparent.fsdp import FsdpInterposers
+from torchpass.transparent.pipelining import refuse_pipelining
 from torchpass.transparent.session import Session
 
 __all__ = ["Interposers", "internal"]
@@ -63,6 +64,7 @@ class Interposers:
         self._install_optim()
         self._install_data()
         FsdpInterposers(self.session, internal).install(self._patch)  # an FSDP2 script's mesh and fully_shard
+        refuse_pipelining(self._patch, self._undo)  # when the script builds a pipeline stage
         handle = register_optimizer_step_post_hook(self.session.on_optimizer_step)
         self._undo.append(handle.remove)
 
