@@ -22,6 +22,10 @@ SIGKILLs the rank deals itself at a point of the step:
 * ``optimizer``: inside the optimizer step;
 * ``moment``: at a random moment of the step (``layer``: thousandths of the step before's wall time).
 
+* ``crashnode-PHASE`` (PHASE one of the above but ``moment``; the sandbox test,
+  tests/integration/test_torchpass_tp_sandbox.py): at that point the rank writes ``crash-request-SLOT-STEP``
+  naming its Slurm node and waits there for the test to crash the whole node (both TP ranks on it).
+
 With ``CW_TEST_KILL_TOGETHER=1`` the victims die as one crash (a node: both TP ranks of one replica row): each
 waits at its point until every victim reached its own, then kills itself.
 
@@ -80,8 +84,9 @@ def _rank_main() -> int:
             f.write(f"{line} {os.getpid()}\n")
 
     def maybe_kill(phase: str, layer: int = -1) -> None:
-        spec = (str(ctx.slot), str(ctx.step), phase, str(layer))
-        if spec not in kills:
+        specs = [(str(ctx.slot), str(ctx.step), p, str(layer)) for p in (phase, f"crashnode-{phase}")]
+        spec = next((s for s in specs if s in kills), None)
+        if spec is None:
             return
         try:
             fd = os.open(out / ("killed-" + "-".join(spec)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -94,6 +99,11 @@ def _rank_main() -> int:
             deadline = time.monotonic() + 60.0
             while not all(m.exists() for m in markers) and time.monotonic() < deadline:
                 time.sleep(0.001)
+        if spec[2].startswith("crashnode"):  # the sandbox test crashes this whole node; wait here until then
+            node = os.environ.get("SLURMD_NODENAME", "")
+            (out / f"crash-request-{ctx.slot}-{ctx.step}").write_text(f"{node} {time.time()}\n")
+            while True:
+                time.sleep(1)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def sink(kind: str, fields: dict[str, Any]) -> None:
