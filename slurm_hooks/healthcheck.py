@@ -11,11 +11,14 @@ is a switch's, not the node's, and drains nothing (:mod:`slurm_hooks.link_faults
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+from clockwork.contracts.atomic_file import write_bytes
 from clockwork.contracts.config import load_config
 from clockwork.contracts.daemon_client import DaemonClient
 from clockwork.contracts.daemon_paths import DaemonPaths
@@ -47,6 +50,29 @@ def nic_faults(names: list[str], sys_net: Path = SYS_NET) -> list[LinkFault]:
         if operstate != "up" or carrier != "1":
             problems.append(LinkFault(name, f"{name} down ({operstate}, carrier {carrier})"))
     return problems
+
+
+def nics_down_for(record: Path, faults: list[LinkFault], now: float) -> dict[str, float]:
+    """Seconds each NIC of ``faults`` (read from the kernel, not Lens's suspects) has been down, as the health
+    checks saw it: its first sighting is kept in ``record`` (NIC -> wall-clock time) from one run to the next,
+    and a NIC no longer down is forgotten. The bound on waiting for Lens's verdict needs this memory: each run of
+    the check is a new process. An unreadable record counts as empty (the wait starts again: a drain comes later,
+    never wrongly early); one that cannot be written is logged."""
+    try:
+        seen = {str(k): float(v) for k, v in json.loads(record.read_text()).items()}
+    except FileNotFoundError:
+        seen = {}
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        log.warning("%s unreadable (%s); counting NIC downtime afresh", record, exc)
+        seen = {}
+    since = {f.nic: min(seen.get(f.nic, now), now) for f in faults if not f.from_lens}
+    if since != seen:
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(record, json.dumps(since, sort_keys=True).encode(), mode=0o644)
+        except OSError as exc:
+            log.warning("cannot record NIC downtime in %s (%s)", record, exc)
+    return {nic: now - t for nic, t in since.items()}
 
 
 def gpu_problems() -> list[str]:
@@ -123,7 +149,8 @@ def main() -> int:
         return 0
     cfg = loaded.config
     try:
-        node = DaemonPaths.from_config(cfg.daemon).node
+        paths = DaemonPaths.from_config(cfg.daemon)
+        node = paths.node
         check = ensure_daemon(cfg.daemon, loaded.path)
         if not check.ok:
             log.error("%s: clockworkd cannot run (%s); not a node fault, no drain", node, check.detail)
@@ -134,10 +161,11 @@ def main() -> int:
             lens = read_lens(DaemonClient.from_config(cfg.daemon, node), node)
         if cfg.lens.drain_suspect_nodes:
             links += [f for f in lens_faults(lens, node) if f.nic not in {x.nic for x in links}]
-        judged = judge_links(node, links, lens, cfg.hooks.switch_fault_nodes)
+        down_for = nics_down_for(paths.state_dir / "health" / "nics_down.json", links, time.time())
+        judged = judge_links(node, links, lens, cfg.hooks.switch_fault_nodes, down_for, cfg.hooks.lens_verdict_wait_s)
         for line in judged.switch_faults:
             log.warning("%s: not drained: %s", node, line)
-        for line in judged.deferred:
+        for line in judged.deferred.values():
             log.info("%s: not drained yet: %s", node, line)
         problems = judged.drain + gpu_problems()
         if cfg.health.enabled and cfg.health.drain and check.ok:

@@ -15,7 +15,10 @@ hangs on):
 * A NIC that is down while Lens, which watches it (it probes the NIC and hears other nodes now), has not
   judged it yet is **deferred**: no drain now; the next health check decides (Lens raises a suspect within a
   few evaluations, the health check runs every HealthCheckInterval). So the first nodes to run their check
-  while a switch dies are not drained before the others' evidence arrives.
+  while a switch dies are not drained before the others' evidence arrives. The wait is **bounded**: a NIC down
+  for ``verdict_wait_s`` or longer with still no verdict drains the node. Lens may never judge it: with only
+  two daemons up, a dead path has two candidate ends and Lens raises no suspect; a node must not stay in
+  service with a dead NIC because of that.
 * Without Lens's evidence (Lens off, its daemon unreadable, a NIC Lens does not probe, or a Lens that hears no
   other node at all) each node is judged alone, as before: a NIC down drains.
 
@@ -25,6 +28,7 @@ applies :func:`judge_links`; the tests run this same code.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +51,7 @@ class LinkJudgement:
 
     drain: list[str] = field(default_factory=list)  # the drain reason's parts: the node's own faults
     switch_faults: list[str] = field(default_factory=list)  # not drained: one fault of a switch, with the evidence
-    deferred: list[str] = field(default_factory=list)  # not drained yet: waiting for Lens's verdict
+    deferred: dict[str, str] = field(default_factory=dict)  # not drained yet, waiting for Lens's verdict: nic -> why
 
 
 def _nic_suspects(suspects: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
@@ -69,11 +73,18 @@ def _watched(paths: Sequence[Mapping[str, Any]], nic_id: str) -> bool:
 
 
 def judge_links(
-    node: str, faults: Sequence[LinkFault], lens: Mapping[str, Any] | None, switch_fault_nodes: int
+    node: str,
+    faults: Sequence[LinkFault],
+    lens: Mapping[str, Any] | None,
+    switch_fault_nodes: int,
+    down_for: Mapping[str, float] | None = None,
+    verdict_wait_s: float = math.inf,
 ) -> LinkJudgement:
     """Judge this node's link ``faults`` with Lens's snapshot ``lens`` (the daemon's ``lens`` reply; None: no
     Lens evidence). ``switch_fault_nodes``: how many nodes' links on one switch failing together make it a switch
-    fault (0: judge every node alone). See the module docstring for the rule."""
+    fault (0: judge every node alone). ``down_for``: seconds each NIC has been seen down (by earlier health
+    checks); a NIC down for ``verdict_wait_s`` or longer no longer waits for Lens. See the module docstring for
+    the rule."""
     out = LinkJudgement()
     if lens is None or switch_fault_nodes <= 0:
         out.drain.extend(f.text for f in faults)
@@ -83,8 +94,12 @@ def judge_links(
     for fault in faults:
         mine = [sw for n, name, sw in suspects if n == node and name == fault.nic]
         if not mine:
+            waited = (down_for or {}).get(fault.nic, 0.0)
             if not fault.from_lens and _watched(paths, f"{node}/{fault.nic}"):
-                out.deferred.append(f"{fault.text}: waiting for Fleet Lens's verdict on {node}/{fault.nic}")
+                if waited < verdict_wait_s:
+                    out.deferred[fault.nic] = f"{fault.text}: waiting for Fleet Lens's verdict on {node}/{fault.nic}"
+                else:
+                    out.drain.append(f"{fault.text}, no Fleet Lens verdict within {verdict_wait_s:g} s")
             else:
                 out.drain.append(fault.text)  # Lens does not probe this NIC: no evidence either way
             continue

@@ -193,7 +193,8 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str], slurm_bi
     settings: dict[str, dict[str, Any]] = {
         "log": {"file": str(paths.logs / "clockwork.log")},
         "slurm": {"backend": "cli", "conf": str(paths.slurm_conf), "bin_dir": str(slurm_bin or "")},
-        "hooks": {"spool_dir": str(paths.spool), "health_nics": ",".join(nics)},
+        # Lens's verdict on a dead NIC is waited for 10 s (not 60): the health check's tests run it in a loop
+        "hooks": {"spool_dir": str(paths.spool), "health_nics": ",".join(nics), "lens_verdict_wait_s": 10.0},
         "daemon": {
             "run_dir": str(paths.root / "nodes" / "{node}" / "run"),
             "state_dir": str(paths.root / "nodes" / "{node}" / "lib"),

@@ -76,6 +76,14 @@ class HooksConfig:
         "0 = judge each node alone (a NIC down drains at once).",
         min=0,
     )
+    lens_verdict_wait_s: float = setting(
+        60.0,
+        "How long a NIC that Fleet Lens watches may stay down without a Lens verdict (switch fault or the "
+        "node's own) before the health check drains the node anyway: Lens may never judge it (with two daemons "
+        "up, a dead path has two candidate ends). Counted from the first health check that saw it down, so a "
+        "HealthCheckInterval longer than this drains on the second check. 0 = never wait for Lens.",
+        min=0.0,
+    )
     gpu_job_map_dir: str = setting(
         "",
         "dcgm-exporter's --hpc-job-mapping-dir: the Prolog adds every job's ID to one file per GPU index the "
