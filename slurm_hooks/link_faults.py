@@ -8,17 +8,19 @@ hangs on):
 
 * A link problem of this node (a NIC down or without carrier, or Lens suspecting the node's link) on switch S is
   a **switch fault** when Lens suspects the node links of at least ``switch_fault_nodes`` distinct nodes on S
-  (this one included): nothing is drained for it; the health check logs it, and a node it drained for that link
-  before the picture was clear is resumed.
+  (this one included) with confidence :data:`SWITCH_EVIDENCE_CONFIDENCE` or more: nothing is drained for it;
+  the health check logs it, and a node it drained for that link before the picture was clear is resumed. A
+  less sure suspect is not evidence of a switch: when the only bad paths run between two nodes (two daemons
+  up, one dead NIC), Lens names both ends, each at a quarter's confidence, and a switch verdict from them would
+  keep a node with a dead NIC in service.
 * It is the **node's** fault when Lens suspects this node's link and fewer than ``switch_fault_nodes`` nodes on
   S: the node is drained, as before.
 * A NIC that is down while Lens, which watches it (it probes the NIC and hears other nodes now), has not
   judged it yet is **deferred**: no drain now; the next health check decides (Lens raises a suspect within a
   few evaluations, the health check runs every HealthCheckInterval). So the first nodes to run their check
   while a switch dies are not drained before the others' evidence arrives. The wait is **bounded**: a NIC down
-  for ``verdict_wait_s`` or longer with still no verdict drains the node. Lens may never judge it: with only
-  two daemons up, a dead path has two candidate ends and Lens raises no suspect; a node must not stay in
-  service with a dead NIC because of that.
+  for ``verdict_wait_s`` or longer with still no verdict drains the node, so that no node stays in service
+  with a dead NIC for want of a verdict (Lens's probes of it lost, its daemon stalled).
 * Without Lens's evidence (Lens off, its daemon unreadable, a NIC Lens does not probe, or a Lens that hears no
   other node at all) each node is judged alone, as before: a NIC down drains.
 
@@ -33,7 +35,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LinkFault", "LinkJudgement", "judge_links"]
+__all__ = ["SWITCH_EVIDENCE_CONFIDENCE", "LinkFault", "LinkJudgement", "judge_links"]
+
+#: The least confidence of a Lens suspect that counts towards a switch fault. Lens halves a link's confidence
+#: for every rival link that explains the same bad paths as well (two candidate ends: 1/2 each, before the
+#: evidence factor); a switch's dead ports seen from three or more live nodes score about 2/3.
+SWITCH_EVIDENCE_CONFIDENCE = 0.5
 
 
 @dataclass(frozen=True)
@@ -54,14 +61,14 @@ class LinkJudgement:
     deferred: dict[str, str] = field(default_factory=dict)  # not drained yet, waiting for Lens's verdict: nic -> why
 
 
-def _nic_suspects(suspects: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
-    """(node, nic, switch) of every raised suspect that names a node's NIC."""
+def _nic_suspects(suspects: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str, float]]:
+    """(node, nic, switch, confidence) of every raised suspect that names a node's NIC."""
     out = []
     for s in suspects:
         nic = str(s.get("nic") or "")
         if "/" in nic:
             node, _, name = nic.partition("/")
-            out.append((node, name, str(s.get("switch") or "")))
+            out.append((node, name, str(s.get("switch") or ""), float(s.get("confidence") or 0.0)))
     return out
 
 
@@ -92,7 +99,7 @@ def judge_links(
     suspects = _nic_suspects(lens.get("suspects") or [])
     paths = list(lens.get("paths") or [])
     for fault in faults:
-        mine = [sw for n, name, sw in suspects if n == node and name == fault.nic]
+        mine = [sw for n, name, sw, _ in suspects if n == node and name == fault.nic]
         if not mine:
             waited = (down_for or {}).get(fault.nic, 0.0)
             if not fault.from_lens and _watched(paths, f"{node}/{fault.nic}"):
@@ -104,7 +111,7 @@ def judge_links(
                 out.drain.append(fault.text)  # Lens does not probe this NIC: no evidence either way
             continue
         switch = mine[0]
-        together = sorted({n for n, _, sw in suspects if sw == switch})
+        together = sorted({n for n, _, sw, conf in suspects if sw == switch and conf >= SWITCH_EVIDENCE_CONFIDENCE})
         if switch and len(together) >= switch_fault_nodes:
             shown = ", ".join(together[:8]) + (f" and {len(together) - 8} more" if len(together) > 8 else "")
             out.switch_faults.append(

@@ -205,9 +205,9 @@ def test_healthcheck_drains_a_node_with_a_dead_nic_and_resumes_only_its_own_drai
 
     sandbox.fault("link", node, "nic1", "down")
     # Where Fleet Lens watches nic1, the check waits for its verdict (one node's link, not a switch's) before it
-    # drains, at most the sandbox's [hooks] lens_verdict_wait_s (10 s): Lens may never judge it (with only the
-    # daemons of an earlier job's two nodes up, it raises no suspect). So, like slurmd every HealthCheckInterval,
-    # the check runs until it drains (it must, within the bound).
+    # drains, at most the sandbox's [hooks] lens_verdict_wait_s (10 s). With only the daemons of an earlier job's
+    # two nodes up, Lens names both ends of the one dead path at confidence 0.25, which is no switch verdict. So,
+    # like slurmd every HealthCheckInterval, the check runs until it drains (it must, within the bound).
     until(
         f"the health check to drain {node}",
         lambda: (

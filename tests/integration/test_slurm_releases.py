@@ -14,9 +14,9 @@ release (see :data:`LONG_TESTS_ON`).
     inside the job, ``--export=NONE``, the Prolog and PrologSlurmctld see the options);
   - the hooks (test_hooks_daemon: the Prolog registers the job with the node daemon, the Epilog writes the report
     and the AdminComment that sacct shows; the health check drains a node and resumes only its own drains). The
-    registration test runs first: its job leaves the daemons of node1 and node2 up, so Fleet Lens watches node2's
-    dead nic1 from node1 alone, never judges it, and the health check drains once its bounded wait for a verdict
-    ends.
+    registration test runs first: its job leaves the daemons of node1 and node2 up, so Fleet Lens sees node2's dead
+    nic1 from node1 alone and names both ends of that one path at confidence 0.25, which must not pass for a switch
+    fault (it did: node2 was never drained).
 * ``salloc`` and an ``srun`` of its own allocation carry the options too; the plugin built for 22.05 is refused.
 * The SPANK plugin of each release is that release's build (spank/slurm-VERSION/clockwork.so); from 25.05 it
   exports ``slurm_spank_init_failure_mode``.

@@ -57,6 +57,17 @@ def test_one_nodes_own_link_drains_it() -> None:
     assert judged.drain == ["ib1 down (down, carrier 0)"] and not judged.switch_faults
 
 
+def test_two_ends_of_the_only_bad_paths_are_not_a_switch_fault() -> None:
+    """With two daemons up and node2's NIC dead, the only bad paths run between node1 and node2: Lens names both
+    ends at a quarter's confidence (seen on the sandbox). That is one fault with two candidate ends, not two
+    nodes' links failing together: node2, whose kernel reads its NIC down, is drained."""
+    both = _lens(*(_suspect(n, "ib1", "rail1") | {"confidence": 0.25} for n in ("node1", "node2")))
+    judged = judge_links("node2", [DOWN], both, switch_fault_nodes=2)
+    assert judged.drain == [DOWN.text] and not judged.switch_faults and not judged.deferred
+    sure = _lens(*(_suspect(n, "ib1", "rail1") | {"confidence": 0.5} for n in ("node1", "node2")))
+    assert judge_links("node2", [DOWN], sure, switch_fault_nodes=2).switch_faults
+
+
 def test_two_nodes_on_different_switches_are_two_node_faults() -> None:
     lens = _lens(_suspect("node2", "ib1", "leaf-ib1-a"), _suspect("node5", "ib1", "leaf-ib1-b"))
     assert judge_links("node2", [DOWN], lens, switch_fault_nodes=2).drain == [DOWN.text]
@@ -76,8 +87,8 @@ def test_a_nic_down_that_lens_has_not_judged_yet_waits_for_its_verdict() -> None
 
 
 def test_the_wait_for_lens_is_bounded_and_a_verdict_still_wins_after_it() -> None:
-    """Lens may never judge a NIC it watches (two daemons up: a dead path has two candidate ends): once the NIC has
-    been down for the wait, the node is drained; a switch verdict still spares it, however long the NIC is down."""
+    """Lens may not judge a NIC it watches (its probes lost, its daemon stalled): once the NIC has been down for the
+    wait, the node is drained; a switch verdict still spares it, however long the NIC is down."""
     unjudged = _lens()
     for waited, deferred in ((0.0, True), (59.9, True), (60.0, False), (3600.0, False)):
         judged = judge_links("node2", [DOWN], unjudged, 2, {"ib1": waited}, verdict_wait_s=60.0)

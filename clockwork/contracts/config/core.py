@@ -79,8 +79,8 @@ class HooksConfig:
     lens_verdict_wait_s: float = setting(
         60.0,
         "How long a NIC that Fleet Lens watches may stay down without a Lens verdict (switch fault or the "
-        "node's own) before the health check drains the node anyway: Lens may never judge it (with two daemons "
-        "up, a dead path has two candidate ends). Counted from the first health check that saw it down, so a "
+        "node's own) before the health check drains the node anyway (Lens's probes of it lost, its daemon "
+        "stalled). Counted from the first health check that saw it down, so a "
         "HealthCheckInterval longer than this drains on the second check. 0 = never wait for Lens.",
         min=0.0,
     )
