@@ -1,9 +1,10 @@
 """TorchPass training jobs on the sandbox's Slurm: submitted, faulted on request and followed to their end.
 
-Shared by test_torchpass_sandbox.py, test_torchpass_transparent_sandbox.py and test_borrow_sandbox.py, which all
-run a rank script of tests/unit (the oracle's training, the unmodified DDP script) under ``torchpass run`` as a
-Slurm job and crash the nodes its ranks ask for: one way to submit, fault, wait and read what the job left, so
-that a difference between their results is a difference in what they test, not in how they drive the job.
+Shared by test_torchpass_sandbox.py, test_torchpass_transparent_sandbox.py, test_borrow_sandbox.py and the sharded
+layouts' tests (test_torchpass_tp_sandbox.py, test_torchpass_pp_sandbox.py), which all run a rank script of
+tests/unit (the oracle's training, the unmodified DDP script) under ``torchpass run`` as a Slurm job and crash
+the nodes its ranks ask for: one way to submit, fault, wait and read what the job left, so that a difference
+between their results is a difference in what they test, not in how they drive the job.
 test_gpu_health_sandbox.py reads its job's events and waits for the nodes the same way.
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from clockwork.sandbox.cluster import Sandbox
 from tests.integration.conftest import CLOCKWORK, SandboxManager, slurm_env
+from tests.unit.local_jobs import FinishedJob
 
 
 def faults_box(
@@ -115,6 +117,20 @@ def follow_job(
     assert info is not None and (info.finished or "COMPLETING" in info.state), f"job {job_id}: {info}\n{output[-6000:]}"
     returncode = int(info.exit_code.split(":")[0]) if info.exit_code else -1
     return crashed, output, returncode
+
+
+def run_job(
+    box: Sandbox, out: Path, options: list[str], command: str, env: dict[str, str], timeout_s: float
+) -> FinishedJob:
+    """Submit ``command`` (``sbatch OPTIONS``, its output to ``out/job.out``), crash the nodes its ranks ask for,
+    wait for its end and for its nodes to be free again: the job as an oracle test checks it (its output ends
+    with ``crashed: [NODES]``, its events are every node agent's)."""
+    job_id = submit([*options, f"--output={out}/job.out"], command, env)
+    crashed, output, returncode = follow_job(box, job_id, out, timeout_s)
+    run = FinishedJob(out, returncode, f"{output}\ncrashed: {crashed}")
+    run.events = job_events(out)
+    wait_gone(box, job_id)
+    return run
 
 
 def clockwork_migrate(box: Sandbox, job_id: int, rank: int, env: dict[str, str]) -> str:

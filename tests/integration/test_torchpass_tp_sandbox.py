@@ -59,13 +59,14 @@ def _run(box: Sandbox, base: Path, name: str, *, kill: str = "") -> FinishedJob:
     env = jobs.job_env(box, out, kill=kill, step_sleep=0, CW_TEST_MESH=MESH)
     # the runtime net compares the replicas of each (shard, tp) part every 3 steps, as in the local oracle
     command = jobs.torchpass_command(out, tpo.SCRIPT, "--set replica_check_every_steps=3")
-    options = [f"-N{NODES}", f"--ntasks-per-node={PER_NODE}", "--no-kill", "--clockwork-ft"]
-    job_id = jobs.submit([*options, "--clockwork-spares=standby", f"--output={out}/job.out"], command, env)
-    crashed, output, returncode = jobs.follow_job(box, job_id, out, JOB_TIMEOUT_S)
-    run = FinishedJob(out, returncode, f"{output}\ncrashed: {crashed}")
-    run.events = jobs.job_events(out)
-    jobs.wait_gone(box, job_id)
-    return run
+    options = [
+        f"-N{NODES}",
+        f"--ntasks-per-node={PER_NODE}",
+        "--no-kill",
+        "--clockwork-ft",
+        "--clockwork-spares=standby",
+    ]
+    return jobs.run_job(box, out, options, command, env, JOB_TIMEOUT_S)
 
 
 def test_node_crash_rebuilds_a_whole_tp_group_on_the_standby_node(box: Sandbox, base: Path) -> None:

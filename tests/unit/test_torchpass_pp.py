@@ -18,6 +18,9 @@ SIGKILLs the rank deals itself at a point of the schedule step:
   stage 0's column averages, stage 1's fails, and no stage of either replica may update;
 * ``optimizer``: inside the optimizer step, after the schedule step and the gradients' all-reduce (``-1``);
 * ``moment``: at a random moment of the step (``microbatch``: thousandths of the step before's wall time).
+* ``crashnode-PHASE`` (PHASE one of the above but ``moment``; the sandbox test,
+  tests/integration/test_torchpass_pp_sandbox.py): at that point the rank writes ``crash-request-SLOT-STEP``
+  naming its Slurm node and waits there for the test to crash the whole node.
 
 The oracle: every slot's stage, optimizer and scheduler state are ``torch.equal`` to the fault-free run's; each
 slot's journal shows every step committed exactly once.
@@ -89,8 +92,9 @@ def _rank_main() -> int:
             f.write(f"{line} {os.getpid()}\n")
 
     def maybe_kill(phase: str, microbatch: int) -> None:
-        spec = (str(ctx.slot), str(ctx.step), phase, str(microbatch))
-        if spec not in kills:
+        specs = [(str(ctx.slot), str(ctx.step), p, str(microbatch)) for p in (phase, f"crashnode-{phase}")]
+        spec = next((s for s in specs if s in kills), None)
+        if spec is None:
             return
         try:
             fd = os.open(out / ("killed-" + "-".join(spec)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -102,6 +106,11 @@ def _rank_main() -> int:
             deadline = time.monotonic() + 60.0
             while not all(m.exists() for m in markers) and time.monotonic() < deadline:
                 time.sleep(0.001)
+        if spec[2].startswith("crashnode"):  # the sandbox test crashes this whole node; wait here until then
+            node = os.environ.get("SLURMD_NODENAME", "")
+            (out / f"crash-request-{ctx.slot}-{ctx.step}").write_text(f"{node} {time.time()}\n")
+            while True:
+                time.sleep(1)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def sink(kind: str, fields: dict[str, Any]) -> None:
