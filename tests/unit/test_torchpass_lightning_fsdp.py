@@ -305,6 +305,21 @@ def test_sigkills_at_random_moments_rebuild_the_shard_bitwise(base: Path, refere
         assert move["source"] == 1 - slot and move["what"] == f"shard {slot} of the 1x2 mesh", recovered
 
 
+def test_a_kill_on_an_epochs_last_batch_recovers_without_waiting_out_a_timeout(base: Path, reference: Run) -> None:
+    """Killed in the forward of epoch 0's last batch: the survivor finishes that batch (its collectives skipped),
+    runs the epoch's validation, rolls the window back and redoes it beside the replacement. The validation's
+    forwards (under no_grad) had added to FSDP2's record of the forward order, from which a backward prefetches
+    all-gathers, and no backward had cleared it: the survivor's first backward prefetched one all-gather more than
+    the replacement's, and both waited out collective_timeout_s (``torchpass.collective_error``: "Timed out
+    waiting 20000ms for recv") before a rebuild with no member lost. Every join now clears that record."""
+    kill = f"0:{BATCHES_PER_EPOCH - 1}:forward"
+    run = _run(base, "epoch-end-" + kill.replace(":", "-"), CW_TEST_KILL=kill)
+    _assert_like_reference(run, reference, kill)
+    assert len(run.of_kind("torchpass.member_failed")) == 1, run.of_kind("torchpass.member_failed")
+    assert not run.of_kind("torchpass.collective_error"), run.of_kind("torchpass.collective_error")
+    assert len(run.of_kind("torchpass.recovered")) == 1, run.of_kind("torchpass.recovered")
+
+
 def test_planned_migration_moves_a_lightning_fsdp_rank_with_its_shard(base: Path, reference: Run) -> None:
     """``clockwork migrate`` while Lightning trains: slot 1 moves to the spare at a step boundary with its shard,
     counters and callbacks' state, and the job ends bitwise equal to the fault-free run."""

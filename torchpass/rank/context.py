@@ -54,6 +54,7 @@ from torchpass.rank.rejoin import CoordinatorLink, ProcessGroupTransport, RankPo
 from torchpass.rank.replica_check import ReplicaNet
 from torchpass.rank.state import StateParts
 from torchpass.rank.step import StepLifecycle, carried_gradients_reason
+from torchpass.rank.torch_compat import forget_forward_order
 from torchpass.rank.transfer_plan import Replicated, ShardedReplicas
 from torchpass.rank_env import LaunchEnv
 from torchpass.sharded.fsdp import ShardedState, ShardPlan, mesh_layout
@@ -523,6 +524,7 @@ class Context:
     def rejoin(self, after: int, first: GenerationInfo | None = None, left_at: float | None = None) -> None:
         """Join ``first`` or the next generation after ``after`` (:class:`torchpass.rank.rejoin.Rejoiner`)."""
         self._snapshotter.before_update()  # joining may overwrite the state a snapshot is still copying
+        forget_forward_order(self._parts.model)  # every member's first backward then prefetches the same
         self.rejoiner.join(after, first, left_at)
 
     def finish(self) -> bool:

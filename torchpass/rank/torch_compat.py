@@ -146,6 +146,12 @@ def check_fsdp_internals(model: nn.Module) -> None:
         if not isinstance(module, FSDPModule):
             continue
         for group in _param_groups(module):
+            if not hasattr(group, "comm_ctx") or not hasattr(group, "_post_forward_indices"):
+                raise TorchPassError(
+                    "this torch release's FSDP2 keeps its forward order where TorchPass cannot find it "
+                    "(FSDPParamGroup.comm_ctx.post_forward_order), so a rank that rejoins could prefetch other "
+                    "all-gathers than its peers; TorchPass is tested with torch 2.13"
+                )
             for param in getattr(group, "fsdp_params", None) or [None]:
                 if param is None or not hasattr(param, "unsharded_accumulated_grad"):
                     raise TorchPassError(
@@ -153,6 +159,25 @@ def check_fsdp_internals(model: nn.Module) -> None:
                         "cannot find them (FSDPParam.unsharded_accumulated_grad), so a failed window could not be "
                         "redone exactly; TorchPass is tested with torch 2.13"
                     )
+
+
+def forget_forward_order(model: nn.Module | None) -> None:
+    """Forget the order in which FSDP2 saw its modules' forwards since its last backward (the comm context's
+    ``post_forward_order`` and each group's indices into it), from which its backward prefetches all-gathers.
+    A backward clears it; a forward under ``no_grad`` (validation) adds to it until the next backward does. A
+    survivor that ran a validation in an abandoned step, and redoes the step beside a replacement that never ran
+    one, would prefetch one all-gather more than the replacement in its first backward, and both would wait out
+    the collective timeout in mismatched collectives (Lightning, a failure on an epoch's last batch). Cleared on
+    every member at every join, every rank's first backward of a generation prefetches the same all-gathers; the
+    numbers do not change (a prefetch only gathers earlier)."""
+    for module in model.modules() if model is not None else ():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in _param_groups(module):
+            order = getattr(group.comm_ctx, "post_forward_order", None)  # made at FSDP2's lazy init
+            if order is not None:
+                order.clear()
+            group._post_forward_indices.clear()
 
 
 def drop_held_back_gradients(model: nn.Module) -> int:
