@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ from support.torchpass_jobs import (
 from torchpass_vs_restart import MONITOR_S, crash_times, stamped_steps
 
 WORKLOAD = Path(__file__).resolve().parent / "support" / "fsdp_workload.py"
+Command = Callable[..., list[str]]  # (args, out, mode, *extra) -> a workload's command line after the interpreter
 
 
 def workload(args: argparse.Namespace, out: Path, mode: str, *extra: str) -> list[str]:
@@ -86,11 +88,11 @@ def full_width(out: Path) -> dict[str, Any]:
     }
 
 
-def run_torchpass(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_torchpass(args: argparse.Namespace, out: Path, command: Command = workload) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "torchpass", "run", "--local", "--nproc", str(args.nproc), "--spares", "1",
         "--no-respawn-spares", "--events", str(out / "events.jsonl"),
-        *workload(args, out, "torchpass", "--wait-spares", "1"),
+        *command(args, out, "torchpass", "--wait-spares", "1"),
     ]  # fmt: skip
     code = wait_all([spawn(cmd, base_env(), out / "torchpass.err")], args.timeout)[0]
     if code:
@@ -105,7 +107,7 @@ def run_torchpass(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return row
 
 
-def run_torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_torchft(args: argparse.Namespace, out: Path, command: Command = workload) -> dict[str, Any]:
     """TorchFT 0.2's HSDP: a replica group (``--shards`` processes) is the failure domain. The crashed rank's
     whole group is stopped and started again at once (as a per-group torchrun would), and heals from a live
     group; meanwhile the other replicas train at reduced width (``min_replica_size`` 1)."""
@@ -124,7 +126,7 @@ def run_torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                     WORLD_SIZE=str(args.shards), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                     TORCHFT_LIGHTHOUSE=lighthouse.address,
                 )  # fmt: skip
-                cmd = [sys.executable, *workload(args, out, "torchft", *extra)]
+                cmd = [sys.executable, *command(args, out, "torchft", *extra)]
                 procs.append(spawn(cmd, env, out / f"torchft-{replica}-{group_rank}.err"))
             return procs
 
@@ -167,7 +169,7 @@ def run_torchft(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     }
 
 
-def run_restart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_restart(args: argparse.Namespace, out: Path, command: Command = workload) -> dict[str, Any]:
     extra = ("--ckpt", str(out / "ckpt"), "--ckpt-every", str(args.ckpt_every))
     (out / "ckpt").mkdir()
     deadline = time.monotonic() + args.timeout
@@ -178,7 +180,7 @@ def run_restart(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         for rank in range(args.nproc):
             env = base_env()
             env.update(RANK=str(rank), WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            cmd = [sys.executable, *workload(args, out, "restart", *extra)]
+            cmd = [sys.executable, *command(args, out, "restart", *extra)]
             procs.append(spawn(cmd, env, out / f"restart-{rank}.err"))
         if whole_job_ran(procs, deadline, MONITOR_S):  # else one rank died: the whole job stopped, as torchrun would
             break

@@ -81,6 +81,14 @@ def mesh_shape(args: argparse.Namespace, world: int) -> tuple[int, int]:
     return (world // args.shards, args.shards)
 
 
+def wait_for_spares(out: Path, spares: int) -> None:
+    """Wait (120 s at most) until ``spares`` spares wrote their ``spare-ready-*`` file: on a cluster spares wait on
+    nodes of their own, so the job must not train while they start (import torch) on the same cores here."""
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("spare-ready-*"))) < spares and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def train_torchpass(args: argparse.Namespace) -> None:
     import torchpass as tp
 
@@ -89,9 +97,7 @@ def train_torchpass(args: argparse.Namespace) -> None:
     if os.environ.get("TORCHPASS_ROLE") == "spare":
         (out / f"spare-ready-{os.environ.get('TORCHPASS_WORKER_ID', os.getpid())}").touch()
     ctx = tp.init()
-    deadline = time.monotonic() + 120
-    while len(list(out.glob("spare-ready-*"))) < args.wait_spares and time.monotonic() < deadline:
-        time.sleep(0.05)  # on a cluster spares wait on nodes of their own: do not train while they start here
+    wait_for_spares(out, args.wait_spares)
     model = ctx.wrap_fsdp(model, mesh_shape=mesh_shape(args, ctx.world_size), shard=Block)
     opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     rec = Recorder(args, ctx.slot, ctx.world_size)
@@ -304,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=2, help="shards per replica (the mesh is world/shards x shards)")
     parser.add_argument("--crash-steps", default="", help="comma-separated steps at which one rank SIGKILLs itself")
     parser.add_argument("--node-crash-step", type=int, default=-1, help="unused here (Recorder's sandbox hook)")
+    parser.add_argument("--node-crash-rank", type=int, default=-1, help="unused here (Recorder's sandbox hook)")
     parser.add_argument("--ckpt", default="", help="restart: checkpoint folder (resumed from)")
     parser.add_argument("--ckpt-every", type=int, default=50)
     parser.add_argument("--min-replicas", type=int, default=0, help="torchft: min_replica_size (default: all)")
