@@ -37,8 +37,14 @@ HOOKS = {
 
 
 def slurm_conf(
-    paths: StatePaths, layout: Layout, accounting: bool, cpus_per_node: int, plugin_dir: Path | None = None
+    paths: StatePaths,
+    layout: Layout,
+    accounting: bool,
+    cpus_per_node: int,
+    plugin_dir: Path | None = None,
+    slurmctld_parameters: tuple[str, ...] = (),
 ) -> str:
+    """slurm.conf (``slurmctld_parameters``: the release's own, :attr:`SlurmRelease.slurmctld_parameters`)."""
     p = paths
     lines = [
         "# Written by `clockwork sandbox up`; every path lies under the sandbox state folder.",
@@ -80,6 +86,8 @@ def slurm_conf(
     ]
     if plugin_dir is not None:
         lines.append(f"PluginDir={plugin_dir}")
+    if slurmctld_parameters:
+        lines.append(f"SlurmctldParameters={','.join(slurmctld_parameters)}")
     if layout.racks:
         lines.append("TopologyPlugin=topology/tree")  # topology.conf (slurm_topology) lists the racks
     if accounting:
@@ -273,12 +281,14 @@ def write_all(
     plugin_dir: Path | None = None,
     slurm_bin: Path | None = None,
     pythonpath: str = "",
+    slurmctld_parameters: tuple[str, ...] = (),
 ) -> None:
     """Write every file the sandbox's daemons read (``plugin_dir`` and ``slurm_bin``: a Slurm release from a
-    root, whose plugins and client commands those are; ``pythonpath``: the hooks', see :func:`hook_wrapper`)."""
+    root, whose plugins and client commands those are; ``pythonpath``: the hooks', see :func:`hook_wrapper`;
+    ``slurmctld_parameters``: the release's, see :func:`slurm_conf`)."""
     for d in paths.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
-    paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir))
+    paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir, slurmctld_parameters))
     paths.gres_conf.write_text(gres_conf(paths, layout))
     for node in layout.nodes:
         for path in gpu_files(paths, node.name):  # character devices, as slurmd wants: /dev/null's numbers

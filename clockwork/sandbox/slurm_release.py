@@ -82,6 +82,15 @@ class SlurmRelease:
         return bool(self.suite)
 
     @property
+    def slurmctld_parameters(self) -> tuple[str, ...]:
+        """slurm.conf's ``SlurmctldParameters`` for this release: ``enable_expedited_requeue`` from 25.11, the
+        first release that has it, so jobs may be submitted with ``sbatch --requeue=expedite`` (without it
+        slurmctld refuses them). None before: 24.11's slurmctld ignores the word, but a sandbox's slurm.conf
+        should say only what its release does (24.11's sbatch refuses ``--requeue=expedite`` either way)."""
+        major, minor = (int(part) for part in self.version.split("."))
+        return ("enable_expedited_requeue",) if (major, minor) >= (25, 11) else ()
+
+    @property
     def cache(self) -> Path:
         return CACHE_DIR / f"slurm-{self.version}"
 

@@ -28,6 +28,11 @@ release (see :data:`LONG_TESTS_ON`).
 * Borrowed spares through ``preempt/qos`` (the sandbox switched to it for one test: QOS in slurmdbd): a borrow for a
   running job preempts the ``scavenger`` job and the holder runs with the holder QOS; giving it back lets the
   preempted job run again.
+* Expedited requeue (26.05 only: from 25.11, with the sandbox's ``SlurmctldParameters=enable_expedited_requeue``):
+  a ``--requeue=expedite`` job of a user (uid 65534) that requeues itself with ``scontrol requeue``, as TorchPass's
+  last line of defence does, is not expedited (it waits behind a job of higher priority for its node) but is eligible
+  at once, where a plain ``--requeue`` job waits out the requeue delay; Slurm's own requeue of such a job, its node
+  set DOWN, is expedited (it starts ahead of jobs of higher priority); a non-zero exit leaves it requeued and held.
 
 The training job's Python is the host venv's: its interpreter and torch show through the root's /usr (which has
 no Python 3.11) and run on the root's glibc; only Slurm changes.
@@ -35,8 +40,11 @@ no Python 3.11) and run on the root's glibc; only Slurm changes.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shlex
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -351,3 +359,184 @@ def test_borrow_through_qos_preemption(sandbox: Sandbox, base: Path) -> None:
         sandbox.slurm().cancel(low)
         wait_job(sandbox, low)
     daemons.stop("node1")
+
+
+# ------------------------------------------------------------------------------ expedited requeue (25.11 and later)
+
+#: The sandbox's requeue delay: Slurm's ``requeue_delay`` defaults to the credential lifetime (``cred_expire=5``)
+#: plus one second; on a cluster with the defaults it is 121 s.
+REQUEUE_DELAY_S = 6
+#: Far above the default priority (1 here): the jobs that compete with the expedite jobs for their nodes.
+HIGH_PRIORITY = 100000
+#: A job that requeues itself with ``scontrol requeue`` once the file GO appears in its folder (as TorchPass's
+#: leading agent does), and sleeps when it runs again.
+SELF_REQUEUE = (
+    'echo "start restart=${SLURM_RESTART_COUNT:-0}"\n'
+    'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then\n'
+    "  while [ ! -e GO ]; do sleep 0.1; done\n"
+    '  scontrol requeue "$SLURM_JOB_ID" && echo "requeued itself"\n'
+    "fi\n"
+    "exec sleep 300\n"
+)
+
+
+def _job_json(box: Sandbox, job_id: int) -> dict[str, Any]:
+    """The job as ``scontrol show job --json`` prints it (flags, state flags, reason, priority, times)."""
+    (job,) = json.loads(box.slurm().run_text(["scontrol", "show", "job", "--json", str(job_id)]))["jobs"]
+    return dict(job)
+
+
+def _sbatch_as_nobody(box: Sandbox, *args: str) -> int:
+    """``sbatch`` as uid 65534: the job's owner is not root. The release's commands run in its view of /usr, a mount
+    namespace only root may make, so the submission enters it first and then drops to uid 65534."""
+    submit = f"{box.slurm_release().overlay_command()} && exec setpriv --reuid=65534 --regid=65534 --clear-groups "
+    submit += shlex.join(["sbatch", "--parsable", *args])
+    out = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", submit],
+        env={**slurm_env(box), "HOME": "/"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.strip().split(";")[0])
+
+
+def _pending_behind(box: Sandbox, job_id: int, node: str) -> int:
+    """A job of :data:`HIGH_PRIORITY` that waits for ``node`` (held by ``job_id``)."""
+    waiting = _sbatch(box, "-w", node, "--exclusive", "-o", "/dev/null", "--wrap", "exec sleep 300")
+    box.slurm().run_text(["scontrol", "update", f"jobid={waiting}", f"priority={HIGH_PRIORITY}"])
+    until(f"job {waiting} to wait for job {job_id}", lambda: _job_json(box, waiting)["state_reason"] == "Resources", 30)
+    return waiting
+
+
+def _cancel(box: Sandbox, *job_ids: int) -> None:
+    for job_id in job_ids:
+        box.slurm().cancel(job_id)
+    for job_id in job_ids:
+        wait_job(box, job_id)
+
+
+@pytest.mark.parametrize("slurm_release", ["26.05"], indirect=True)
+def test_a_job_that_requeues_itself_is_not_expedited_only_eligible_at_once(sandbox: Sandbox) -> None:
+    """What ``--requeue=expedite`` gives a job that requeues itself with ``scontrol requeue`` (TorchPass's last line of
+    defence): no requeue delay, but not the top priority. Slurm's expedited requeue (``JOB_EXPEDITING``: first in the
+    queue) is only for its own requeues (a node failure, or a non-zero exit with a failed Epilog). The job's owner
+    (uid 65534, not root) may requeue it; a plain ``--requeue`` job beside it shows the delay it is spared."""
+    out = sandbox.paths.root / "expedite"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(mode=0o777)
+    out.chmod(0o777)  # the jobs' owner writes its output here
+    for parent in out.parents:  # and reaches it and the release's command wrappers (STATE/bin)
+        if parent == Path("/"):
+            break
+        parent.chmod(parent.stat().st_mode | 0o005)
+    script = out / "self-requeue.sh"
+    script.write_text("#!/bin/bash\n" + SELF_REQUEUE)
+    script.chmod(0o755)
+    common = ["--exclusive", "--open-mode=append", f"--chdir={out}", str(script)]
+    expedite = _sbatch_as_nobody(sandbox, "--requeue=expedite", "-w", "node1", f"--output={out}/expedite.out", *common)
+    plain = _sbatch_as_nobody(sandbox, "--requeue", "-w", "node2", f"--output={out}/plain.out", *common)
+    started = [out / "expedite.out", out / "plain.out"]
+    until("both jobs to start", lambda: all(p.exists() and "start restart=0" in p.read_text() for p in started), 60)
+    waiting = _pending_behind(sandbox, expedite, "node1")
+    try:
+        assert "EXPEDITED_REQUEUE" in _job_json(sandbox, expedite)["flags"]
+        assert "ExpeditedRequeue=Yes" in sandbox.slurm().run_text(["scontrol", "show", "job", str(expedite)])
+        assert "EXPEDITED_REQUEUE" not in _job_json(sandbox, plain)["flags"]
+
+        (out / "GO").touch()
+        slurm = sandbox.slurm()
+        until(
+            f"job {waiting} to take node1",
+            lambda: (lambda i: i is not None and i.state == "RUNNING")(slurm.job(waiting)),
+            30,
+        )
+        assert "requeued itself" in (out / "expedite.out").read_text()
+        job = until(  # the scheduler's next pass gives the reason
+            f"the reason job {expedite} waits",
+            lambda: (lambda j: j if j["state_reason"] != "None" else None)(_job_json(sandbox, expedite)),
+            30,
+        )
+        # Requeued by its owner, it waits its turn behind the job of higher priority: an ordinary pending job.
+        assert (job["job_state"], job["state_reason"], job["restart_cnt"]) == (["PENDING"], "Resources", 1), job
+        assert job["priority"]["number"] < HIGH_PRIORITY
+        # ... but eligible at once, where the plain job waits out the requeue delay.
+        assert job["eligible_time"]["number"] - job["submit_time"]["number"] < REQUEUE_DELAY_S, job
+        other = until(
+            f"job {plain} to be requeued",
+            lambda: (lambda j: j if j["restart_cnt"] == 1 and "PENDING" in j["job_state"] else None)(
+                _job_json(sandbox, plain)
+            ),
+            30,
+        )
+        assert other["state_reason"] == "BeginTime", other
+        assert other["eligible_time"]["number"] - other["submit_time"]["number"] == REQUEUE_DELAY_S, other
+    finally:
+        _cancel(sandbox, waiting, expedite, plain)
+
+
+@pytest.mark.parametrize("slurm_release", ["26.05"], indirect=True)
+def test_slurm_expedites_the_requeue_it_makes_itself_on_a_node_failure(sandbox: Sandbox) -> None:
+    """The contrast (and the proof that the sandbox enables expedited requeue): a node of an expedite job goes DOWN
+    (drained first, so that it cannot come back to service and blur the order), Slurm requeues the job with the
+    ``EXPEDITING`` state flag, and it takes the next free node ahead of two jobs of far higher priority."""
+    slurm = sandbox.slurm()
+    filler = _sbatch(sandbox, "-w", "node4", "--exclusive", "-o", "/dev/null", "--wrap", "exec sleep 300")
+    job_id = _sbatch(
+        sandbox, "--requeue=expedite", "-x", "node[1-2]", "--exclusive", "-o", "/dev/null", "--wrap", "exec sleep 300"
+    )
+    until(
+        f"job {job_id} to run on node3",
+        lambda: (lambda i: i is not None and i.nodes == ["node3"])(slurm.job(job_id)),
+        30,
+    )
+    rivals = []
+    try:
+        for _ in range(2):
+            rival = _sbatch(sandbox, "-x", "node[1-2]", "--exclusive", "-o", "/dev/null", "--wrap", "exec sleep 300")
+            slurm.run_text(["scontrol", "update", f"jobid={rival}", f"priority={HIGH_PRIORITY}"])
+            rivals.append(rival)
+        slurm.run_text(["scontrol", "update", "nodename=node3", "state=drain", "reason=expedite test"])
+        slurm.run_text(["scontrol", "update", "nodename=node3", "state=down", "reason=expedite test"])
+        job = until(
+            f"job {job_id} to be requeued, expediting",
+            lambda: (lambda j: j if j["job_state"] == ["PENDING", "EXPEDITING"] else None)(_job_json(sandbox, job_id)),
+            30,
+        )
+        assert job["restart_cnt"] == 1 and job["priority"]["number"] < HIGH_PRIORITY, job
+        slurm.cancel(filler)
+        until(
+            f"job {job_id} to take node4",
+            lambda: (lambda i: i is not None and i.nodes == ["node4"])(slurm.job(job_id)),
+            30,
+        )
+        for rival in rivals:
+            info = _job_json(sandbox, rival)
+            assert info["job_state"] == ["PENDING"] and info["priority"]["number"] == HIGH_PRIORITY, info
+        # The state flag is gone once it runs again (past its Prolog: RUNNING, CONFIGURING before).
+        until(f"job {job_id} to run", lambda: _job_json(sandbox, job_id)["job_state"] == ["RUNNING"], 30)
+    finally:
+        _cancel(sandbox, filler, job_id, *rivals)
+        slurm.run_text(["scontrol", "update", "nodename=node3", "state=resume"])
+        until("node3 to be idle", lambda: sandbox.node_states().get("node3") == "IDLE", 30)
+
+
+@pytest.mark.parametrize("slurm_release", ["26.05"], indirect=True)
+def test_an_expedite_job_that_fails_is_requeued_and_held_not_failed(sandbox: Sandbox) -> None:
+    """A non-zero exit asks for an expedited requeue too, and without a failed Epilog Slurm holds the job instead:
+    a TorchPass job submitted with ``--requeue=expedite`` that fails without requeueing itself stays in the queue."""
+    job_id = _sbatch(sandbox, "--requeue=expedite", "-N1", "-o", "/dev/null", "--wrap", "exit 3")
+    try:
+        job = until(
+            f"job {job_id} to be requeued",
+            lambda: (lambda j: j if j["restart_cnt"] == 1 and "COMPLETING" not in j["job_state"] else None)(
+                _job_json(sandbox, job_id)
+            ),
+            30,
+        )
+        assert job["job_state"] == ["PENDING", "REQUEUE_HOLD"], job
+        assert (job["state_reason"], job["state_description"]) == ("JobHeldUser", "job requeued in held state"), job
+        assert job["priority"]["number"] == 0 and job["exit_code"]["return_code"]["number"] == 3, job
+    finally:
+        _cancel(sandbox, job_id)

@@ -30,6 +30,7 @@ from clockwork.sandbox.slurm_files import (
     slurmdbd_conf,
     write_all,
 )
+from clockwork.sandbox.slurm_release import RELEASES
 from slurm_hooks import events
 
 
@@ -321,3 +322,14 @@ def test_bad_racks_are_refused_naming_the_nodes(racks: str, error: str) -> None:
     with pytest.raises(ConfigError) as info:
         build_layout(SandboxConfig(nodes=3, racks=racks))
     assert error in str(info.value)
+
+
+def test_expedited_requeue_is_enabled_from_slurm_25_11_only(paths: StatePaths, layout: Layout) -> None:
+    """``sbatch --requeue=expedite`` needs ``SlurmctldParameters=enable_expedited_requeue`` (25.11+); older releases
+    get no SlurmctldParameters line (24.11's slurmctld ignores the unknown word, but its sbatch refuses the option)."""
+    assert RELEASES["26.05"].slurmctld_parameters == ("enable_expedited_requeue",)
+    assert RELEASES["24.11"].slurmctld_parameters == RELEASES["22.05"].slurmctld_parameters == ()
+    for version, expected in (("26.05", "enable_expedited_requeue"), ("24.11", None), ("22.05", None)):
+        params = RELEASES[version].slurmctld_parameters
+        conf = _settings(slurm_conf(paths, layout, False, 2, slurmctld_parameters=params))
+        assert conf.get("SlurmctldParameters") == expected, version

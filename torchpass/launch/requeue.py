@@ -13,7 +13,9 @@ The leading agent decides (:func:`decide`, no I/O but listing the snapshot folde
 ``scontrol requeue``, which a job's owner may run on their own batch job) after every agent saw the end, and
 says which way it went and why in a ``torchpass.requeued`` or ``torchpass.not_requeued`` event, which the
 job's report and AdminComment carry. Slurm 25.11's expedited requeue (``sbatch --requeue=expedite``) is Slurm's
-own answer to a node failure; see docs/user-guide.md for how the two meet.
+own answer to a node failure. It does not expedite this requeue (measured on 26.05: ``scontrol requeue`` leaves the
+job at its own priority, only without the requeue delay, and nothing a job's owner may do sets ``EXPEDITING``); see
+docs/user-guide.md, "Expedited requeue".
 """
 
 from __future__ import annotations
