@@ -33,15 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.recovery_report import Arm, report, run_systems
 from support.torchpass_jobs import (
     Lighthouse,
     base_env,
@@ -217,85 +215,24 @@ def main(argv: list[str] | None = None) -> int:
         f"saves every {args.ckpt_every} steps; {args.runs} run(s) each"
     )
     torchft_note = "left out (--skip-torchft)" if args.skip_torchft else torchft_status()
-    systems: dict[str, Any] = {"torchpass": run_torchpass, "restart": run_restart}
+    systems: dict[str, Arm] = {"torchpass": run_torchpass, "restart": run_restart}
     if not torchft_note:
         systems["torchft"] = run_torchft
-    work = Path(tempfile.mkdtemp(prefix="fsdp-recovery-"))
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
-    try:
-        for index in range(args.runs):
-            for name in list(systems)[index % 2 :] + list(systems)[: index % 2]:
-                out = work / f"{name}-{index}"
-                out.mkdir()
-                row = systems[name](args, out)
-                rows[name].append(row)
-                say(f"  run {index + 1} {name:<10} {json.dumps(row)}")
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            say(f"  runs kept in {work}")
-
-    def median(name: str, key: str) -> float | None:
-        values = [r[key] for r in rows[name] if r.get(key) is not None]
-        return round(statistics.median(values), 3) if values else None
-
-    common = ("to_full_width_s", "steps_computed_twice", "samples_skipped", "restarts")
-    extra = {
-        "torchpass": ("detect_ms", "spare_ready_ms", "rebuild_ms", "transfer_ms", "transfer_bytes", "total_ms"),
-        "torchft": ("steps_at_reduced_width", "group_restarts"),
-    }
-    summary = {name: {key: median(name, key) for key in common + extra.get(name, ())} for name in systems}
-    tp, restart, ft = summary["torchpass"], summary["restart"], summary.get("torchft", {})
-    say("")
-    say(f"{'':<44}{'TorchPass':>12}{'ckpt-restart':>14}{'TorchFT HSDP':>14}")
-    for label, key in (
-        ("crash -> first full-width step done (s)", "to_full_width_s"),
-        ("steps at reduced width", "steps_at_reduced_width"),
-        ("samples skipped", "samples_skipped"),
-        ("global steps computed twice", "steps_computed_twice"),
-        ("whole-job restarts", "restarts"),
-        ("replica-group restarts", "group_restarts"),
-    ):
-        say(f"{label:<44}{tp.get(key, 0)!s:>12}{restart.get(key, 0)!s:>14}{ft.get(key, '-')!s:>14}")
-    if torchft_note:
-        say(f"TorchFT: {torchft_note}")
-    say(
-        f"TorchPass, medians: detection {tp['detect_ms']} ms, spare ready {tp['spare_ready_ms']} ms, rebuild "
-        f"{tp['rebuild_ms']} ms, transfer {tp['transfer_ms']} ms of {tp['transfer_bytes']} bytes; fault to every "
-        f"rank training again {tp['total_ms']} ms"
-    )
-    speedup = restart["to_full_width_s"] / tp["to_full_width_s"] if tp["to_full_width_s"] else None
-    ft_speedup = (
-        ft["to_full_width_s"] / tp["to_full_width_s"] if ft.get("to_full_width_s") and tp["to_full_width_s"] else None
-    )
-    say(
-        (f"full width {speedup:.1f}x sooner than checkpoint-restart" if speedup else "")
-        + (f", {ft_speedup:.1f}x sooner than TorchFT" if ft_speedup else "")
-    )
-    goals = {
-        "zero_samples_skipped": tp["samples_skipped"] == 0,
-        "2x_faster_to_full_width_than_torchft": bool(ft_speedup and ft_speedup >= 2),
-    }
-    say(f"goals: {goals}")
-    print(
-        json.dumps(
-            {
-                "bench": "fsdp_recovery",
-                "nproc": args.nproc,
-                "mesh": [replicas, args.shards],
-                "model": {"hidden": args.hidden, "layers": args.layers, "batch": args.batch},
-                "steps": args.steps,
-                "crash_step": args.crash_step,
-                "ckpt_every": args.ckpt_every,
-                "summary": summary,
-                "runs": rows,
-                "speedup_vs_restart": round(speedup, 2) if speedup else None,
-                "speedup_vs_torchft": round(ft_speedup, 2) if ft_speedup else None,
-                "goals_met": goals,
-                "torchft": torchft_note or "ok",
-            }
-        )
+    rows = run_systems(args, systems, "fsdp-recovery-")
+    report(
+        "fsdp_recovery",
+        rows,
+        torchft_note,
+        torchft_label="TorchFT HSDP",
+        issue="DESIGN.md",
+        describe={
+            "nproc": args.nproc,
+            "mesh": [replicas, args.shards],
+            "model": {"hidden": args.hidden, "layers": args.layers, "batch": args.batch},
+            "steps": args.steps,
+            "crash_step": args.crash_step,
+            "ckpt_every": args.ckpt_every,
+        },
     )
     return 0
 
