@@ -54,6 +54,7 @@ from support.torchpass_jobs import (
 from torchpass_vs_restart import MONITOR_S, crash_times, stamped_steps
 
 WORKLOAD = Path(__file__).resolve().parent / "support" / "fsdp_workload.py"
+HEALED_SLACK_S = 0.5  # TorchFT: a healed group's step ends with the live groups' same step (their last: this later)
 Command = Callable[..., list[str]]  # (args, out, mode, *extra) -> a workload's command line after the interpreter
 
 
@@ -86,11 +87,12 @@ def full_width(out: Path) -> dict[str, Any]:
     }
 
 
-def run_torchpass(args: argparse.Namespace, out: Path, command: Command = workload) -> dict[str, Any]:
+def run_torchpass(args: argparse.Namespace, out: Path, command: Command = workload, spares: int = 1) -> dict[str, Any]:
+    """``spares``: started with the job (as many as the ranks one crash takes: a node's)."""
     cmd = [
-        sys.executable, "-m", "torchpass", "run", "--local", "--nproc", str(args.nproc), "--spares", "1",
+        sys.executable, "-m", "torchpass", "run", "--local", "--nproc", str(args.nproc), "--spares", str(spares),
         "--no-respawn-spares", "--events", str(out / "events.jsonl"),
-        *command(args, out, "torchpass", "--wait-spares", "1"),
+        *command(args, out, "torchpass", "--wait-spares", str(spares)),
     ]  # fmt: skip
     code = wait_all([spawn(cmd, base_env(), out / "torchpass.err")], args.timeout)[0]
     if code:
@@ -144,14 +146,23 @@ def run_torchft(args: argparse.Namespace, out: Path, command: Command = workload
                     groups[replica] = start(replica)
             time.sleep(MONITOR_S)
     (crash_step, crashed_at), *_ = sorted(crash_times(out).items())
-    results = [json.loads(p.read_text()) for p in out.glob("result-*.json")]
-    reduced = max((int(r.get("reduced_width_steps", 0)) for r in results), default=0)
     stamps = stamped_steps(out)
     after = [(replica, at) for replica, at in respawns if at >= crashed_at]  # (a group may also fail at the start)
-    back = []  # when the group restarted after the crash trained (finished) a step again
+    restarted_ranks = {replica * args.shards + rank for replica, _ in after[:1] for rank in range(args.shards)}
+    # Reduced width is the live groups' count: a restarted group that found no live one (they had finished) trained
+    # alone from step 0, and those steps are not the crash's reduced width.
+    results = [json.loads(p.read_text()) for p in out.glob("result-*.json")]
+    reduced = max(
+        (int(r.get("reduced_width_steps", 0)) for r in results if r["rank"] not in restarted_ranks), default=0
+    )
+    live_end = max(
+        (t for rank, entries in stamps.items() if rank not in restarted_ranks for _, t in entries), default=0.0
+    )
+    back = []  # when the group restarted after the crash trained (finished) a step again, healed, beside a live group
     for replica, restarted in after[:1]:
         for rank in range(args.shards):
-            back += [t for _, t in stamps.get(replica * args.shards + rank, []) if t > restarted]
+            entries = stamps.get(replica * args.shards + rank, [])
+            back += [t for s, t in entries if t > restarted and s >= crash_step and t <= live_end + HEALED_SLACK_S]
     twice = set()
     for steps in step_logs(out).values():
         twice |= {s for s in steps if steps.count(s) > 1}

@@ -89,6 +89,41 @@ def wait_for_spares(out: Path, spares: int) -> None:
         time.sleep(0.05)
 
 
+def local(value: Any) -> Any:
+    """``value`` with every DTensor in it replaced by its local part."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [local(v) for v in value]
+    return value
+
+
+# TorchFT heals a restarted group rank by rank from a live group's same rank: each sends its local shards (TorchFT's
+# transport carries plain tensors), and the receiver puts them into its own DTensors (plain parameters as they are).
+def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"model": local(dict(model.state_dict())), "optim": local(opt.state_dict())}
+
+
+def load_local_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            local(tensor).copy_(state["model"][name])
+    params = [p for group in opt.param_groups for p in group["params"]]
+    optim = state["optim"]
+    for index, values in optim["state"].items():
+        param = params[int(index)]
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in list(values.items()):
+            if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and key != "step":
+                values[key] = DTensor.from_local(
+                    value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                )
+    opt.load_state_dict(optim)
+
+
 def train_torchpass(args: argparse.Namespace) -> None:
     import torchpass as tp
 
@@ -108,11 +143,37 @@ def train_torchpass(args: argparse.Namespace) -> None:
     ctx.close()
 
 
-def train_restart(args: argparse.Namespace) -> None:
-    """Plain FSDP2 with sharded checkpoints; resumes from the newest one (the checkpoint-restart baseline)."""
+def resume(model: nn.Module, opt: torch.optim.Optimizer, ckpt: Path | None) -> int:
+    """Load the newest checkpoint in ``ckpt`` (``torch.distributed.checkpoint``: each rank its DTensors' parts)
+    when there is one; the step to resume at (0 without one). Every rank calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    if ckpt is None or not (ckpt / "next_step").exists():
+        return 0
+    model_state, optim_state = get_state_dict(model, opt)
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int((ckpt / "next_step").read_text())
+
+
+def checkpoint(model: nn.Module, opt: torch.optim.Optimizer, ckpt: Path, next_step: int, rank: int) -> None:
+    """Save the model and optimizer (a collective: every rank calls it), then name ``next_step`` as the step to
+    resume at. Parts held by several ranks (the replicas') are written once (``dcp``'s de-duplication)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(ckpt / "dcp"))
+    if rank == 0:  # every part is written once dcp.save returns (it ends with a barrier)
+        tmp = ckpt / "next_step.tmp"
+        tmp.write_text(str(next_step))
+        os.replace(tmp, ckpt / "next_step")
+
+
+def train_restart(args: argparse.Namespace) -> None:
+    """Plain FSDP2 with sharded checkpoints; resumes from the newest one (the checkpoint-restart baseline)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timeout=datetime.timedelta(60)
@@ -124,25 +185,14 @@ def train_restart(args: argparse.Namespace) -> None:
     model = shard(make_model(args.hidden, args.layers), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ckpt = Path(args.ckpt) if args.ckpt else None
-    start = 0
-    if ckpt is not None and (ckpt / "next_step").exists():
-        model_state, optim_state = get_state_dict(model, opt)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(ckpt / "dcp"))
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        start = int((ckpt / "next_step").read_text())
+    start = resume(model, opt, ckpt)
     rec = Recorder(args, rank, world)
     for step in range(start, args.steps):
         rec.begin(step)
         x, y = batch(step, rank, args.batch)
         train_step(model, opt, x, y)
         if ckpt is not None and (step + 1) % args.ckpt_every == 0:
-            model_state, optim_state = get_state_dict(model, opt)
-            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(ckpt / "dcp"))
-            if rank == 0:  # every shard is written once dcp.save returns (it ends with a barrier)
-                tmp = ckpt / "next_step.tmp"
-                tmp.write_text(str(step + 1))
-                os.replace(tmp, ckpt / "next_step")
+            checkpoint(model, opt, ckpt, step + 1, rank)
     rec.finish("restart", {"resumed_at": start})
     dist.destroy_process_group()
 
@@ -229,40 +279,11 @@ def train_torchft(args: argparse.Namespace) -> None:
     model = shard(make_model(args.hidden, args.layers), mesh)
     opt_inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    # TorchFT heals a restarted group rank by rank from a live group's same rank: each sends its local shards
-    # (TorchFT's transport carries plain tensors), and the receiver puts them into its own DTensors.
-    def local(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            return value.to_local()
-        if isinstance(value, dict):
-            return {k: local(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [local(v) for v in value]
-        return value
-
-    def state_dict() -> dict[str, Any]:
-        return {"model": local(dict(model.state_dict())), "optim": local(opt_inner.state_dict())}
-
-    def load_state_dict(state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for name, tensor in model.state_dict().items():
-                tensor.to_local().copy_(state["model"][name])
-        params = [p for group in opt_inner.param_groups for p in group["params"]]
-        optim = state["optim"]
-        for index, values in optim["state"].items():
-            param = params[int(index)]
-            for key, value in list(values.items()):
-                if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and key != "step":
-                    values[key] = DTensor.from_local(
-                        value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-                    )
-        opt_inner.load_state_dict(optim)
-
     manager = Manager(
         pg=ProcessGroupGloo(timeout=datetime.timedelta(seconds=10)),
         min_replica_size=args.min_replicas or replicas,
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
+        load_state_dict=lambda state: load_local_state(model, opt_inner, state),
+        state_dict=lambda: local_state(model, opt_inner),
         replica_id=f"bench{replica}",
         store_addr=os.environ["MASTER_ADDR"],
         store_port=int(os.environ["MASTER_PORT"]),

@@ -37,7 +37,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_workload import batch, make_model, wait_for_spares
+from fsdp_workload import batch, local, make_model, wait_for_spares
 from torchpass_workload import Recorder
 
 CPU = torch.device("cpu")
@@ -65,7 +65,8 @@ def schedule_step(schedule: Any, stage: int, stages: int, x: torch.Tensor, y: to
 
 
 def flat_grads(module: nn.Module) -> tuple[list[torch.Tensor], torch.Tensor]:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    """The module's gradients (a DTensor's: its local part, which shares its storage) and one flat copy of them."""
+    grads = [local(p.grad) for p in module.parameters() if p.grad is not None]
     return grads, torch.cat([g.reshape(-1) for g in grads])
 
 

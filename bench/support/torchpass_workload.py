@@ -70,10 +70,13 @@ def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 class Recorder:
     """The per-rank step log, the crash schedule and the timing."""
 
-    def __init__(self, args: argparse.Namespace, rank: int, world: int) -> None:
+    def __init__(self, args: argparse.Namespace, rank: int, world: int, together: tuple[int, ...] = ()) -> None:
+        """``together``: the ranks that crash as one at each ``--crash-steps`` step (a node: every rank on it),
+        in place of one rank a crash, in turn."""
         self.out = Path(args.out)
         self.rank = rank
         self.world = world
+        self.together = together
         self.warmup = args.warmup
         self.crashes = [int(s) for s in args.crash_steps.split(",") if s]
         self.node_crash_step = args.node_crash_step
@@ -101,7 +104,9 @@ class Recorder:
         if step >= self.warmup:
             self.timed += 1
         for k, when in enumerate(self.crashes):
-            if when == step and (k + 1) % self.world == self.rank:
+            if when == step and self.rank in self.together:
+                self.crash_together(when)
+            if when == step and not self.together and (k + 1) % self.world == self.rank:
                 try:
                     fd = os.open(self.out / f"crashed-{when}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
                 except FileExistsError:
@@ -118,6 +123,27 @@ class Recorder:
             os.close(fd)
             while True:  # the benchmark crashes this node now
                 time.sleep(1)
+
+    def crash_together(self, when: int) -> None:
+        """One crash of every rank in ``together`` (the replacements, at the same step again, do not crash): each
+        waits (60 s at most) until all reached the step, the first to get there after that writes the crash
+        marker (``crashed-STEP``, the crash's time), and each SIGKILLs itself."""
+        try:
+            os.close(os.open(self.out / f"victim-{when}-{self.rank}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        deadline = time.monotonic() + 60.0
+        while not all((self.out / f"victim-{when}-{r}").exists() for r in self.together):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        try:
+            fd = os.open(self.out / f"crashed-{when}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.write(fd, f"{time.time()} ranks {','.join(map(str, self.together))}\n".encode())
+            os.close(fd)
+        except FileExistsError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def finish(self, mode: str, extra: dict[str, Any] | None = None) -> None:
         seconds = time.perf_counter() - self.t_warm if self.t_warm is not None else 0.0
