@@ -103,6 +103,7 @@ def run_torchpass(args: argparse.Namespace, out: Path, command: Command = worklo
     for key in ("detect_ms", "decide_ms", "spare_ready_ms", "rebuild_ms", "transfer_ms", "transfer_bytes", "total_ms"):
         row[key] = recovered.get(key)
     row["moves"] = recovered.get("moves", [])
+    row["bytes_moved"] = sum(move["bytes"] for move in row["moves"])  # every part (transfer_bytes: the largest)
     row["restarts"] = 0
     return row
 
@@ -229,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, Arm] = {"torchpass": run_torchpass, "restart": run_restart}
     if not torchft_note:
         systems["torchft"] = run_torchft
+    began = time.monotonic()
     rows = run_systems(args, systems, "fsdp-recovery-")
     report(
         "fsdp_recovery",
@@ -244,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             "crash_step": args.crash_step,
             "ckpt_every": args.ckpt_every,
         },
+        began=began,
     )
     return 0
 

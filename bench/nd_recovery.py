@@ -37,21 +37,16 @@ the crash. The last line printed is one JSON object of the figures.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from fsdp_recovery import run_restart, run_torchft, run_torchpass
+from support.recovery_report import Arm, report, run_systems
 from support.torchpass_jobs import say, torchft_status
 
 WORKLOAD = Path(__file__).resolve().parent / "support" / "nd_workload.py"
-GOAL_S = 3.0  # issue 42: full width in under 3 s here
-GOAL_VS_TORCHFT = 2.0  # ... and at least 2x sooner than TorchFT
 
 
 def workload(args: argparse.Namespace, out: Path, mode: str, *extra: str) -> list[str]:
@@ -64,9 +59,7 @@ def workload(args: argparse.Namespace, out: Path, mode: str, *extra: str) -> lis
 
 
 def torchpass_arm(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    row = run_torchpass(args, out, workload, spares=args.tp)  # a spare for each rank of the lost node
-    row["bytes_moved"] = sum(move["bytes"] for move in row["moves"])  # every rank's part (the event's: the largest)
-    return row
+    return run_torchpass(args, out, workload, spares=args.tp)  # a spare for each rank of the lost node
 
 
 def restart_arm(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -78,10 +71,6 @@ def torchft_arm(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     # A replica's batch is shared by its TP ranks: a step without the absent replica skips one batch, not one a rank.
     row["samples_skipped"] = row["steps_at_reduced_width"] * args.batch
     return row
-
-
-def ratio(slow: float | None, fast: float | None) -> float | None:
-    return round(slow / fast, 2) if slow and fast else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,102 +103,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.ckpt_every} steps; {args.runs} run(s) each"
     )
     torchft_note = "left out (--skip-torchft)" if args.skip_torchft else torchft_status()
-    systems: dict[str, Any] = {"torchpass": torchpass_arm, "restart": restart_arm}
+    systems: dict[str, Arm] = {"torchpass": torchpass_arm, "restart": restart_arm}
     if not torchft_note:
         systems["torchft"] = torchft_arm
     began = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="nd-recovery-"))
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
-    try:
-        for index in range(args.runs):
-            for name in list(systems)[index % 2 :] + list(systems)[: index % 2]:
-                out = work / f"{name}-{index}"
-                out.mkdir()
-                row = systems[name](args, out)
-                rows[name].append(row)
-                say(f"  run {index + 1} {name:<10} {json.dumps(row)}")
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-        else:
-            say(f"  runs kept in {work}")
-
-    def median(name: str, key: str) -> float | None:
-        values = [r[key] for r in rows[name] if r.get(key) is not None]
-        return round(statistics.median(values), 3) if values else None
-
-    common = ("to_full_width_s", "steps_computed_twice", "samples_skipped", "restarts")
-    extra = {
-        "torchpass": (
-            "detect_ms",
-            "spare_ready_ms",
-            "transfer_ms",
-            "rebuild_ms",
-            "transfer_bytes",
-            "bytes_moved",
-            "total_ms",
-        ),
-        "torchft": ("steps_at_reduced_width", "group_restarts"),
-    }
-    summary = {name: {key: median(name, key) for key in common + extra.get(name, ())} for name in systems}
-    tp, restart, ft = summary["torchpass"], summary["restart"], summary.get("torchft", {})
-    say("")
-    say(f"{'':<44}{'TorchPass':>12}{'ckpt-restart':>14}{'TorchFT':>14}")
-    for label, key in (
-        ("crash -> first full-width step done (s)", "to_full_width_s"),
-        ("steps at reduced width", "steps_at_reduced_width"),
-        ("samples skipped", "samples_skipped"),
-        ("global steps computed twice", "steps_computed_twice"),
-        ("whole-job restarts", "restarts"),
-        ("replica-group restarts", "group_restarts"),
-    ):
-        say(f"{label:<44}{tp.get(key, 0)!s:>12}{restart.get(key, 0)!s:>14}{ft.get(key, '-')!s:>14}")
-    if torchft_note:
-        say(f"TorchFT: {torchft_note}")
-    elif ft.get("to_full_width_s") is None:
-        say(
-            "TorchFT: the restarted replica group trained no step beside the live one, which ended first (no "
-            "full-width figure; a longer job, --steps, gives it the time to heal)"
-        )
-    say(
-        f"TorchPass, medians: detection {tp['detect_ms']} ms, spare ready {tp['spare_ready_ms']} ms, transfer "
-        f"{tp['transfer_ms']} ms ({tp['bytes_moved']} bytes moved in all, {tp['transfer_bytes']} the largest part), "
-        f"rebuild {tp['rebuild_ms']} ms; fault to every "
-        f"rank training again {tp['total_ms']} ms"
-    )
-    vs_restart = ratio(restart["to_full_width_s"], tp["to_full_width_s"])
-    vs_torchft = ratio(ft.get("to_full_width_s"), tp["to_full_width_s"])
-    say(
-        f"TorchPass at full width {vs_restart}x sooner than checkpoint-restart, "
-        + (f"{vs_torchft}x sooner than TorchFT" if vs_torchft else "TorchFT not measured")
-    )
-    goals = {
-        f"full_width_under_{GOAL_S:g}s": bool(tp["to_full_width_s"] is not None and tp["to_full_width_s"] < GOAL_S),
-        f"{GOAL_VS_TORCHFT:g}x_faster_to_full_width_than_torchft": bool(vs_torchft and vs_torchft >= GOAL_VS_TORCHFT),
-        "zero_samples_skipped": tp["samples_skipped"] == 0,
-    }
-    say(f"goals (issue 42): {goals}")
-    wall_s = round(time.monotonic() - began, 1)
-    say(f"the benchmark took {wall_s} s")
-    print(
-        json.dumps(
-            {
-                "bench": "nd_recovery",
-                "nproc": args.nproc,
-                "layout": {"dp_replicate": replicas, "dp_shard": 1, "tp": args.tp},
-                "model": {"hidden": args.hidden, "layers": args.layers, "batch": args.batch},
-                "steps": args.steps,
-                "crash_step": args.crash_step,
-                "ckpt_every": args.ckpt_every,
-                "summary": summary,
-                "runs": rows,
-                "speedup_vs_restart": vs_restart,
-                "speedup_vs_torchft": vs_torchft,
-                "goals_met": goals,
-                "torchft": torchft_note or "ok",
-                "wall_s": wall_s,
-            }
-        )
+    rows = run_systems(args, systems, "nd-recovery-")
+    report(
+        "nd_recovery",
+        rows,
+        torchft_note,
+        torchft_label="TorchFT",
+        issue="issue 42",
+        describe={
+            "nproc": args.nproc,
+            "layout": {"dp_replicate": replicas, "dp_shard": 1, "tp": args.tp},
+            "model": {"hidden": args.hidden, "layers": args.layers, "batch": args.batch},
+            "steps": args.steps,
+            "crash_step": args.crash_step,
+            "ckpt_every": args.ckpt_every,
+        },
+        began=began,
     )
     return 0
 

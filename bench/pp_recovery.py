@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     systems: dict[str, Arm] = {"torchpass": torchpass_arm, "restart": restart_arm}
     if not torchft_note:
         systems["torchft"] = torchft_arm
+    began = time.monotonic()
     rows = run_systems(args, systems, "pp-recovery-")
     report(
         "pp_recovery",
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             "crash_step": args.crash_step,
             "ckpt_every": args.ckpt_every,
         },
+        began=began,
     )
     return 0
 

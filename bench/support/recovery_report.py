@@ -13,6 +13,7 @@ import json
 import shutil
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,15 @@ GOAL_VS_TORCHFT = 2.0  # ... at least 2x sooner than TorchFT, which drops the wh
 
 _COMMON = ("to_full_width_s", "steps_computed_twice", "samples_skipped", "restarts")
 _EXTRA = {
-    "torchpass": ("detect_ms", "spare_ready_ms", "transfer_ms", "rebuild_ms", "transfer_bytes", "total_ms"),
+    "torchpass": (
+        "detect_ms",
+        "spare_ready_ms",
+        "transfer_ms",
+        "rebuild_ms",
+        "transfer_bytes",
+        "bytes_moved",
+        "total_ms",
+    ),
     "torchft": ("steps_at_reduced_width", "group_restarts"),
 }
 
@@ -68,10 +77,17 @@ def summarise(rows: Rows) -> dict[str, dict[str, Any]]:
 
 
 def report(
-    bench: str, rows: Rows, torchft_note: str, *, torchft_label: str, issue: str, describe: Mapping[str, Any]
+    bench: str,
+    rows: Rows,
+    torchft_note: str,
+    *,
+    torchft_label: str,
+    issue: str,
+    describe: Mapping[str, Any],
+    began: float,
 ) -> None:
     """Print the table, TorchPass's split, the ratios and the goals; then the JSON line (``describe``: the bench's
-    own settings, first in it)."""
+    own settings, first in it; ``began``: ``time.monotonic()`` at the bench's start, for its wall time)."""
     summary = summarise(rows)
     tp, restart, ft = summary["torchpass"], summary["restart"], summary.get("torchft", {})
     say("")
@@ -88,11 +104,14 @@ def report(
     if torchft_note:
         say(f"TorchFT: {torchft_note}")
     elif ft.get("to_full_width_s") is None:
-        say("TorchFT: the restarted replica group trained no step before the job ended (no full-width figure)")
+        say(
+            "TorchFT: the restarted replica group trained no step beside the live one, which ended first (no "
+            "full-width figure; a longer job, --steps, gives it the time to heal)"
+        )
     say(
         f"TorchPass, medians: detection {tp['detect_ms']} ms, spare ready {tp['spare_ready_ms']} ms, transfer "
-        f"{tp['transfer_ms']} ms of {tp['transfer_bytes']} bytes, rebuild {tp['rebuild_ms']} ms; fault to every "
-        f"rank training again {tp['total_ms']} ms"
+        f"{tp['transfer_ms']} ms ({tp['bytes_moved']} bytes moved in all, {tp['transfer_bytes']} the largest part), "
+        f"rebuild {tp['rebuild_ms']} ms; fault to every rank training again {tp['total_ms']} ms"
     )
     vs_restart = _ratio(restart["to_full_width_s"], tp["to_full_width_s"])
     vs_torchft = _ratio(ft.get("to_full_width_s"), tp["to_full_width_s"])
@@ -109,6 +128,8 @@ def report(
         "zero_samples_skipped": tp["samples_skipped"] == 0,
     }
     say(f"goals ({issue}): {goals}")
+    wall_s = round(time.monotonic() - began, 1)
+    say(f"the benchmark took {wall_s} s")
     print(
         json.dumps(
             {
@@ -120,6 +141,7 @@ def report(
                 "speedup_vs_torchft": vs_torchft,
                 "goals_met": goals,
                 "torchft": torchft_note or "ok",
+                "wall_s": wall_s,
             }
         )
     )
