@@ -90,7 +90,11 @@ def test_clockwork_job_is_registered_reported_and_summarised(sandbox: Sandbox, t
 
     # 26.05 starts the batch script once the batch host's Prolog is done, not every node's (22.05 and 24.11
     # waited for all): node2's Prolog may still be registering the job.
-    jobs = until(f"node2's daemon to list job {job_id}", node2_jobs, 120)
+    try:
+        jobs = until(f"node2's daemon to list job {job_id}", node2_jobs, 120)
+    except AssertionError:
+        sandbox.slurm().cancel(job_id)  # a job left holding node1 and node2 would fail the module's next tests
+        raise
     assert jobs[job_id]["nodes"] == ["node1", "node2"] and jobs[job_id]["options"]["ft"] == "aware"
     (tmp_path / "release").touch()
     assert wait_job(sandbox, job_id) == "COMPLETED"
