@@ -18,6 +18,12 @@ from typing import Any, NoReturn
 
 import pytest
 
+# One intra-op thread per process, the suite's and every job's: the suite runs several "nodes" of several ranks
+# on two cores (two xdist workers, each with its jobs), where a pool per process as large as the machine only adds
+# threads that spin against each other (a 4-rank job took twice the CPU). The sandbox's jobs set the same; the
+# launcher's own default for jobs that set none is tested on its own (test_torchpass_threads.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def in_ci() -> bool:
     """Whether the tests run in CI: ``CI`` is set to anything but "", "0" or "false" (any case)."""

@@ -30,6 +30,7 @@ __all__ = [
     "LaunchEnv",
     "die_with_parent",
     "rank_argv",
+    "thread_default",
 ]
 
 # ----- what the launcher puts in each rank's environment -------------------------------------------
@@ -44,6 +45,21 @@ ENV_AGENT = "TORCHPASS_AGENT"  # Slurm mode: index of the node agent that starte
 ENV_GLOO_HOST = "TORCHPASS_GLOO_HOST"  # Slurm mode: the address gloo's device binds to (the node's address)
 ENV_DAEMON_SOCKET = "TORCHPASS_DAEMON_SOCKET"  # the node daemon's control socket, for rank events ('' = none)
 TRANSPARENT_MODULE = "torchpass.transparent.bootstrap"  # the rank bootstrap of model-transparent mode
+ENV_OMP_THREADS = "OMP_NUM_THREADS"
+
+
+def thread_default(env: Mapping[str, str], ranks_per_node: int) -> dict[str, str]:
+    """``{"OMP_NUM_THREADS": "1"}`` when several ranks share a node and the user set no thread count; else ``{}``.
+
+    What torchrun does, for the same reason: each rank's intra-op thread pool is otherwise as large as the node,
+    so G ranks run G x cores threads that spin against each other (on a 2-core machine a 4-rank CPU job took
+    twice the CPU). The rule is the job's, not the node's (``ranks_per_node`` is G, or a local job's rank
+    count), so that every process of a job, spares and replacements included, computes with the same thread
+    count: the bitwise equality of a recovered job depends on it. A value the user set is kept.
+    """
+    if ranks_per_node > 1 and not env.get(ENV_OMP_THREADS, "").strip():
+        return {ENV_OMP_THREADS: "1"}
+    return {}
 
 
 def rank_argv(python: str, script: str, script_args: list[str], *, transparent: bool) -> list[str]:

@@ -154,12 +154,14 @@ def test_whole_node_migration_with_clockwork_migrate_ranks_on(
         agents=NODES,
         nproc=NPROC,
         per_node=PER_NODE,
-        extra_env={"CLOCKWORK_CONFIG": str(config)},
+        # paced, so that the job still trains when the second rank's move is asked for (it waits for the first's)
+        extra_env={"CLOCKWORK_CONFIG": str(config), "CW_TEST_STEP_SLEEP": "0.2"},
         while_running=migrate_when_training,
     )
     _check(run, [0, 0, 0])
-    out = capsys.readouterr().out
-    assert results == [0], out
+    said = capsys.readouterr()
+    out = said.out
+    assert results == [0], out + said.err
     assert f"job {JOB_ID}: moving the ranks on 127.0.0.2 (2, 3) to one spare node" in out
     assert "rank 2 moves to spare a2.0.0" in out and "rank 3 moves to spare a2.1.1" in out
     _assert_same_final_state(run, reference, nproc=NPROC)

@@ -63,8 +63,10 @@ def test_bad_sources_of_g_say_what_is_wrong(env: dict[str, str], nproc_per_node:
 
 def test_each_rank_gets_its_local_index_and_a_gpu_of_its_own() -> None:
     slurm_gpus = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}  # as Slurm sets it for a step holding GPUs 4-7 of the node
-    assert rank_environment(slurm_gpus, 3, 4) == {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}
-    assert rank_environment({}, 1, 2) == {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}  # a CPU node: no check
+    assert rank_environment(dict(slurm_gpus, OMP_NUM_THREADS="6"), 3, 4) == {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}
+    # a CPU node: no GPU check; several ranks and no thread count of the user's: one thread each, as torchrun sets
+    assert rank_environment({}, 1, 2) == {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    assert rank_environment({}, 0, 1) == {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}  # one rank: torch's own default
     with pytest.raises(SlurmLayoutError, match="sees 2 GPU"):  # 4 ranks cannot share 2 GPUs one each
         rank_environment({"CUDA_VISIBLE_DEVICES": "0,1"}, 0, 4)
     with pytest.raises(ValueError, match="local index 2"):

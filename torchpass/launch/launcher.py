@@ -40,7 +40,7 @@ from torchpass.coordinator.service import DONE, Coordinator
 from torchpass.events import EventSink
 from torchpass.launch.warmup import framework_modules
 from torchpass.launch.zygote import ForkedProcess, Zygote, ZygoteError
-from torchpass.rank_env import LaunchEnv, rank_argv
+from torchpass.rank_env import LaunchEnv, rank_argv, thread_default
 
 __all__ = ["LocalLauncher", "loopback_interface"]
 
@@ -131,12 +131,19 @@ class LocalLauncher:
         except OSError:
             pass
 
-    def _environment(self, wid: str, role: str, endpoint: str) -> dict[str, str]:
+    def _base_environment(self) -> dict[str, str]:
+        """The launcher's environment, with the thread default every process of the job gets (the zygote's too:
+        torch sizes its thread pools when it is imported there)."""
         env = dict(os.environ)
+        env.update(thread_default(env, self.nproc))
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the children's streams are the launcher's (or the zygote's)
+        return env
+
+    def _environment(self, wid: str, role: str, endpoint: str) -> dict[str, str]:
+        env = self._base_environment()
         launch = LaunchEnv(endpoint, wid, role, self.nproc, self.host, env.get("SLURM_JOB_ID", ""), True)
         env.update(launch.to_environ())
         env[ENV_CONFIG] = self.config.to_json()
-        env.setdefault("PYTHONUNBUFFERED", "1")
         interface = loopback_interface()
         if interface is not None and self.host.startswith("127."):
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
@@ -185,6 +192,8 @@ class LocalLauncher:
             "--coordinator FILE --rank R)",
             file=sys.stderr,
         )
+        if thread_default(os.environ, self.nproc):
+            log.info("OMP_NUM_THREADS is unset: each rank runs one intra-op thread, as under torchrun (set it to tune)")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             if self.config.zygote:
@@ -203,8 +212,7 @@ class LocalLauncher:
             self.coordinator.stop()
 
     def _start_zygote(self) -> None:
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")  # the children's streams are the zygote's
+        env = self._base_environment()
         try:
             # The frameworks the script imports (lightning, transformers): seconds of CPU per process otherwise.
             frameworks = framework_modules(self.script) if self.config.spare_warmup else ()

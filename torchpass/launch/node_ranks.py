@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torchpass.launch.slurm_layout import ENV_RANKS_PER_NODE, SlurmLayoutError
+from torchpass.rank_env import thread_default
 
 __all__ = [
     "RanksPerNode",
@@ -95,7 +96,8 @@ def ranks_per_node(env: Mapping[str, str], nproc_per_node: int | None = None, *,
 
 
 def rank_environment(env: Mapping[str, str], local: int, per_node: int) -> dict[str, str]:
-    """What rank ``local`` of a node with ``per_node`` ranks is told about its place (see the module docstring).
+    """What rank ``local`` of a node with ``per_node`` ranks is told about its place (see the module docstring),
+    and ``OMP_NUM_THREADS=1`` when ``per_node`` > 1 and the job set none (:func:`torchpass.rank_env.thread_default`).
 
     ``CUDA_VISIBLE_DEVICES`` stays as Slurm set it; when it lists fewer devices than ``per_node`` the node
     cannot give rank ``local`` a GPU of its own, and that is an error."""
@@ -110,4 +112,4 @@ def rank_environment(env: Mapping[str, str], local: int, per_node: int) -> dict[
                 f"(CUDA_VISIBLE_DEVICES={visible}): ask Slurm for one GPU per rank (--gpus-per-node={per_node}) "
                 "or run fewer ranks per node (--nproc-per-node)"
             )
-    return {"LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node)}
+    return {"LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node), **thread_default(env, per_node)}
