@@ -261,6 +261,7 @@ class Sandbox:
             # An installed Clockwork ([sandbox] python) runs its own code: the builder's checkout must not shadow it.
             pythonpath="" if self.config.python else os.environ.get("PYTHONPATH", ""),
             slurmctld_parameters=slurm.slurmctld_parameters,
+            lens=self.config.lens,
         )
         if slurm.from_root:
             slurm.write_client_wrappers(p.slurm_bin)

@@ -192,8 +192,11 @@ def plugstack(spank_so: Path | None) -> str:
     return f"optional {spank_so}\n"
 
 
-def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str], slurm_bin: Path | None = None) -> str:
-    """The configuration the hooks, the node daemons (and `clockwork` inside jobs) read on the sandbox.
+def clockwork_toml(
+    paths: StatePaths, state_dir: Path, nics: list[str], slurm_bin: Path | None = None, lens: bool = True
+) -> str:
+    """The configuration the hooks, the node daemons (and `clockwork` inside jobs) read on the sandbox
+    (``lens``: whether the daemons run Fleet Lens, ``[sandbox] lens``).
 
     The nodes share one filesystem, so each node's daemon gets its own folders through ``{node}``;
     one CURVE key pair, made at ``up``, is the admin-installed key set of all daemons.
@@ -216,7 +219,7 @@ def clockwork_toml(paths: StatePaths, state_dir: Path, nics: list[str], slurm_bi
             "sysctls": LinkPassConfig().sysctls + ",net.ipv4.tcp_rto_min_us=20000",
         },
         # Fleet Lens names the sandbox's real switch ports (the bridge ports in the fabric namespace).
-        "lens": {"topology_file": str(paths.topology)},
+        "lens": {"enabled": lens, "topology_file": str(paths.topology)},
         # No GPUs here: each daemon reads its node's GPU fault file (`clockwork sandbox fault gpu`).
         "health": {
             "source": "fault-file",
@@ -282,10 +285,11 @@ def write_all(
     slurm_bin: Path | None = None,
     pythonpath: str = "",
     slurmctld_parameters: tuple[str, ...] = (),
+    lens: bool = True,
 ) -> None:
     """Write every file the sandbox's daemons read (``plugin_dir`` and ``slurm_bin``: a Slurm release from a
     root, whose plugins and client commands those are; ``pythonpath``: the hooks', see :func:`hook_wrapper`;
-    ``slurmctld_parameters``: the release's, see :func:`slurm_conf`)."""
+    ``slurmctld_parameters``: the release's, see :func:`slurm_conf`; ``lens``: see :func:`clockwork_toml`)."""
     for d in paths.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
     paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir, slurmctld_parameters))
@@ -307,7 +311,7 @@ def write_all(
     paths.topology.write_text(topology(layout))
     paths.controller_hosts.write_text(controller_hosts(layout))
     nics = [nic.name for nic in layout.nodes[0].nics]
-    paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root, nics, slurm_bin))
+    paths.clockwork_toml.write_text(clockwork_toml(paths, paths.root, nics, slurm_bin, lens))
     if accounting:
         paths.slurmdbd_conf.write_text(slurmdbd_conf(paths, layout))
         os.chmod(paths.slurmdbd_conf, 0o600)  # slurmdbd refuses a readable file

@@ -236,6 +236,9 @@ def test_written_clockwork_toml_is_a_valid_configuration(paths: StatePaths, layo
     assert cfg.health.fault_file.replace("{node}", "node2") == str(paths.root / "nodes" / "node2" / "gpu-faults.json")
     # Borrowing takes from the preemptible default partition through the high-tier one.
     assert (cfg.borrow.enabled, cfg.borrow.partitions, cfg.borrow.holder_partition) == (True, "low", "high")
+    assert cfg.lens.enabled  # Fleet Lens runs in the daemons, unless [sandbox] lens turns it off:
+    write_all(paths, layout, accounting=False, cpus_per_node=2, python=sys.executable, spank_so=None, lens=False)
+    assert not load_config(paths.clockwork_toml, env={}).config.lens.enabled
 
 
 def test_prolog_wrapper_runs_and_records_the_event(paths: StatePaths, layout: Layout, tmp_path: Path) -> None:

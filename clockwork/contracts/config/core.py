@@ -204,3 +204,9 @@ class SandboxConfig:
         "(spank/clockwork.so, spank/slurm-VERSION/clockwork.so); a path tests another, e.g. the one the Debian "
         "package installs.",
     )
+    lens: bool = setting(
+        True,
+        "Run Fleet Lens in the nodes' daemons ([lens] enabled in the clockwork.toml it writes). Its probes of every "
+        "path cost each daemon about 0.06 of a core here; the test suite's TorchPass job modules, which never read "
+        "Lens, turn it off so that five nodes on two cores leave that CPU to the job.",
+    )
