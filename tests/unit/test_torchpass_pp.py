@@ -271,6 +271,13 @@ def _assert_each_step_once(
     return journals
 
 
+def _recovery_story(run: FinishedJob) -> str:
+    """The launcher log's lines about membership and abandoned steps, trimmed: what a failed oracle shows."""
+    marks = ("member_failed", "torchpass.generation ", "waiting_for_spare", "abandoned", "leaving generation")
+    marks += ("aborted gloo", "joined", "registered", "assigned slot", "started w")
+    return "\n".join(line[:260] for line in run.output.splitlines() if any(m in line for m in marks))
+
+
 def _check_fault(
     run: FinishedJob, reference: FinishedJob, kill: str, lost: frozenset[int] = frozenset()
 ) -> list[dict[str, Any]]:
@@ -285,8 +292,10 @@ def _check_fault(
     for victim in sorted({int(spec.split(":")[0]) for spec in kill.split(",")}):
         assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
         assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
-    for fields in run.logged("torchpass.step_abandoned"):  # freed by the broken socket or the abort, not a timeout
-        assert "timed out" not in fields["reason"].lower(), fields
+    # freed by the broken socket or the abort, not a timeout; the job's story (who waited, in which generation)
+    # goes with a failure, which a loaded CI machine may be the only one to see
+    timed_out = [f for f in run.logged("torchpass.step_abandoned") if "timed out" in f["reason"].lower()]
+    assert not timed_out, (timed_out, _recovery_story(run))
     for move in moves:
         assert move["what"] == f"stage {move['part']} of the 2x2 pipeline" and move["bytes"] > 0, moves
     return moves

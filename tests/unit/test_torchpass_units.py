@@ -231,9 +231,11 @@ _ABORT_SCRIPT = textwrap.dedent(
     backend.form_group(dist.PrefixStore("g0", store), rank, 2, 0, {port})
     data = torch.ones(1000)
     dist.all_reduce(data)
+    backend.abort(superseded_by=0)  # a push of the generation just formed (it raced with forming it): no abort
+    dist.all_reduce(data)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # silent: alive, sockets open, never answers
-    threading.Timer(0.5, backend.abort).start()
+    threading.Timer(0.5, backend.abort, kwargs={"superseded_by": 1}).start()
     started = time.monotonic()
     try:
         dist.all_reduce(data)

@@ -47,7 +47,9 @@ __all__ = ["PRELOAD", "ForkedProcess", "Zygote", "ZygoteError"]
 
 log = logging.getLogger("clockwork.torchpass.zygote")
 
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo")  # what every rank imports anyway
+# What every rank imports anyway: torch, and TorchPass's rank side (another second of CPU per process, zmq,
+# msgpack and h5py with it; none of them starts a thread or opens a file at import, so the fork copies no state)
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torchpass.rank.start")
 OPTIONAL = "--optional"  # on the zygote's command line: the modules after it may fail to import
 READY = "ready"
 START_TIMEOUT_S = 120.0  # the zygote's own import of torch on a loaded node

@@ -134,9 +134,20 @@ class CommBackend(ABC):
         order. It is aborted and destroyed with the generation's group."""
         return _member_group(dist.new_group(ranks, timeout=self.timeout))
 
+    def abort(self, superseded_by: int | None = None) -> None:
+        """Make every in-flight collective of the current group fail now (thread-safe, idempotent).
+
+        ``superseded_by``: only if the current group belongs to an older generation than that one (the control
+        thread's case). Checked under the lock that :meth:`form_group` sets the generation under: checked before
+        it, a push of generation N that raced with this rank forming N itself would abort the group just formed."""
+        with self._lock:
+            if superseded_by is not None and not 0 <= self.generation < superseded_by:
+                return
+            self._abort_locked()
+
     @abstractmethod
-    def abort(self) -> None:
-        """Make every in-flight collective of the current group fail now (thread-safe, idempotent)."""
+    def _abort_locked(self) -> None:
+        """The backend's abort of the current group (called under the lock)."""
 
     def destroy(self) -> None:
         """Destroy the current group, if any (main thread). Safe on a broken group."""
@@ -250,28 +261,31 @@ class GlooBackend(CommBackend):
         self._shut_down(logging.DEBUG)
         super().destroy()
 
-    def abort(self) -> None:
+    def _abort_locked(self) -> None:
         """Shut down (not close: gloo still owns the descriptors) every peer socket of the group."""
-        self._shut_down(logging.INFO)
+        self._shut_down_locked(logging.INFO)
 
     def _shut_down(self, level: int) -> None:
         with self._lock:
-            for fd, link in self._sockets.items():
-                try:
-                    if os.readlink(f"/proc/self/fd/{fd}") != link:
-                        continue  # gloo closed it and the number was reused: not ours any more
-                    sock = socket.socket(fileno=os.dup(fd))
-                except OSError:
-                    continue
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                finally:
-                    sock.close()
-            if self._sockets:
-                log.log(level, "aborted gloo group g%d (%d sockets shut down)", self.generation, len(self._sockets))
-            self._sockets = {}
+            self._shut_down_locked(level)
+
+    def _shut_down_locked(self, level: int) -> None:
+        for fd, link in self._sockets.items():
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != link:
+                    continue  # gloo closed it and the number was reused: not ours any more
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            finally:
+                sock.close()
+        if self._sockets:
+            log.log(level, "aborted gloo group g%d (%d sockets shut down)", self.generation, len(self._sockets))
+        self._sockets = {}
 
     def _forget(self) -> None:
         self._sockets = {}
@@ -365,15 +379,14 @@ class NcclBackend(CommBackend):
         options._timeout = self.timeout
         return _member_group(dist.new_group(ranks, timeout=self.timeout, pg_options=options))
 
-    def abort(self) -> None:
+    def _abort_locked(self) -> None:
         """ncclCommAbort on the group's communicators: in-flight kernels exit, their Works fail."""
-        with self._lock:
-            if self.generation < 0 or not dist.is_initialized():
-                return
-            try:
-                abort_all_groups()
-            except Exception as exc:
-                log.warning("NCCL abort failed: %s", exc)
+        if self.generation < 0 or not dist.is_initialized():
+            return
+        try:
+            abort_all_groups()
+        except Exception as exc:
+            log.warning("NCCL abort failed: %s", exc)
 
     def destroy(self) -> None:
         """Abort, then destroy. An NCCL group whose eager init failed (a peer gone, two ranks on one GPU) can be

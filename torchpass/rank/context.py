@@ -491,8 +491,7 @@ class Context:
 
     def _on_generation(self, gen: int) -> None:
         """Control thread: a newer generation exists, so any collective of an older one is doomed: abort it."""
-        if 0 <= self._backend.generation < gen:
-            self._backend.abort()
+        self._backend.abort(superseded_by=gen)
 
     # ----- membership changes ---------------------------------------------------------------
 
