@@ -4,8 +4,9 @@ The Epilog writes the report (JSON) under the reports folder and puts the summar
 AdminComment, so ``sacct -o AdminComment`` tells an admin where to look without any other tool.
 
 With TorchPass, the summary also names the slots whose rank was replaced or moved, where each started and where
-it ended (``slots moved: 2 node3/0->node5/0, 3 node3/1->node5/1``: node and local index, its GPU), from the
-``torchpass.placement`` event every node agent posts at the job's end. A job that lost hundreds of ranks must
+it ended (``slots moved: 2 node3/0->node5/0, 3 node3/1->node5/1``: node and local index, its GPU), and the part of
+the state its new rank received where the layout names one (``1 node2/0->node5/0 (stage 1 of the 2x2 pipeline)``),
+from the ``torchpass.placement`` event every node agent posts at the job's end. A job that lost hundreds of ranks must
 not turn the comment into a page: the list stops at :data:`SLOTS_MAX_CHARS` and says how many more moved
 (``clockwork report JOBID`` lists every one).
 
@@ -95,11 +96,17 @@ def slots_moved(events: list[dict[str, Any]]) -> dict[str, Any]:
     return {"slots_moved": listed, "slots_moved_total": max(len(listed), total if isinstance(total, int) else 0)}
 
 
+def _part(where: dict[str, str]) -> str:
+    """`` (stage 0 of the 2x2 pipeline)``: the part of the state a moved slot's rank received, when named."""
+    part = str(where.get("part") or "").replace(";", ",")
+    return f" ({part})" if part else ""
+
+
 def _slots_part(moved: dict[str, dict[str, str]], total: int) -> str:
     """``slots moved: 2 node3/0->node5/0, ...`` within :data:`SLOTS_MAX_CHARS` ('' when none moved): the first
     slots that fit, then how many more moved (``clockwork report`` lists them)."""
     order = sorted(moved.items(), key=lambda item: int(item[0]) if item[0].isdigit() else -1)
-    items = [f"{slot} {where.get('from', '?')}->{where.get('to', '?')}" for slot, where in order]
+    items = [f"{slot} {where.get('from', '?')}->{where.get('to', '?')}{_part(where)}" for slot, where in order]
     for shown in range(len(items), -1, -1):
         rest = max(total, len(items)) - shown
         text = ", ".join(items[:shown] + ([f"+{rest} more"] if rest else []))

@@ -20,6 +20,7 @@ from clockwork.contracts.coordinator_wire import ProtocolError, Role, int_tuple,
 
 __all__ = [
     "REQUESTS",
+    "WHOLE_STATE",
     "AwaitGeneration",
     "Broken",
     "Departed",
@@ -80,6 +81,10 @@ class Broken:
     committed: int = -1
     error: str = ""
     at: float | None = None
+
+
+#: :attr:`PartMove.what` of a replicated job's (DDP's) one part: naming it says nothing a slot number does not.
+WHOLE_STATE = "the training state"
 
 
 @dataclass(frozen=True)

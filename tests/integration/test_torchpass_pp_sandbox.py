@@ -110,3 +110,8 @@ def test_node_crash_rebuilds_a_pipeline_stage_on_the_standby_node(box: Sandbox, 
     # the replacement adopted that state once (generation 0's adoption is the start's, by the first process)
     adopted = [s for kind, gen, s, _pid in journals[slot] if kind == "adopt" and gen > 0]
     assert adopted == [resumed - 1], (journals[slot], step, phase)
+    # at the job's end every surviving agent tells its node daemon where the slot went and which stage moved with
+    # it (what the batch host's Epilog puts in the AdminComment: "slots moved: 1 node2/0->node5/0 (stage 1 ...)")
+    placements = run.of_kind("torchpass.placement")
+    where = {"from": f"{nodes[slot]}/0", "to": f"{nodes[4]}/0", "part": f"stage {stage} of the 2x2 pipeline"}
+    assert placements and all(p["slots"] == {str(slot): where} for p in placements), placements

@@ -111,3 +111,15 @@ def test_node_crash_rebuilds_a_whole_tp_group_on_the_standby_node(box: Sandbox, 
     # or the crashed step itself where replica 0 committed it before the group was declared lost
     adopted = {slot: [s for kind, _g, s, _pid in journals[slot] if kind == "adopt"][-1] for slot in (4, 5)}
     assert adopted[4] == adopted[5] in (step - 1, step), (adopted, step)
+    # at the job's end every surviving agent tells its node daemon where the slots went and which coordinate moved
+    # with each (what the batch host's Epilog puts in the AdminComment)
+    placements = run.of_kind("torchpass.placement")
+    where = {
+        str(slot): {
+            "from": f"{nodes[2]}/{tp}",
+            "to": f"{nodes[4]}/{tp}",
+            "part": f"part {tp} (shard 0, tp {tp}) of the {MESH} mesh",
+        }
+        for slot, tp in ((4, 0), (5, 1))
+    }
+    assert placements and all(p["slots"] == where for p in placements), placements

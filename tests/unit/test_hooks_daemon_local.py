@@ -158,19 +158,24 @@ def _fake_slurm_clients(site: dict[str, Path], queue: dict[str, Any]) -> Path:
 
 
 def test_epilog_names_the_moved_slots_in_the_admin_comment(site: dict[str, Path]) -> None:
-    """The AdminComment names where replaced ranks went (node/local index), from the ``torchpass.placement``
-    event the node agent posts at the job's end; the report keeps them too."""
+    """The AdminComment names where replaced ranks went (node/local index) and, where the layout names one, the
+    part of the state each received, from the ``torchpass.placement`` event the node agent posts at the job's end;
+    the report keeps them too."""
     job = {"job_id": 77, "name": "train", "job_state": "COMPLETING", "user_name": "alice", "partition": "high",
            "nodes": "n[1-2]", "admin_comment": ""}  # fmt: skip
     calls = _fake_slurm_clients(site, {"jobs": [job], "errors": []})
     env = {**ENV, "CLOCKWORK_CONFIG": str(site["config"])}
     assert runner.main(["prolog"], env) == 0
-    moved = {"3": {"from": "n2/1", "to": "n1/1"}, "2": {"from": "n2/0", "to": "n1/0"}}
+    moved = {
+        "3": {"from": "n2/1", "to": "n1/1", "part": "stage 1 of the 2x2 pipeline"},
+        "2": {"from": "n2/0", "to": "n1/0"},
+    }
     with DaemonClient(paths(site)) as client:
         client.post_event(77, "torchpass.placement", {"slots": moved, "moved": 2, "ranks_per_node": 2})
     assert runner.main(["epilog"], env) == 0
     (comment,) = [c for c in calls.read_text().splitlines() if c.startswith("scontrol update JobId=77")]
-    assert "rollbacks; slots moved: 2 n2/0->n1/0, 3 n2/1->n1/1; report=" in comment, comment
+    stage = "(stage 1 of the 2x2 pipeline)"
+    assert f"rollbacks; slots moved: 2 n2/0->n1/0, 3 n2/1->n1/1 {stage}; report=" in comment, comment
     report = json.loads((paths(site).reports_dir / "77.json").read_text())
     assert report["slots_moved"] == moved and report["slots_moved_total"] == 2
 

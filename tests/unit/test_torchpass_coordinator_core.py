@@ -28,6 +28,7 @@ from clockwork.contracts.coordinator_replies import (
     StopPush,
 )
 from clockwork.contracts.coordinator_requests import (
+    WHOLE_STATE,
     AwaitGeneration,
     Broken,
     Departed,
@@ -36,6 +37,7 @@ from clockwork.contracts.coordinator_requests import (
     Heartbeat,
     Joined,
     Migrate,
+    PartMove,
     Register,
     SnapshotAsk,
     Status,
@@ -685,6 +687,28 @@ def test_the_completion_event_measures_each_phase() -> None:
     assert (recovered["step"], recovered["transfer_bytes"], recovered["rebuild_ms"]) == (7, 123, 4.0)
     assert recovered["detect_ms"] == pytest.approx(300.0) and recovered["decide_ms"] == pytest.approx(0.0)
     assert recovered["spare_ready_ms"] == pytest.approx(100.0) and recovered["total_ms"] == pytest.approx(800.0)
+
+
+def test_the_part_each_replaced_slot_received_is_kept_and_replicated() -> None:
+    """What the job's AdminComment names beside each moved slot (the agent's ``torchpass.placement``): the part of
+    the state its rank received, where the layout names parts; DDP's whole state is not worth a name."""
+    sim = Sim(4)
+    sim.start("w0", "w1", "w2", "w3")
+    sim.register("w4", "spare")
+    sim.register("w5", "spare")
+    sim.handle(WorkerExited("w0", Role(0), -9, sim.now.wall))
+    sim.handle(WorkerExited("w3", Role(3), -9, sim.now.wall))
+    info = sim.m.info
+    stage = PartMove(0, "stage 0 of the 2x2 pipeline", 2, 0, 5376, 8.4)
+    whole = PartMove(0, WHOLE_STATE, 1, 3, 4096, 3.0)
+    for wid in info.members.values():
+        slot = info.slot_of(wid) or 0
+        moves = {0: (stage,), 3: (whole,)}.get(slot, ())
+        sim.ask(wid, Joined(next(sim.ids), wid, info.gen, slot=slot, resume_step=5, moves=moves))
+    assert sim.events("torchpass.recovered") and sim.m.parts == {0: "stage 0 of the 2x2 pipeline"}
+    copy = Sim(4, active=False)
+    copy.m.adopt(sim.m.export())
+    assert copy.m.parts == sim.m.parts
 
 
 # ----- leadership ----------------------------------------------------------------------------------

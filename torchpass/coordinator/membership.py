@@ -58,6 +58,7 @@ from torchpass.coordinator.records import (
     WaitKind,
     WorkerRecord,
     completion_fields,
+    parts_received,
     place_of,
 )
 from torchpass.failure_domains import spares_outside
@@ -90,6 +91,7 @@ class Membership:
         self.node_names: dict[int, str] = {}  # Slurm mode: agent -> its node, to name where a rank failed
         self.domains: dict[int, str] = {}  # Slurm mode: agent -> its node's failure domain (torchpass.failure_domains)
         self.initial: dict[int, str] = {}  # slot -> wid of the first generation's members, as they register
+        self.parts: dict[int, str] = {}  # slot -> the part its newest rank received, when named (a stage, a shard)
         self.parked: dict[str, ParkedPoll] = {}
         self.joined: dict[str, Joined] = {}
         self.finished: dict[str, int] = {}
@@ -450,6 +452,7 @@ class Membership:
         else:
             kind = "torchpass.recovered"
         self.progressed = True
+        self.parts.update(parts_received(fields.get("moves", [])))
         slots = sorted(info.replaced.keys() | (rec.replaced if rec is not None else set()))
         if self.node_names:  # Slurm mode: where each replaced slot's rank runs now (its node, local index)
             fields["placed"] = {str(k): self.placement(self.workers[v]) for k, v in info.replaced.items()}
@@ -565,6 +568,7 @@ class Membership:
             "progressed": self.progressed,
             "resets": self.resets,
             "initial": {int(k): v for k, v in self.initial.items()},
+            "parts": dict(self.parts),
             "departing": self.departing,
             "departed": self.departed,
             "dead_agents": sorted(self.dead_agents),
@@ -596,6 +600,7 @@ class Membership:
         self.progressed = bool(snap["progressed"])
         self.resets = int(snap["resets"])
         self.initial = {int(k): str(v) for k, v in snap["initial"].items()}
+        self.parts = {int(k): str(v) for k, v in (snap.get("parts") or {}).items()}  # absent: an older replica
         self.departing = snap["departing"]
         self.departed = bool(snap["departed"])
         self.dead_agents |= {int(a) for a in snap["dead_agents"]}

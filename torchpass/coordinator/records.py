@@ -17,7 +17,7 @@ from enum import StrEnum
 from typing import Any
 
 from clockwork.contracts.coordinator_replies import Push, Reply
-from clockwork.contracts.coordinator_requests import Heartbeat, Joined, Request
+from clockwork.contracts.coordinator_requests import WHOLE_STATE, Heartbeat, Joined, Request
 from clockwork.contracts.coordinator_wire import FailureKind, Role
 from torchpass.coordinator.lockstep import CollectiveWait
 
@@ -50,6 +50,7 @@ __all__ = [
     "completion_fields",
     "local_of",
     "node_key",
+    "parts_received",
     "place_of",
     "worker_id",
 ]
@@ -324,6 +325,13 @@ class Outbox:
     def decide(self, decision: Decision) -> None:
         """Any other decision."""
         self.decisions.append(decision)
+
+
+def parts_received(moves: list[dict[str, Any]]) -> dict[int, str]:
+    """Slot -> the part of the training state it received (a completion's ``moves``), where the layout names
+    parts (a stage, a shard, a tensor-parallel coordinate; not DDP's whole state): what the job's AdminComment
+    says moved with each slot."""
+    return {int(m["target"]): str(m["what"]) for m in moves if m.get("what") and m["what"] != WHOLE_STATE}
 
 
 def completion_fields(

@@ -78,9 +78,9 @@ from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank
 
 __all__ = ["SlurmAgent", "daemon_control_socket"]
 
-#: How many moved slots the job's end tells the node daemon (``torchpass.placement``): about 50 bytes each, well
-#: within the 16 KB a daemon event may carry.
-PLACEMENT_SLOTS = 200
+#: How many moved slots the job's end tells the node daemon (``torchpass.placement``): about 100 bytes each with
+#: the part's name, within the 16 KB a daemon event may carry.
+PLACEMENT_SLOTS = 120
 
 log = logging.getLogger("clockwork.torchpass.agent")
 
@@ -483,15 +483,20 @@ class SlurmAgent:
 
     def _post_slot_moves(self) -> None:
         """Tell this node's daemon where the job's replaced ranks went (``torchpass.placement``: per slot, the
-        node/local index it started on and the one it ended on).
+        node/local index it started on and the one it ended on, and the part of the state its rank received
+        where the layout names one: ``stage 0 of the 2x2 pipeline``).
 
         Every agent holds the replicated state, so every agent can say it; the coordinator's own events reach
         only the leader's node daemon, while the Epilog that writes the job's AdminComment runs on the batch
         host, which seldom leads. This event is what lets that AdminComment name the slots."""
         initial, members = self.mesh.slot_holders()
         moved = slot_moves(initial, members, self.layout.nodes)
+        parts = self.mesh.slot_parts()
         # The first PLACEMENT_SLOTS slots (what fits in one daemon event), and how many moved in all.
-        slots = {str(slot): {"from": start, "to": now} for slot, (start, now) in list(moved.items())[:PLACEMENT_SLOTS]}
+        slots = {
+            str(slot): {"from": start, "to": now, **({"part": parts[slot]} if slot in parts else {})}
+            for slot, (start, now) in list(moved.items())[:PLACEMENT_SLOTS]
+        }
         fields = {"slots": slots, "moved": len(moved), "ranks_per_node": self.layout.ranks_per_node}
         emit(self.event_sink, log, "torchpass.placement", **fields)
 

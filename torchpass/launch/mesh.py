@@ -204,6 +204,13 @@ class AgentMesh(SocketThread):
             initial, members = snap.get("initial") or {}, snap.get("members") or {}
         return {int(k): str(v) for k, v in initial.items()}, {int(k): str(v) for k, v in members.items()}
 
+    def slot_parts(self) -> dict[int, str]:
+        """Slot -> the part of the state its newest rank received, where the layout names one (a pipeline stage,
+        a shard), per the newest snapshot."""
+        with self._lock:
+            parts = (self._snapshot or {}).get("parts") or {}
+        return {int(k): str(v) for k, v in parts.items()}
+
     def lost_agents(self) -> frozenset[int]:
         """The agents counted lost so far (a copy: one C-level call, safe beside the mesh thread's updates)."""
         return frozenset(self.dead)

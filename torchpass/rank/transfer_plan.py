@@ -51,6 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from clockwork.contracts.coordinator_requests import WHOLE_STATE
 from torchpass.failure_domains import ring_successors
 
 __all__ = [
@@ -110,7 +111,7 @@ class Replicated:
 
     def part_name(self, part: int) -> str:
         """The state is one part."""
-        return "the training state"
+        return WHOLE_STATE
 
     def lost_hint(self, part: int) -> str:
         """Every replica is gone: nothing to add."""
