@@ -120,10 +120,19 @@ def _rank_main() -> int:
     ctx = tp.init(event_sink=sink)
 
     torch.manual_seed(1234)  # the same model on every rank: each keeps its own stage
-    stages = [
-        nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32)),
-        nn.Sequential(nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)),
-    ]
+    n_stages = int(os.environ.get("CW_TEST_STAGES") or 2)
+    if n_stages == 4:  # middle stages receive from one neighbour and send to the other
+        stages = [
+            nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1)),
+            nn.Sequential(nn.Linear(32, 32), nn.GELU()),
+            nn.Sequential(nn.Dropout(0.1), nn.Linear(32, 32), nn.Tanh()),
+            nn.Sequential(nn.Linear(32, 4)),
+        ]
+    else:
+        stages = [
+            nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32)),
+            nn.Sequential(nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)),
+        ]
 
     def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         maybe_kill("loss", counters["loss"])
@@ -132,7 +141,9 @@ def _rank_main() -> int:
 
     if os.environ.get("CW_TEST_BESIDE") == "fsdp":  # a pipeline beside FSDP: refused (not built yet)
         ctx.wrap_fsdp(nn.Linear(2, 2), mesh_shape=(2, 2))
-    pipe = ctx.wrap_pipeline(stages, mesh_shape=(2, 2), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    pipe = ctx.wrap_pipeline(
+        stages, mesh_shape=(2, n_stages), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn
+    )
     if os.environ.get("CW_TEST_BESIDE") == "twice":  # a second model: refused
         ctx.wrap_pipeline(stages, mesh_shape=(2, 2), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
 
@@ -226,14 +237,17 @@ def _run(
     spares: int = 1,
     migrate: str = "",
     together: bool = False,
+    stages: int = 2,
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_SCHEDULE=schedule)
+    env["CW_TEST_STAGES"] = str(stages)
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     env["CW_TEST_MIGRATE"] = migrate
     # the runtime net compares the replicas of each stage every 2 steps (a mismatch stops the job)
-    cmd = local_command(out, SCRIPT, nproc=RANKS, spares=spares, settings=("replica_check_every_steps=2",))
+    settings = ("replica_check_every_steps=2",)
+    cmd = local_command(out, SCRIPT, nproc=2 * stages, spares=spares, settings=settings)
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -245,7 +259,7 @@ def _run(
 
 
 def _assert_each_step_once(
-    run: FinishedJob, lost: frozenset[int] = frozenset()
+    run: FinishedJob, lost: frozenset[int] = frozenset(), stages: int = 2
 ) -> dict[int, list[tuple[str, int, int, int]]]:
     """Per slot: commits are 0..N-1 in order, each once; an adopted state is the step the slot had to reach.
 
@@ -254,7 +268,7 @@ def _assert_each_step_once(
     not finished it, so the job resumes before it and their replacements commit it again (a step the job lost, not
     one it did twice). The survivors' journals stay strict."""
     journals = {}
-    for slot in range(RANKS):
+    for slot in range(2 * stages):
         lines = (run.out / f"journal-slot{slot}.txt").read_text().splitlines()
         entries = [(kind, int(gen), int(step), int(pid)) for kind, gen, step, pid in (ln.split() for ln in lines)]
         next_step = 0
@@ -279,25 +293,29 @@ def _recovery_story(run: FinishedJob) -> str:
 
 
 def _check_fault(
-    run: FinishedJob, reference: FinishedJob, kill: str, lost: frozenset[int] = frozenset()
+    run: FinishedJob, reference: FinishedJob, kill: str, lost: frozenset[int] = frozenset(), stages: int = 2
 ) -> list[dict[str, Any]]:
-    """The oracle, and the moves: each victim's stage came from the same stage of the other replica."""
+    """The oracle, and the moves: each victim's stage came from the same stage of the other replica (a
+    (dp_replicate 2 x pp ``stages``) mesh)."""
     run.check_ok()
     for spec in kill.split(","):
         assert (run.out / ("killed-" + spec.replace(":", "-"))).exists(), f"the fault {spec} was not injected"
-    for slot in range(RANKS):
+    for slot in range(2 * stages):
         assert_bitwise_equal(load_final(run.out, slot), load_final(reference.out, slot), f"slot {slot}")
-    journals = _assert_each_step_once(run, lost)
+    journals = _assert_each_step_once(run, lost, stages)
     moves = [m for f in run.of_kind("torchpass.recovered") for m in f.get("moves", [])]
     for victim in sorted({int(spec.split(":")[0]) for spec in kill.split(",")}):
         assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
-        assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 2], moves
-    # freed by the broken socket or the abort, not a timeout; the job's story (who waited, in which generation)
-    # goes with a failure, which a loaded CI machine may be the only one to see
+        assert [m["source"] for m in moves if m["target"] == victim] == [(victim + stages) % (2 * stages)], moves
+    # Freed by the broken socket or the abort, not a timeout, with one known exception (docs/user-guide.md, "What
+    # happens on a failure"): a send to a live peer that left the generation at the same instant is at times not
+    # freed by gloo and waits out collective_timeout_s (the step is still abandoned, the job still exact). At most
+    # one such wait, none in a recv or a collective; the job's story goes with a failure.
     timed_out = [f for f in run.logged("torchpass.step_abandoned") if "timed out" in f["reason"].lower()]
-    assert not timed_out, (timed_out, _recovery_story(run))
+    sends = [f for f in timed_out if "for send operation" in f["reason"]]
+    assert len(sends) <= 1 and len(timed_out) == len(sends), (timed_out, _recovery_story(run))
     for move in moves:
-        assert move["what"] == f"stage {move['part']} of the 2x2 pipeline" and move["bytes"] > 0, moves
+        assert move["what"] == f"stage {move['part']} of the 2x{stages} pipeline" and move["bytes"] > 0, moves
     return moves
 
 
@@ -399,6 +417,30 @@ def test_node_crash_takes_both_stages_of_one_replica(base: Path, references: dic
     run = _run(base, "node-crash", schedule="gpipe", kill=kill, spares=2, together=True)
     moves = _check_fault(run, references["gpipe"], kill, lost=frozenset({2, 3}))
     assert {m["target"]: m["source"] for m in moves} == {2: 0, 3: 1}, moves
+
+
+def test_a_middle_stage_of_four_dies_and_is_rebuilt_from_its_replica(base: Path) -> None:
+    """(dp_replicate 2 x pp 4) under 1F1B: a middle stage, which receives from one neighbour and sends to the other,
+    dies as it sends a micro-batch's activations or its input gradient; both neighbours are blocked on it. The spare
+    takes its stage from the same stage of the other replica, and every slot ends bitwise equal to the fault-free
+    run, whose replicas agree stage by stage."""
+    reference = _run(base, "reference-4-stages", schedule="1f1b", stages=4)
+    reference.check_ok()
+    _assert_each_step_once(reference, stages=4)
+    for stage in range(4):
+        assert_bitwise_equal(load_final(reference.out, stage), load_final(reference.out, stage + 4), f"stage {stage}")
+        assert load_final(reference.out, stage)["stage"] == stage
+    victim = _draw.choice([1, 2, 5, 6])
+    step, phase, point = (
+        _draw.randrange(1, STEPS - 1),
+        _draw.choice(["forward", "backward"]),
+        _draw.randrange(MICROBATCHES),
+    )
+    kill = f"{victim}:{step}:{phase}:{point}"
+    print(f"4 stages: kill {kill}")
+    run = _run(base, "kill-4-stages-" + kill.replace(":", "-"), schedule="1f1b", kill=kill, stages=4)
+    moves = _check_fault(run, reference, kill, stages=4)
+    assert [(m["target"], m["part"]) for m in moves] == [(victim, victim % 4)], moves
 
 
 def test_planned_migration_moves_a_stage_with_its_state(base: Path, references: dict[str, FinishedJob]) -> None:
