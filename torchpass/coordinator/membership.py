@@ -572,18 +572,7 @@ class Membership:
             "departing": self.departing,
             "departed": self.departed,
             "dead_agents": sorted(self.dead_agents),
-            "workers": {
-                w.wid: {
-                    "role": str(w.role),
-                    "pid": w.pid,
-                    "host": w.host,
-                    "store_port": w.store_port,
-                    "alive": w.alive,
-                    "registered": w.registered,
-                    "agent": w.agent,
-                }
-                for w in self.workers.values()
-            },
+            "workers": {w.wid: w.to_wire() for w in self.workers.values()},
         }
 
     def adopt(self, snap: dict[str, Any]) -> None:
@@ -605,9 +594,4 @@ class Membership:
         self.departed = bool(snap["departed"])
         self.dead_agents |= {int(a) for a in snap["dead_agents"]}
         for wid, w in snap["workers"].items():
-            role = Role.parse(str(w["role"]))
-            rec = self.worker(wid, role)
-            rec.role, rec.pid, rec.host = role, int(w["pid"]), str(w["host"])
-            rec.store_port = int(w["store_port"])
-            rec.alive = rec.alive and bool(w["alive"])
-            rec.registered, rec.agent, rec.last_seen = bool(w["registered"]), int(w["agent"]), self.out.now.mono
+            self.worker(wid, Role.parse(str(w["role"]))).load_wire(w, self.out.now.mono)

@@ -122,6 +122,25 @@ class WorkerRecord:
         if self.agent < 0:
             self.agent = agent_of(self.wid)
 
+    def to_wire(self) -> dict[str, Any]:
+        """What a coordinator replica needs of it (plain data for msgpack; its step and times mean nothing there)."""
+        return {
+            "role": str(self.role),
+            "pid": self.pid,
+            "host": self.host,
+            "store_port": self.store_port,
+            "alive": self.alive,
+            "registered": self.registered,
+            "agent": self.agent,
+        }
+
+    def load_wire(self, wire: dict[str, Any], now_mono: float) -> None:
+        """Take a predecessor's :meth:`to_wire` (a process this replica already counts dead stays dead)."""
+        self.role, self.pid, self.host = Role.parse(str(wire["role"])), int(wire["pid"]), str(wire["host"])
+        self.store_port = int(wire["store_port"])
+        self.alive = self.alive and bool(wire["alive"])
+        self.registered, self.agent, self.last_seen = bool(wire["registered"]), int(wire["agent"]), now_mono
+
 
 class WaitKind(StrEnum):
     """What a parked long poll waits for."""
