@@ -134,16 +134,14 @@ class CommBackend(ABC):
         order. It is aborted and destroyed with the generation's group."""
         return _member_group(dist.new_group(ranks, timeout=self.timeout))
 
-    def abort(self, superseded_by: int | None = None) -> None:
-        """Make every in-flight collective of the current group fail now (thread-safe, idempotent).
-
-        ``superseded_by``: only if the current group belongs to an older generation than that one (the control
-        thread's case). Checked under the lock that :meth:`form_group` sets the generation under: checked before
-        it, a push of generation N that raced with this rank forming N itself would abort the group just formed."""
+    def abort(self, superseded_by: int) -> None:
+        """Generation ``superseded_by`` exists: if the current group belongs to an older one, make every in-flight
+        collective of it fail now (thread-safe, idempotent). Checked under the lock that :meth:`form_group` sets the
+        generation under: checked before it, a push of generation N that raced with this rank forming N itself would
+        abort the group just formed."""
         with self._lock:
-            if superseded_by is not None and not 0 <= self.generation < superseded_by:
-                return
-            self._abort_locked()
+            if 0 <= self.generation < superseded_by:
+                self._abort_locked()
 
     @abstractmethod
     def _abort_locked(self) -> None:
@@ -381,7 +379,7 @@ class NcclBackend(CommBackend):
 
     def _abort_locked(self) -> None:
         """ncclCommAbort on the group's communicators: in-flight kernels exit, their Works fail."""
-        if self.generation < 0 or not dist.is_initialized():
+        if not dist.is_initialized():
             return
         try:
             abort_all_groups()
