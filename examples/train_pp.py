@@ -15,6 +15,12 @@ rank and watch the job carry on at the same step::
 
 Each rank prints its stage's ``final weights sha256`` at the end (the two replicas of a stage print the same one),
 and the values do not change when ranks are killed along the way.
+
+``--dp-shard 2`` also shards each stage with FSDP2 over two ranks (every block gets its own ``fully_shard``):
+2 replicas x 2 FSDP shards x 2 stages, eight ranks, slot ``r * 4 + s * 2 + k`` running shard ``s`` of stage ``k``
+(each rank then hashes its own shard)::
+
+    torchpass run --local --nproc 8 --spares 1 examples/train_pp.py --dp-shard 2 --steps 100
 """
 
 from __future__ import annotations
@@ -111,11 +117,12 @@ def make_dataset() -> TensorDataset:
 
 
 def sha256(module: nn.Module) -> str:
-    """Hash of every parameter and buffer of this rank's stage."""
+    """Hash of every parameter and buffer of this rank's stage (under FSDP, of this rank's shards)."""
     digest = hashlib.sha256()
     for name, tensor in module.state_dict().items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+        digest.update(local.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -127,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per replica per step (default 8)")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b", help="pipeline schedule")
+    parser.add_argument(
+        "--dp-shard", type=int, default=1, help="FSDP shards per stage (default 1, no FSDP; ranks: replicas x this x 2)"
+    )
     args = parser.parse_args(argv)
 
     ctx = tp.init()  # a spare waits here until it is given a slot
@@ -138,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule=SCHEDULES[args.schedule],
         n_microbatches=args.microbatches,
         loss_fn=loss_fn,
+        **({"dp_shard": args.dp_shard, "shard": Block} if args.dp_shard > 1 else {}),
     )
     optimizer = ctx.wrap_optimizer(torch.optim.AdamW(pipe.module.parameters(), lr=3e-3, weight_decay=0.01))
     scheduler = ctx.register("scheduler", torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps))

@@ -40,10 +40,21 @@ def test_a_planned_generation_is_followed_at_the_boundary_a_failures_at_once(cha
     assert (channel.latest_gen, channel.urgent_gen, aborted) == (1, -1, [])
     channel.handle_push(_wire(HeartbeatAck(1, JobState.RUNNING, (), planned=True)))  # the acks say it again
     assert (channel.latest_gen, channel.urgent_gen, aborted) == (1, -1, [])
+    assert channel.cut_off_gen == -1  # a planned one cuts nothing off
     channel.handle_push(_wire(GenerationPush(2)))  # a failure during the migration's step
     assert (channel.latest_gen, channel.urgent_gen, aborted) == (2, 2, [2])
     channel.handle_push(_wire(HeartbeatAck(2, JobState.RUNNING)))
     assert aborted == [2]  # announced once
+    assert channel.cut_off_gen == 2
+
+
+def test_a_generation_cuts_off_the_old_groups_only_once_their_abort_ran(channel: ControlChannel) -> None:
+    """``cut_off_gen`` (what gloo waits give up on) follows the abort, never precedes it: seen from inside the
+    abort, it is still the older generation."""
+    seen: list[int] = []
+    channel.on_generation = lambda gen: seen.append(channel.cut_off_gen)
+    channel.handle_push(_wire(GenerationPush(4)))
+    assert (seen, channel.cut_off_gen) == ([-1], 4)
 
 
 def test_a_push_without_the_planned_field_aborts_as_before(channel: ControlChannel) -> None:

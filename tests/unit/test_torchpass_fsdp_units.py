@@ -32,6 +32,9 @@ class _Guard:
     def failed(self, error: BaseException | str) -> None:
         self.failures.append(str(error))
 
+    def cut_off(self) -> bool:
+        return False
+
 
 class _Broken(dist.ProcessGroup):
     """A one-rank group whose collectives fail: at launch, when they complete, or (a work without a future, as
@@ -63,6 +66,9 @@ class _FailedWork(dist.Work):
 
     def wait(self, timeout: Any = None) -> bool:
         raise RuntimeError("peer died mid-collective")
+
+    def is_completed(self) -> bool:
+        return True  # a failed work is done (c10d's finish with an error)
 
 
 @pytest.fixture
@@ -165,7 +171,7 @@ def test_the_guard_abandons_before_the_update_and_defers_after_it() -> None:
 class _Channel:
     """What a StepLifecycle reads from the control channel (torchpass.rank.step.StepChannel)."""
 
-    latest_gen, urgent_gen, step, collective = 0, 0, -1, None
+    latest_gen, urgent_gen, cut_off_gen, step, collective = 0, 0, 0, -1, None
 
 
 def test_a_failed_commit_check_abandons_the_step_once_with_its_reason() -> None:

@@ -228,15 +228,30 @@ class Context:
         return sharded
 
     def wrap_pipeline(
-        self, stages: Any, *, mesh_shape: tuple[int, int], schedule: Any, n_microbatches: int, loss_fn: Any, **kw: Any
+        self,
+        stages: Any,
+        *,
+        mesh_shape: tuple[int, int],
+        schedule: Any,
+        n_microbatches: int,
+        loss_fn: Any,
+        dp_shard: int = 1,
+        shard: Any = None,
+        fsdp_kwargs: dict[str, Any] | None = None,
+        **kw: Any,
     ) -> Pipeline:
         """Slot ``r * P + k`` runs stage ``k`` (``stages[k]`` or ``stages(k)``) of replica ``r`` of a ``(R, P)``
-        pipeline under ``schedule`` (``kw`` goes to it); see :mod:`torchpass.sharded.pipeline`."""
+        pipeline under ``schedule`` (``kw`` goes to it); see :mod:`torchpass.sharded.pipeline`.
+
+        ``dp_shard=S``: each stage FSDP-sharded over S ranks (``fully_shard(..., **fsdp_kwargs)`` on what ``shard``
+        names, then on the stage), R * S * P ranks in all; slot ``r * S * P + s * P + k`` runs FSDP shard s of
+        stage k, and each pipeline (P adjacent slots) takes its own batch."""
         from torchpass.sharded.pipeline import Pipeline, pipeline_layout  # torch's pipelining: only when used
 
-        shape = pipeline_layout(mesh_shape, schedule, self.config.peer_copies_in_hsdp)
-        pipeline = Pipeline(self.shard_state(shape), stages, schedule, n_microbatches, loss_fn, kw)
-        self._data_group = shape.shards
+        shape = pipeline_layout(mesh_shape, schedule, self.config.peer_copies_in_hsdp, dp_shard)
+        sharded = self.shard_state(shape)
+        pipeline = Pipeline(sharded, stages, schedule, n_microbatches, loss_fn, kw, shard, fsdp_kwargs)
+        self._data_group = shape.stages
         return pipeline
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

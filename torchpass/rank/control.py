@@ -56,6 +56,9 @@ class ControlChannel:
         # newest one that was not planned (a failure, a rebuild): it aborts the step in progress; a planned one
         # (a migration, every member alive) is followed once the step in progress ends
         self.urgent_gen = -1
+        # newest generation whose announcement this thread acted on (the old groups aborted): a gloo wait still
+        # pending in a group older than this is given up (torchpass.sharded.gloo_wait)
+        self.cut_off_gen = -1
         self.stopped: JobStopped | None = None
         self.lost = False
         self.step = -1  # written by the training loop, reported in heartbeats
@@ -171,3 +174,4 @@ class ControlChannel:
                 callback(gen)
             except Exception:  # the control thread must survive a failing abort
                 log.exception("generation callback failed")
+        self.cut_off_gen = max(self.cut_off_gen, gen)

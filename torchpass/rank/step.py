@@ -46,6 +46,7 @@ class StepChannel(Protocol):
 
     latest_gen: int
     urgent_gen: int
+    cut_off_gen: int
     step: int
     collective: tuple[int, int, str] | None
 
@@ -162,6 +163,11 @@ class StepLifecycle:
         committed, the others abandoned), with no common step to resume at, and the job stopped (fuzzer seed
         3184: a migration and no failure)."""
         return self._channel.urgent_gen > self._generation()
+
+    def cut_off(self) -> bool:
+        """Whether this rank's groups of the current generation were aborted for a newer one (after :meth:`stale`,
+        once the control thread acted on it): nothing pending in them can succeed any more."""
+        return self._channel.cut_off_gen > self._generation()
 
     def collective_allowed(self) -> bool:
         """Whether a collective may start now; abandons the step when the generation is stale."""

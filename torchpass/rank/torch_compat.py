@@ -9,7 +9,7 @@ fails with that reason, unless ``TORCHPASS_UNTESTED_TORCH=1`` asks to run anyway
 What is here: c10d's work-from-future, group registry, abort and default group (the process-group rebuild); a
 ``DeviceMesh`` made over TorchPass's proxy groups before any default group exists (sharded models); DDP's reducer
 wrapped so that it never rebuilds its buckets; FSDP2's held-back gradients of an accumulation window; DTensor's
-strided shard placement (the peer-copy wire names it).
+strided shard placement (the peer-copy wire names it); the pipeline schedules' wait on their sends and receives.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ __all__ = [
     "register_process_group",
     "resolve_process_group",
     "restart_group_names",
+    "route_pipeline_waits",
     "strided_shard",
     "work_from_future",
 ]
@@ -111,6 +112,28 @@ def mesh_over_groups(
     for group in groups:
         mesh._pg_registry[group.group_name] = group
     return mesh
+
+
+_PipelineWait = Callable[[list[dist.Work]], None]
+_torch_pipeline_wait: list[_PipelineWait] = []  # torch's own, once replaced
+
+
+def route_pipeline_waits(wait: _PipelineWait) -> _PipelineWait:
+    """Have torch's pipeline schedules wait on their sends and receives through ``wait``, and return torch's own
+    wait (which ``wait`` falls back to outside a protected step). Calling it again changes nothing.
+
+    torch 2.13: every schedule waits on a batch of P2P works through the module function
+    ``torch.distributed.pipelining.schedules._wait_batch_p2p``, looked up at each call
+    (:mod:`torchpass.sharded.gloo_wait` says why TorchPass needs its own)."""
+    from torch.distributed.pipelining import schedules
+
+    current = getattr(schedules, "_wait_batch_p2p", None)
+    if not callable(current):
+        raise TorchPassError(f"this torch's pipeline schedules have no _wait_batch_p2p (tested: {TESTED_TORCH})")
+    if not _torch_pipeline_wait:
+        _torch_pipeline_wait.append(current)
+    schedules._wait_batch_p2p = wait  # type: ignore[assignment]
+    return _torch_pipeline_wait[0]
 
 
 class FixedBuckets:

@@ -106,6 +106,10 @@ class LifecycleGuard:
             return True
         return lifecycle.collective_allowed()
 
+    def cut_off(self) -> bool:
+        """Whether the control thread aborted this generation's groups for a newer one."""
+        return self.lifecycle.cut_off()
+
     def failed(self, error: BaseException | str) -> None:
         """Abandon the step, or after its update commit it and recover right after."""
         lifecycle = self.lifecycle

@@ -21,30 +21,38 @@ all of its stages or none, :meth:`Pipeline._vote`), each guarded like every mesh
 breaks its neighbours' gloo sockets, so a ``recv`` for its activations or a ``send`` of gradients to it fails at
 once; a rank blocked on a live peer that is itself stuck (the other replica's all-reduce, a neighbour waiting in
 recovery) is freed when the coordinator announces the next generation, which aborts every group of the old one
-(:mod:`torchpass.rank.backends` shuts their sockets down). Either way the error is caught here and the step is
-abandoned on this rank (the optimizer step skipped, registered state rolled back): ``schedule.step()`` is the
-unit done exactly once or not at all, since the gradients only reach the optimizer when every stage of every
-replica finished it.
+(:mod:`torchpass.rank.backends` shuts their sockets down), and a gloo send that the abort does not free (one
+queued on a connection just closed) is given up at that announcement (:mod:`torchpass.sharded.gloo_wait`).
+Either way the error is caught here and the step is abandoned on this rank (the optimizer step skipped,
+registered state rolled back): ``schedule.step()`` is the unit done exactly once or not at all, since the
+gradients only reach the optimizer when every stage of every replica finished it.
 
 Refused at start, naming what is not protected: schedules other than ``ScheduleGPipe`` and ``Schedule1F1B``
 (interleaved and zero-bubble schedules hold several stages per rank), a single replica (no one holds a lost
-stage), and a pipeline beside FSDP or tensor parallelism (one model, one mesh per job).
+stage), and a pipeline beside a second model (one model, one mesh per job) or tensor parallelism.
+
+FSDP inside the stages (``dp_shard=S``, :class:`PipelineReplicas`): each stage is HSDP over the (replicate,
+shard) dimensions, the pipeline the mesh's innermost one; FSDP reduces the gradients in the schedule's last
+backward, and an abandoned step's half-done FSDP backward is ended on the spot (:meth:`Pipeline.step`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from torchpass.errors import TorchPassError
 from torchpass.rank.transfer_plan import ShardedReplicas
-from torchpass.sharded.fsdp import ShardedState
+from torchpass.sharded.fsdp import ShardedState, ShardSpec, sharded_modules
+from torchpass.sharded.shard_mesh import DIM_NAMES, TP_DIM
 
 __all__ = ["PROTECTED_SCHEDULES", "Pipeline", "PipelineReplicas", "pipeline_layout"]
 
@@ -58,16 +66,37 @@ StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
 @dataclass(frozen=True)
 class PipelineReplicas(ShardedReplicas):
     """HSDP's layout with stages for shards (slot ``r * P + k`` holds stage k): only the names differ, so events
-    and messages say which stage moved."""
+    and messages say which stage moved.
+
+    With FSDP inside each stage (``dp_shard`` S > 1) the stages are the innermost dimension, in the place tensor
+    parallelism takes (``tp`` = P): slot ``r * S * P + s * P + k`` holds FSDP shard s of stage k, a pipeline is P
+    adjacent slots (one batch), and each stage is sharded over the (replicate, shard) dimensions."""
+
+    @property
+    def stages(self) -> int:
+        """P: the pipeline's stages."""
+        return self.tp if self.tp > 1 else self.shards
+
+    def stage_of(self, part: int) -> tuple[int, int]:
+        """(stage, FSDP shard) of ``part``."""
+        shard, stage = divmod(part, self.stages)
+        return stage, shard
 
     def part_name(self, part: int) -> str:
-        """``stage K of the RxP pipeline``."""
+        """``stage K of the RxP pipeline``; with FSDP in the stages ``stage K (FSDP shard S) of the RxSxP
+        pipeline``."""
+        if self.tp > 1:
+            stage, shard = self.stage_of(part)
+            return f"stage {stage} (FSDP shard {shard}) of the {self} pipeline"
         return f"stage {part} of the {self.replicas}x{self.shards} pipeline"
 
 
-def pipeline_layout(mesh_shape: tuple[int, int], schedule: Any, peer_copies: bool = False) -> ShardedReplicas:
-    """The layout of ``ctx.wrap_pipeline(mesh_shape=(R, P), schedule=...)``: R replicas of P stages, refusing at
-    start what TorchPass cannot protect (``peer_copies``: the job asks for ``peer_copies_in_hsdp``)."""
+def pipeline_layout(
+    mesh_shape: tuple[int, int], schedule: Any, peer_copies: bool = False, dp_shard: int = 1
+) -> PipelineReplicas:
+    """The layout of ``ctx.wrap_pipeline(mesh_shape=(R, P), schedule=..., dp_shard=S)``: R replicas of P stages,
+    each stage FSDP-sharded over S ranks when S > 1, refusing at start what TorchPass cannot protect
+    (``peer_copies``: the job asks for ``peer_copies_in_hsdp``)."""
     if peer_copies:
         raise TorchPassError(
             "peer_copies_in_hsdp is not built for pipeline parallelism yet: a lost stage is rebuilt from the same "
@@ -87,7 +116,11 @@ def pipeline_layout(mesh_shape: tuple[int, int], schedule: Any, peer_copies: boo
             "pipeline parallelism is protected only beside a replica (mesh_shape's replicas >= 2): a lost stage is "
             "rebuilt from the same stage of another replica, and peer copies of a stage are not implemented yet"
         )
-    return PipelineReplicas(replicas, stages)
+    if dp_shard < 1:
+        raise TorchPassError(f"dp_shard must be >= 1 (FSDP shards per stage), got {dp_shard}")
+    if dp_shard == 1:
+        return PipelineReplicas(replicas, stages)
+    return PipelineReplicas(replicas, dp_shard * stages, tp=stages)
 
 
 class Pipeline:
@@ -102,12 +135,19 @@ class Pipeline:
         n_microbatches: int,
         loss_fn: Callable[..., torch.Tensor] | None,
         schedule_kwargs: dict[str, Any],
+        shard: ShardSpec | None = None,
+        fsdp_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if sharded.parts.model is not None:
             raise TorchPassError("the job's model is already wrapped (one model, one mesh per job)")
         shape = sharded.layout
-        self.replica, self.stage_index = shape.coordinate(sharded.host.slot)
-        self.num_stages = shape.shards
+        if not isinstance(shape, PipelineReplicas):
+            raise TorchPassError(f"a pipeline needs a pipeline layout, got a {shape} mesh")
+        self.replica, part = shape.coordinate(sharded.host.slot)
+        self.stage_index, self.fsdp_shard = shape.stage_of(part)
+        self.num_stages = shape.stages
+        self.fsdp = shape.tp > 1  # FSDP inside each stage: the pipeline is the mesh's innermost dimension
+        self._pp_dim = TP_DIM if self.fsdp else "shard"
         if callable(stages) and not isinstance(stages, nn.Module | Sequence):
             module = stages(self.stage_index)
         else:
@@ -126,16 +166,36 @@ class Pipeline:
         self._loss_fn = loss_fn
         self._schedule_kwargs = schedule_kwargs
         self._schedule: Any = None
+        self._stage: PipelineStage | None = None
         self._built_generation = -1
         self.rebuilds = 0  # how many times the stage and schedule were built (one per generation it trained in)
         # Called after each schedule step that succeeded, before the gradients are averaged (a time or a metric of
         # the schedule alone; the oracle test's fault point between the two).
         self.schedule_hooks: list[Callable[[], None]] = []
         host, parts = sharded.host, sharded.parts
-        parts.model, parts.mesh = module, None  # plain tensors: nothing is rebuilt as a DTensor (label: the stage)
-        host.lifecycle.watch_zero_grad(module)
-        host.lifecycle.track_model(list(module.buffers()) if host.config.snapshot_buffers else [], None)
+        if self.fsdp:
+            self._fully_shard(shard, fsdp_kwargs or {})
+            sharded.adopt(module)  # DTensors, each rebuilt over its own parameter's mesh when received
+        else:
+            if shard is not None or fsdp_kwargs:
+                raise TorchPassError("shard= and fsdp_kwargs= shard each stage over dp_shard ranks: give dp_shard > 1")
+            parts.model, parts.mesh = module, None  # plain tensors: nothing is rebuilt as a DTensor (label: the stage)
+            host.lifecycle.watch_zero_grad(module)
+            host.lifecycle.track_model(list(module.buffers()) if host.config.snapshot_buffers else [], None)
         log.info("slot %d: %s", host.slot, parts.label)
+
+    def _fully_shard(self, shard: ShardSpec | None, options: dict[str, Any]) -> None:
+        """``fully_shard`` the submodules ``shard`` names (deepest first), then the stage, over the (replicate,
+        shard) dimensions: HSDP inside the stage, whose gradient reduction runs in the schedule's last backward
+        (``PipelineStage.perform_reduce_grad``), over TorchPass's guarded groups like every mesh collective."""
+        if "mesh" in options:
+            raise TypeError("ctx.wrap_pipeline builds the mesh itself (mesh_shape=, dp_shard=); do not pass mesh=")
+        groups = self._sharded.groups
+        with groups.before_first_generation():
+            mesh = groups.submesh(DIM_NAMES)
+            for _, submodule in sharded_modules(self.module, shard):
+                fully_shard(submodule, mesh=mesh, **options)
+            fully_shard(self.module, mesh=mesh, **options)
 
     @property
     def is_first(self) -> bool:
@@ -152,11 +212,10 @@ class Pipeline:
         failed step: neither survives one)."""
         groups = self._sharded.groups
         if self._schedule is None or self._built_generation != groups.generation:
-            stage = PipelineStage(
-                self.module, self.stage_index, self.num_stages, self._sharded.host.device, group=groups.current("shard")
-            )
+            device, row = self._sharded.host.device, groups.current(self._pp_dim)
+            self._stage = PipelineStage(self.module, self.stage_index, self.num_stages, device, group=row)
             self._schedule = self._schedule_cls(
-                stage, self._n_microbatches, loss_fn=self._loss_fn, **self._schedule_kwargs
+                self._stage, self._n_microbatches, loss_fn=self._loss_fn, **self._schedule_kwargs
             )
             self._built_generation = groups.generation
             self.rebuilds += 1
@@ -174,24 +233,54 @@ class Pipeline:
         try:
             schedule = self._build()
             inputs = args if self.is_first else ()
-            output = schedule.step(
-                *inputs,
-                target=target if self.is_last else None,
-                losses=losses if self.is_last else None,
-                **(kwargs if self.is_first else {}),
-            )
+            with self._waits_guarded(protecting):
+                output = schedule.step(
+                    *inputs,
+                    target=target if self.is_last else None,
+                    losses=losses if self.is_last else None,
+                    **(kwargs if self.is_first else {}),
+                )
         except Exception as exc:
             if not protecting or guard is None:
                 raise
-            self._schedule = None  # half a step's state (outstanding sends, received chunks) is thrown away
+            stage, self._stage, self._schedule = self._stage, None, None  # half a step's state is thrown away
             log.warning("pipeline step abandoned on stage %d: %s", self.stage_index, str(exc).splitlines()[0][:300])
             guard.failed(exc)
+            if self.fsdp and stage is not None:
+                self._finish_fsdp_backward(stage)
             return None
         for hook in self.schedule_hooks:
             hook()
-        self._average_gradients()
+        if not self.fsdp:  # FSDP reduced them over (replicate, shard) in the schedule's last backward
+            self._average_gradients()
         self._vote()
         return output
+
+    def _finish_fsdp_backward(self, stage: PipelineStage) -> None:
+        """End the FSDP backward that the abandoned schedule step left half done on this rank, as a finished step
+        ends it (``perform_reduce_grad``: post-backward and FSDP's final callback; their collectives are skipped,
+        the step being abandoned), and reshard. Without it the stage's parameters stay unsharded and FSDP's state
+        mid-backward, while a replacement's FSDP starts clean: in the redo the two ran different collectives and
+        waited for each other until the group's timeout."""
+        try:
+            stage.perform_reduce_grad(1)
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        except Exception as exc:
+            raise TorchPassError(
+                f"stage {self.stage_index}: FSDP could not be reset after an abandoned step ({exc}); stopping, "
+                "since the redo would start from a state no other member has"
+            ) from exc
+
+    def _waits_guarded(self, protecting: bool) -> AbstractContextManager[None]:
+        """Where the schedule waits on its gloo sends and receives: on a helper thread, given up once the step is
+        abandoned (:mod:`torchpass.sharded.gloo_wait`: gloo can leave a send to a closed peer pending until its
+        timeout). NCCL's waits do not block the CPU, and outside ``ctx.steps`` nothing is abandoned."""
+        groups = self._sharded.groups
+        if not protecting or groups.guard is None or groups.backend_name != "gloo":
+            return nullcontext()
+        return groups.waiter.guarding(groups.guard.cut_off)
 
     def _vote(self) -> None:
         """One integer all-reduced over this rank's pipeline (guarded): it completes only once every stage of the
@@ -200,7 +289,10 @@ class Pipeline:
         all-reduce) committed the step that the other stage abandoned, and no member held that stage at the
         step the first one reached: the job stopped, state lost (test_torchpass_pp.py, ``scheduled``)."""
         flag = torch.ones(1, dtype=torch.int32, device=self._sharded.host.device)
-        self._sharded.groups.proxies["shard"].allreduce([flag]).wait()
+        proxies = self._sharded.groups.proxies
+        proxies[self._pp_dim].allreduce([flag]).wait()
+        if self.fsdp:  # then over the stage's FSDP shards: done on one rank, every pipeline of the replica voted
+            proxies["shard"].allreduce([flag]).wait()
 
     def _average_gradients(self) -> None:
         """The stage's gradients summed over its replicate column (one flat all-reduce, guarded: a failure

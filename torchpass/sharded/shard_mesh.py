@@ -52,6 +52,7 @@ from torchpass.rank.torch_compat import (
     work_from_future,
 )
 from torchpass.rank.transfer_plan import ShardedReplicas
+from torchpass.sharded.gloo_wait import HelperWaiter, wait_polling
 
 __all__ = ["DIM_NAMES", "TP_DIM", "GenerationGroup", "MeshGroups", "StepGuard"]
 
@@ -78,24 +79,43 @@ class StepGuard(Protocol):
         """A collective of the step failed (callable from a backend thread)."""
         ...
 
+    def cut_off(self) -> bool:
+        """Whether the step's groups were aborted for a newer generation (a gloo wait pending in them is given up:
+        :mod:`torchpass.sharded.gloo_wait`)."""
+        ...
+
 
 class _GuardedWork(dist.Work):
     """A real collective's work whose failure is the guard's, never its waiter's: ``wait`` waits on the real work
-    in the caller's thread (no callback hop through the backend's thread, which costs a GIL hand-over per
-    collective) and reports an exception instead of raising it. Also the way to wait on a backend work that
-    has no future (gloo's reduce-scatter)."""
+    and reports an exception instead of raising it. Also the way to wait on a backend work that has no future
+    (gloo's reduce-scatter).
 
-    def __init__(self, work: dist.Work, guard: StepGuard) -> None:
+    How it waits: in the caller's thread (no callback hop through the backend's thread, which costs a GIL
+    hand-over per collective), except that under gloo a wait still pending once the step's groups were aborted
+    is given up (:mod:`torchpass.sharded.gloo_wait`: ``helper`` for the works whose timed wait blocks)."""
+
+    def __init__(
+        self, work: dist.Work, guard: StepGuard, gloo: bool = False, helper: HelperWaiter | None = None
+    ) -> None:
         super().__init__()
         self._work = work
         self._guard = guard
+        self._gloo = gloo
+        self._helper = helper
         self._failed = False
 
     def wait(self, timeout: Any = None) -> bool:
         """Wait for the real collective; a failure goes to the guard (the step is abandoned, or settled)."""
         if not self._failed:
             try:
-                self._work.wait() if timeout is None else self._work.wait(timeout)
+                if timeout is not None:
+                    self._work.wait(timeout)
+                elif self._helper is not None:
+                    self._helper.wait([self._work], self._guard.cut_off, "a collective")
+                elif self._gloo:
+                    wait_polling(self._work, self._guard.cut_off)
+                else:
+                    self._work.wait()
             except Exception as exc:
                 self._failed = True
                 self._guard.failed(exc)
@@ -147,8 +167,14 @@ class GenerationGroup(dist.ProcessGroup):
         return self._groups.backend_name
 
     def _run(
-        self, launch: Callable[[dist.ProcessGroup], dist.Work], result: Any, skipped: Callable[[], object]
+        self,
+        launch: Callable[[dist.ProcessGroup], dist.Work],
+        result: Any,
+        skipped: Callable[[], object],
+        blocking_wait: bool = False,
     ) -> dist.Work:
+        """``launch`` on the current real group, guarded (``blocking_wait``: gloo's work of this kind ignores a
+        wait's timeout, so a helper thread waits for it)."""
         real = self._groups.current(self._dim)
         guard = self._groups.guard
         if guard is None or not guard.protecting():
@@ -162,7 +188,8 @@ class GenerationGroup(dist.ProcessGroup):
             guard.failed(exc)
             skipped()
             return _completed(result)
-        return _GuardedWork(work, guard)
+        gloo = self._groups.backend_name == "gloo"
+        return _GuardedWork(work, guard, gloo, self._groups.waiter if gloo and blocking_wait else None)
 
     # ----- what FSDP2 and DTensor call ----------------------------------------------------------
 
@@ -185,7 +212,7 @@ class GenerationGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """FSDP's gradient reduce-scatter; DTensor's Partial -> Shard."""
         options = opts if opts is not None else ReduceScatterOptions()
-        return self._run(lambda g: g.reduce_scatter_single(output, input, options), [output], _nothing)
+        return self._run(lambda g: g.reduce_scatter_single(output, input, options), [output], _nothing, True)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
@@ -226,7 +253,8 @@ class GenerationGroup(dist.ProcessGroup):
     ) -> dist.Work:
         """DTensor's functional reduce-scatter (Partial -> Shard)."""
         options = opts if opts is not None else ReduceScatterOptions()
-        return self._run(lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, options), outputs, _nothing)
+        launch = lambda g: g.reduce_scatter_tensor_coalesced(outputs, inputs, options)  # noqa: E731
+        return self._run(launch, outputs, _nothing, True)
 
     def barrier(self, opts: Any = None) -> dist.Work:  # type: ignore[override]
         """A barrier over the dimension."""
@@ -272,6 +300,7 @@ class MeshGroups:
         self.slot = slot
         self.names = names
         self.guard: StepGuard | None = None
+        self.waiter = HelperWaiter()  # the collectives' and the pipeline's gloo waits that need a helper thread
         self.backend_name = "gloo"
         self.generation = -1
         tp = shape.tp
