@@ -141,14 +141,27 @@ def _rank_main() -> int:
 
     if os.environ.get("CW_TEST_BESIDE") == "fsdp":  # a second model, FSDP-sharded beside the pipeline: refused
         ctx.wrap_fsdp(nn.Linear(2, 2), mesh_shape=(2, 2))
-    dp_shard = int(os.environ.get("CW_TEST_DP_SHARD") or 1)  # > 1: FSDP inside each stage
+    inner = os.environ.get("CW_TEST_INNER", "")  # "fsdp" or "tp": a third dimension of 2 inside each stage
+    if inner == "tp":  # tensor parallelism: Megatron's column-then-row pairs, no dropout on replicated inputs
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        stages = [
+            nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 32)),
+            nn.Sequential(nn.GELU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)),
+        ]
+        plans = [{"0": ColwiseParallel(), "2": RowwiseParallel()}, {"1": ColwiseParallel(), "3": RowwiseParallel()}]
+    third: dict[str, Any] = {}
+    if inner == "fsdp":
+        third = {"dp_shard": 2, "shard": nn.Linear}
+    elif inner == "tp":
+        third = {"tp": 2, "tp_plan": lambda k: plans[k]}
     pipe = ctx.wrap_pipeline(
         stages,
         mesh_shape=(2, n_stages),
         schedule=schedule,
         n_microbatches=MICROBATCHES,
         loss_fn=loss_fn,
-        **({"dp_shard": dp_shard, "shard": nn.Linear} if dp_shard > 1 else {}),
+        **third,
     )
     if os.environ.get("CW_TEST_BESIDE") == "twice":  # a second model: refused
         ctx.wrap_pipeline(stages, mesh_shape=(2, 2), schedule=schedule, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
@@ -253,17 +266,17 @@ def _run(
     migrate: str = "",
     together: bool = False,
     stages: int = 2,
-    dp_shard: int = 1,
+    inner: str = "",
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_SCHEDULE=schedule)
-    env["CW_TEST_STAGES"], env["CW_TEST_DP_SHARD"] = str(stages), str(dp_shard)
+    env["CW_TEST_STAGES"], env["CW_TEST_INNER"] = str(stages), inner
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     env["CW_TEST_MIGRATE"] = migrate
     # the runtime net compares the replicas of each stage every 2 steps (a mismatch stops the job)
     settings = ("replica_check_every_steps=2",)
-    cmd = local_command(out, SCRIPT, nproc=2 * stages * dp_shard, spares=spares, settings=settings)
+    cmd = local_command(out, SCRIPT, nproc=2 * stages * (2 if inner else 1), spares=spares, settings=settings)
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -314,12 +327,13 @@ def _check_fault(
     kill: str,
     lost: frozenset[int] = frozenset(),
     stages: int = 2,
-    dp_shard: int = 1,
+    inner: str = "",
 ) -> list[dict[str, Any]]:
     """The oracle, and the moves: each victim's part came from the same part of the other replica (a
-    (dp_replicate 2 x pp ``stages``) mesh, or (dp_replicate 2 x dp_shard x pp) with FSDP in the stages)."""
+    (dp_replicate 2 x pp ``stages``) mesh, or with ``inner`` a third dimension of 2 inside the stages: FSDP
+    (dp_replicate 2 x dp_shard 2 x pp) or tensor parallelism (dp_replicate 2 x pp x tp 2))."""
     run.check_ok()
-    per_replica = stages * dp_shard
+    per_replica = stages * (2 if inner else 1)
     for spec in kill.split(","):
         assert (run.out / ("killed-" + spec.replace(":", "-"))).exists(), f"the fault {spec} was not injected"
     for slot in range(2 * per_replica):
@@ -336,12 +350,12 @@ def _check_fault(
     timed_out = [f for f in run.logged("torchpass.step_abandoned") if "timed out" in f["reason"].lower()]
     assert not timed_out, (timed_out, _recovery_story(run))
     for move in moves:
-        stage, shard = move["part"] % stages, move["part"] // stages
-        what = (
-            f"stage {stage} (FSDP shard {shard}) of the 2x{dp_shard}x{stages}"
-            if dp_shard > 1
-            else f"stage {stage} of the 2x{stages}"
-        )
+        part = move["part"]
+        what = {
+            "": f"stage {part} of the 2x{stages}",
+            "fsdp": f"stage {part % stages} (FSDP shard {part // stages}) of the 2x2x{stages}",
+            "tp": f"stage {part // 2} (tp {part % 2}) of the 2x{stages}x2",
+        }[inner]
         assert move["what"] == what + " pipeline" and move["bytes"] > 0, moves
     return moves
 
@@ -526,13 +540,16 @@ def test_a_pipeline_without_a_replica_or_of_one_stage_or_with_peer_copies_is_ref
     with pytest.raises(TorchPassError, match="peer_copies_in_hsdp is not built for pipeline parallelism"):
         pipeline_layout((2, 2), Schedule1F1B, peer_copies=True)
     assert pipeline_layout((2, 3), Schedule1F1B).world_size == 6
-    with pytest.raises(TorchPassError, match="dp_shard must be >= 1"):
+    with pytest.raises(TorchPassError, match="dp_shard and tp must be >= 1"):
         pipeline_layout((2, 2), Schedule1F1B, dp_shard=0)
+    with pytest.raises(TorchPassError, match="FSDP and tensor parallelism together inside pipeline stages"):
+        pipeline_layout((2, 2), Schedule1F1B, dp_shard=2, tp=2)
 
 
-def test_fsdp_in_the_stages_puts_the_pipeline_innermost_and_names_stage_and_shard() -> None:
-    """(dp_replicate 2 x dp_shard 3 x pp 2): slot r * 6 + s * 2 + k is FSDP shard s of stage k; a pipeline is two
-    adjacent slots (its batch), and a part names its stage and shard."""
+def test_fsdp_in_the_stages_puts_the_pipeline_innermost_and_tp_itself() -> None:
+    """(dp_replicate 2 x dp_shard 3 x pp 2): slot r * 6 + s * 2 + k is FSDP shard s of stage k, a pipeline is two
+    adjacent slots (its batch). (dp_replicate 2 x pp 2 x tp 3): slot r * 6 + k * 3 + t is TP rank t of stage k, a
+    replica is six adjacent slots (its batch). A part names its stage and shard or TP rank."""
     from torch.distributed.pipelining import ScheduleGPipe
 
     from torchpass.sharded.pipeline import pipeline_layout
@@ -546,9 +563,20 @@ def test_fsdp_in_the_stages_puts_the_pipeline_innermost_and_names_stage_and_shar
         (1, 2),
         (1, 0),
     ]
-    assert shape.part_name(5) == "stage 1 (FSDP shard 2) of the 2x3x2 pipeline"
+    assert shape.part_name(5) == "stage 1 (FSDP shard 2) of the 2x3x2 pipeline" and shape.batch_slots == 2
+    tp = pipeline_layout((2, 2), ScheduleGPipe, tp=3)
+    assert (tp.world_size, tp.stages, str(tp), tp.batch_slots) == (12, 2, "2x2x3", 6)
+    assert [tp.stage_of(tp.coordinate(slot)[1]) for slot in (0, 2, 3, 5, 11)] == [
+        (0, 0),
+        (0, 2),
+        (1, 0),
+        (1, 2),
+        (1, 2),
+    ]
+    assert tp.part_name(4) == "stage 1 (tp 1) of the 2x2x3 pipeline"
     plain = pipeline_layout((2, 4), ScheduleGPipe)
     assert (plain.stages, plain.stage_of(3), plain.part_name(3)) == (4, (3, 0), "stage 3 of the 2x4 pipeline")
+    assert plain.batch_slots == 4
 
 
 @pytest.mark.parametrize(
@@ -620,33 +648,39 @@ def test_the_refusal_patches_an_already_imported_stage_module_and_undoes() -> No
     assert stage._PipelineStageBase.__init__ is real_init
 
 
-# ----- FSDP inside the stages: (dp_replicate 2 x dp_shard 2 x pp 2) ------------------------------------------
+# ----- a third dimension inside the stages: FSDP (2 x dp_shard 2 x pp 2) or TP (2 x pp 2 x tp 2) -------------
 
-FSDP_SHARDS = 2
-PER_REPLICA = 2 * FSDP_SHARDS  # slot r * 4 + s * 2 + k: FSDP shard s of stage k in replica r
+PER_REPLICA = 4  # 2 stages x 2 FSDP shards or TP ranks
+
+
+def _slot(inner: str, replica: int, stage: int, rank: int) -> int:
+    """The slot of FSDP shard or TP rank ``rank`` of ``stage`` in ``replica``: FSDP puts the pipeline innermost
+    (r * 4 + s * 2 + k), tensor parallelism itself (r * 4 + k * 2 + t)."""
+    return replica * PER_REPLICA + (rank * 2 + stage if inner == "fsdp" else stage * 2 + rank)
 
 
 @pytest.fixture(scope="module")
-def fsdp_references(base: Path) -> dict[str, FinishedJob]:
-    """The fault-free runs with FSDP in the stages, whose replicas agree part by part."""
+def inner_references(base: Path) -> dict[tuple[str, str], FinishedJob]:
+    """The fault-free runs with a third dimension in the stages, whose replicas agree part by part."""
     runs = {}
-    for name in ("gpipe", "1f1b"):
-        run = _run(base, f"reference-fsdp-{name}", schedule=name, dp_shard=FSDP_SHARDS)
-        run.check_ok()
-        _assert_each_step_once(run, per_replica=PER_REPLICA)
-        for part in range(PER_REPLICA):
-            replica1 = load_final(run.out, part + PER_REPLICA)
-            assert_bitwise_equal(load_final(run.out, part), replica1, f"{name}: part {part}")
-            assert load_final(run.out, part)["stage"] == part % 2
-        runs[name] = run
+    for inner in ("fsdp", "tp"):
+        for name in ("gpipe", "1f1b"):
+            run = _run(base, f"reference-{inner}-{name}", schedule=name, inner=inner)
+            run.check_ok()
+            _assert_each_step_once(run, per_replica=PER_REPLICA)
+            for part in range(PER_REPLICA):
+                replica1 = load_final(run.out, part + PER_REPLICA)
+                assert_bitwise_equal(load_final(run.out, part), replica1, f"{inner} {name}: part {part}")
+            assert [load_final(run.out, _slot(inner, 0, k, 1))["stage"] for k in (0, 1)] == [0, 1]
+            runs[inner, name] = run
     return runs
 
 
-def _fsdp_fault(kind: str) -> str:
-    """One kill (``slot:step:phase:microbatch``, two for ``two-replicas``) of the kind the issue names, at a drawn
-    step, micro-batch and coordinate."""
-    step, replica, shard = _draw.randrange(1, STEPS - 1), _draw.randrange(2), _draw.randrange(FSDP_SHARDS)
-    first, last = replica * PER_REPLICA + shard * 2, replica * PER_REPLICA + shard * 2 + 1  # stage 0, stage 1
+def _inner_fault(inner: str, kind: str) -> str:
+    """One kill (``slot:step:phase:microbatch``; two for ``two-replicas`` and ``node``) of the kind the issue
+    names, at a drawn step, micro-batch and coordinate."""
+    step, replica, rank = _draw.randrange(1, STEPS - 1), _draw.randrange(2), _draw.randrange(2)
+    first, last = _slot(inner, replica, 0, rank), _slot(inner, replica, 1, rank)
     if kind == "warm-up":  # stage 0 dies before sending an early micro-batch: stage 1 is blocked in recv for it
         return f"{first}:{step}:forward:{_draw.randrange(2)}"
     if kind == "cool-down":  # stage 1 dies before sending a late input gradient: stage 0 is blocked in recv
@@ -656,21 +690,30 @@ def _fsdp_fault(kind: str) -> str:
     if kind == "slot-0":
         phase = _draw.choice(["forward", "backward", "scheduled", "optimizer"])
         return f"0:{step}:{phase}:{-1 if phase in ('scheduled', 'optimizer') else _draw.randrange(MICROBATCHES)}"
+    if kind == "node":  # both TP ranks of one stage of one replica (a node at 2 ranks per node), together
+        stage = _draw.randrange(2)
+        return ",".join(f"{_slot(inner, replica, stage, t)}:{step}:forward:1" for t in (0, 1))
     # two-replicas: one rank in each, at different coordinates (both holders of one part lost is a stop, not this)
     other = (1 - replica) * PER_REPLICA + _draw.choice([p for p in range(PER_REPLICA) if p != first % PER_REPLICA])
     return f"{first}:{step}:forward:{_draw.randrange(MICROBATCHES)},{other}:{step}:moment:{_draw.randrange(1000)}"
 
 
-@pytest.mark.parametrize("kind", ["warm-up", "cool-down", "loss", "slot-0", "two-replicas"])
-def test_fsdp_inside_the_stages_a_killed_rank_is_rebuilt_from_its_replica(
-    base: Path, fsdp_references: dict[str, FinishedJob], kind: str
+@pytest.mark.parametrize(
+    ("inner", "kind"),
+    [(inner, kind) for inner in ("fsdp", "tp") for kind in ("warm-up", "cool-down", "loss", "slot-0", "two-replicas")]
+    + [("tp", "node")],
+)
+def test_a_rank_of_a_stage_with_fsdp_or_tp_inside_is_rebuilt_from_its_replica(
+    base: Path, inner_references: dict[tuple[str, str], FinishedJob], inner: str, kind: str
 ) -> None:
-    """(dp_replicate 2 x dp_shard 2 x pp 2), each stage FSDP-sharded over two ranks: a rank killed at the moment
-    ``kind`` names is rebuilt from the same (stage, shard) of the other replica, and every slot ends bitwise equal
-    to the fault-free run under the same schedule (drawn)."""
+    """(dp_replicate 2 x dp_shard 2 x pp 2), each stage FSDP-sharded over two ranks, or (dp_replicate 2 x pp 2 x
+    tp 2), each stage tensor-parallel over two: a rank killed at the moment ``kind`` names (or a stage's whole TP
+    group, a node) is rebuilt from the same coordinate of the other replica, and every slot ends bitwise equal to
+    the fault-free run under the same schedule (drawn)."""
     schedule = _draw.choice(["gpipe", "1f1b"])
-    kill = _fsdp_fault(kind)
-    print(f"fsdp in stages, {schedule}: kill {kill}")
-    spares = 2 if kind == "two-replicas" else 1
-    run = _run(base, f"fsdp-{kind}", schedule=schedule, kill=kill, spares=spares, dp_shard=FSDP_SHARDS)
-    _check_fault(run, fsdp_references[schedule], kill, dp_shard=FSDP_SHARDS)
+    kill = _inner_fault(inner, kind)
+    print(f"{inner} in stages, {schedule}: kill {kill}")
+    together = kind == "node"
+    spares = 1 + kill.count(",")
+    run = _run(base, f"{inner}-{kind}", schedule=schedule, kill=kill, spares=spares, together=together, inner=inner)
+    _check_fault(run, inner_references[inner, schedule], kill, inner=inner)

@@ -238,6 +238,8 @@ class Context:
         dp_shard: int = 1,
         shard: Any = None,
         fsdp_kwargs: dict[str, Any] | None = None,
+        tp: int = 1,
+        tp_plan: Any = None,
         **kw: Any,
     ) -> Pipeline:
         """Slot ``r * P + k`` runs stage ``k`` (``stages[k]`` or ``stages(k)``) of replica ``r`` of a ``(R, P)``
@@ -245,13 +247,15 @@ class Context:
 
         ``dp_shard=S``: each stage FSDP-sharded over S ranks (``fully_shard(..., **fsdp_kwargs)`` on what ``shard``
         names, then on the stage), R * S * P ranks in all; slot ``r * S * P + s * P + k`` runs FSDP shard s of
-        stage k, and each pipeline (P adjacent slots) takes its own batch."""
+        stage k, and each pipeline (P adjacent slots) takes its own batch. ``tp=T``: each stage tensor-parallel over
+        T ranks (``parallelize_module`` with ``tp_plan``, or ``tp_plan(k)``); slot ``r * P * T + k * T + t`` runs TP
+        rank t of stage k, and a replica (P * T adjacent slots) takes one batch."""
         from torchpass.sharded.pipeline import Pipeline, pipeline_layout  # torch's pipelining: only when used
 
-        shape = pipeline_layout(mesh_shape, schedule, self.config.peer_copies_in_hsdp, dp_shard)
+        shape = pipeline_layout(mesh_shape, schedule, self.config.peer_copies_in_hsdp, dp_shard, tp)
         sharded = self.shard_state(shape)
-        pipeline = Pipeline(sharded, stages, schedule, n_microbatches, loss_fn, kw, shard, fsdp_kwargs)
-        self._data_group = shape.stages
+        pipeline = Pipeline(sharded, stages, schedule, n_microbatches, loss_fn, kw, shard, fsdp_kwargs, tp_plan)
+        self._data_group = shape.batch_slots
         return pipeline
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -29,27 +29,31 @@ gradients only reach the optimizer when every stage of every replica finished it
 
 Refused at start, naming what is not protected: schedules other than ``ScheduleGPipe`` and ``Schedule1F1B``
 (interleaved and zero-bubble schedules hold several stages per rank), a single replica (no one holds a lost
-stage), and a pipeline beside a second model (one model, one mesh per job) or tensor parallelism.
+stage), a pipeline beside a second model (one model, one mesh per job), and FSDP and TP together in the stages.
 
-FSDP inside the stages (``dp_shard=S``, :class:`PipelineReplicas`): each stage is HSDP over the (replicate,
-shard) dimensions, the pipeline the mesh's innermost one; FSDP reduces the gradients in the schedule's last
-backward, and an abandoned step's half-done FSDP backward is ended on the spot (:meth:`Pipeline.step`).
+A third dimension inside the stages (:class:`PipelineReplicas`): with FSDP (``dp_shard=S``) each stage is HSDP
+over the (replicate, shard) dimensions and the pipeline the mesh's innermost one; FSDP reduces the gradients in
+the schedule's last backward, and an abandoned step's half-done FSDP backward is ended on the spot
+(:meth:`Pipeline.step`). With tensor parallelism (``tp=T``) each stage is ``parallelize_module``-d over the
+innermost dimension; TP's collectives in forward and backward are the mesh's, guarded.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from torchpass.errors import TorchPassError
+from torchpass.rank.state import local_tensor
 from torchpass.rank.transfer_plan import ShardedReplicas
 from torchpass.sharded.fsdp import ShardedState, ShardSpec, sharded_modules
 from torchpass.sharded.shard_mesh import DIM_NAMES, TP_DIM
@@ -61,6 +65,7 @@ log = logging.getLogger("clockwork.torchpass.pipeline")
 PROTECTED_SCHEDULES: tuple[type, ...] = (ScheduleGPipe, Schedule1F1B)  # one stage per rank, tested here
 
 StageSpec = Sequence[nn.Module] | Callable[[int], nn.Module]
+TPPlan = Mapping[str, ParallelStyle] | Callable[[int], Mapping[str, ParallelStyle]]  # one for all, or per stage
 
 
 @dataclass(frozen=True)
@@ -68,35 +73,51 @@ class PipelineReplicas(ShardedReplicas):
     """HSDP's layout with stages for shards (slot ``r * P + k`` holds stage k): only the names differ, so events
     and messages say which stage moved.
 
-    With FSDP inside each stage (``dp_shard`` S > 1) the stages are the innermost dimension, in the place tensor
-    parallelism takes (``tp`` = P): slot ``r * S * P + s * P + k`` holds FSDP shard s of stage k, a pipeline is P
-    adjacent slots (one batch), and each stage is sharded over the (replicate, shard) dimensions."""
+    A third dimension takes the innermost place of the mesh (the one its groups call ``tp``):
+
+    * FSDP inside each stage (``fsdp``, dp_shard S > 1): the stages are innermost (``tp`` = P), slot
+      ``r * S * P + s * P + k`` holds FSDP shard s of stage k, a pipeline is P adjacent slots (one batch), and
+      each stage is sharded over the (replicate, shard) dimensions;
+    * tensor parallelism inside each stage (``tp`` = T, not ``fsdp``): slot ``r * P * T + k * T + t`` holds TP
+      rank t of stage k, the stages are the shard dimension, and a replica (P * T adjacent slots) takes one batch.
+    """
+
+    fsdp: bool = field(default=False, kw_only=True)
 
     @property
     def stages(self) -> int:
         """P: the pipeline's stages."""
-        return self.tp if self.tp > 1 else self.shards
+        if self.tp == 1:
+            return self.shards
+        return self.tp if self.fsdp else self.shards // self.tp
+
+    @property
+    def batch_slots(self) -> int:
+        """How many adjacent slots take the same batch: a pipeline, or a replica under tensor parallelism."""
+        return self.stages if self.fsdp or self.tp == 1 else self.shards
 
     def stage_of(self, part: int) -> tuple[int, int]:
-        """(stage, FSDP shard) of ``part``."""
-        shard, stage = divmod(part, self.stages)
-        return stage, shard
+        """(stage, FSDP shard or TP rank) of ``part``."""
+        if self.tp > 1 and not self.fsdp:
+            return divmod(part, self.tp)
+        inner, stage = divmod(part, self.stages)
+        return stage, inner
 
     def part_name(self, part: int) -> str:
         """``stage K of the RxP pipeline``; with FSDP in the stages ``stage K (FSDP shard S) of the RxSxP
-        pipeline``."""
-        if self.tp > 1:
-            stage, shard = self.stage_of(part)
-            return f"stage {stage} (FSDP shard {shard}) of the {self} pipeline"
-        return f"stage {part} of the {self.replicas}x{self.shards} pipeline"
+        pipeline``; with tensor parallelism ``stage K (tp T) of the RxPxT pipeline``."""
+        if self.tp == 1:
+            return f"stage {part} of the {self.replicas}x{self.shards} pipeline"
+        stage, inner = self.stage_of(part)
+        return f"stage {stage} ({'FSDP shard' if self.fsdp else 'tp'} {inner}) of the {self} pipeline"
 
 
 def pipeline_layout(
-    mesh_shape: tuple[int, int], schedule: Any, peer_copies: bool = False, dp_shard: int = 1
+    mesh_shape: tuple[int, int], schedule: Any, peer_copies: bool = False, dp_shard: int = 1, tp: int = 1
 ) -> PipelineReplicas:
-    """The layout of ``ctx.wrap_pipeline(mesh_shape=(R, P), schedule=..., dp_shard=S)``: R replicas of P stages,
-    each stage FSDP-sharded over S ranks when S > 1, refusing at start what TorchPass cannot protect
-    (``peer_copies``: the job asks for ``peer_copies_in_hsdp``)."""
+    """The layout of ``ctx.wrap_pipeline(mesh_shape=(R, P), schedule=..., dp_shard=S, tp=T)``: R replicas of P
+    stages, each stage FSDP-sharded over S ranks when S > 1 or tensor-parallel over T ranks when T > 1, refusing
+    at start what TorchPass cannot protect (``peer_copies``: the job asks for ``peer_copies_in_hsdp``)."""
     if peer_copies:
         raise TorchPassError(
             "peer_copies_in_hsdp is not built for pipeline parallelism yet: a lost stage is rebuilt from the same "
@@ -116,11 +137,13 @@ def pipeline_layout(
             "pipeline parallelism is protected only beside a replica (mesh_shape's replicas >= 2): a lost stage is "
             "rebuilt from the same stage of another replica, and peer copies of a stage are not implemented yet"
         )
-    if dp_shard < 1:
-        raise TorchPassError(f"dp_shard must be >= 1 (FSDP shards per stage), got {dp_shard}")
-    if dp_shard == 1:
-        return PipelineReplicas(replicas, stages)
-    return PipelineReplicas(replicas, dp_shard * stages, tp=stages)
+    if dp_shard < 1 or tp < 1:
+        raise TorchPassError(f"dp_shard and tp must be >= 1 (FSDP shards, TP ranks per stage), got {dp_shard}, {tp}")
+    if dp_shard > 1 and tp > 1:
+        raise TorchPassError("FSDP and tensor parallelism together inside pipeline stages are not built yet")
+    if dp_shard > 1:
+        return PipelineReplicas(replicas, dp_shard * stages, tp=stages, fsdp=True)
+    return PipelineReplicas(replicas, stages * tp, tp=tp)
 
 
 class Pipeline:
@@ -137,6 +160,7 @@ class Pipeline:
         schedule_kwargs: dict[str, Any],
         shard: ShardSpec | None = None,
         fsdp_kwargs: dict[str, Any] | None = None,
+        tp_plan: TPPlan | None = None,
     ) -> None:
         if sharded.parts.model is not None:
             raise TorchPassError("the job's model is already wrapped (one model, one mesh per job)")
@@ -144,10 +168,13 @@ class Pipeline:
         if not isinstance(shape, PipelineReplicas):
             raise TorchPassError(f"a pipeline needs a pipeline layout, got a {shape} mesh")
         self.replica, part = shape.coordinate(sharded.host.slot)
-        self.stage_index, self.fsdp_shard = shape.stage_of(part)
+        self.stage_index = shape.stage_of(part)[0]
         self.num_stages = shape.stages
-        self.fsdp = shape.tp > 1  # FSDP inside each stage: the pipeline is the mesh's innermost dimension
+        self.fsdp = shape.fsdp  # FSDP inside each stage: the pipeline is the mesh's innermost dimension
+        self.tensor_parallel = shape.tp > 1 and not shape.fsdp
         self._pp_dim = TP_DIM if self.fsdp else "shard"
+        # the stage's other dimension inside its replica, which the vote also covers
+        self._inner_dim = "shard" if self.fsdp else TP_DIM if self.tensor_parallel else None
         if callable(stages) and not isinstance(stages, nn.Module | Sequence):
             module = stages(self.stage_index)
         else:
@@ -179,10 +206,31 @@ class Pipeline:
         else:
             if shard is not None or fsdp_kwargs:
                 raise TorchPassError("shard= and fsdp_kwargs= shard each stage over dp_shard ranks: give dp_shard > 1")
-            parts.model, parts.mesh = module, None  # plain tensors: nothing is rebuilt as a DTensor (label: the stage)
+            if self.tensor_parallel:
+                self._parallelize(tp_plan)
+            elif tp_plan is not None:
+                raise TorchPassError("tp_plan= shards each stage over tp ranks: give tp > 1")
+            parts.model = module
+            if not self.tensor_parallel:
+                parts.mesh = None  # plain tensors: nothing is rebuilt as a DTensor (label: the stage)
             host.lifecycle.watch_zero_grad(module)
             host.lifecycle.track_model(list(module.buffers()) if host.config.snapshot_buffers else [], None)
         log.info("slot %d: %s", host.slot, parts.label)
+
+    def _parallelize(self, tp_plan: TPPlan | None) -> None:
+        """``parallelize_module`` the stage over the mesh's tp dimension with its plan (``tp_plan``, or
+        ``tp_plan(k)`` for stage k), as torchtitan does before it builds the stages; each TP rank cuts its own copy
+        of the initial weights (no collective runs before the first generation forms). The stage's output must
+        be a plain tensor (a last style with ``use_local_output=True``, the default): that is what it sends."""
+        plan = tp_plan(self.stage_index) if callable(tp_plan) else tp_plan
+        if not plan:
+            raise TorchPassError(f"tp > 1 needs a tp_plan for stage {self.stage_index} ({{name: ParallelStyle}})")
+        for name, style in plan.items():
+            if not isinstance(style, ParallelStyle):
+                raise TypeError(f"tp_plan[{name!r}] is a {type(style).__name__}, not a ParallelStyle")
+        groups = self._sharded.groups
+        with groups.before_first_generation():
+            parallelize_module(self.module, groups.submesh(TP_DIM), dict(plan), src_data_rank=None)
 
     def _fully_shard(self, shard: ShardSpec | None, options: dict[str, Any]) -> None:
         """``fully_shard`` the submodules ``shard`` names (deepest first), then the stage, over the (replicate,
@@ -274,9 +322,10 @@ class Pipeline:
             ) from exc
 
     def _waits_guarded(self, protecting: bool) -> AbstractContextManager[None]:
-        """Where the schedule waits on its gloo sends and receives: on a helper thread, given up once the step is
-        abandoned (:mod:`torchpass.sharded.gloo_wait`: gloo can leave a send to a closed peer pending until its
-        timeout). NCCL's waits do not block the CPU, and outside ``ctx.steps`` nothing is abandoned."""
+        """Where the schedule waits on its gloo sends and receives: on a helper thread, given up once this rank's
+        control thread aborted the generation's groups (:mod:`torchpass.sharded.gloo_wait`: gloo can leave a send
+        to a closed peer pending until its timeout). NCCL's waits do not block the CPU, and outside ``ctx.steps``
+        nothing is abandoned."""
         groups = self._sharded.groups
         if not protecting or groups.guard is None or groups.backend_name != "gloo":
             return nullcontext()
@@ -291,13 +340,13 @@ class Pipeline:
         flag = torch.ones(1, dtype=torch.int32, device=self._sharded.host.device)
         proxies = self._sharded.groups.proxies
         proxies[self._pp_dim].allreduce([flag]).wait()
-        if self.fsdp:  # then over the stage's FSDP shards: done on one rank, every pipeline of the replica voted
-            proxies["shard"].allreduce([flag]).wait()
+        if self._inner_dim is not None:  # then over the stage's FSDP shards or TP ranks: done on one rank, every
+            proxies[self._inner_dim].allreduce([flag]).wait()  # pipeline of the replica voted
 
     def _average_gradients(self) -> None:
         """The stage's gradients summed over its replicate column (one flat all-reduce, guarded: a failure
         abandons the step) and divided by the replicas."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]  # TP: local shards
         replicas = self._sharded.layout.replicas
         if not grads:
             return

@@ -27,6 +27,7 @@ after it, say to gather the final weights) a collective runs plainly and raises 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -61,6 +62,8 @@ log = logging.getLogger("clockwork.torchpass.shard_mesh")
 DIM_NAMES = ("replicate", "shard")  # the mesh's dimension names, as in FSDP2's HSDP examples
 TP_DIM = "tp"  # the tensor-parallel dimension, innermost (a TP group is adjacent slots: one node's ranks)
 _instances = itertools.count()
+# c10d's kNoTimeout: what a C++ caller's wait passes (the functional collectives' wait_tensor, DTensor's and TP's)
+NO_TIMEOUT = datetime.timedelta(0)
 
 
 class StepGuard(Protocol):
@@ -108,7 +111,7 @@ class _GuardedWork(dist.Work):
         """Wait for the real collective; a failure goes to the guard (the step is abandoned, or settled)."""
         if not self._failed:
             try:
-                if timeout is not None:
+                if timeout is not None and timeout != NO_TIMEOUT:
                     self._work.wait(timeout)
                 elif self._helper is not None:
                     self._helper.wait([self._work], self._guard.cut_off, "a collective")
