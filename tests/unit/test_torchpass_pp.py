@@ -213,14 +213,11 @@ def _rank_main() -> int:
         opt.zero_grad()
         sched.step()
 
-    def local(obj: Any) -> Any:  # FSDP's DTensors as this rank's shards (what the oracle compares)
-        if hasattr(obj, "to_local"):
-            return obj.to_local()
-        if isinstance(obj, dict):
-            return {k: local(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [local(v) for v in obj]
-        return obj
+    def local(obj: Any) -> Any:  # FSDP's and TP's DTensors as this rank's shards (what the oracle compares)
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(DTensor, lambda t: t.to_local(), obj)
 
     final = {
         "model": local(dict(pipe.module.state_dict())),
