@@ -63,6 +63,7 @@ __all__ = [
 ]
 
 _FOREVER_S = 10 * 365 * 24 * 3600.0
+_CONNECT_TRY_S = 1.0  # one try to connect to a generation's store (torchpass.rank.rejoin.Rejoiner._rendezvous)
 _LogAdapter = logging.LoggerAdapter  # type: ignore[type-arg]
 
 
@@ -326,7 +327,7 @@ class Rejoiner:
         handed: list[dict[str, Any]] = []  # what the departing rank handed over, when this is its spare
         if info.handoff is not None and info.handoff.target == self.worker_id and not m.has_state:
             handed = self._receive_handoff(info)
-        store = self._rendezvous(info.store_host, info.store_port, f"{self.config.store_prefix}/g{info.gen}")
+        store = self._rendezvous(info.store_host, info.store_port, f"{self.config.store_prefix}/g{info.gen}", info.gen)
         self._arrive(store, slot, info.world_size, info.gen)
         arrived_at = time.time()
         try:
@@ -440,18 +441,24 @@ class Rejoiner:
 
     # ----- meeting --------------------------------------------------------------------------
 
-    def _rendezvous(self, host: str, port: int, prefix: str) -> dist.Store:
-        try:
-            client = dist.TCPStore(
-                host,
-                port,
-                None,
-                False,
-                timeout=datetime.timedelta(seconds=self.config.collective_timeout_s),
-                wait_for_workers=False,
-            )
-        except Exception as exc:
-            raise GenerationBroken(f"store {host}:{port} unreachable: {exc}") from None
+    def _rendezvous(self, host: str, port: int, prefix: str, gen: int) -> dist.Store:
+        """A client of generation ``gen``'s store, connected in tries of :data:`_CONNECT_TRY_S` until
+        ``collective_timeout_s``, given up as soon as the generation is superseded. Why in tries: a store whose
+        host died (a second failure during a recovery, the store's host being a member) refuses connections,
+        and TCPStore retries a refused connect for its whole timeout, twice (about 50 s seen), while the
+        coordinator had announced the generation that replaces this one within milliseconds."""
+        deadline = time.monotonic() + self.config.collective_timeout_s
+        try_timeout = datetime.timedelta(seconds=_CONNECT_TRY_S)
+        while True:
+            try:
+                client = dist.TCPStore(host, port, None, False, timeout=try_timeout, wait_for_workers=False)
+                break
+            except Exception as exc:
+                if self.link.latest_gen > gen:
+                    raise GenerationBroken(f"superseded by generation {self.link.latest_gen}") from None
+                if time.monotonic() > deadline:
+                    raise GenerationBroken(f"store {host}:{port} unreachable: {exc}") from None
+        client.set_timeout(datetime.timedelta(seconds=self.config.collective_timeout_s))
         return dist.PrefixStore(prefix, client)
 
     def _arrive(self, store: dist.Store, me: int, count: int, gen: int) -> None:
@@ -490,7 +497,7 @@ class Rejoiner:
         """Meet the other side of the handoff in the departing rank's store and form the two-member group."""
         assert info.handoff is not None
         prefix = f"{self.config.store_prefix}/g{info.gen}/handoff"
-        store = self._rendezvous(info.handoff.host, info.handoff.port, prefix)
+        store = self._rendezvous(info.handoff.host, info.handoff.port, prefix, info.gen)
         self._arrive(store, rank, 2, info.gen)
         self.transport.form(store, rank, 2, info.gen, self._skip_ports(info.handoff.port))
 
