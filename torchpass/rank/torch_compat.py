@@ -115,12 +115,11 @@ def mesh_over_groups(
 
 
 _PipelineWait = Callable[[list[dist.Work]], None]
-_torch_pipeline_wait: list[_PipelineWait] = []  # torch's own, once replaced
 
 
 def route_pipeline_waits(wait: _PipelineWait) -> _PipelineWait:
-    """Have torch's pipeline schedules wait on their sends and receives through ``wait``, and return torch's own
-    wait (which ``wait`` falls back to outside a protected step). Calling it again changes nothing.
+    """Have torch's pipeline schedules wait on their sends and receives through ``wait``, and return the wait it
+    replaces (torch's own, on the first call: what ``wait`` falls back to outside a protected step).
 
     torch 2.13: every schedule waits on a batch of P2P works through the module function
     ``torch.distributed.pipelining.schedules._wait_batch_p2p``, looked up at each call
@@ -130,10 +129,8 @@ def route_pipeline_waits(wait: _PipelineWait) -> _PipelineWait:
     current = getattr(schedules, "_wait_batch_p2p", None)
     if not callable(current):
         raise TorchPassError(f"this torch's pipeline schedules have no _wait_batch_p2p (tested: {TESTED_TORCH})")
-    if not _torch_pipeline_wait:
-        _torch_pipeline_wait.append(current)
     schedules._wait_batch_p2p = wait  # type: ignore[assignment]
-    return _torch_pipeline_wait[0]
+    return current
 
 
 class FixedBuckets:

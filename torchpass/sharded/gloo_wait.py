@@ -47,6 +47,7 @@ __all__ = ["POLL_S", "HelperWaiter", "WaitAbandoned", "wait_polling"]
 log = logging.getLogger("clockwork.torchpass.gloo_wait")
 
 POLL_S = 0.05  # how often a blocked wait asks whether its group was aborted (a recovery waits at most this long)
+_SLICE = datetime.timedelta(seconds=POLL_S)
 
 CutOff = Callable[[], bool]
 
@@ -62,10 +63,9 @@ class WaitAbandoned(RuntimeError):
 def wait_polling(work: dist.Work, cut_off: CutOff, what: str = "a collective") -> None:
     """Wait for a gloo collective whose ``wait`` takes a timeout harmlessly; raise its error, or
     :class:`WaitAbandoned` once ``cut_off()`` is true while it is pending."""
-    timeout = datetime.timedelta(seconds=POLL_S)
     while True:
         try:
-            work.wait(timeout)
+            work.wait(_SLICE)
             return
         except RuntimeError:
             if work.is_completed():  # it failed, or completed as the slice ran out: its plain wait says which
