@@ -267,14 +267,19 @@ def test_migrate_and_daemon_events(
     with daemon.client() as client:
         client.register_job(JOB_ID, os.getuid(), pwd.getpwuid(os.getuid()).pw_name, ["n1"], {"ft": "aware"})
     results: list[int] = []
+    release = base / "migration-asked"
 
     def migrate_when_training(out: Path) -> None:
         journal = out / "journal-slot1.txt"
         if results or not journal.exists() or len(journal.read_text().splitlines()) < 8:
             return
-        results.append(clockwork(["--config", str(config), "migrate", str(JOB_ID), "--rank", "1"]))
+        # The job holds at step 20 until the request is answered: a spare slow to start on a loaded machine
+        # must not let the job finish first.
+        results.append(clockwork(["--config", str(config), "migrate", str(JOB_ID), "--rank", "1", "--wait", "120"]))
+        release.touch()
 
-    run = _run_agents(base, "migrate", extra_env={"CLOCKWORK_CONFIG": str(config)}, while_running=migrate_when_training)
+    env = {"CLOCKWORK_CONFIG": str(config), "CW_TEST_HOLD": f"20:{release}"}
+    run = _run_agents(base, "migrate", extra_env=env, while_running=migrate_when_training)
     _check(run, [0, 0, 0, 0])
     assert results == [0], capsys.readouterr().err
     assert f"job {JOB_ID}: rank 1 moves to spare a3.0" in capsys.readouterr().out

@@ -17,6 +17,8 @@ A marker file makes each kill happen once, so the replacement in the same slot d
 ``after-update`` kills it right after its optimizer step, and ``CW_TEST_USER_COLLECTIVE=1`` makes every step
 end with a ``ctx.all_reduce`` of the loss (a collective after the update).
 ``CW_TEST_STEP_SLEEP`` (seconds) slows every step down, so a test can act while the job runs.
+``CW_TEST_HOLD`` (``step:file``) holds every slot at the start of ``step`` until ``file`` exists, so a test can
+act while the job is surely still running, however slow the machine.
 ``CW_TEST_MIGRATE`` (``slot:step``) makes a rank request the planned migration of ``slot`` at ``step``.
 
 The oracle:
@@ -78,6 +80,7 @@ def _rank_main() -> int:
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
     migrate = os.environ.get("CW_TEST_MIGRATE", "")
     step_sleep = float(os.environ.get("CW_TEST_STEP_SLEEP", "0"))
+    hold_step, _, hold_file = os.environ.get("CW_TEST_HOLD", "-1:").partition(":")
 
     def journal(slot: int, line: str) -> None:
         with open(out / f"journal-slot{slot}.txt", "a") as f:
@@ -137,6 +140,8 @@ def _rank_main() -> int:
     loader = tp.StepLoader(TensorDataset(x_all, y_all), batch_size=8, seed=3)
 
     for step, (x, y) in ctx.steps(loader, steps):
+        while step == int(hold_step) and not Path(hold_file).exists():
+            time.sleep(0.05)
         if migrate:
             slot, when = (int(v) for v in migrate.split(":"))
             asker = 1 if slot == 0 else 0
