@@ -10,10 +10,11 @@ naming what was waited for).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import pytest
@@ -23,6 +24,24 @@ import pytest
 # threads that spin against each other (a 4-rank job took twice the CPU). The sandbox's jobs set the same; the
 # launcher's own default for jobs that set none is tested on its own (test_torchpass_threads.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_outlives_its_test() -> Iterator[None]:
+    """A CLI run in-process (``logging.basicConfig``, ``configure_logging``) leaves a handler on the stderr pytest
+    captured for that test; a thread of a later test that logs through it writes to a closed file ("--- Logging
+    error ---" in the output). Handlers a test added are removed when it ends (pytest's own are subclasses), and
+    the loggers' levels and propagation restored."""
+    loggers = [logging.getLogger(name) for name in (None, "clockwork", "clockwork.torchpass")]
+    before = [(list(logger.handlers), logger.level, logger.propagate) for logger in loggers]
+    yield
+    for logger, (kept, level, propagate) in zip(loggers, before, strict=True):
+        for handler in list(logger.handlers):
+            if type(handler) in (logging.StreamHandler, logging.FileHandler) and handler not in kept:
+                logger.removeHandler(handler)
+                handler.close()
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def in_ci() -> bool:

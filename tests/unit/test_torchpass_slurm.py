@@ -246,6 +246,9 @@ def _start_ranks(zctx: zmq.Context[zmq.Socket[bytes]], cluster: list[Node]) -> l
     for rank in ranks[:3]:
         rank.joined(g0)
     until("node 0's torchpass.started event", lambda: cluster[0].events.of("torchpass.started"), WAIT_S, 0.01)
+    # Every replica knows training began before a test crashes a node: a leader lost before it replicated that
+    # leaves a successor that (rightly) reports the next generation as the job's start, not a recovery.
+    until("every replica to see generation 0 complete", lambda: all(n.mesh.job_progressed() for n in cluster), WAIT_S)
     return ranks
 
 

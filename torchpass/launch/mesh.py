@@ -175,6 +175,11 @@ class AgentMesh(SocketThread):
         with self._lock:
             return JobState(str(self._snapshot["state"])) if self._snapshot else JobState.FORMING
 
+    def job_progressed(self) -> bool:
+        """Whether the newest replicated snapshot shows a generation completed (training began)."""
+        with self._lock:
+            return bool(self._snapshot.get("progressed")) if self._snapshot else False
+
     def failure_reason(self) -> str:
         """Why the job failed, per the newest snapshot ('' when it did not)."""
         with self._lock:
