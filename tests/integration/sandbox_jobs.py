@@ -135,9 +135,17 @@ def run_job(
     return run
 
 
+def held_for_migration(out: Path, step: int) -> dict[str, str]:
+    """The rank script's setting that holds every slot at ``step`` until :func:`clockwork_migrate` answered."""
+    return {"CW_TEST_HOLD": f"{step}:{out / 'migrate-answered'}"}
+
+
 def clockwork_migrate(box: Sandbox, job_id: int, rank: int, env: dict[str, str]) -> str:
     """``clockwork migrate JOBID --rank R`` on one of the job's nodes (node2), as on a real cluster; what it said
-    (``rc N: ...``, for the run's output). It must succeed."""
+    (``rc N: ...``, for the run's output). It must succeed.
+
+    A job run with :func:`held_for_migration`'s setting waits at that step until this has answered: a spare
+    slow to start on a loaded machine must not let the job end before the move."""
     proc = subprocess.run(
         box.exec_argv("node2", [CLOCKWORK, "migrate", str(job_id), "--rank", str(rank)]),
         env=env,
@@ -146,6 +154,8 @@ def clockwork_migrate(box: Sandbox, job_id: int, rank: int, env: dict[str, str])
         timeout=60,
     )
     migrated = f"rc {proc.returncode}: {proc.stdout}{proc.stderr}"
+    if "CW_TEST_HOLD" in env:
+        Path(env["CW_TEST_HOLD"].partition(":")[2]).touch()
     assert proc.returncode == 0, migrated
     return migrated
 

@@ -43,7 +43,10 @@ def _run(box: Sandbox, base: Path, name: str, *, kill: str = "", migrate: int | 
     out = base / name
     out.mkdir()
     step_file = f"{migrate}:9" if migrate is not None else ""
-    env = jobs.job_env(box, out, kill=kill, step_sleep=0.1 if migrate is not None else 0.0, CW_TEST_STEP_FILE=step_file)
+    held = jobs.held_for_migration(out, 9) if migrate is not None else {}
+    env = jobs.job_env(
+        box, out, kill=kill, step_sleep=0.1 if migrate is not None else 0.0, CW_TEST_STEP_FILE=step_file, **held
+    )
     env["PYTHONWARNINGS"] = "ignore"
     options = [f"-N{NODES}", "--no-kill", "--clockwork-ft=transparent", "--clockwork-spares=standby"]
     job_id = jobs.submit([*options, f"--output={out}/job.out"], jobs.torchpass_command(out, lightning.SCRIPT), env)

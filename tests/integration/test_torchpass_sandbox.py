@@ -67,7 +67,8 @@ def _run(box: Sandbox, base: Path, name: str, *, kill: str = "", migrate: tuple[
     """Submit the job, crash the nodes its ranks ask for, migrate when asked, wait for its end."""
     out = base / name
     out.mkdir()
-    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS))
+    held = jobs.held_for_migration(out, migrate[1] + 1) if migrate is not None else {}
+    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEPS=str(STEPS), **held)
     command = jobs.torchpass_command(out, oracle.SCRIPT)
     options = [f"-N{NODES}", "--no-kill", "--clockwork-ft", "--clockwork-spares=standby", f"--output={out}/job.out"]
     job_id = jobs.submit(options, command, env)

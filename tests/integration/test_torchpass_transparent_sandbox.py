@@ -53,7 +53,8 @@ def _run(box: Sandbox, base: Path, name: str, *, kill: str = "", migrate: int | 
     out = base / name
     out.mkdir()
     step_file = "0:6" if migrate is not None else ""
-    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEP_FILE=step_file)
+    held = jobs.held_for_migration(out, 6) if migrate is not None else {}
+    env = jobs.job_env(box, out, kill=kill, step_sleep=STEP_SLEEP_S, CW_TEST_STEP_FILE=step_file, **held)
     command = jobs.torchpass_command(out, transparent.SCRIPT)
     options = [
         f"-N{NODES}",

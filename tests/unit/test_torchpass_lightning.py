@@ -14,7 +14,8 @@ Faults (``CW_TEST_KILL``, ``slot:batch:phase`` comma separated): SIGKILL in ``tr
 backward (a gradient hook), or before the optimizer step (only at a window's second batch). ``batch`` counts
 batches across epochs from Lightning's own progress (``fit_loop.epoch_loop.total_batch_idx``), which moves with
 the state, so it is right on a replacement too. A marker file makes each kill happen once. ``CW_TEST_STEP_FILE``
-(``slot:batch``) makes that slot write ``at-step`` there, for a test to start ``clockwork migrate``.
+(``slot:batch``) makes that slot write ``at-step`` there, for a test to start ``clockwork migrate``; ``CW_TEST_HOLD``
+(``batch:file``) holds every slot at that batch until the file exists.
 
 The oracle: every tensor of the final model, optimizer and scheduler state of every slot, Lightning's
 ``global_step`` and epoch, and the ``ModelCheckpoint`` callback's state (its paths without the run's folder),
@@ -58,6 +59,7 @@ def _rank_main() -> int:
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
     step_file = os.environ.get("CW_TEST_STEP_FILE", "")
     step_sleep = float(os.environ.get("CW_TEST_STEP_SLEEP", "0"))
+    hold_step, _, hold_file = os.environ.get("CW_TEST_HOLD", "-1:").partition(":")
     rank = int(os.environ["RANK"])
     (out / f"pid-slot{rank}-{os.getpid()}").write_text("")
 
@@ -84,6 +86,8 @@ def _rank_main() -> int:
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             if step_file == f"{self.global_rank}:{self.batch_no()}":
                 (out / "at-step").write_text(str(time.time()))
+            while self.batch_no() == int(hold_step) and not Path(hold_file).exists():
+                time.sleep(0.05)
             if step_sleep:
                 time.sleep(step_sleep)
             self.maybe_kill("forward")

@@ -14,6 +14,7 @@ that moves, so it is right on a replacement too). ``epoch`` kills it between two
 whole process group (rank and Slurm-mode agent: a node crash). ``crashnode`` (forward), ``crashnode-backward``
 and ``crashnode-optimizer`` (sandbox tests) write ``crash-request-<slot>-<step>`` naming the Slurm node and wait
 there for the test to crash that node. A marker file makes each kill happen once.
+``CW_TEST_HOLD`` (``step:file``) holds every slot at that step until the file exists.
 ``CW_TEST_STEP_FILE`` (``slot:step``) makes that slot write ``at-step`` when it reaches the step, so a test can
 act (``clockwork migrate``) while the job runs slowed down by ``CW_TEST_STEP_SLEEP``.
 ``CW_TEST_VARIANT`` makes the script leave what transparent mode can protect (for the start-up checks).
@@ -63,6 +64,7 @@ def _rank_main() -> int:
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
     step_file = os.environ.get("CW_TEST_STEP_FILE", "")
     step_sleep = float(os.environ.get("CW_TEST_STEP_SLEEP", "0"))
+    hold_step, _, hold_file = os.environ.get("CW_TEST_HOLD", "-1:").partition(":")
     variant = os.environ.get("CW_TEST_VARIANT", "")
 
     dist.init_process_group(backend="gloo")
@@ -129,6 +131,8 @@ def _rank_main() -> int:
         for x, y in loader:
             if step_file and step_file == f"{rank}:{step_no()}":
                 (out / "at-step").write_text(str(time.time()))
+            while step_no() == int(hold_step) and not Path(hold_file).exists():
+                time.sleep(0.05)
             loss = nn.functional.mse_loss(ddp(x), y)
             loss.backward()
             if variant != "no-optimizer-step":
