@@ -83,8 +83,9 @@ class TorchPassConfig:
     reseed_numpy: bool = setting(True, "Also reseed NumPy's global generator at every step boundary (if importable).")
     zygote: bool = setting(
         True,
-        "Local mode: fork every rank, spare and replacement from one process that imported torch once (about "
-        "5 s of CPU each on a small node, and a spare is warm in milliseconds); off = a fresh interpreter each.",
+        "Fork every rank, spare and replacement from one process that imported torch once, the local launcher's "
+        "or, under Slurm, each node agent's (about 5 s of CPU each on a small node, and a replacement on a "
+        "healthy node is warm in milliseconds); off = a fresh interpreter each.",
     )
     gc_freeze: bool = setting(
         True,

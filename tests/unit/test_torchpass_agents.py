@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import signal
 import subprocess
 import sys
@@ -240,9 +241,23 @@ def test_rank_crash_keeps_its_node_as_a_spare(base: Path, reference: AgentsRun) 
     # died) or node 2's (a2.1, started when rank 2 died, if a1.1 was still importing torch on a loaded machine).
     workers = [w for r in replaced for w in r.values()]
     assert len(set(workers)) == 2 and set(workers) <= {"a3.0", "a1.1", "a2.1"}, replaced
-    assert "started a1.1 (spare)" in run.output and "started a2.1 (spare)" in run.output
+    # The node agents' zygotes fork every process, the replacements on the healthy nodes too.
+    for wid in ("a1.1", "a2.1"):
+        assert re.search(rf"started {wid} \(spare\) .* \(forked by the zygote\)", run.output), run.output[-8000:]
     _recovery(run, 1)
     _recovery(run, 2)
+
+
+def test_fresh_interpreters_under_slurm_train_bitwise_like_the_zygotes_forks(base: Path, reference: AgentsRun) -> None:
+    """``zygote = false``: every agent starts each process as its own interpreter, a rank crash still recovers,
+    and the result is the reference's (every process forked from its node's zygote), bit for bit."""
+    run = _run_agents(base, "no-zygote", kill="1:9:backward", settings=("zygote=false",))
+    _check(run, [0, 0, 0, 0])
+    _assert_same_final_state(run, reference)
+    _assert_each_step_once(run)
+    assert "(forked by the zygote)" not in run.output and "started a1.1 (spare)" in run.output, run.output[-8000:]
+    assert run.output.count("(own interpreter)") >= 5, run.output[-8000:]  # 3 ranks, the standby spare, a1.1
+    _recovery(run, 1)
 
 
 def test_two_leader_crashes_in_a_row(base: Path, reference: AgentsRun) -> None:

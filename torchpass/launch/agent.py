@@ -74,7 +74,8 @@ from torchpass.launch.slurm_layout import (
     SlurmLayout,
     SlurmLayoutError,
 )
-from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv
+from torchpass.launch.zygote import ForkedProcess, Zygote, start_process, start_zygote
+from torchpass.rank_env import ENV_DAEMON_SOCKET, ENV_GLOO_HOST, LaunchEnv, rank_argv, thread_default
 
 __all__ = ["SlurmAgent", "daemon_control_socket"]
 
@@ -95,8 +96,8 @@ class _Child:
     local: int
     wid: str
     role: str
-    proc: subprocess.Popen[bytes]
-    pidfd: int | None
+    proc: subprocess.Popen[bytes] | ForkedProcess
+    pidfd: int | None  # None: a forked process (the zygote reports its exit), or no pidfds here
     code: int | None = None
 
     @property
@@ -221,6 +222,7 @@ class SlurmAgent:
             self.coordinator.on_spare_needed = self.borrower.need
         self._children: dict[int, _Child] = {}  # local index -> its newest process
         self._started = 0
+        self.zygote: Zygote | None = None
         self._signal: int | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -323,14 +325,11 @@ class SlurmAgent:
         wid = worker_id(self.layout.index, self._started, local, self.layout.ranks_per_node)
         self._started += 1
         argv = rank_argv(self.python, self.script, self.script_args, transparent=self.transparent)
-        proc = subprocess.Popen(argv, env=self._environment(wid, role, local))
-        try:
-            pidfd: int | None = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):
-            pidfd = None
+        proc, pidfd = start_process(self.zygote, argv, self._environment(wid, role, local))
         self._children[local] = _Child(local, wid, role, proc, pidfd)
         self.mesh.child_update(wid, role, None)
-        log.info("started %s (%s) local index %d on %s, pid %d", wid, role, local, self.layout.node, proc.pid)
+        how = "forked by the zygote" if isinstance(proc, ForkedProcess) else "own interpreter"
+        log.info("started %s (%s) local index %d on %s, pid %d (%s)", wid, role, local, self.layout.node, proc.pid, how)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self._signal = signum
@@ -363,6 +362,13 @@ class SlurmAgent:
         self._announce()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if self.config.zygote:
+                # The node's ranks (and the spares that replace them) fork from a process that imported torch,
+                # with the environment every process of the node shares (the thread default: torch sizes its
+                # pools at import).
+                env = {**self.environ, **thread_default(self.environ, self.layout.ranks_per_node)}
+                env.setdefault("PYTHONUNBUFFERED", "1")
+                self.zygote = start_zygote(self.python, env, self.script, preload_frameworks=self.config.spare_warmup)
             for local, role in enumerate(self.layout.initial_roles()):
                 self._spawn(local, role)
             return self._supervise()
@@ -370,6 +376,8 @@ class SlurmAgent:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             self._terminate_children(grace_s=5.0)
+            if self.zygote is not None:
+                self.zygote.close()
             if self.borrower is not None:
                 self.borrower.stop()
             if self.verdicts is not None:
@@ -392,7 +400,10 @@ class SlurmAgent:
         while True:
             live = self._live()
             fds = [self._wake_r] + [c.pidfd for c in live if c.pidfd is not None]
-            select.select(fds, [], [], 0.05 if any(c.pidfd is None for c in live) else 0.2)
+            if self.zygote is not None and self.zygote.alive:
+                fds.append(self.zygote.fileno())  # it reports its children's exits
+            unwatched = any(c.pidfd is None and not isinstance(c.proc, ForkedProcess) for c in live)
+            select.select(fds, [], [], 0.05 if unwatched else 0.2)
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:

@@ -38,8 +38,7 @@ from torchpass.auth import ENV_JOB_KEY, JobKey, write_coordinator_file
 from torchpass.config import ENV_CONFIG, TorchPassConfig
 from torchpass.coordinator.service import DONE, Coordinator
 from torchpass.events import EventSink
-from torchpass.launch.warmup import framework_modules
-from torchpass.launch.zygote import ForkedProcess, Zygote, ZygoteError
+from torchpass.launch.zygote import ForkedProcess, Zygote, start_process, start_zygote
 from torchpass.rank_env import LaunchEnv, rank_argv, thread_default
 
 __all__ = ["LocalLauncher", "loopback_interface"]
@@ -155,19 +154,7 @@ class LocalLauncher:
         self.coordinator.expect_worker(wid, role)
         argv = rank_argv(self.python, self.script, self.script_args, transparent=self.transparent)
         env = self._environment(wid, role, self.coordinator.endpoint)
-        proc: subprocess.Popen[bytes] | ForkedProcess | None = None
-        pidfd: int | None = None  # a forked child's exit comes from the zygote instead
-        if self.zygote is not None and self.zygote.alive:
-            try:
-                proc = self.zygote.spawn(argv[1:], env)
-            except ZygoteError as exc:
-                log.warning("%s: starting processes without it from now on", exc)
-        if proc is None:
-            proc = subprocess.Popen(argv, env=env)
-            try:
-                pidfd = os.pidfd_open(proc.pid)
-            except (AttributeError, OSError):
-                pidfd = None
+        proc, pidfd = start_process(self.zygote, argv, env)
         child = _Child(wid, role, proc, pidfd)
         self.children[wid] = child
         if role == "spare":
@@ -197,7 +184,8 @@ class LocalLauncher:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             if self.config.zygote:
-                self._start_zygote()
+                env = self._base_environment()
+                self.zygote = start_zygote(self.python, env, self.script, preload_frameworks=self.config.spare_warmup)
             for slot in range(self.nproc):
                 self._spawn(f"slot:{slot}")
             for _ in range(self.spares):
@@ -210,15 +198,6 @@ class LocalLauncher:
             if self.zygote is not None:
                 self.zygote.close()
             self.coordinator.stop()
-
-    def _start_zygote(self) -> None:
-        env = self._base_environment()
-        try:
-            # The frameworks the script imports (lightning, transformers): seconds of CPU per process otherwise.
-            frameworks = framework_modules(self.script) if self.config.spare_warmup else ()
-            self.zygote = Zygote(self.python, env, optional=frameworks)
-        except ZygoteError as exc:
-            log.warning("%s: every process starts its own interpreter", exc)
 
     def _live(self) -> list[_Child]:
         return [c for c in self.children.values() if c.code is None]

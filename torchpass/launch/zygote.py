@@ -15,8 +15,10 @@ launcher (``PR_SET_PDEATHSIG``) and exits when the launcher closes the socket, a
 exit with torch loaded costs ~0.6 s that the launcher would wait for. The children die with it (they set the
 same on their parent).
 
-:class:`Zygote` is the launcher's side; :class:`ForkedProcess` the handle it gives out, with the part of
-``Popen``'s interface the launcher uses. This module imports torch only in the zygote process itself.
+:class:`Zygote` is the launcher's (or node agent's) side; :class:`ForkedProcess` the handle it gives out, with
+the part of ``Popen``'s interface they use. Under Slurm each node agent has its own zygote (``zygote = true``),
+so a rank that dies on a healthy node is replaced by a fork, not a new interpreter. This module imports torch
+only in the zygote process itself.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ from typing import Any, NoReturn
 
 import setproctitle
 
+from torchpass.launch.warmup import framework_modules
 from torchpass.rank_env import die_with_parent
 
-__all__ = ["PRELOAD", "ForkedProcess", "Zygote", "ZygoteError"]
+__all__ = ["PRELOAD", "ForkedProcess", "Zygote", "ZygoteError", "start_process", "start_zygote"]
 
 log = logging.getLogger("clockwork.torchpass.zygote")
 
@@ -316,6 +319,35 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def start_zygote(python: str, env: Mapping[str, str], script: str, *, preload_frameworks: bool) -> Zygote | None:
+    """The zygote of a launcher or node agent, preloading the frameworks ``script`` imports (lightning,
+    transformers: seconds of CPU per process otherwise) when ``preload_frameworks``; None, logged, when it
+    cannot start: every process then starts its own interpreter."""
+    try:
+        return Zygote(python, env, optional=framework_modules(script) if preload_frameworks else ())
+    except ZygoteError as exc:
+        log.warning("%s: every process starts its own interpreter", exc)
+        return None
+
+
+def start_process(
+    zygote: Zygote | None, argv: Sequence[str], env: Mapping[str, str]
+) -> tuple[subprocess.Popen[bytes] | ForkedProcess, int | None]:
+    """``argv`` (``[python, ARGS...]``) forked from ``zygote`` while it runs, else a fresh interpreter; and a pidfd
+    that turns readable when the fresh interpreter exits (None for a forked process, whose exit the zygote
+    reports, or where the kernel has no pidfds: poll then)."""
+    if zygote is not None and zygote.alive:
+        try:
+            return zygote.spawn(argv[1:], env), None
+        except ZygoteError as exc:
+            log.warning("%s: starting processes without it from now on", exc)
+    proc = subprocess.Popen(list(argv), env=dict(env))
+    try:
+        return proc, os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        return proc, None
 
 
 if __name__ == "__main__":
