@@ -99,7 +99,11 @@ class Inside:
             if not entry.name.isdigit():
                 continue
             try:
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                cmdline = [arg for arg in (entry / "cmdline").read_bytes().split(b"\0") if arg]
+                if not cmdline:  # a zombie
+                    continue
+                if len(cmdline) == 1:  # a process the zygote forked: its title, "python SCRIPT ARGS" in one string
+                    cmdline = cmdline[0].split(b" ")
                 if b"python" not in Path(cmdline[0].decode(errors="replace")).name.encode():
                     continue  # srun, slurmstepd, crun and shells carry the same words on their command lines
                 if b"torchpass" not in cmdline and self.script not in cmdline:

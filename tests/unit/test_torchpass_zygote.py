@@ -115,6 +115,25 @@ def test_kill_and_terminate_and_wait_timeout(zygote: Zygote, tmp_path: Path) -> 
     assert other.wait(timeout=60) == -signal.SIGKILL
 
 
+def test_a_childs_proc_environ_is_the_zygotes_not_zeros(tmp_path: Path) -> None:
+    """Tools that map processes to jobs read /proc/PID/environ (SLURM_JOB_ID); setting a child's title must not
+    wipe it, even with a title longer than the zygote's own command line."""
+    z = Zygote(sys.executable, {**os.environ, "SLURM_JOB_ID": "4242"}, preload=("json",))
+    try:
+        script = _script(tmp_path, "import time\nwhile True: time.sleep(1)\n", "a" * 150 + ".py")
+        child = z.spawn([str(script), "--steps", "1000"], dict(os.environ))
+        title = f"{sys.executable} {script} --steps 1000"
+        deadline = time.monotonic() + 60
+        while title not in Path(f"/proc/{child.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+            assert time.monotonic() < deadline, Path(f"/proc/{child.pid}/cmdline").read_bytes()
+            time.sleep(0.05)
+        assert b"SLURM_JOB_ID=4242" in Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
+        child.kill()
+        child.wait(timeout=60)
+    finally:
+        z.close()
+
+
 def test_children_die_with_the_zygote(tmp_path: Path) -> None:
     z = Zygote(sys.executable, dict(os.environ), preload=("json",))
     child = z.spawn([str(_script(tmp_path, "import time\nwhile True: time.sleep(1)\n"))], dict(os.environ))

@@ -55,6 +55,7 @@ log = logging.getLogger("clockwork.torchpass.zygote")
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torchpass.rank.start")
 OPTIONAL = "--optional"  # on the zygote's command line: the modules after it may fail to import
 READY = "ready"
+TITLE_ROOM = " " * 512  # the zygote's last argument: room in its argv for the titles of the processes it forks
 START_TIMEOUT_S = 120.0  # the zygote's own import of torch on a loaded node
 
 
@@ -231,8 +232,11 @@ class Zygote:
         ours, theirs = socket.socketpair()
         self.sock = ours
         self.proc = subprocess.Popen(
-            [python, "-m", "torchpass.launch.zygote", str(theirs.fileno()), *preload, OPTIONAL, *optional],
-            env=dict(env),
+            [python, "-m", "torchpass.launch.zygote", str(theirs.fileno()), *preload, OPTIONAL, *optional, TITLE_ROOM],
+            # setproctitle leaves the environment's memory alone (a title has TITLE_ROOM in the argv): a forked
+            # process's /proc/PID/environ is then the zygote's, SLURM_JOB_ID and all, for the tools that map
+            # processes to jobs by it, not zeros.
+            env={**env, "SPT_NOENV": "1"},
             pass_fds=(theirs.fileno(),),
         )
         theirs.close()
@@ -351,4 +355,4 @@ def start_process(
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), sys.argv[2:])
+    serve(int(sys.argv[1]), [name for name in sys.argv[2:] if name != TITLE_ROOM])
