@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import until
 from torchpass.launch.zygote import Zygote, ZygoteError
 
 
@@ -32,12 +31,6 @@ def _script(tmp_path: Path, body: str, name: str = "job.py") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
-
-
-def _wait_for_title(pid: int, title: str) -> None:
-    """Until the process's command line (what `ps` shows) reads ``title``: the child sets it as it starts."""
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    until(f"pid {pid}'s title {title!r}", lambda: title in cmdline.read_bytes().replace(b"\0", b" ").decode(), 60, 0.05)
 
 
 def test_a_child_runs_the_script_as_main_with_its_argv_env_cwd_and_path(
@@ -110,7 +103,11 @@ def test_kill_and_terminate_and_wait_timeout(zygote: Zygote, tmp_path: Path) -> 
     with pytest.raises(subprocess.TimeoutExpired):
         child.wait(timeout=0.2)
     # What `ps` shows is the command the child stands for (setproctitle), not the zygote's.
-    _wait_for_title(child.pid, f"{sys.executable} {script}")
+    title = f"{sys.executable} {script}"
+    deadline = time.monotonic() + 60
+    while title not in Path(f"/proc/{child.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+        assert time.monotonic() < deadline, Path(f"/proc/{child.pid}/cmdline").read_bytes()
+        time.sleep(0.05)
     child.terminate()
     assert child.wait(timeout=60) == -signal.SIGTERM
     other = zygote.spawn([str(script)], dict(os.environ))
@@ -125,7 +122,11 @@ def test_a_childs_proc_environ_is_the_zygotes_not_zeros(tmp_path: Path) -> None:
     try:
         script = _script(tmp_path, "import time\nwhile True: time.sleep(1)\n", "a" * 150 + ".py")
         child = z.spawn([str(script), "--steps", "1000"], dict(os.environ))
-        _wait_for_title(child.pid, f"{sys.executable} {script} --steps 1000")
+        title = f"{sys.executable} {script} --steps 1000"
+        deadline = time.monotonic() + 60
+        while title not in Path(f"/proc/{child.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
+            assert time.monotonic() < deadline, Path(f"/proc/{child.pid}/cmdline").read_bytes()
+            time.sleep(0.05)
         assert b"SLURM_JOB_ID=4242" in Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
         child.kill()
         child.wait(timeout=60)
