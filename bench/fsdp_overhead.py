@@ -16,6 +16,12 @@ call and one completion callback each: the all-gathers, the reduce-scatters, HSD
 gradient norm's all-reduce), and the step boundary (commit, reseed, a copy of the optimizer's hyper-parameters
 and registered state).
 
+``--tp T``: tensor parallelism beside it, on a ``(replicas, shards, T)`` mesh: each block's ``up`` ColwiseParallel and
+``down`` RowwiseParallel (``fsdp_workload.tp_plan``), plain DTensor TP + FSDP2 (``parallelize_module`` over the
+``tp`` slice, then ``fully_shard`` over the data-parallel one) against ``ctx.wrap_fsdp(..., tp=T, tp_plan=...)``;
+both clip with ``torchpass.clip_grad_norm_`` (torch's refuses gradients on two meshes). TorchPass then also carries
+the TP all-reduces of every forward and backward through its proxies.
+
 ``--quick`` runs in under a minute (2 jobs of 4 segments). The last line printed is one JSON object.
 """
 
@@ -47,7 +53,7 @@ def one_job(args: argparse.Namespace, work: Path, index: int) -> dict[str, Any]:
         sys.executable, "-m", "torchpass", "run", "--local", "--nproc", str(args.nproc), "--spares", "0",
         "--events", str(out / "events.jsonl"), str(WORKLOAD), "interleaved", "--out", str(out),
         "--steps", str(steps), "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch", str(args.batch),
-        "--shards", str(args.shards), "--segment", str(args.segment),
+        "--shards", str(args.shards), "--tp", str(args.tp), "--segment", str(args.segment),
     ]  # fmt: skip
     cmd += ["--torchpass-first"] if torchpass_first else []
     code = wait_all([spawn(cmd, base_env(), out / "torchpass.err")], args.timeout)[0]
@@ -66,8 +72,8 @@ def one_job(args: argparse.Namespace, work: Path, index: int) -> dict[str, Any]:
         "torchpass_ms": 1000 * statistics.median(times["torchpass"]) / args.segment,
     }
     say(
-        f"  job {index + 1}/{args.jobs} ({'TorchPass' if torchpass_first else 'plain FSDP2'}'s model allocated "
-        f"first): FSDP2 {job['fsdp_ms']:.2f} ms/step, TorchPass {job['torchpass_ms']:.2f} ms/step, overhead "
+        f"  job {index + 1}/{args.jobs} ({'TorchPass' if torchpass_first else 'the plain'}'s model allocated "
+        f"first): plain {job['fsdp_ms']:.2f} ms/step, TorchPass {job['torchpass_ms']:.2f} ms/step, overhead "
         f"{100 * (job['wall'] - 1):.2f} % in wall time (within the job {job['wall_ci95'][0]:.2f}.."
         f"{job['wall_ci95'][1]:.2f} %), {100 * (job['cpu'] - 1):.2f} % in CPU time"
     )
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
     parser.add_argument("--shards", type=int, default=2, help="shards per replica (default 2: HSDP 2 x 2)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per shard (default 1: no TP)")
     parser.add_argument("--hidden", type=int, default=512, help="block width (default 512)")
     parser.add_argument("--layers", type=int, default=4, help="blocks, each its own fully_shard (default 4)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
@@ -90,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.segments, args.jobs = 4, 2
-    replicas = args.nproc // args.shards
+    replicas = args.nproc // (args.shards * args.tp)
+    if replicas < 1 or replicas * args.shards * args.tp != args.nproc:
+        parser.error(f"--nproc {args.nproc} is not replicas x --shards {args.shards} x --tp {args.tp}")
+    mesh = [replicas, args.shards] + ([args.tp] if args.tp > 1 else [])
+    plain_name = "plain DTensor TP + FSDP2" if args.tp > 1 else "plain FSDP2"
     say(
-        f"fsdp_overhead: {args.nproc} ranks on 127.0.0.1 (gloo), mesh {replicas}x{args.shards}, {args.layers} blocks "
+        f"fsdp_overhead: {args.nproc} ranks on 127.0.0.1 (gloo), mesh {'x'.join(map(str, mesh))}, {args.layers} blocks "
         f"of {args.hidden}, batch {args.batch}, {args.jobs} interleaved jobs of {args.segments} TorchPass segments "
         f"of {args.segment} steps"
     )
@@ -108,19 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     tp_ms = statistics.median(job["torchpass_ms"] for job in jobs)
     low, high = wall["ci95"]
     say(
-        f"plain FSDP2 {fsdp_ms:.2f} ms/step, TorchPass FSDP {tp_ms:.2f} ms/step; overhead in wall time "
+        f"{plain_name} {fsdp_ms:.2f} ms/step, TorchPass {tp_ms:.2f} ms/step; overhead in wall time "
         f"{wall['pct']:.2f} % (95 % interval {low:.2f}..{high:.2f} %), in CPU time {cpu['pct']:.2f} % "
         f"({cpu['ci95'][0]:.2f}..{cpu['ci95'][1]:.2f} %); this machine resolves about ±{(high - low) / 2:.2f} % "
         f"with these jobs  ({time.monotonic() - started:.0f} s)"
     )
     goals = {"under_1pct": high < 1.0}  # shown only when the whole interval lies below 1 %
-    say(f"goals (TorchPass's FSDP < 1 % over plain FSDP2): {goals}")
+    say(f"goals (TorchPass < 1 % over {plain_name}): {goals}")
     print(
         json.dumps(
             {
                 "bench": "fsdp_overhead",
                 "nproc": args.nproc,
-                "mesh": [replicas, args.shards],
+                "mesh": mesh,
                 "model": {"hidden": args.hidden, "layers": args.layers, "batch": args.batch},
                 "segment_steps": args.segment,
                 "segments": args.segments,

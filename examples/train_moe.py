@@ -20,37 +20,19 @@ weights and that coordinate's experts) at the end, and the values do not change 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 
 import torch
+from llama_model import DIM, VOCAB, Attention, Model, gathered_sha256, make_dataset
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import torchpass as tp
 from torchpass.sharded.expert_parallel import MoE
 
-DIM, HEADS, HIDDEN, SEQ, VOCAB, EXPERTS = 64, 8, 128, 16, 32, 4
-NUM_SAMPLES = 2048
-DATA_SEED = 20240611
+HIDDEN, EXPERTS = 128, 4
 
 
-class Attention(nn.Module):
-    """Causal self-attention."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
-        self.wo = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        q, k, v = (w(x).view(b, n, HEADS, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, n, DIM))
-
-
-class Block(nn.Module):
+class MoEBlock(nn.Module):
     """A transformer block with an MoE feed-forward: the unit that gets its own ``fully_shard``."""
 
     def __init__(self) -> None:
@@ -61,39 +43,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
         return x + self.moe(self.ffn_norm(x))
-
-
-class Model(nn.Module):
-    def __init__(self, depth: int) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(depth))
-        self.norm, self.output = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
-        for block in self.layers:
-            x = block(x)
-        return self.output(self.norm(x))
-
-
-def make_dataset() -> TensorDataset:
-    """A fixed next-token task: each sequence counts up modulo VOCAB from a random start."""
-    generator = torch.Generator().manual_seed(DATA_SEED)
-    start = torch.randint(0, VOCAB, (NUM_SAMPLES, 1), generator=generator)
-    tokens = (start + torch.arange(SEQ + 1)) % VOCAB
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
-
-
-def gathered_sha256(model: nn.Module) -> str:
-    """Hash of every parameter, non-expert ones gathered from their FSDP shards (a collective: every rank calls
-    it); expert weights are this rank's own (its ep coordinate's experts)."""
-    digest = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        digest.update(name.encode())
-        digest.update(full.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ctx = tp.init()  # a spare waits here until it is given a slot
     torch.manual_seed(0)  # the same initial weights on every rank: each rank cuts its own experts
-    model = ctx.wrap_fsdp(Model(args.depth), mesh_shape=(replicas, ep), ep=ep, shard=Block)
+    model = ctx.wrap_fsdp(Model(args.depth, MoEBlock), mesh_shape=(replicas, ep), ep=ep, shard=MoEBlock)
     optimizer = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01))
     scheduler = ctx.register("scheduler", torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps))
     loader = tp.StepLoader(make_dataset(), batch_size=args.batch_size, seed=1)  # one equal share per rank

@@ -30,31 +30,14 @@ import hashlib
 import sys
 
 import torch
+from llama_model import DIM, VOCAB, Attention, make_dataset
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-from torch.utils.data import TensorDataset
 
 import torchpass as tp
 
-DIM, HEADS, HIDDEN, SEQ, VOCAB = 64, 8, 172, 16, 32
-NUM_SAMPLES = 2048
-DATA_SEED = 20240611
+HIDDEN = 172
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-class Attention(nn.Module):
-    """Causal self-attention."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
-        self.wo = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        q, k, v = (w(x).view(b, n, HEADS, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, n, DIM))
 
 
 class Block(nn.Module):
@@ -106,14 +89,6 @@ class LastStage(nn.Module):
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy of one micro-batch (computed on the last stage)."""
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def make_dataset() -> TensorDataset:
-    """A fixed next-token task: each sequence counts up modulo VOCAB from a random start."""
-    generator = torch.Generator().manual_seed(DATA_SEED)
-    start = torch.randint(0, VOCAB, (NUM_SAMPLES, 1), generator=generator)
-    tokens = (start + torch.arange(SEQ + 1)) % VOCAB
-    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
 def sha256(module: nn.Module) -> str:

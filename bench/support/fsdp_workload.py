@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from torchpass_workload import Recorder
@@ -57,6 +58,14 @@ def make_model(hidden: int, layers: int) -> nn.Module:
     return nn.Sequential(nn.Linear(64, hidden), *(Block(hidden) for _ in range(layers)), nn.Linear(hidden, 8))
 
 
+def tp_plan(layers: int) -> dict[str, ParallelStyle]:
+    """Megatron's MLP cut for each block (``make_model``'s Sequential: the blocks are modules 1..layers)."""
+    plan: dict[str, ParallelStyle] = {}
+    for index in range(1, layers + 1):
+        plan |= {f"{index}.up": ColwiseParallel(), f"{index}.down": RowwiseParallel()}
+    return plan
+
+
 def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(step * 1000 + rank)
     return torch.randn(size, 64, generator=gen), torch.randn(size, 8, generator=gen)
@@ -70,15 +79,20 @@ def shard(model: nn.Module, mesh: Any) -> nn.Module:
     return model
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, clip: Any = None
+) -> None:
+    """One step; ``clip``: the gradient clipping function (torch's by default; under TP the gradients live on two
+    meshes, which only ``torchpass.clip_grad_norm_`` takes)."""
     nn.functional.mse_loss(model(x), y).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+    (clip or torch.nn.utils.clip_grad_norm_)(model.parameters(), max_norm=1.0)
     opt.step()
     opt.zero_grad()
 
 
 def mesh_shape(args: argparse.Namespace, world: int) -> tuple[int, int]:
-    return (world // args.shards, args.shards)
+    """(replicas, shards): every rank is in one, times ``--tp`` ranks of a TP group."""
+    return (world // (args.shards * args.tp), args.shards)
 
 
 def wait_for_spares(out: Path, spares: int) -> None:
@@ -212,8 +226,11 @@ def train_interleaved(args: argparse.Namespace) -> None:
     tp_model, plain_model = (first, second) if args.torchpass_first else (second, first)
     ctx = tp.init()
     shape = mesh_shape(args, ctx.world_size)
-    tp_model = ctx.wrap_fsdp(tp_model, mesh_shape=shape, shard=Block)
+    plan = tp_plan(args.layers) if args.tp > 1 else None
+    clip = tp.clip_grad_norm_ if plan else None  # the same clipping for both forms
+    tp_model = ctx.wrap_fsdp(tp_model, mesh_shape=shape, shard=Block, tp=args.tp, tp_plan=plan)
     tp_opt = ctx.wrap_optimizer(torch.optim.AdamW(tp_model.parameters(), lr=1e-3))
+    data_rank = ctx.slot // args.tp  # the ranks of a TP group take the same batch
     plain: dict[str, Any] = {}
     spent: dict[str, list[tuple[float, float]]] = {"fsdp": [], "torchpass": []}
     started: tuple[float, float] | None = None
@@ -227,26 +244,31 @@ def train_interleaved(args: argparse.Namespace) -> None:
 
     def plain_segment(first: int) -> None:
         if not plain:
-            names = ("replicate", "shard") if shape[0] > 1 else ("shard",)
-            mesh = init_device_mesh("cpu", shape if shape[0] > 1 else (shape[1],), mesh_dim_names=names)
+            if plan:  # plain DTensor TP, then FSDP2 over the data-parallel slice (torchtitan's order)
+                mesh = init_device_mesh("cpu", (*shape, args.tp), mesh_dim_names=("replicate", "shard", "tp"))
+                parallelize_module(plain_model, mesh["tp"], plan)
+                mesh = mesh["replicate", "shard"]
+            else:
+                names = ("replicate", "shard") if shape[0] > 1 else ("shard",)
+                mesh = init_device_mesh("cpu", shape if shape[0] > 1 else (shape[1],), mesh_dim_names=names)
             plain["model"] = shard(plain_model, mesh)
             plain["opt"] = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
         dist.barrier()
         t0 = clocks()
         for s in range(first, first + seg):
-            xa, ya = batch(s, ctx.slot, args.batch)
-            train_step(plain["model"], plain["opt"], xa, ya)
+            xa, ya = batch(s, data_rank, args.batch)
+            train_step(plain["model"], plain["opt"], xa, ya, clip)
         record("fsdp", t0)
         dist.barrier()
 
     last = args.steps - args.steps % seg
-    for step, (x, y) in ctx.steps(lambda s: batch(s, ctx.slot, args.batch), last):
+    for step, (x, y) in ctx.steps(lambda s: batch(s, data_rank, args.batch), last):
         if step % seg == 0:
             if started is not None:
                 record("torchpass", started)
             plain_segment(step)
             started = clocks()
-        train_step(tp_model, tp_opt, x, y)
+        train_step(tp_model, tp_opt, x, y, clip)
     if started is not None:
         record("torchpass", started)
         plain_segment(last)
@@ -329,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--shards", type=int, default=2, help="shards per replica (the mesh is world/shards x shards)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per shard (interleaved, torchpass)")
     parser.add_argument("--crash-steps", default="", help="comma-separated steps at which one rank SIGKILLs itself")
     parser.add_argument("--node-crash-step", type=int, default=-1, help="unused here (Recorder's sandbox hook)")
     parser.add_argument("--node-crash-rank", type=int, default=-1, help="unused here (Recorder's sandbox hook)")

@@ -40,20 +40,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_workload import Block, batch, checkpoint, load_local_state, local_state, make_model, resume, wait_for_spares
+from fsdp_workload import (
+    Block,
+    batch,
+    checkpoint,
+    load_local_state,
+    local_state,
+    make_model,
+    resume,
+    tp_plan,
+    wait_for_spares,
+)
 from pp_workload import flat_grads, unflatten
 from torchpass_workload import Recorder
-
-
-def tp_plan(layers: int) -> dict[str, ParallelStyle]:
-    """Megatron's MLP cut for each block (``make_model``'s Sequential: the blocks are modules 1..layers)."""
-    plan: dict[str, ParallelStyle] = {}
-    for index in range(1, layers + 1):
-        plan |= {f"{index}.up": ColwiseParallel(), f"{index}.down": RowwiseParallel()}
-    return plan
 
 
 def victims(tp: int, world: int) -> tuple[int, ...]:

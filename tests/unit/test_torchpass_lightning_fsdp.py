@@ -13,8 +13,10 @@ each step), a validation loader (the sanity check, a validation after each epoch
 without a sampler (Lightning injects its ``DistributedSampler`` over the mesh's data-parallel dimension). It imports
 nothing from TorchPass. Checkpointing is off: the ``ModelCheckpoint`` callback of this strategy writes a
 distributed checkpoint (``torch.distributed.checkpoint``) whose collectives transparent mode does not follow, and
-``CW_TEST_VARIANT=checkpoint`` checks that it is refused at start; ``tensor-parallel`` (``tensor_parallel_size=2``)
-is refused too.
+``CW_TEST_VARIANT=checkpoint`` checks that it is refused at start. ``CW_TEST_VARIANT=tensor-parallel`` is
+Lightning's TP recipe instead: ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)``, and
+``configure_model`` first cuts the network with ``parallelize_module(..., self.device_mesh["tensor_parallel"],
+{"0": ColwiseParallel(), "3": RowwiseParallel()})``.
 
 There is no replica in pure FSDP: a SIGKILLed rank's shard is rebuilt from the copy its ring neighbour keeps
 (peer copies, on by default). Faults (``CW_TEST_KILL``, ``slot:batch:phase`` comma separated): SIGKILL in
@@ -59,6 +61,7 @@ def _rank_main() -> int:
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch import nn
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.utils.data import DataLoader, TensorDataset
 
     out = Path(os.environ["CW_TEST_DIR"])
@@ -95,6 +98,9 @@ def _rank_main() -> int:
                 output.register_hook(lambda _grad: self.maybe_kill("backward"))
 
         def configure_model(self) -> None:
+            if self.device_mesh["tensor_parallel"].size() > 1:  # Lightning's TP recipe: the plan first
+                plan = {"0": ColwiseParallel(), "3": RowwiseParallel()}
+                parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
             mesh = self.device_mesh["data_parallel"]
             for layer in self.net:
                 if isinstance(layer, nn.Linear):
@@ -354,19 +360,38 @@ def test_planned_migration_moves_a_lightning_fsdp_rank_with_its_shard(base: Path
     assert not run.of_kind("torchpass.member_failed")
 
 
-@pytest.mark.parametrize(
-    ("variant", "reason"),
-    [
-        ("tensor-parallel", "tensor_parallel_size=2 is tensor parallelism, which is not protected"),
-        ("checkpoint", "ModelCheckpoint under ModelParallelStrategy"),
-    ],
-)
-def test_what_is_not_protected_is_refused_at_start_without_burning_spares(
-    base: Path, variant: str, reason: str
-) -> None:
-    """Tensor parallelism and ModelCheckpoint's distributed checkpoint under ModelParallelStrategy: the job fails
-    at start with the reason and the alternative, before any spare is put in a slot (a crash loop of spares is
-    what an unprotected feature would otherwise cost)."""
+def test_tensor_parallel_size_2_is_protected_a_killed_rank_rebuilt_from_its_peer_copy(base: Path) -> None:
+    """``tensor_parallel_size=2``: the fault-free run cuts the network over TorchPass's (data_parallel,
+    tensor_parallel) mesh; a SIGKILL of a random slot at a random batch and phase is rebuilt from the copy of its
+    (shard, tp) state that the other rank keeps, and every slot ends bitwise equal to the fault-free run."""
+    reference = _run(base, "tp-reference", CW_TEST_VARIANT="tensor-parallel")
+    reference.check_ok()
+    batches = EPOCHS * SAMPLES // BATCH  # one data-parallel rank: both TP ranks read every batch
+    steps = batches // ACCUMULATE
+    final = load_final(reference.out, 0)
+    assert final["sharded"] and final["global_step"] == steps and final["tally"]["batches"] == batches, final
+    assert "model sharded over a 1x1x2 mesh" in reference.output, "not TP over TorchPass's mesh"
+    seed = int(os.environ.get("CW_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
+    rng = random.Random(seed)
+    batch = rng.randrange(1, batches - 1)
+    phase = rng.choice(PHASES if batch % ACCUMULATE == ACCUMULATE - 1 else PHASES[:2])
+    slot = rng.randrange(NPROC)
+    kill = f"{slot}:{batch}:{phase}"
+    print(f"CW_TEST_SEED={seed}: kill {kill}")
+    run = _run(base, "tp-" + kill.replace(":", "-"), CW_TEST_VARIANT="tensor-parallel", CW_TEST_KILL=kill)
+    what = f"seed {seed}: {kill}"
+    assert_slots_like_reference(run, reference, nproc=NPROC, keys=FINAL_KEYS, last_step=steps - 1, what=what)
+    assert list(run.out.glob("killed-*")), f"seed {seed}: {kill}: the fault was not injected"
+    (recovered,) = [r for r in run.of_kind("torchpass.recovered") if r["slots"]]
+    (move,) = [m for m in recovered["moves"] if m["target"] == slot]
+    assert move["source"] == 1 - slot and move["what"] == f"part {slot} (shard 0, tp {slot}) of the 1x1x2 mesh"
+
+
+def test_modelcheckpoint_is_refused_at_start_without_burning_spares(base: Path) -> None:
+    """ModelCheckpoint's distributed checkpoint under ModelParallelStrategy: the job fails at start with the reason
+    and the alternative, before any spare is put in a slot (a crash loop of spares is what an unprotected feature
+    would otherwise cost)."""
+    variant, reason = "checkpoint", "ModelCheckpoint under ModelParallelStrategy"
     run = _run(base, f"refused-{variant}", CW_TEST_VARIANT=variant)
     assert run.returncode == 1, run.output[-4000:]
     failed = run.of_kind("torchpass.failed")

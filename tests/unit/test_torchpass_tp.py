@@ -71,6 +71,7 @@ def _rank_main() -> int:
     from torch.utils.data import TensorDataset
 
     import torchpass as tp
+    from torchpass.rank.transfer_plan import ShardedReplicas
 
     out = Path(os.environ["CW_TEST_DIR"])
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))
@@ -88,6 +89,9 @@ def _rank_main() -> int:
         spec = next((s for s in specs if s in kills), None)
         if spec is None:
             return
+        if replicas == 1:  # no replica: first the neighbours acknowledge the copy of the last commit
+            peers = ctx.shard_state(ShardedReplicas(1, shards * tp_size, tp=tp_size)).peers
+            assert peers is not None and peers.wait_sent(30.0) >= ctx.committed_step, "no acknowledged copy"
         try:
             fd = os.open(out / ("killed-" + "-".join(spec)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -111,6 +115,8 @@ def _rank_main() -> int:
             journal(fields["slot"], f"adopt {fields['generation']} {fields['resume_step'] - 1}")
 
     ctx = tp.init(event_sink=sink)
+    if os.environ.get("CW_TEST_NODE_RANKS"):  # the node this slot stands for: the peer-copy ring's input
+        os.environ["SLURMD_NODENAME"] = f"node{ctx.slot // int(os.environ['CW_TEST_NODE_RANKS'])}"
 
     dim, heads, hidden, seq = 16, 4, 32, 6
 
@@ -306,6 +312,7 @@ def _run(
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     env["CW_TEST_SP"] = "1" if sp else ""
     env["CW_TEST_MIGRATE"] = migrate
+    env["CW_TEST_NODE_RANKS"] = str(_ranks(mesh) // 2) if mesh.startswith("1x") else ""  # two "nodes"
     # the runtime net compares the replicas of each (shard, tp) part every 3 steps (a mismatch stops the job)
     cmd = local_command(out, SCRIPT, nproc=_ranks(mesh), spares=spares, settings=("replica_check_every_steps=3",))
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
@@ -503,3 +510,55 @@ def test_three_dimensional_mesh_with_a_shard_dimension(base: Path) -> None:
     run = _run(base, "2x2x2-kill", mesh=mesh, kill=kill)
     moves = _check_fault(run, reference, kill, mesh)
     assert [m["source"] for m in moves if m["target"] == victim] == [victim ^ 4], moves
+
+
+@pytest.fixture(scope="module")
+def reference_pure(base: Path) -> FinishedJob:
+    """The fault-free (dp_shard 2 x tp 2) run, no replica: every rank's state exists once, plus its peer copy."""
+    run = _run(base, "1x2x2-reference", mesh="1x2x2")
+    run.check_ok()
+    return run
+
+
+# The peer-copy ring over (dp_shard 2 x tp 2) on two nodes of two ranks (a TP group each): node0 holds slots 0
+# and 1, node1 slots 2 and 3; neighbours sit on different nodes, so each slot's copy is on the other node.
+PURE_RING_SUCCESSOR = {0: 2, 2: 1, 1: 3, 3: 0}
+
+
+def _check_pure_fault(run: FinishedJob, reference: FinishedJob, kill: str) -> dict[int, int]:
+    """The oracle without a replica: bitwise equal, every step once (the victims were killed once their last
+    commit's copies were acknowledged, so nothing is computed twice); each victim's source, by target."""
+    run.check_ok()
+    for spec in kill.split(","):
+        assert (run.out / ("killed-" + spec.replace(":", "-"))).exists(), f"the fault {spec} was not injected"
+    _assert_same_final_state(run, reference, 4)
+    _assert_each_step_once(run, 4)
+    recovered = run.of_kind("torchpass.recovered")
+    assert recovered and all(r.get("recomputed_steps", 0) == 0 for r in recovered), recovered
+    moves = [m for r in recovered for m in r.get("moves", [])]
+    assert all(m["bytes"] > 0 and m["part"] == m["target"] for m in moves), moves
+    return {m["target"]: m["source"] for m in moves}
+
+
+def test_without_a_replica_a_tp_rank_is_rebuilt_from_its_peer_copy(base: Path, reference_pure: FinishedJob) -> None:
+    """(1 x dp_shard 2 x tp 2) with peer copies: a SIGKILL at a random TP collective (or in the optimizer step)
+    is rebuilt from the copy on the ring neighbour, which lives on the other node."""
+    step, layer = _point()
+    phase = _draw.choice(["tpforward", "tpgather", "tpbackward", "optimizer"])
+    victim = _draw.randrange(4)
+    kill = f"{victim}:{step}:{phase}:{-1 if phase in ('tpgather', 'optimizer') else layer}"
+    print(f"kill {kill}")
+    run = _run(base, "1x2x2-kill-" + kill.replace(":", "-"), mesh="1x2x2", kill=kill)
+    sources = _check_pure_fault(run, reference_pure, kill)
+    assert sources == {victim: PURE_RING_SUCCESSOR[victim]}, sources
+
+
+def test_without_a_replica_a_node_crash_is_rebuilt_from_the_copies_on_the_other_node(
+    base: Path, reference_pure: FinishedJob
+) -> None:
+    """Both TP ranks of node0 (slots 0 and 1) die in one step: nothing holds their state but the copies, and the
+    ring put those on node1 (slots 2 and 3); two spares take them and the job ends bitwise equal."""
+    step, layer = _point()
+    kill = f"0:{step}:tpforward:{layer},1:{step}:tpforward:{layer}"
+    run = _run(base, "1x2x2-node-crash", mesh="1x2x2", kill=kill, spares=2, together=True)
+    assert _check_pure_fault(run, reference_pure, kill) == {0: 2, 1: 3}

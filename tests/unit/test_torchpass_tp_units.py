@@ -42,8 +42,7 @@ def test_what_is_refused_at_start() -> None:
     plan = {"w": ColwiseParallel()}
     assert mesh_layout((2, 1), 2, plan) == ShardedReplicas(2, 2, tp=2)
     assert mesh_layout((2, 2)) == ShardedReplicas(2, 2)
-    with pytest.raises(TorchPassError, match="beside a replica"):
-        mesh_layout((1, 2), 2, plan)
+    assert mesh_layout((1, 2), 2, plan) == ShardedReplicas(1, 4, tp=2)  # no replica: peer copies hold the state
     with pytest.raises(TorchPassError, match="non-empty tp_plan"):
         mesh_layout((2, 1), 2, None)
     with pytest.raises(ValueError, match="tensor-parallel groups of 3"):
@@ -52,8 +51,20 @@ def test_what_is_refused_at_start() -> None:
         ShardPlan(ShardedReplicas(2, 2, tp=2), None, {}, {"w": "colwise"})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="needs a tp_plan"):
         ShardPlan(ShardedReplicas(2, 2, tp=2), None, {})
-    with pytest.raises(ValueError, match="never flat"):
-        MeshGroups(ShardedReplicas(1, 2, tp=2), 0, "cpu", flat=True)
+    with pytest.raises(ValueError, match="cannot be flat"):
+        MeshGroups(ShardedReplicas(2, 2, tp=2), 0, "cpu", flat=True)
+
+
+def test_a_flat_tensor_parallel_mesh_names_shard_and_tp() -> None:
+    """No replica and a script that names two dimensions ((dp_shard, tp), Lightning's (data_parallel,
+    tensor_parallel)): the mesh is (S, T) over the same stable groups, and its slices are what the script's
+    fully_shard and parallelize_module take."""
+    groups = MeshGroups(ShardedReplicas(1, 4, tp=2), 3, "cpu", flat=True, names=("dp", "tp"))
+    assert groups.roles() == ("shard", "tp") and groups.mesh.shape == (2, 2)
+    assert groups.mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    with groups.before_first_generation():
+        assert groups.submesh("tp").mesh.tolist() == [2, 3] and groups.submesh("shard").mesh.tolist() == [1, 3]
+    assert groups.groups_of("tp") == [[0, 1], [2, 3]] and groups.groups_of("shard") == [[0, 2], [1, 3]]
 
 
 def test_received_optimizer_state_is_rebuilt_over_each_parameters_mesh() -> None:

@@ -72,14 +72,6 @@ class FrameworkAdapter(Protocol):
         """The script's DDP was built over ``module``."""
         ...
 
-    def mesh_shape(
-        self, shape: tuple[int, ...], names: tuple[str, ...] | None
-    ) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
-        """The data-parallel mesh TorchPass should own for the framework's ``init_device_mesh(shape, names)``: a
-        framework may ask for dimensions that only exist to be sliced away (Lightning's tensor-parallel one of
-        size 1); raise TorchPassError for a mesh it cannot protect."""
-        ...
-
     def adopt_sharded(self, module: nn.Module) -> None:
         """``module`` is the outermost ``fully_shard``-ed module so far (called again as FSDP2 shards bottom-up and
         the model comes last): the framework's state must be registered, once, before the first step; raise

@@ -167,11 +167,6 @@ class HFTrainerAdapter:
         trainer.get_batch_samples = types.MethodType(get_batch_samples, trainer)
         self.session.ctx.log.info("Hugging Face Trainer: its counters and callbacks' state move with the state")
 
-    def mesh_shape(
-        self, shape: tuple[int, ...], names: tuple[str, ...] | None
-    ) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
-        return shape, names  # refused at fully_shard (adopt_sharded), where the sharded training shows
-
     def adopt_sharded(self, module: nn.Module) -> None:
         """Only the Trainer's DDP is protected: its FSDP goes through accelerate's plugin, whose loop and state
         handling transparent mode does not follow."""

@@ -34,19 +34,21 @@ TorchPass makes of it:
 * **Gradient accumulation** (``accumulate_grad_batches``): a step spans the window, so a failure inside a
   window redoes the window (:mod:`torchpass.transparent.bootstrap`).
 
-**FSDP2: ModelParallelStrategy.** ``ModelParallelStrategy(data_parallel_size=W, tensor_parallel_size=1)`` builds
-its mesh with ``init_device_mesh(..., (W, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))`` right after
-``init_process_group``, and the script's ``configure_model`` shards with ``fully_shard(...,
-mesh=self.device_mesh["data_parallel"])``: pure FSDP over every rank. :meth:`LightningAdapter.mesh_shape` makes
-that request TorchPass's one-dimensional mesh named ``data_parallel`` (:mod:`torchpass.transparent.fsdp`), which
-the slice returns as it is, so each rank's shard is what moves, rebuilt from a ring neighbour's peer copy after a
-crash. Lightning sizes its ``DistributedSampler`` from that mesh too. Its sanity check of the validation loop is
-skipped: its forward passes all-gather the shards before any process group exists, and it changes no training
-state. ``ModelCheckpoint`` is refused: under this strategy it saves through ``torch.distributed.checkpoint``,
-whose own collectives (``gather_object`` over c10d's ``all_gather``) raise when a peer dies, so a crash during a
-save would take the survivors and then every spare with it. Tensor parallelism (``tensor_parallel_size`` > 1)
-is refused, and so is ``FSDPStrategy``: it is FSDP1 (``FullyShardedDataParallel``), which has no TorchPass mesh
-to follow a recovery. Snapshots of a sharded model are not available yet (:mod:`torchpass.sharded.fsdp`).
+**FSDP2: ModelParallelStrategy.** ``ModelParallelStrategy(data_parallel_size=D, tensor_parallel_size=T)`` builds
+its mesh with ``init_device_mesh(..., (D, T), mesh_dim_names=("data_parallel", "tensor_parallel"))`` right after
+``init_process_group``; the script's ``configure_model`` cuts the model with ``parallelize_module(...,
+self.device_mesh["tensor_parallel"], plan)`` when T > 1, and shards it with ``fully_shard(...,
+mesh=self.device_mesh["data_parallel"])``. Transparent mode (:mod:`torchpass.transparent.fsdp`) answers that
+request with TorchPass's tensor-parallel mesh without a replica, (D, T) under Lightning's names (T = 1 too, so
+that a ``configure_model`` that slices ``tensor_parallel`` unconditionally works): the slices are over its stable
+groups, each rank's (shard, tp) state is what moves, and a crashed rank's comes back from its ring neighbour's
+peer copy. Lightning sizes its ``DistributedSampler`` from the data-parallel slice (the ranks of a TP group read
+the same batches). Its sanity check of the validation loop is skipped: its forward passes all-gather the shards
+before any process group exists, and it changes no training state. ``ModelCheckpoint`` is refused: under this
+strategy it saves through ``torch.distributed.checkpoint``, whose own collectives (``gather_object`` over c10d's
+``all_gather``) raise when a peer dies, so a crash during a save would take the survivors and then every spare
+with it. ``FSDPStrategy`` is refused: it is FSDP1 (``FullyShardedDataParallel``), which has no TorchPass mesh to
+follow a recovery. Snapshots of a sharded model are not available yet (:mod:`torchpass.sharded.fsdp`).
 
 Refused at start, with the reason: a strategy other than DDP and ModelParallelStrategy (DeepSpeed, FSDPStrategy,
 which names ModelParallelStrategy as the alternative), and ``reload_dataloaders_every_n_epochs`` (each epoch
@@ -181,23 +183,6 @@ class LightningAdapter:
     def adopt_model(self, module: nn.Module) -> None:
         """DDP was built: register the loop progress and callbacks' state."""
         self._register()
-
-    def mesh_shape(
-        self, shape: tuple[int, ...], names: tuple[str, ...] | None
-    ) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
-        """ModelParallelStrategy asks for ``(data_parallel_size, tensor_parallel_size)`` named ``("data_parallel",
-        "tensor_parallel")`` and its users shard with ``fully_shard(..., mesh=device_mesh["data_parallel"])``.
-        With one tensor-parallel rank that is pure FSDP over every rank: TorchPass's one-dimensional mesh named
-        ``data_parallel``, which that slice returns as it is (so ``fully_shard`` gets the mesh TorchPass owns)."""
-        if not self.sharded or names != ("data_parallel", "tensor_parallel") or len(shape) != 2:
-            return shape, names
-        if shape[1] != 1:
-            raise TorchPassError(
-                f"transparent mode: Lightning's ModelParallelStrategy with tensor_parallel_size={shape[1]} is "
-                "tensor parallelism, which is not protected; set data_parallel_size to the world size "
-                f"({shape[0] * shape[1]}) and tensor_parallel_size=1 (FSDP2 over every rank)"
-            )
-        return (shape[0],), ("data_parallel",)
 
     def adopt_sharded(self, module: nn.Module) -> None:
         """``configure_model`` fully_shard-ed ``module`` (the outermost so far): register the loop progress and

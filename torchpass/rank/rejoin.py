@@ -92,8 +92,17 @@ class StateTransport(Protocol):
     Every method may raise on a transport failure (a peer died): the caller turns that into
     :class:`GenerationBroken`; :class:`torchpass.rank.state.StateError` means the state itself does not fit."""
 
-    def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
-        """Form the group over ``store`` (every member calls this; ``skip_ports``: the stores' own ports)."""
+    def form(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        generation: int,
+        skip_ports: set[int],
+        handoff: bool = False,
+    ) -> None:
+        """Form the group over ``store`` (every member calls this; ``skip_ports``: the stores' own ports;
+        ``handoff``: a migration's two-member group, which carries one rank's state and nothing else)."""
         ...
 
     def held(self, has_state: bool, committed: int) -> Holdings:
@@ -144,7 +153,15 @@ class ProcessGroupTransport:
         self.net = net  # checks every transfer (the sender's checksums travel with the state) unless None
         self.depth = 0  # older copies per part in the agreement's rows (a transport that keeps copies sets it)
 
-    def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
+    def form(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        generation: int,
+        skip_ports: set[int],
+        handoff: bool = False,
+    ) -> None:
         """The generation's default process group (and the script's group beside it)."""
         if self.net is not None:
             self.net.forget()
@@ -499,7 +516,7 @@ class Rejoiner:
         prefix = f"{self.config.store_prefix}/g{info.gen}/handoff"
         store = self._rendezvous(info.handoff.host, info.handoff.port, prefix, info.gen)
         self._arrive(store, rank, 2, info.gen)
-        self.transport.form(store, rank, 2, info.gen, self._skip_ports(info.handoff.port))
+        self.transport.form(store, rank, 2, info.gen, self._skip_ports(info.handoff.port), handoff=True)
 
     def _depart(self, info: GenerationInfo) -> NoReturn:
         """This rank is migrating away: hand the live state to the spare, then exit cleanly."""

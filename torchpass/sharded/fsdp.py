@@ -188,11 +188,6 @@ def mesh_layout(
     if tp != 1 or tp_plan is not None:
         if tp < 1 or not tp_plan:
             raise TorchPassError(f"tensor parallelism needs tp >= 1 and a non-empty tp_plan (got tp={tp})")
-        if replicas < 2:
-            raise TorchPassError(
-                "tensor parallelism is protected only beside a replica (mesh_shape's replicas >= 2): peer copies "
-                "of TP-sharded state are not implemented yet, so a lost rank's shard would exist nowhere"
-            )
     return ShardedReplicas(replicas, shards * tp, tp=tp)
 
 
@@ -263,9 +258,11 @@ class ShardedState:
             raise TorchPassError(f"a {shape} mesh needs {shape.world_size} ranks; the job has {host.world_size}")
         self.host = host
         tensor_parallel = tensor_parallel or shape.tp > 1
-        # One replica is pure FSDP: a 1-D mesh, unless the script named two dimensions ((1, S), as configurable
-        # scripts write it), which it then indexes by either name: a size-1 replicate dimension is ordinary.
-        flat = shape.replicas == 1 and (names is None or len(names) == 1) and not tensor_parallel
+        # One replica is pure FSDP: a mesh without the replicate dimension ((S,), or (S, T) with tensor
+        # parallelism), unless the script named one more ((1, S), as configurable scripts write it), which it then
+        # indexes by either name: a size-1 replicate dimension is ordinary. ctx.wrap_fsdp names none: the mesh
+        # keeps it, so that its (replicate, shard) slice exists.
+        flat = shape.replicas == 1 and (len(names) == 1 + tensor_parallel if names else not tensor_parallel)
         self.groups = MeshGroups(
             shape, host.slot, host.device.type, flat=flat, names=names, tensor_parallel=tensor_parallel
         )
@@ -379,14 +376,21 @@ class ShardTransport(ProcessGroupTransport):
         # Each replica row's peer-copy ring, once decided (torchpass.sharded.peer_ring).
         self.rings: list[tuple[int, ...]] = []
 
-    def form(self, store: dist.Store, rank: int, world_size: int, generation: int, skip_ports: set[int]) -> None:
-        """The generation's default group, then its mesh groups, which the proxies forward to from now on. (A
-        migration's two-member group, in a job of two ranks, binds them too: harmless, the next generation
-        binds again before any collective of the model runs.)"""
-        if self.peers is not None:
+    def form(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        generation: int,
+        skip_ports: set[int],
+        handoff: bool = False,
+    ) -> None:
+        """The generation's default group, then its mesh groups, which the proxies forward to from now on. A
+        migration's two-member group has none: its ranks are not the slots the mesh's groups are made of."""
+        if self.peers is not None and not handoff:
             peer_ring.publish(store, self.rings)  # before the group forms: its newcomers read it after
-        super().form(store, rank, world_size, generation, skip_ports)
-        if world_size == self.groups.shape.world_size:
+        super().form(store, rank, world_size, generation, skip_ports, handoff)
+        if not handoff:
             self.groups.bind(generation, self.backend.new_subgroup)
             if self.peers is not None:  # where each slot's peer copies go in this generation
                 listeners, places = peer_ring.exchange(store, rank, world_size, self.peers.address, self.place)

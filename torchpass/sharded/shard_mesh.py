@@ -292,8 +292,8 @@ class MeshGroups:
         if not 0 <= slot < shape.world_size:
             raise ValueError(f"slot {slot} is outside a {shape} mesh")
         self.tensor_parallel = tensor_parallel or shape.tp > 1
-        if self.tensor_parallel and flat:
-            raise ValueError("a tensor-parallel mesh is never flat: it names (replicate, shard, tp)")
+        if flat and shape.replicas != 1:
+            raise ValueError(f"a {shape} mesh has replicas: it cannot be flat")
         self.flat = flat
         roles = self.roles()
         names = roles if names is None else tuple(names)
@@ -318,10 +318,7 @@ class MeshGroups:
         if self.tensor_parallel:
             self.proxies[TP_DIM] = GenerationGroup(self, TP_DIM, rank_in_tp, tp)
         layout = torch.arange(shape.world_size, dtype=torch.int)
-        if self.tensor_parallel:
-            layout = layout.view(shape.replicas, shards, tp)
-        else:
-            layout = layout.view(shape.replicas, shape.shards)
+        layout = layout.view(shape.replicas, shards, tp) if self.tensor_parallel else layout.view(shape.replicas, -1)
         self.mesh = _mesh_over(
             device_type, layout[replica] if flat else layout, names, [self.proxies[r] for r in roles], slot
         )
@@ -329,9 +326,8 @@ class MeshGroups:
 
     def roles(self) -> tuple[str, ...]:
         """What the mesh's dimensions are, outermost first (their names may differ: ``names``)."""
-        if self.flat:
-            return DIM_NAMES[1:]
-        return (*DIM_NAMES, TP_DIM) if self.tensor_parallel else DIM_NAMES
+        roles = DIM_NAMES[1:] if self.flat else DIM_NAMES
+        return (*roles, TP_DIM) if self.tensor_parallel else roles
 
     def submesh(self, role: str | tuple[str, ...]) -> DeviceMesh:
         """The mesh's dimension(s) of ``role`` (``"tp"``, or ``("replicate", "shard")``), by the names it was

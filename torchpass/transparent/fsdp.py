@@ -33,12 +33,14 @@ import torch.distributed as dist
 import torch.distributed.device_mesh as device_mesh
 import torch.distributed.distributed_c10d as c10d
 import torch.distributed.fsdp as fsdp
+import torch.distributed.tensor.parallel as tensor_parallel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchpass.errors import TorchPassError
 from torchpass.rank.transfer_plan import ShardedReplicas
 from torchpass.sharded.fsdp import ShardedState, unsynchronised_buffers
+from torchpass.sharded.shard_mesh import TP_DIM, MeshGroups
 from torchpass.transparent.session import Session
 
 __all__ = ["FsdpInterposers"]
@@ -57,7 +59,8 @@ class FsdpInterposers:
         self.buffers_checked = False
 
     def install(self, patch: Patch) -> None:
-        """Replace ``init_device_mesh`` and ``fully_shard`` wherever a script imports them from."""
+        """Replace ``init_device_mesh``, ``fully_shard`` and ``parallelize_module`` wherever a script imports them
+        from."""
         real_mesh, real_shard = device_mesh.init_device_mesh, fsdp.fully_shard
         mesh_stand_in = functools.wraps(real_mesh)(self._init_device_mesh(real_mesh))
         shard_stand_in = functools.wraps(real_shard)(self._fully_shard(real_shard))
@@ -65,6 +68,11 @@ class FsdpInterposers:
             if owner is not None and getattr(owner, "init_device_mesh", None) is real_mesh:
                 patch(owner, "init_device_mesh", mesh_stand_in)
         patch(device_mesh, "get_rank", self._mesh_rank(device_mesh.get_rank))
+        real_parallelize = tensor_parallel.parallelize_module
+        parallelize_stand_in = functools.wraps(real_parallelize)(self._parallelize_module(real_parallelize))
+        for owner in (tensor_parallel, _module("torch.distributed.tensor.parallel.api")):
+            if owner is not None and getattr(owner, "parallelize_module", None) is real_parallelize:
+                patch(owner, "parallelize_module", parallelize_stand_in)
         for name in (
             "torch.distributed.fsdp",
             "torch.distributed.fsdp._fully_shard",
@@ -82,13 +90,18 @@ class FsdpInterposers:
                 return real(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kw)
             shape = tuple(int(n) for n in mesh_shape)
             names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
-            if self.session.framework is not None:  # a framework's mesh may carry dimensions only sliced away
-                shape, names = self.session.framework.mesh_shape(shape, names)
-            if len(shape) not in (1, 2) or kw:
+            tp_dims = [i for i, name in enumerate(names or ()) if _names_tensor_parallel(name)]
+            if names is not None and any(_names_context_parallel(name) for name in names):
                 raise TorchPassError(
-                    f"transparent mode: init_device_mesh({shape}{', ' + ', '.join(kw) if kw else ''}) is not a "
-                    "data-parallel mesh TorchPass can own: it takes (N,) for FSDP or (replicas, shards) for HSDP, "
-                    "without backend_override (tensor parallelism needs the model-aware API)"
+                    f"transparent mode: init_device_mesh(mesh_dim_names={names}) names a context-parallel "
+                    "dimension: context parallelism is not protected (leave it out of the mesh when its size is 1)"
+                )
+            if tp_dims not in ([], [len(shape) - 1]) or len(shape) not in (1, 2, 2 + bool(tp_dims)) or kw:
+                raise TorchPassError(
+                    f"transparent mode: init_device_mesh({shape}{', ' + ', '.join(kw) if kw else ''}, "
+                    f"mesh_dim_names={names}) is not a mesh TorchPass can own: it takes (N,) for FSDP, (replicas, "
+                    "shards) for HSDP, and either with a tensor-parallel dimension named tp innermost, without "
+                    "backend_override"
                 )
             if names is not None and any("ep" in name.lower().split("_") for name in names):
                 raise TorchPassError(
@@ -106,8 +119,10 @@ class FsdpInterposers:
                     f"transparent mode: init_device_mesh({device_type!r}) on a job whose collectives run on "
                     f"{ctx.device.type} (backend {ctx.config.backend})"
                 )
-            layout = ShardedReplicas(1, shape[0]) if len(shape) == 1 else ShardedReplicas(*shape)
-            self.sharded = ctx.shard_state(layout, names)
+            tp = shape[-1] if tp_dims else 1
+            replicas, shards = (1, *shape[:1]) if len(shape) - len(tp_dims) == 1 else shape[:2]
+            layout = ShardedReplicas(replicas, shards * tp, tp=tp)
+            self.sharded = ctx.shard_state(layout, names, tensor_parallel=bool(tp_dims))
             return self.sharded.groups.mesh
 
         return init_device_mesh
@@ -116,11 +131,14 @@ class FsdpInterposers:
         """c10d's rank query as DeviceMesh makes it (``mesh.get_local_rank()``). Before TorchPass forms the first
         generation there is no default group to ask, yet a script or a framework may size its sampler from the
         mesh then (Lightning's ``distributed_sampler_kwargs``): the mesh's own groups know their rank, the
-        slot's place in that dimension, which no generation changes."""
+        slot's place in that dimension, which no generation changes. Slicing the mesh (``mesh["dp_shard"]``)
+        asks for the rank in the world: the slot, as in every generation."""
 
         def get_rank(group: Any = None) -> int:
             sharded = self.sharded
-            if group is not None and sharded is not None and not c10d.is_initialized():
+            if sharded is not None and not c10d.is_initialized():
+                if group is None:
+                    return sharded.groups.slot
                 if any(group is proxy for proxy in sharded.groups.proxies.values()):
                     return int(group.rank())
             return real(group)
@@ -135,12 +153,16 @@ class FsdpInterposers:
             if self.sharded is None:  # no init_device_mesh: FSDP2's default, one dimension over every rank
                 self.sharded = ctx.shard_state(ShardedReplicas(1, ctx.world_size))
             groups = self.sharded.groups
+            data_parallel = tuple(role for role in groups.roles() if role != TP_DIM)
             if mesh is None:
-                mesh = groups.mesh
-            elif mesh is not groups.mesh:
+                mesh = groups.submesh(data_parallel) if groups.tensor_parallel else groups.mesh
+            elif not _over(mesh, groups, data_parallel):
+                where = "the mesh init_device_mesh returned"
+                if groups.tensor_parallel:
+                    where = f"its data-parallel slice mesh[{', '.join(map(repr, groups.names[:-1]))}]"
                 raise TorchPassError(
-                    "transparent mode: fully_shard over a mesh TorchPass did not make (give it the mesh "
-                    "init_device_mesh returned; a sub-mesh or a mesh of your own groups cannot follow a recovery)"
+                    f"transparent mode: fully_shard over a mesh TorchPass did not make (give it {where}; another "
+                    "sub-mesh or a mesh of your own groups cannot follow a recovery)"
                 )
             with groups.before_first_generation():
                 result = real(module, mesh=mesh, **kw)
@@ -150,6 +172,31 @@ class FsdpInterposers:
             return result
 
         return fully_shard
+
+    def _parallelize_module(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def parallelize_module(
+            module: nn.Module, device_mesh: DeviceMesh | None = None, parallelize_plan: Any = None, **kw: Any
+        ) -> Any:
+            if self.internal():
+                return real(module, device_mesh, parallelize_plan, **kw)
+            groups = self.sharded.groups if self.sharded is not None else None
+            if groups is None or not groups.tensor_parallel:
+                raise TorchPassError(
+                    "transparent mode: parallelize_module before init_device_mesh made a mesh with a tensor-parallel "
+                    "dimension (name it tp, innermost: (dp_shard, tp) or (dp_replicate, dp_shard, tp))"
+                )
+            if device_mesh is None or not _over(device_mesh, groups, (TP_DIM,)):
+                raise TorchPassError(
+                    f"transparent mode: parallelize_module over a mesh other than mesh[{groups.names[-1]!r}] of the "
+                    "mesh init_device_mesh returned; another mesh cannot follow a recovery"
+                )
+            # No collective can run before TorchPass forms the first generation: each TP rank cuts its part of the
+            # initial weights from its own copy (src_data_rank=None), which every rank builds alike (one seed).
+            kw["src_data_rank"] = None
+            with groups.before_first_generation():
+                return real(module, device_mesh, parallelize_plan, **kw)
+
+        return parallelize_module
 
     def _adopt(self, module: nn.Module) -> None:
         """Keep the outermost modules sharded so far; once one holds all the others, it is the job's model (FSDP2
@@ -185,6 +232,28 @@ class FsdpInterposers:
                 "DataLoader over a DistributedSampler was built before the first forward pass); use a "
                 "DistributedSampler or the model-aware API (see 'Sharded training' in docs/user-guide.md)"
             )
+
+
+def _names_tensor_parallel(name: str) -> bool:
+    """A mesh dimension named as torchtitan's (``tp``) or Lightning's (``tensor_parallel``) TP dimension."""
+    words = name.lower().split("_")
+    return "tp" in words or words[:2] == ["tensor", "parallel"]
+
+
+def _names_context_parallel(name: str) -> bool:
+    words = name.lower().split("_")
+    return "cp" in words or words[:2] == ["context", "parallel"]
+
+
+def _over(mesh: DeviceMesh, groups: MeshGroups, roles: tuple[str, ...]) -> bool:
+    """Whether ``mesh`` is the slice of TorchPass's mesh over ``roles``: its dimensions' groups are those roles'
+    stable groups, in order (a slice the script took, by its own names, of the mesh init_device_mesh returned)."""
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != len(roles):
+        return False
+    try:
+        return all(mesh.get_group(i) is groups.proxies[role] for i, role in enumerate(roles))
+    except (RuntimeError, ValueError, KeyError):  # a mesh without registered groups is not TorchPass's
+        return False
 
 
 def _holds(outer: nn.Module, inner: nn.Module) -> bool:
