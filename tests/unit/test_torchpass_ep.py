@@ -53,6 +53,7 @@ RUN_TIMEOUT_S = 180
 def _rank_main() -> int:
     import torch
     from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torch.utils.data import TensorDataset
 
     import torchpass as tp
@@ -69,6 +70,8 @@ def _rank_main() -> int:
     out = Path(os.environ["CW_TEST_DIR"])
     steps = int(os.environ.get("CW_TEST_STEPS", str(STEPS)))
     ep = int(os.environ.get("CW_TEST_EP", "2"))
+    tp_size = int(os.environ.get("CW_TEST_TP", "1"))
+    shards = int(os.environ.get("CW_TEST_SHARDS", "2"))
     replicas = int(os.environ.get("CW_TEST_REPLICAS", "2"))
     kills = {tuple(spec.split(":")) for spec in os.environ.get("CW_TEST_KILL", "").split(",") if spec}
     migrate = os.environ.get("CW_TEST_MIGRATE", "")
@@ -105,14 +108,15 @@ def _rank_main() -> int:
     class Attention(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.wqkv, self.wo = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+            self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+            self.wo = nn.Linear(dim, dim, bias=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             b, n, _ = x.shape
-            q, k, v = (t.view(b, n, heads, -1).transpose(1, 2) for t in self.wqkv(x).chunk(3, dim=-1))
+            q, k, v = (w(x).view(b, n, -1, dim // heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
             scores = (q @ k.transpose(-2, -1)) / (dim // heads) ** 0.5
             attended = torch.softmax(scores + torch.full((n, n), float("-inf")).triu(1), dim=-1) @ v
-            return self.wo(attended.transpose(1, 2).reshape(b, n, dim))
+            return self.wo(attended.transpose(1, 2).reshape(b, n, -1))  # under TP: this rank's heads
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -149,7 +153,16 @@ def _rank_main() -> int:
     for index, block in enumerate(blocks):
         block.moe.router.register_forward_hook(lambda *_, i=index: maybe_kill("epforward", i))
         block.moe.register_forward_hook(before_backward_of(index))
-    model = ctx.wrap_fsdp(plain, mesh_shape=(replicas, 2), ep=ep, shard=Block)
+        # before the plan's hooks: after wo's partial sum, ahead of its all-reduce over the TP group
+        block.attention.wo.register_forward_hook(lambda *_, i=index: maybe_kill("tpforward", i))
+    tensor_parallel: dict[str, Any] = {}
+    if tp_size > 1:  # the attention cut over tp (Megatron's), the MoE left whole on every TP rank
+        plan: dict[str, Any] = {}
+        for i in range(LAYERS):
+            plan |= {f"layers.{i}.attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+            plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
+        tensor_parallel = {"tp": tp_size, "tp_plan": plan}
+    model = ctx.wrap_fsdp(plain, mesh_shape=(replicas, shards), ep=ep, shard=Block, **tensor_parallel)
     w1 = blocks[0].moe.w1
     layout = (ctx.mesh.mesh_dim_names if ep > 1 and ctx.mesh is not None else None, type(w1).__name__, tuple(w1.shape))
     opt = ctx.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01))
@@ -242,15 +255,17 @@ def _run(
     migrate: str = "",
     settings: tuple[str, ...] = (),
     replicas: int = 2,
+    tp: int = 1,
+    shards: int = 2,
 ) -> FinishedJob:
     out = base / name
     out.mkdir()
     env = dict(os.environ, CW_TEST_DIR=str(out), CW_TEST_KILL=kill, CW_TEST_EP=str(ep), CW_TEST_MIGRATE=migrate)
-    env["CW_TEST_REPLICAS"] = str(replicas)
+    env["CW_TEST_REPLICAS"], env["CW_TEST_TP"], env["CW_TEST_SHARDS"] = str(replicas), str(tp), str(shards)
     env["CW_TEST_KILL_TOGETHER"] = "1" if together else ""
     # the runtime net compares the replicas of each ep coordinate every 3 steps (a mismatch stops the job)
     cmd = local_command(
-        out, SCRIPT, nproc=replicas * 2, spares=spares, settings=("replica_check_every_steps=3", *settings)
+        out, SCRIPT, nproc=replicas * shards * tp, spares=spares, settings=("replica_check_every_steps=3", *settings)
     )
     with open(out / "launcher.log", "w") as log:  # a file, so that a hung job's output is still there to read
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -411,6 +426,80 @@ def test_planned_migration_moves_an_ep_rank_with_its_state(base: Path, reference
     migrated = run.of_kind("torchpass.migrated")
     assert migrated and migrated[0]["slots"] == [victim] and migrated[0]["handoff_ok"], migrated
     assert not run.of_kind("torchpass.member_failed")
+
+
+def test_ep_beside_tp_rebuilds_a_rank_from_its_coordinate_in_the_other_replica(base: Path) -> None:
+    """(dp_replicate 2 x ep 2 x tp 2), 8 ranks: the attention cut over tp, each TP rank keeping its ep
+    coordinate's experts whole. The fault-free run's TP ranks hold the same experts and its replicas the same
+    state; a SIGKILL at a random step in the forward all-to-all, the all-to-all's backward or the attention's TP
+    all-reduce is rebuilt from the same (ep, tp) coordinate of the other replica, and every slot ends bitwise
+    equal to the fault-free run, every step committed once."""
+    ranks = 8
+    reference = _run(base, "ep-tp-reference", tp=2)
+    reference.check_ok()
+    final = [load_final(reference.out, slot) for slot in range(ranks)]
+    assert final[0]["layout"] == (("replicate", "ep", "tp"), "Parameter", (2, 16, 32)), final[0]["layout"]
+    for key in (k for k in final[0]["model"] if k.endswith(("moe.w1", "moe.w2"))):
+        assert torch_equal(final[0]["model"][key], final[1]["model"][key]), f"{key}: the TP ranks' experts differ"
+        assert not torch_equal(final[0]["model"][key], final[2]["model"][key]), f"{key}: ep 0 and 1 agree"
+    for slot in range(ranks):
+        assert_bitwise_equal(final[slot], final[slot ^ 4], f"slot {slot} vs its replica {slot ^ 4}")
+    step, layer = _point()
+    victim, phase = _draw.randrange(ranks), _draw.choice(["epforward", "epbackward", "tpforward"])
+    kill = f"{victim}:{step}:{phase}:{layer}"
+    print(f"kill {kill}")
+    run = _run(base, "ep-tp-kill-" + kill.replace(":", "-"), kill=kill, tp=2)
+    run.check_ok()
+    assert (run.out / ("killed-" + kill.replace(":", "-"))).exists(), "the fault was not injected"
+    for slot in range(ranks):
+        assert_bitwise_equal(load_final(run.out, slot), final[slot], f"slot {slot}")
+    journals = _assert_each_step_once(run, ranks)
+    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
+    moves = [m for r in run.of_kind("torchpass.recovered") for m in r.get("moves", [])]
+    (move,) = [m for m in moves if m["target"] == victim]
+    ep_rank, tp_rank = divmod(victim % 4, 2)
+    assert move["source"] == victim ^ 4 and move["bytes"] > 0, moves
+    assert (
+        move["what"] == f"part {victim % 4} (ep {ep_rank}: its experts and FSDP shard, tp {tp_rank}) of the 2x2x2 mesh"
+    )
+
+
+def test_ep_carved_from_a_larger_dp_shard_rebuilds_a_rank_from_its_peer_copy(base: Path) -> None:
+    """(1 x dp_shard 4, ep 2), ``peer_copy_sync``: FSDP shards the dense weights over 4 ranks, the experts go to
+    ep groups of 2 adjacent shards, and shards 0 and 2 (1 and 3) hold the same experts. A SIGKILL in an all-to-all
+    (forward or backward) is rebuilt from the ring neighbour's peer copy, bitwise equal per slot."""
+    settings, ranks = ("peer_copy_sync=true",), 4
+    reference = _run(base, "1x4-ep2-reference", replicas=1, shards=4, settings=settings)
+    reference.check_ok()
+    final = [load_final(reference.out, slot) for slot in range(ranks)]
+    assert final[0]["layout"] == (("shard",), "Parameter", (2, 16, 32)), final[0]["layout"]
+    for key in (k for k in final[0]["model"] if k.endswith(("moe.w1", "moe.w2"))):
+        assert torch_equal(final[0]["model"][key], final[2]["model"][key]), f"{key}: ep 0's holders differ"
+        assert not torch_equal(final[0]["model"][key], final[1]["model"][key]), f"{key}: ep 0 and 1 agree"
+    step, layer = _point()
+    victim, phase = _draw.randrange(ranks), _draw.choice(["epforward", "epbackward"])
+    kill = f"{victim}:{step}:{phase}:{layer}"
+    print(f"kill {kill} (1 x dp_shard 4, ep 2)")
+    run = _run(base, "1x4-ep2-kill", replicas=1, shards=4, kill=kill, settings=settings)
+    run.check_ok()
+    assert (run.out / ("killed-" + kill.replace(":", "-"))).exists(), f"the fault {kill} was not injected"
+    for slot in range(ranks):
+        assert_bitwise_equal(load_final(run.out, slot), final[slot], f"slot {slot}")
+    journals = _assert_each_step_once(run, ranks)
+    assert len({pid for *_, pid in journals[victim]}) == 2, f"slot {victim} was not taken over by another process"
+    moves = [m for f in run.of_kind("torchpass.recovered") for m in f.get("moves", [])]
+    (move,) = [m for m in moves if m["target"] == victim]
+    assert move["source"] == (victim + 1) % ranks and move["bytes"] > 0, moves
+    assert (
+        move["what"]
+        == f"shard {victim} (with the experts of ep {victim % 2}) of the 1x4 (replicate x shard, ep 2) mesh"
+    )
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(a.shape == b.shape and torch.equal(a, b))
 
 
 def test_transparent_mode_refuses_an_expert_parallel_mesh_at_start(tmp_path: Path) -> None:

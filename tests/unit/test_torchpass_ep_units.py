@@ -56,11 +56,31 @@ def test_experts_are_cut_to_the_ep_coordinate() -> None:
     assert expert_names(model) == ["1.w1", "1.w2"]
 
 
+def test_ep_carved_from_a_larger_dp_shard_has_its_own_groups() -> None:
+    """(2 x dp_shard 4, ep 2): FSDP shards over all 4; the ep groups are 2 adjacent shards of a row, and the
+    ranks holding the same experts are every (replica, shard) at that ep coordinate."""
+    shape = ShardedReplicas(2, 4, ep=2)
+    groups = MeshGroups(shape, 6, "cpu")  # replica 1, FSDP shard 2: ep coordinate 0 of the row's second ep group
+    assert groups.groups_of("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups.groups_of("ep_holders") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    ep_group, holders = groups.expert_groups()
+    assert (ep_group.rank(), ep_group.size(), holders.rank(), holders.size()) == (0, 2, 3, 4)
+    assert shape.part_name(6 % 4) == "shard 2 (with the experts of ep 0) of the 2x4 (replicate x shard, ep 2) mesh"
+    plain = MeshGroups(ShardedReplicas(2, 2, ep=2), 3, "cpu")  # ep is the whole shard dimension
+    assert plain.expert_groups() == (plain.proxies["shard"], plain.proxies["replicate"])
+    with pytest.raises(ValueError, match="do not split into ep groups of 2"):
+        ShardedReplicas(2, 3, ep=2)
+
+
 def test_what_is_refused_at_start() -> None:
-    with pytest.raises(TorchPassError, match=r"ep x tp\) is not built"):
-        mesh_layout((2, 1), 2, {"w": ColwiseParallel()}, ep=2)
-    with pytest.raises(TorchPassError, match="ep carved from a larger dp_shard"):
-        mesh_layout((2, 4), ep=2)
+    beside_tp = mesh_layout((2, 2), 2, {"w": ColwiseParallel()}, ep=2)  # (replicate, ep, tp): TP beside EP
+    assert beside_tp == ShardedReplicas(2, 4, tp=2, ep=2)
+    assert beside_tp.part_name(3) == "part 3 (ep 1: its experts and FSDP shard, tp 1) of the 2x2x2 mesh"
+    assert mesh_layout((2, 4), ep=2) == ShardedReplicas(2, 4, ep=2)  # ep carved from a larger dp_shard
+    with pytest.raises(TorchPassError, match="a multiple of ep"):
+        mesh_layout((2, 3), ep=2)
+    with pytest.raises(TorchPassError, match="together with tensor parallelism is not built"):
+        mesh_layout((2, 4), 2, {"w": ColwiseParallel()}, ep=2)
     assert mesh_layout((1, 2), ep=2) == ShardedReplicas(1, 2, ep=2)  # no replica: peer copies keep each part
     with pytest.raises(TorchPassError, match="ep must be >= 1"):
         mesh_layout((2, 2), ep=0)

@@ -206,7 +206,8 @@ class Context:
         shard) submesh, as torchtitan's ``parallelize_llama``; the ranks of one TP group (adjacent slots) take
         the same batch from ``ctx.steps``. ``ep=E``: :mod:`torchpass.sharded.expert_parallel`."""
         shape = mesh_layout(mesh_shape, tp, tp_plan, ep)
-        sharded = self.shard_state(shape, ("replicate", "ep") if ep > 1 else None, tensor_parallel=tp_plan is not None)
+        names = ("replicate", "ep", "tp")[: 2 + (tp_plan is not None)] if ep > 1 and mesh_shape[1] == ep else None
+        sharded = self.shard_state(shape, names, tensor_parallel=tp_plan is not None)
         ShardPlan(sharded.layout, shard, kw, tp_plan, ep).apply(model, sharded.groups)
         sharded.adopt(model)
         self._data_group = tp

@@ -136,7 +136,8 @@ class ShardedReplicas:
     shards: int
     peer_copies: int = 0
     tp: int = field(default=1, kw_only=True)
-    # ``ep``: expert parallelism over the shard dimension (shards == ep): part e is FSDP shard e and experts shard e
+    # ``ep``: expert parallelism inside the shard dimension (FSDP shards per replica a multiple of ep): FSDP shard s
+    # holds the experts of ep coordinate s % ep (shards == ep: part e is FSDP shard e and experts e)
     ep: int = field(default=1, kw_only=True)
     # Each replica row's peer-copy ring, once the first generation decided it (filled in place by the transport,
     # :class:`torchpass.sharded.fsdp.ShardTransport`; empty: the shard order). Not part of the mesh's identity.
@@ -147,6 +148,8 @@ class ShardedReplicas:
             raise ValueError(f"replicas and shards must be >= 1, got {self.replicas} x {self.shards}")
         if self.tp < 1 or self.shards % self.tp:
             raise ValueError(f"a replica's {self.shards} slots do not split into tensor-parallel groups of {self.tp}")
+        if self.ep < 1 or (self.shards // self.tp) % self.ep:
+            raise ValueError(f"{self.shards // self.tp} FSDP shards a replica do not split into ep groups of {self.ep}")
 
     @property
     def parts(self) -> int:
@@ -191,7 +194,12 @@ class ShardedReplicas:
         """``shard S of the RxS mesh``; with tensor parallelism ``part P (shard S, tp T) of the RxSxT mesh``."""
         if self.tp > 1:
             shard, tp = divmod(part, self.tp)
+            if self.ep > 1:
+                return f"part {part} (ep {shard}: its experts and FSDP shard, tp {tp}) of the {self} mesh"
             return f"part {part} (shard {shard}, tp {tp}) of the {self} mesh"
+        if self.ep > 1 and self.ep != self.shards:
+            mesh = f"{self.replicas}x{self.shards} (replicate x shard, ep {self.ep})"
+            return f"shard {part} (with the experts of ep {part % self.ep}) of the {mesh} mesh"
         if self.ep > 1:
             mesh = f"{self.replicas}x{self.shards} (replicate x ep)"
             return f"ep {part} (experts and FSDP shard {part}) of the {mesh} mesh"

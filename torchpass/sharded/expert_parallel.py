@@ -24,8 +24,23 @@ What this module adds:
   the replicas of the same ep coordinate, divided by ``R * E``: the mean over the global batch, as FSDP's
   gradients of the non-expert parameters). That all-reduce also runs on a guarded proxy.
 
-Refused at start (:func:`check_expert_layout`): ep together with tensor parallelism, ep carved from a larger
-dp_shard (mesh_shape's shards != ep), and a model with no :class:`MoE` layer. Without a replica (R = 1) a
+With tensor parallelism beside it (``ep=E, tp=T, tp_plan=...``: the mesh is ``("replicate", "ep", "tp")``, tp
+innermost), the plan cuts the dense layers (attention) over tp and the experts are not cut by it: every TP rank of
+a group keeps its ep coordinate's experts whole (torchtitan's expert-TP degree 1). The group's ranks hold the
+same tokens at the MoE input (a RowwiseParallel output is all-reduced over tp), so each routes them over its own
+ep group (the ranks at its tp coordinate: the mesh's shard groups) and computes the same expert outputs; the
+expert gradients are then equal over tp and summed over the replicas only, divided by the data-parallel ranks
+(R * E). A rank's part, (e, t), holds experts e and its TP slice of FSDP shard e.
+
+Carved from a larger dp_shard (``mesh_shape=(R, S)`` with S a multiple of E, torchtitan's dp_shard_mod_ep x
+dp_shard_in_ep): FSDP still shards the dense parameters over all S; FSDP shard s holds the experts of ep
+coordinate ``e = s % E`` whole (not sharded further over dp_shard_mod_ep), its ep group is the E adjacent FSDP
+shards ``(s // E) * E ..`` of its row (the mesh's ``ep`` groups), and an expert weight's gradient is summed over
+every rank holding the same experts (``ep_replicate``: the R * S / E ranks at ep coordinate e) and divided by
+R * S. A rank's part is still its FSDP shard s (with experts e), held by (r', s) of every other replica.
+
+Refused at start (:func:`check_expert_layout`): shards that are not a multiple of ep, ep carved from a larger
+dp_shard together with tensor parallelism, and a model with no :class:`MoE` layer. Without a replica (R = 1) a
 rank's part is kept by pure FSDP's peer copies (:mod:`torchpass.sharded.peer_copy`), experts included. Other MoE
 implementations are not recognised: their experts would be FSDP parameters like any other.
 """
@@ -116,19 +131,21 @@ def expert_names(model: nn.Module) -> list[str]:
     return [f"{name}.{w}" if name else w for name, _ in moe_layers(model) for w in ("w1", "w2")]
 
 
-def check_expert_layout(mesh_shape: tuple[int, int], ep: int, tp: int) -> None:
+def check_expert_layout(mesh_shape: tuple[int, int], ep: int, tp: int = 1) -> None:
     """Refuse, naming it, an expert-parallel layout TorchPass does not protect (see the module's docstring)."""
     shards = mesh_shape[1]
     if ep < 1:
         raise TorchPassError(f"ep must be >= 1, got {ep}")
     if ep == 1:
         return
-    if tp != 1:
-        raise TorchPassError("expert parallelism together with tensor parallelism (ep x tp) is not built yet")
-    if shards != ep:
+    if shards % ep:
         raise TorchPassError(
-            f"expert parallelism needs mesh_shape's shards == ep (got {shards} shards, ep={ep}): ep carved from a "
-            "larger dp_shard (dp_shard_mod_ep) is not built yet"
+            f"expert parallelism needs mesh_shape's shards to be a multiple of ep (got {shards} shards, ep={ep})"
+        )
+    if shards != ep and tp != 1:
+        raise TorchPassError(
+            f"ep={ep} carved from a larger dp_shard ({shards}) together with tensor parallelism is not built yet "
+            "(shards == ep beside tp is)"
         )
 
 
@@ -138,13 +155,14 @@ def shard_experts(
     ep_rank: int,
     ep: int,
     replicate_group: dist.ProcessGroup,
-    world_size: int,
+    data_ranks: int,
 ) -> set[nn.Parameter]:
     """Cut every :class:`MoE` layer of ``model`` to this rank's experts (each rank cuts its own copy: the model
     was built identically everywhere, as every TorchPass job's replicas are) and route its tokens over
     ``ep_group``; each backward's contribution to an expert weight's gradient is summed over ``replicate_group``
-    and divided by ``world_size`` before it is accumulated. Returns the expert parameters (for ``fully_shard``'s
-    ``ignored_params``). Call before the optimizer is built: the parameters are new objects."""
+    and divided by ``data_ranks`` (the ranks that take a batch of their own) before it is accumulated. Returns the
+    expert parameters (for ``fully_shard``'s ``ignored_params``). Call before the optimizer is built: the parameters
+    are new objects."""
     layers = moe_layers(model)
     if not layers:
         raise TorchPassError(
@@ -159,7 +177,7 @@ def shard_experts(
         cut = slice(ep_rank * local, (ep_rank + 1) * local)
         for attr in ("w1", "w2"):
             weight = nn.Parameter(getattr(layer, attr).detach()[cut].clone())
-            weight.register_hook(_replicate_mean(replicate_group, world_size))
+            weight.register_hook(_replicate_mean(replicate_group, data_ranks))
             setattr(layer, attr, weight)
             ignored.add(weight)
         layer.ep_group, layer.ep_size = ep_group, ep

@@ -161,9 +161,11 @@ class ShardPlan:
         with groups.before_first_generation():
             mesh = groups.mesh
             if self.ep > 1:  # experts cut to this rank's ep coordinate, left out of FSDP (expert_parallel.py)
-                ep_rank, proxies = groups.shape.coordinate(groups.slot)[1], groups.proxies
-                world = groups.shape.world_size
-                experts = shard_experts(model, proxies["shard"], ep_rank, self.ep, proxies["replicate"], world)
+                shape = groups.shape
+                ep_rank = shape.coordinate(groups.slot)[1] // shape.tp % self.ep
+                data_ranks = shape.world_size // shape.tp  # a TP group's ranks share a batch
+                ep_group, holders = groups.expert_groups()
+                experts = shard_experts(model, ep_group, ep_rank, self.ep, holders, data_ranks)
                 options = {**options, "ignored_params": set(options.get("ignored_params") or ()) | experts}
             if self.tp_plan is not None:
                 parallelize_module(model, groups.submesh(TP_DIM), self.tp_plan, src_data_rank=None)
@@ -179,16 +181,13 @@ def mesh_layout(
     mesh_shape: tuple[int, int], tp: int = 1, tp_plan: Mapping[str, ParallelStyle] | None = None, ep: int = 1
 ) -> ShardedReplicas:
     """The layout of ``ctx.wrap_fsdp(mesh_shape=(R, S), tp=T, tp_plan=..., ep=E)``: R replicas of S * T parts (a
-    rank's (shard, tp) coordinate; under ep, S == E and part e holds experts e), refusing at start what is not
-    protected."""
+    rank's (shard, tp) coordinate; under ep, S == E and part s * T + t holds experts s), refusing at start what is
+    not protected."""
     replicas, shards = mesh_shape
-    check_expert_layout(mesh_shape, ep, 1 if tp_plan is None else tp)
-    if ep > 1:
-        return ShardedReplicas(replicas, shards, ep=ep)
-    if tp != 1 or tp_plan is not None:
-        if tp < 1 or not tp_plan:
-            raise TorchPassError(f"tensor parallelism needs tp >= 1 and a non-empty tp_plan (got tp={tp})")
-    return ShardedReplicas(replicas, shards * tp, tp=tp)
+    check_expert_layout(mesh_shape, ep, tp)
+    if (tp != 1 or tp_plan is not None) and (tp < 1 or not tp_plan):
+        raise TorchPassError(f"tensor parallelism needs tp >= 1 and a non-empty tp_plan (got tp={tp})")
+    return ShardedReplicas(replicas, shards * tp, tp=tp, ep=ep)
 
 
 class ShardHost(Protocol):

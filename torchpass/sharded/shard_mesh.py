@@ -61,6 +61,9 @@ log = logging.getLogger("clockwork.torchpass.shard_mesh")
 
 DIM_NAMES = ("replicate", "shard")  # the mesh's dimension names, as in FSDP2's HSDP examples
 TP_DIM = "tp"  # the tensor-parallel dimension, innermost (a TP group is adjacent slots: one node's ranks)
+# Expert parallelism carved from a larger shard dimension: the ep groups (E adjacent FSDP shards of a row) and the
+# groups of the ranks holding the same experts; neither is a dimension of the mesh FSDP and DTensor see.
+EP_GROUP, EP_HOLDERS = "ep", "ep_holders"
 _instances = itertools.count()
 # c10d's kNoTimeout: what a C++ caller's wait passes (the functional collectives' wait_tensor, DTensor's and TP's)
 NO_TIMEOUT = datetime.timedelta(0)
@@ -317,6 +320,12 @@ class MeshGroups:
         }
         if self.tensor_parallel:
             self.proxies[TP_DIM] = GenerationGroup(self, TP_DIM, rank_in_tp, tp)
+        self.carved_ep = shape.ep > 1 and shape.ep != shards
+        if self.carved_ep:
+            per_row = shards // shape.ep  # ep groups in a replica's row
+            self.proxies[EP_GROUP] = GenerationGroup(self, EP_GROUP, shard % shape.ep, shape.ep)
+            holder = replica * per_row + shard // shape.ep
+            self.proxies[EP_HOLDERS] = GenerationGroup(self, EP_HOLDERS, holder, shape.replicas * per_row)
         layout = torch.arange(shape.world_size, dtype=torch.int)
         layout = layout.view(shape.replicas, shards, tp) if self.tensor_parallel else layout.view(shape.replicas, -1)
         self.mesh = _mesh_over(
@@ -337,6 +346,13 @@ class MeshGroups:
         picked = tuple(self.names[order.index(r)] for r in roles)
         return self.mesh[picked[0] if len(picked) == 1 else picked]
 
+    def expert_groups(self) -> tuple[GenerationGroup, GenerationGroup]:
+        """An MoE layer's ep group and the group of the ranks holding the same experts: the shard and replicate
+        groups when ep is the whole shard dimension, else the narrower groups carved from it."""
+        if self.carved_ep:
+            return self.proxies[EP_GROUP], self.proxies[EP_HOLDERS]
+        return self.proxies["shard"], self.proxies["replicate"]
+
     def groups_of(self, dim: str) -> list[list[int]]:
         """The slots of each of ``dim``'s groups, in the order every member forms them."""
         shape, tp = self.shape, self.shape.tp
@@ -347,6 +363,11 @@ class MeshGroups:
             return [
                 [shape.slot(r, s * tp + t) for t in range(tp)] for r in range(shape.replicas) for s in range(shards)
             ]
+        ep, rows = shape.ep, range(shape.replicas)
+        if dim == EP_GROUP:
+            return [[shape.slot(r, m * ep + e) for e in range(ep)] for r in rows for m in range(shards // ep)]
+        if dim == EP_HOLDERS:
+            return [[shape.slot(r, m * ep + e) for r in rows for m in range(shards // ep)] for e in range(ep)]
         return [[shape.slot(r, s * tp + t) for s in range(shards)] for r in range(shape.replicas) for t in range(tp)]
 
     @contextlib.contextmanager
@@ -391,6 +412,8 @@ class MeshGroups:
             dims += [("replicate", ranks) for ranks in self.groups_of("replicate")]
         if self.tensor_parallel:
             dims += [(TP_DIM, ranks) for ranks in self.groups_of(TP_DIM)]
+        if self.carved_ep:
+            dims += [(dim, ranks) for dim in (EP_GROUP, EP_HOLDERS) for ranks in self.groups_of(dim)]
         for dim, ranks in dims:
             group = make(ranks)
             if self.slot in ranks:
