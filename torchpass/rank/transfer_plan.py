@@ -149,7 +149,8 @@ class ShardedReplicas:
         if self.tp < 1 or self.shards % self.tp:
             raise ValueError(f"a replica's {self.shards} slots do not split into tensor-parallel groups of {self.tp}")
         if self.ep < 1 or (self.shards // self.tp) % self.ep:
-            raise ValueError(f"{self.shards // self.tp} FSDP shards a replica do not split into ep groups of {self.ep}")
+            fsdp_shards = self.shards // self.tp
+            raise ValueError(f"{fsdp_shards} FSDP shards per replica do not split into ep groups of {self.ep}")
 
     @property
     def parts(self) -> int:
@@ -191,7 +192,8 @@ class ShardedReplicas:
         return slot // self.shards
 
     def part_name(self, part: int) -> str:
-        """``shard S of the RxS mesh``; with tensor parallelism ``part P (shard S, tp T) of the RxSxT mesh``."""
+        """``shard S of the RxS mesh``; with tensor parallelism ``part P (shard S, tp T) of the RxSxT mesh``; under
+        expert parallelism the experts it holds are named too."""
         if self.tp > 1:
             shard, tp = divmod(part, self.tp)
             if self.ep > 1:

@@ -36,7 +36,7 @@ Carved from a larger dp_shard (``mesh_shape=(R, S)`` with S a multiple of E, tor
 dp_shard_in_ep): FSDP still shards the dense parameters over all S; FSDP shard s holds the experts of ep
 coordinate ``e = s % E`` whole (not sharded further over dp_shard_mod_ep), its ep group is the E adjacent FSDP
 shards ``(s // E) * E ..`` of its row (the mesh's ``ep`` groups), and an expert weight's gradient is summed over
-every rank holding the same experts (``ep_replicate``: the R * S / E ranks at ep coordinate e) and divided by
+every rank holding the same experts (``ep_holders``: the R * S / E ranks at ep coordinate e) and divided by
 R * S. A rank's part is still its FSDP shard s (with experts e), held by (r', s) of every other replica.
 
 Refused at start (:func:`check_expert_layout`): shards that are not a multiple of ep, ep carved from a larger

@@ -181,8 +181,8 @@ def mesh_layout(
     mesh_shape: tuple[int, int], tp: int = 1, tp_plan: Mapping[str, ParallelStyle] | None = None, ep: int = 1
 ) -> ShardedReplicas:
     """The layout of ``ctx.wrap_fsdp(mesh_shape=(R, S), tp=T, tp_plan=..., ep=E)``: R replicas of S * T parts (a
-    rank's (shard, tp) coordinate; under ep, S == E and part s * T + t holds experts s), refusing at start what is
-    not protected."""
+    rank's (shard, tp) coordinate; under ep, S is a multiple of E and part s * T + t holds the experts of ep
+    coordinate s % E), refusing at start what is not protected."""
     replicas, shards = mesh_shape
     check_expert_layout(mesh_shape, ep, tp)
     if (tp != 1 or tp_plan is not None) and (tp < 1 or not tp_plan):

@@ -278,9 +278,10 @@ class MeshGroups:
     :attr:`mesh` is the ``DeviceMesh`` to give ``fully_shard``: dimensions ``("replicate", "shard")``, or only
     ``("shard",)`` for pure FSDP when ``flat`` (``names`` renames them, as a script's ``init_device_mesh`` may).
     With ``tensor_parallel`` (or ``shape.tp > 1``) it is ``("replicate", "shard", "tp")``, tp innermost:
-    ``parallelize_module`` takes ``submesh("tp")`` and ``fully_shard`` ``submesh(("replicate", "shard"))``.
-    :meth:`bind` runs on every member after each generation's default group formed; :meth:`unbind` when it is
-    torn down."""
+    ``parallelize_module`` takes ``submesh("tp")`` and ``fully_shard`` ``submesh(("replicate", "shard"))``. With
+    expert parallelism carved from a larger shard dimension there are two more groups beside the mesh
+    (:meth:`expert_groups`). :meth:`bind` runs on every member after each generation's default group formed;
+    :meth:`unbind` when it is torn down."""
 
     def __init__(
         self,
