@@ -165,14 +165,18 @@ class FaultOutcome:
 
 
 STALL_FLOOR_S = 0.05  # a gap between two steps of a slot counts as a stall above this, or 5 median steps
+# A fault's effect begins within this long of the fault or of its end (a crash is judged in well under it, a GPU
+# warning read within the health interval, a lossy link's retransmission waits while it lasts): a stall that
+# begins later, in a run that had trained on normally, is a hiccup of its own, not the fault's.
+EFFECT_S = 1.0
 
 
-def _resumed_after(log: StepLog, at: float, until: float) -> float:
+def _resumed_after(log: StepLog, at: float, until: float, effect_until: float = math.inf) -> float:
     """When ``log``'s slot trained normally again after a fault at ``at``, in seconds after it (inf: never). The
     largest stall (a gap between two consecutive steps begun, longer than 5 median steps and STALL_FLOOR_S) that
-    begins before ``until`` (less that floor) and ends after ``at`` -- including the one that spans ``at``: a
-    crashed rank's last step before it, its replacement's first after -- ends at the resume; with no stall, the
-    slot's second step begun after the fault (its first completed one)."""
+    begins before ``until`` (less that floor) and before ``effect_until``, and ends after ``at`` -- including the
+    one that spans ``at``: a crashed rank's last step before it, its replacement's first after -- ends at the
+    resume; with no stall, the slot's second step begun after the fault (its first completed one)."""
     times = [t for _, t in log]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     floor = max(STALL_FLOOR_S, 5 * statistics.median(gaps)) if gaps else STALL_FLOOR_S
@@ -181,7 +185,8 @@ def _resumed_after(log: StepLog, at: float, until: float) -> float:
     seq = before + after
     # A stall that begins within a stall's length of the next fault is the next fault's (a whole-job restart: the
     # last step begun just before that kill); one that begins just after this fault is this one's.
-    stalls = [(b - a, b) for a, b in itertools.pairwise(seq) if b - a > floor and a < until - floor]
+    begins_before = min(until - floor, effect_until)
+    stalls = [(b - a, b) for a, b in itertools.pairwise(seq) if b - a > floor and a < begins_before]
     if stalls:
         return max(stalls)[1] - at
     return after[1] - at if len(after) >= 2 else math.inf
@@ -190,7 +195,8 @@ def _resumed_after(log: StepLog, at: float, until: float) -> float:
 def outcomes(logs: Mapping[int, StepLog], fault_times: Sequence[tuple[Fault, float]]) -> list[FaultOutcome]:
     """Each fault's outcome, ``fault_times`` giving each fault's wall time (as the step logs' clock). The time to
     full width is the latest, over slots, of :func:`_resumed_after`: when the most stalled slot trained again
-    (a respawned replica's or a restarted job's first step, a stopped node's next one). Recomputed steps are counted
+    (a respawned replica's or a restarted job's first step, a stopped node's next one), counting only a stall that
+    began by ``EFFECT_S`` after the fault's end. Recomputed steps are counted
     per slot in the fault's window (up to the next fault: a recovery still under way then is the next fault's) and
     the most of any slot is the fault's: steps that the whole job did again, not per-rank copies of the same redo."""
     results = []
@@ -200,7 +206,7 @@ def outcomes(logs: Mapping[int, StepLog], fault_times: Sequence[tuple[Fault, flo
         widths: list[float] = []
         redone = 0
         for log in logs.values():
-            widths.append(_resumed_after(log, at, until))
+            widths.append(_resumed_after(log, at, until, at + fault.hold_s + EFFECT_S))
             seen = {s for s, t in log if t <= at}
             again = 0
             for step, t in log:

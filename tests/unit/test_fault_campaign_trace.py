@@ -127,6 +127,19 @@ def test_a_stall_that_the_next_fault_caused_is_not_this_ones() -> None:
     assert second.full_width_s == pytest.approx(6.95) and second.recomputed == 7
 
 
+def test_a_hiccup_long_after_the_last_fault_is_not_its_stall() -> None:
+    """What stopped a soak: a NIC down (held 2 s) that the job trained through, then a 75 ms hiccup 15 s later with
+    no fault after it. The NIC down's time to full width is its slots' next steps, not the hiccup's end."""
+    nic = Fault(at_s=89.0, kind=FaultKind.NIC_DOWN, slot=1, hold_s=2.0)
+    log = [(s, s * 0.0115) for s in range(9050)] + [(s, 104.2 + (s - 9050) * 0.0115) for s in range(9050, 9500)]
+    (out,) = outcomes({0: log, 1: log}, [(nic, 89.0)])
+    assert out.full_width_s is not None and out.full_width_s < 0.05 and out.recomputed == 0
+    # the same hiccup while the NIC is still down (1 s after the fault) is the fault's
+    late = [(s, t) for s, t in log if t < 90.0] + [(s, 90.075 + (s - 7827) * 0.0115) for s in range(7827, 8000)]
+    (held,) = outcomes({0: late}, [(nic, 89.0)])
+    assert held.full_width_s == pytest.approx(1.075, abs=0.02)
+
+
 def test_percentile_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0 and percentile([3.0], 99) == 3.0
