@@ -262,6 +262,7 @@ class Sandbox:
             pythonpath="" if self.config.python else os.environ.get("PYTHONPATH", ""),
             slurmctld_parameters=slurm.slurmctld_parameters,
             lens=self.config.lens,
+            slurmd_timeout_s=self.config.slurmd_timeout_s,
         )
         if slurm.from_root:
             slurm.write_client_wrappers(p.slurm_bin)

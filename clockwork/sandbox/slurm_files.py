@@ -43,6 +43,7 @@ def slurm_conf(
     cpus_per_node: int,
     plugin_dir: Path | None = None,
     slurmctld_parameters: tuple[str, ...] = (),
+    slurmd_timeout_s: int = 300,
 ) -> str:
     """slurm.conf (``slurmctld_parameters``: the release's own, :attr:`SlurmRelease.slurmctld_parameters`)."""
     p = paths
@@ -74,6 +75,7 @@ def slurm_conf(
         "ReturnToService=2",
         "SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=1",
         "MessageTimeout=10",
+        f"SlurmdTimeout={slurmd_timeout_s}",
         "KillWait=5",
         "MinJobAge=300",
         "MpiDefault=none",
@@ -286,13 +288,17 @@ def write_all(
     pythonpath: str = "",
     slurmctld_parameters: tuple[str, ...] = (),
     lens: bool = True,
+    slurmd_timeout_s: int = 300,
 ) -> None:
     """Write every file the sandbox's daemons read (``plugin_dir`` and ``slurm_bin``: a Slurm release from a
     root, whose plugins and client commands those are; ``pythonpath``: the hooks', see :func:`hook_wrapper`;
-    ``slurmctld_parameters``: the release's, see :func:`slurm_conf`; ``lens``: see :func:`clockwork_toml`)."""
+    ``slurmctld_parameters``: the release's, see :func:`slurm_conf`; ``lens``: see :func:`clockwork_toml`;
+    ``slurmd_timeout_s``: Slurm's SlurmdTimeout)."""
     for d in paths.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
-    paths.slurm_conf.write_text(slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir, slurmctld_parameters))
+    paths.slurm_conf.write_text(
+        slurm_conf(paths, layout, accounting, cpus_per_node, plugin_dir, slurmctld_parameters, slurmd_timeout_s)
+    )
     paths.gres_conf.write_text(gres_conf(paths, layout))
     for node in layout.nodes:
         for path in gpu_files(paths, node.name):  # character devices, as slurmd wants: /dev/null's numbers

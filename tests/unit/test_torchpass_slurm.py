@@ -389,6 +389,16 @@ def test_batch_launcher_cancels_the_steps_of_nodes_the_job_counted_lost_soon(tmp
     assert not list(Path(tempfile.gettempdir()).glob(f"torchpass-5-{os.getpid()}.lost"))  # the launcher's file is gone
 
 
+def test_the_end_of_a_lost_nodes_step_is_not_the_jobs_verdict(tmp_path: Path) -> None:
+    """Seen in a soak: Slurm declares a crashed node down SlurmdTimeout after the crash, ends its step, and that
+    srun exits 0. The job had counted the node lost long before (the batch host's agent keeps the file current)
+    and trains on: the launcher waits for the live agents' verdict (here: the job failed later) instead of taking
+    that 0 for the job's end and cancelling the live steps."""
+    tell = 'printf "n3\\n" > "$TORCHPASS_LOST_NODES_FILE"; sleep 2; exit 1'
+    behaviour = {"n1": tell, "n2": "sleep 2; exit 1", "n3": "sleep 0.5; exit 0"}
+    assert _steps(tmp_path, behaviour, grace=0.5).run() == 1
+
+
 def test_batch_launcher_reports_a_failed_job_and_ignores_a_left_agent(tmp_path: Path) -> None:
     assert _steps(tmp_path, {"n1": "exit 1", "n2": "sleep 0.2; exit 1", "n3": "exit 3"}).run() == 1
     assert _steps(tmp_path, {"n1": "exit 3", "n2": "exit 7", "n3": "exit 9"}).run() == 1  # no verdict at all

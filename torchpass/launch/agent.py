@@ -224,6 +224,7 @@ class SlurmAgent:
         self._started = 0
         self.zygote: Zygote | None = None
         self._signal: int | None = None
+        self._told_lost: frozenset[int] = frozenset()  # the lost agents the launcher was last told of
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -410,6 +411,8 @@ class SlurmAgent:
                 pass
             for child in self._live():
                 self._poll_child(child)
+            if self.mesh.lost_agents() != self._told_lost:
+                self._tell_launcher_the_lost_nodes()
             if self._signal is not None:
                 print(f"torchpass: signal {self._signal}: agent {self.layout.index} stops", file=sys.stderr)
                 return 128 + self._signal
@@ -512,15 +515,20 @@ class SlurmAgent:
         emit(self.event_sink, log, "torchpass.placement", **fields)
 
     def _tell_launcher_the_lost_nodes(self) -> None:
-        """On the batch launcher's node: which nodes the job counted lost, so that it cancels their steps at once
-        (a step on a dead node would hold the job until Slurm declares the node down)."""
+        """On the batch launcher's node: which nodes the job counted lost, kept current while it runs and written
+        once more when it ended. While it runs, the end of a lost node's step (Slurm declares the node down
+        SlurmdTimeout after the crash, and its srun then exits 0) is no verdict on the job; once it ended, the
+        launcher cancels those steps at once (they would hold the job until Slurm declares the node down)."""
         target = self.environ.get(ENV_LOST_NODES_FILE)
+        self._told_lost = self.mesh.lost_agents()
         if not target:
             return
         nodes = self.environ.get(ENV_NODES, "").split(",")
-        lost = [nodes[k] for k in sorted(self.mesh.lost_agents()) if k < len(nodes)]
-        try:
-            Path(target).write_text("".join(f"{node}\n" for node in lost))
+        lost = [nodes[k] for k in sorted(self._told_lost) if k < len(nodes)]
+        try:  # whole or not at all: the launcher may read it at any moment
+            staged = Path(f"{target}.new")
+            staged.write_text("".join(f"{node}\n" for node in lost))
+            staged.replace(target)
         except OSError as error:
             log.warning("cannot tell the launcher the lost nodes (%s): it waits for their steps instead", error)
 

@@ -19,7 +19,9 @@ the coordinator leads from another node. Slurm ends a job whose batch host fails
 once it declares that node down (SlurmdTimeout); every other node's loss is TorchPass's to repair. Keeping
 the batch host out of the training slots at the start keeps that one Slurm-imposed risk off the busy nodes.
 
-The job is over when an agent ends with its verdict (0: training finished, 1: the job failed). The steps that
+The job is over when an agent ends with its verdict (0: training finished, 1: the job failed), unless the job
+counted that agent's node lost: when Slurm declares a crashed node down (SlurmdTimeout after the crash), it ends
+the node's step and its srun exits 0, which says nothing of the job. The steps that
 are still running then get ``finish_grace_s`` to end by themselves; a step whose node died can only end when
 Slurm declares the node down, so it is cancelled instead of holding the job for SlurmdTimeout. The agent on
 the launcher's own node writes, once the job ended, which nodes the job counted lost (``TORCHPASS_LOST_NODES_FILE``,
@@ -194,7 +196,11 @@ class NodeSteps:
                     if not step.cancelled:
                         log.info("agent step on %s ended with %d", step.node, code)
                     if verdict is None and code in VERDICTS:
-                        verdict, verdict_at = code, time.monotonic()
+                        if step.node in self._lost_nodes():
+                            # Slurm declared the crashed node down and its srun exited: no word from its agent.
+                            log.info("the job counted %s lost before its step ended: not the job's verdict", step.node)
+                        else:
+                            verdict, verdict_at = code, time.monotonic()
             running = [s for s in steps if s.code is None]
             if self._signal is not None:
                 self._cancel(running, why=f"signal {self._signal}")

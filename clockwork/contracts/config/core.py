@@ -168,6 +168,12 @@ class SandboxConfig:
         "so that jobs see SLURM_TOPOLOGY_ADDR; every node must be in exactly one rack. Empty: no topology.",
     )
     accounting: bool = setting(False, "Start MariaDB + slurmdbd so that sacct works.")
+    slurmd_timeout_s: int = setting(
+        300,
+        "Slurm's SlurmdTimeout: how long a silent node stays up before slurmctld declares it down and ends its "
+        "job steps (Slurm's default; tests of what happens then use less).",
+        min=5,
+    )
     slurm: str = setting(
         "22.05",
         "Slurm release the sandbox runs: '22.05' is the host's own packages (Debian 12); '24.11' (Debian 13) and "
