@@ -13,6 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -24,6 +27,35 @@ import pytest
 # threads that spin against each other (a 4-rank job took twice the CPU). The sandbox's jobs set the same; the
 # launcher's own default for jobs that set none is tested on its own (test_torchpass_threads.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_zygote_server() -> Iterator[None]:
+    """One warm zygote server per pytest process (``torchpass.launch.zygote_server``): the few hundred local jobs
+    the suite launches fork their zygotes from it instead of importing torch again each (~4.5 s of CPU per job
+    here). A job it must not serve (another session, namespaces or import-time environment: a sandbox node's
+    agent, ``zygote=false``, a set thread count) starts its own zygote, as without it. The server's own tests
+    are tests/unit/test_torchpass_zygote_server.py. ``CLOCKWORK_TEST_WARM_ZYGOTE=0`` runs the suite without it."""
+    from torchpass.launch.zygote_server import ENV_WARM_ZYGOTE, server_argv
+
+    if os.environ.get("CLOCKWORK_TEST_WARM_ZYGOTE", "1") == "0":
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="cw-zs-", dir="/tmp") as tmp:
+        path = os.path.join(tmp, "warm.sock")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPT_NOENV": "1"}  # as a launcher's zygote is started
+        with open(os.path.join(tmp, "server.log"), "wb") as log:
+            server = subprocess.Popen(server_argv(sys.executable, path), env=env, stdout=log, stderr=log)
+        try:
+            until("the warm zygote server to listen", lambda: os.path.exists(path) or server.poll() is not None, 120)
+            if server.poll() is not None:
+                raise RuntimeError(f"the warm zygote server exited with {server.returncode}: {open(log.name).read()}")
+            os.environ[ENV_WARM_ZYGOTE] = path
+            yield
+        finally:
+            os.environ.pop(ENV_WARM_ZYGOTE, None)
+            server.kill()
+            server.wait()
 
 
 @pytest.fixture(autouse=True)

@@ -39,6 +39,7 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import setproctitle
@@ -46,7 +47,17 @@ import setproctitle
 from torchpass.launch.warmup import framework_modules
 from torchpass.rank_env import die_with_parent
 
-__all__ = ["PRELOAD", "ForkedProcess", "Zygote", "ZygoteError", "start_process", "start_zygote"]
+__all__ = [
+    "ENV_WARM_ZYGOTE",
+    "PRELOAD",
+    "ForkedProcess",
+    "WarmZygoteRefused",
+    "Zygote",
+    "ZygoteError",
+    "fork_from_server",
+    "start_process",
+    "start_zygote",
+]
 
 log = logging.getLogger("clockwork.torchpass.zygote")
 
@@ -133,15 +144,10 @@ def _reap(sock: socket.socket) -> None:
         _send(sock, {"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def serve(fd: int, preload: Sequence[str]) -> None:
-    """The zygote's loop (``python -m torchpass.launch.zygote FD MODULE...``)."""
-    die_with_parent()
-    # Before any child clears its environment: setproctitle finds its room (argv and environ) the first time.
-    named = " ".join(name for name in preload if name != OPTIONAL)
-    setproctitle.setproctitle(f"torchpass zygote (preloaded: {named or 'nothing'})")
-    sock = socket.socket(fileno=fd)
+def preload_modules(names: Sequence[str]) -> None:
+    """Import ``names``; those after ``OPTIONAL`` may fail (logged: each process then imports it itself)."""
     optional = False
-    for name in preload:
+    for name in names:
         if name == OPTIONAL:
             optional = True
         elif not optional:
@@ -151,11 +157,24 @@ def serve(fd: int, preload: Sequence[str]) -> None:
                 importlib.import_module(name)
             except Exception as exc:
                 log.warning("zygote: preloading %s failed (%s); each process imports it itself", name, exc)
+
+
+def serve(fd: int, preload: Sequence[str]) -> None:
+    """The zygote's main (``python -m torchpass.launch.zygote FD MODULE...``)."""
+    die_with_parent()
+    # Before any child clears its environment: setproctitle finds its room (argv and environ) the first time.
+    named = " ".join(name for name in preload if name != OPTIONAL)
+    setproctitle.setproctitle(f"torchpass zygote (preloaded: {named or 'nothing'})")
+    preload_modules(preload)
+    serve_on(socket.socket(fileno=fd), os.getpid())
+
+
+def serve_on(sock: socket.socket, zygote_pid: int) -> NoReturn:
+    """The zygote's loop on ``sock``: say ready, fork a child per request, report the children's ends."""
     wake_r, wake_w = socket.socketpair()
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno(), warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select through the wakeup fd
-    zygote_pid = os.getpid()
     _send(sock, {"op": READY, "pid": zygote_pid})
     buffer = b""
     while True:
@@ -184,6 +203,66 @@ def serve(fd: int, preload: Sequence[str]) -> None:
 
 
 # ----- the launcher's side ------------------------------------------------------------------------
+
+
+ENV_WARM_ZYGOTE = "TORCHPASS_WARM_ZYGOTE"  # a warm zygote server's socket (zygote_server.py)
+ANSWER_TIMEOUT_S = 30.0
+
+
+class WarmZygoteRefused(RuntimeError):
+    """The server cannot give this launcher its zygote (the reason is the message); the launcher starts its own."""
+
+
+def torchpass_home() -> str:
+    """The folder of the TorchPass this process runs (a server serves only launchers of the same)."""
+    return str(Path(__file__).resolve().parents[1])
+
+
+def fork_from_server(
+    path: str, python: str, env: Mapping[str, str], preload: Sequence[str], optional: Sequence[str]
+) -> tuple[socket.socket, dict[str, Any]]:
+    """A socket to a zygote forked from the server at ``path``, for a launcher whose zygote would run ``python``
+    in ``env`` and preload ``preload`` and the ``optional`` frameworks, and the zygote's "ready" message (read
+    from it). Raises :class:`WarmZygoteRefused` when the server is unreachable or must not serve this launcher."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(ANSWER_TIMEOUT_S)
+    try:
+        sock.connect(path)
+        request = {
+            "python": os.path.realpath(python),
+            "torchpass": torchpass_home(),
+            "preload": list(preload),
+            "env": dict(env),
+            "optional": list(optional),
+            "cwd": os.getcwd(),
+            "umask": _umask(),
+        }
+        socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+        first = b""
+        while not first.endswith(b"\n"):
+            data = sock.recv(1 << 16)
+            if not data:
+                raise WarmZygoteRefused(f"the warm zygote server at {path} closed the connection")
+            first += data
+    except OSError as exc:
+        sock.close()
+        raise WarmZygoteRefused(f"the warm zygote server at {path} is not reachable: {exc}") from None
+    except WarmZygoteRefused:
+        sock.close()
+        raise
+    answer = json.loads(first)
+    if not isinstance(answer, dict) or answer.get("op") != READY:
+        sock.close()
+        why = answer.get("why") if isinstance(answer, dict) else answer
+        raise WarmZygoteRefused(f"the warm zygote server at {path} refused: {why}")
+    sock.settimeout(None)
+    return sock, answer
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class ForkedProcess:
@@ -223,12 +302,58 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+class _OtherProcess:
+    """A zygote forked from a warm zygote server (:mod:`torchpass.launch.zygote_server`), not this process's
+    child: waited for through a pidfd (its exit status is the server's to reap, so it reads as 0)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self.pidfd], [], [], 0)[0]:
+            self._gone()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self.pidfd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(f"zygote {self.pid}", timeout or 0.0)
+            self._gone()
+        return self.returncode or 0
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def _gone(self) -> None:
+        self.returncode = 0
+        os.close(self.pidfd)
+
+
 class Zygote:
-    """Starts ``python -m torchpass.launch.zygote`` and asks it for processes (from one thread only)."""
+    """Starts ``python -m torchpass.launch.zygote`` (or forks one from a warm zygote server named by
+    ``TORCHPASS_WARM_ZYGOTE`` in ``env``: :mod:`torchpass.launch.zygote_server`) and asks it for processes (from
+    one thread only)."""
 
     def __init__(
         self, python: str, env: Mapping[str, str], preload: Sequence[str] = PRELOAD, optional: Sequence[str] = ()
     ) -> None:
+        self.children: dict[int, ForkedProcess] = {}
+        self._exited: dict[int, int] = {}  # exit reports that came before their "started" answer
+        self._answers: dict[int, int] = {}
+        self._buffer = b""
+        self._next_id = 0
+        self.alive = True
+        warm = env.get(ENV_WARM_ZYGOTE, "")
+        if warm:
+            try:
+                self.sock, said = fork_from_server(warm, python, env, preload, optional)
+                self.proc: subprocess.Popen[bytes] | _OtherProcess = _OtherProcess(int(said["pid"]))
+                return
+            except WarmZygoteRefused as exc:
+                log.info("%s: starting this job's own zygote", exc)
         ours, theirs = socket.socketpair()
         self.sock = ours
         self.proc = subprocess.Popen(
@@ -240,12 +365,6 @@ class Zygote:
             pass_fds=(theirs.fileno(),),
         )
         theirs.close()
-        self.children: dict[int, ForkedProcess] = {}
-        self._exited: dict[int, int] = {}  # exit reports that came before their "started" answer
-        self._answers: dict[int, int] = {}
-        self._buffer = b""
-        self._next_id = 0
-        self.alive = True
         ready = self._next_message(START_TIMEOUT_S)
         if ready is None or ready.get("op") != READY:
             self.close()
