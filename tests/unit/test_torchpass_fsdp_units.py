@@ -250,3 +250,35 @@ def test_nccl_mesh_subgroups_are_non_blocking_and_members_only(monkeypatch: pyte
     options = made[0]["pg_options"]
     assert options.config.blocking == 0 and options._timeout.total_seconds() == 7
     assert made[0]["timeout"].total_seconds() == 7
+
+
+def test_cut_off_callbacks_run_once_for_the_waits_of_superseded_generations() -> None:
+    """``when_cut_off`` (DDP's pending bucket all-reduces): the control thread's ``cut_off_waits(N)`` runs the
+    callbacks registered under generations older than N, once; a cancelled one never runs; one registered under
+    a generation already cut off runs at once."""
+    import logging
+
+    from torchpass.rank.state import StateParts
+    from torchpass.rank.step import StepLifecycle
+
+    generation = [3]
+    lifecycle = StepLifecycle(
+        _Channel(), StateParts(), lambda: generation[0], logging.LoggerAdapter(logging.getLogger()), None
+    )
+    ran: list[str] = []
+    lifecycle.when_cut_off(lambda: ran.append("pending"))
+    cancel = lifecycle.when_cut_off(lambda: ran.append("ended by itself"))
+    cancel()
+    lifecycle.cut_off_waits(3)  # generation 3 is the current one: nothing of it is cut off
+    assert ran == []
+    lifecycle.cut_off_waits(4)
+    lifecycle.cut_off_waits(5)
+    assert ran == ["pending"]
+    lifecycle.when_cut_off(lambda: ran.append("late"))  # still in generation 3, which is gone
+    assert ran == ["pending", "late"]
+    generation[0] = 5
+    lifecycle.when_cut_off(lambda: ran.append("generation 5"))
+    lifecycle.cut_off_waits(5)
+    assert ran == ["pending", "late"]
+    lifecycle.cut_off_waits(6)
+    assert ran == ["pending", "late", "generation 5"]

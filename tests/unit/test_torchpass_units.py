@@ -295,6 +295,7 @@ _BUCKETS_SCRIPT = textwrap.dedent(
         world_size = 1
         def collective_allowed(self): return True
         def abandon_step(self, error): raise AssertionError(error)
+        def when_cut_off(self, callback): return lambda: None
         def stage_buffers(self): pass
         def take_staged_buffers(self): pass
         def local_group(self): return dist.group.WORLD
@@ -357,6 +358,7 @@ _AVERAGES_SCRIPT = textwrap.dedent(
         abandoned = None
         def collective_allowed(self): return True
         def abandon_step(self, error): self.abandoned = self.abandoned or str(error)
+        def when_cut_off(self, callback): return lambda: None
         def stage_buffers(self): pass
         def take_staged_buffers(self): pass
         def local_group(self): raise AssertionError("CPU gradients need no private group")
@@ -411,6 +413,72 @@ def test_ddp_wrapper_averages_as_plain_ddp_and_abandons_instead_of_raising(tmp_p
         assert result["equal"] == [True, True, True], result
         assert result["abandoned"], result
         assert result["changed"], result  # the backward did run: its local gradients are in place
+
+
+_CUT_OFF_SCRIPT = textwrap.dedent(
+    """
+    import datetime, json, os, sys, threading, time, torch, torch.distributed as dist
+    from pathlib import Path
+    from torch import nn
+    from torchpass.rank.ddp import TorchPassDDP
+
+    rank, released = int(sys.argv[2]), Path(sys.argv[1] + ".released")
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+
+    class Guard:
+        world_size = 2
+        abandoned = None
+        callbacks = []
+        def collective_allowed(self): return True
+        def abandon_step(self, error): self.abandoned = self.abandoned or str(error)
+        def when_cut_off(self, callback):
+            self.callbacks.append(callback)
+            return lambda: self.callbacks.remove(callback) if callback in self.callbacks else None
+        def stage_buffers(self): pass
+        def take_staged_buffers(self): pass
+        def local_group(self): raise AssertionError("CPU gradients need no private group")
+
+    torch.manual_seed(0)
+    guard = Guard()
+    ddp = TorchPassDDP(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 3)), guard)
+    ddp(torch.ones(4, 16)).sum().backward()  # a normal step: every bucket's wait ended and was cancelled
+    normal = {"abandoned": guard.abandoned, "left": len(guard.callbacks)}
+    dist.barrier()
+    if rank == 1:  # alive but silent from now on: rank 0's all-reduce stays pending, as behind gloo's lost send
+        while not released.exists():
+            time.sleep(0.05)
+        os._exit(0)
+    # What the control thread does once it aborted the group for a newer generation.
+    fire = lambda: [callback() for callback in list(guard.callbacks)]
+    threading.Timer(0.5, fire).start()
+    ddp(torch.ones(4, 16)).sum().backward()  # returns once given up, long before the group's 20 s timeout
+    print(json.dumps({"normal": normal, "abandoned": guard.abandoned}), flush=True)
+    released.touch()
+    os._exit(0)
+    """
+)
+
+
+def test_ddp_gives_up_a_pending_gradient_all_reduce_once_its_group_is_cut_off(tmp_path: Path) -> None:
+    """Seen in a soak: a survivor's backward waited out the whole collective timeout (30 s) for a gloo send that
+    gloo never fails after its peer died. Once the control thread has aborted the generation's group
+    (``when_cut_off``), each pending bucket's all-reduce is given up: backward returns and the step is abandoned
+    with that reason, not gloo's timeout; a wait that ended by itself leaves no callback behind."""
+    import json
+
+    script = tmp_path / "cut_off.py"
+    script.write_text(_CUT_OFF_SCRIPT)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path / "pg"), str(r)], env=env, stdout=subprocess.PIPE)
+        for r in range(2)
+    ]
+    outputs = [rank.communicate(timeout=120)[0].decode() for rank in ranks]
+    assert ranks[0].returncode == 0 and ranks[1].returncode == 0, outputs
+    result = json.loads(outputs[0].strip().splitlines()[-1])
+    assert result["normal"] == {"abandoned": None, "left": 0}, result
+    assert result["abandoned"] == "a gradient all-reduce given up: its group was aborted for a newer generation"
 
 
 def test_example_script_trains_alone() -> None:

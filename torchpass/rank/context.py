@@ -460,6 +460,10 @@ class Context:
         """Mark the current step abandoned (callable from any thread)."""
         self.lifecycle.abandon(error)
 
+    def when_cut_off(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once this rank's groups are aborted for a newer generation (:mod:`step`)."""
+        return self.lifecycle.when_cut_off(callback)
+
     def stage_buffers(self) -> None:
         """After a synchronising forward: start broadcasting slot 0's buffers (a failure abandons the step)."""
         self.lifecycle.stage_buffers()
@@ -510,8 +514,10 @@ class Context:
             return failed
 
     def _on_generation(self, gen: int) -> None:
-        """Control thread: a newer generation exists, so any collective of an older one is doomed: abort it."""
+        """Control thread: a newer generation exists, so any collective of an older one is doomed: abort it,
+        then give up the waits that the abort cannot free (:meth:`StepLifecycle.when_cut_off`)."""
         self._backend.abort(superseded_by=gen)
+        self.lifecycle.cut_off_waits(gen)
 
     # ----- membership changes ---------------------------------------------------------------
 

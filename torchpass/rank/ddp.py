@@ -38,6 +38,7 @@ buffers on every rank and recovery can copy them from any replica (:mod:`torchpa
 
 import inspect
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -62,6 +63,10 @@ class StepGuard(Protocol):
 
     def abandon_step(self, error: BaseException | str) -> None:
         """Mark the current step abandoned (callable from any thread)."""
+        ...
+
+    def when_cut_off(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once this rank's groups are aborted for a newer generation; returns its cancel."""
         ...
 
     def stage_buffers(self) -> None:
@@ -147,7 +152,39 @@ def _sum_over_current(
             return fallback
         return done()
 
-    return work.get_future().then(finish)
+    if not all(t.device.type == "cpu" for t in flat):  # NCCL's abort fails its work; its future keeps streams
+        return work.get_future().then(finish)
+    return _given_up_when_cut_off(ctx, work.get_future(), finish, fallback)
+
+
+def _given_up_when_cut_off(
+    ctx: StepGuard, pending: torch.futures.Future[Any], finish: Callable[[torch.futures.Future[Any]], _T], fallback: _T
+) -> torch.futures.Future[_T]:
+    """``pending.then(finish)``, but holding ``fallback`` (the step abandoned) as soon as this rank's groups are
+    aborted for a newer generation, whatever ``pending`` does: gloo may never fail a send queued to a peer that
+    closed its connection until the group's timeout (:mod:`torchpass.sharded.gloo_wait`), and DDP's reducer waits
+    for every bucket in C++ at the end of backward. Whichever comes first settles the result; the other is
+    ignored (a late end of ``pending`` abandons nothing of the step then in progress). The work left pending
+    only sends (the ring's next writes wait behind it) and dies with its group's timeout."""
+    result: torch.futures.Future[_T] = torch.futures.Future()
+    first = threading.Lock()
+
+    def settle(value: Callable[[], _T]) -> None:
+        if first.acquire(blocking=False):
+            result.set_result(value())
+
+    def given_up() -> _T:
+        ctx.abandon_step("a gradient all-reduce given up: its group was aborted for a newer generation")
+        return fallback
+
+    cancel = ctx.when_cut_off(lambda: settle(given_up))
+
+    def ended(future: torch.futures.Future[Any]) -> None:
+        cancel()
+        settle(lambda: finish(future))
+
+    pending.add_done_callback(ended)
+    return result
 
 
 def _allreduce_hook(ctx: StepGuard, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -21,7 +21,9 @@ context's (:mod:`torchpass.rank.context`); this module holds no sockets and no p
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -85,6 +87,10 @@ class StepLifecycle:
         self.state_spoiled = False  # an abandoned step updated some of the parameters (roll_back)
         self.failed_after_update = ""  # a collective that failed once the update was applied
         self._user_collectives = 0  # the script's collectives started in the step in progress
+        self._waits_lock = threading.Lock()
+        self._waits: dict[int, tuple[int, Callable[[], None]]] = {}  # key -> (generation, callback): when_cut_off
+        self._wait_keys = itertools.count()
+        self._waits_cut_off = -1  # the newest generation cut_off_waits ran for
         self._buffers: list[torch.Tensor] = []
         self._buffer_shadow: list[torch.Tensor] = []
         self._group_shadow: list[list[dict[str, Any]]] = []  # optimizer hyper-parameters at the last commit
@@ -168,6 +174,40 @@ class StepLifecycle:
         """Whether this rank's groups of the current generation were aborted for a newer one (after :meth:`stale`,
         once the control thread acted on it): nothing pending in them can succeed any more."""
         return self._channel.cut_off_gen > self._generation()
+
+    def when_cut_off(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once this rank's groups of the current generation are aborted for a newer one (on
+        the control thread, right after the abort: :meth:`cut_off_waits`), or at once if they already were; the
+        function returned cancels it (call it when the wait ended by itself).
+
+        For a wait that the abort cannot free and nobody polls: a DDP bucket's gloo all-reduce, which DDP's
+        reducer waits for in C++, can hold a send that gloo never fails (:mod:`torchpass.sharded.gloo_wait` says
+        why), and backward then waits the whole ``collective_timeout_s`` (30 s, seen in a soak)."""
+        gen = self._generation()
+        with self._waits_lock:
+            if gen >= self._waits_cut_off:
+                key = next(self._wait_keys)
+                self._waits[key] = (gen, callback)
+                return lambda: self._forget_wait(key)
+        callback()
+        return lambda: None
+
+    def _forget_wait(self, key: int) -> None:
+        with self._waits_lock:
+            self._waits.pop(key, None)
+
+    def cut_off_waits(self, superseded_by: int) -> None:
+        """Control thread, once this rank's groups older than ``superseded_by`` were aborted: run the callbacks
+        :meth:`when_cut_off` registered under them."""
+        with self._waits_lock:
+            self._waits_cut_off = max(self._waits_cut_off, superseded_by)
+            due = [key for key, (gen, _) in self._waits.items() if gen < superseded_by]
+            callbacks = [self._waits.pop(key)[1] for key in due]
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # the control thread must survive it
+                self._log.exception("a cut-off callback failed")
 
     def collective_allowed(self) -> bool:
         """Whether a collective may start now; abandons the step when the generation is stale."""
