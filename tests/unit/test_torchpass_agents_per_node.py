@@ -81,6 +81,12 @@ def test_node_crash_rebuilds_both_ranks_on_the_standby_node(base: Path, referenc
     assert len(placements) == 2 and all(p["slots"] == moved and p["moved"] == 2 for p in placements), placements
 
 
+# A killed rank 2 (node 1, local 0) takes a lone ready spare slot (best fit): one of the standby node's (agent 2), or
+# the spare its own node's agent starts on that GPU when it registers before the coordinator chooses (a race, seen
+# in CI).
+LONE_SLOTS_FOR_RANK_2 = ("a2.0.0", "a2.1.1", "a1.2.0")
+
+
 def test_single_rank_crashes_on_two_nodes_are_both_absorbed_by_the_standby_node(
     base: Path, reference: AgentsRun
 ) -> None:
@@ -178,7 +184,7 @@ def test_lightning_with_two_ranks_per_node(base: Path) -> None:
     """An unmodified Lightning script (:mod:`tests.unit.test_torchpass_lightning`: ``Trainer(devices=
     LOCAL_WORLD_SIZE, num_nodes=WORLD_SIZE // LOCAL_WORLD_SIZE, strategy="ddp")``, as a torchrun user writes it)
     under agents of 2 ranks per node: Lightning sees 2 devices on each of 2 nodes, and rank 2 (node 1, local 0)
-    killed in its forward pass is rebuilt on the standby node, bitwise equal to the fault-free run per slot."""
+    killed in its forward pass is rebuilt on a lone spare slot, bitwise equal to the fault-free run per slot."""
     from tests.unit import test_torchpass_lightning as lightning
     from tests.unit.local_jobs import assert_slots_like_reference, load_final
 
@@ -203,13 +209,13 @@ def test_lightning_with_two_ranks_per_node(base: Path) -> None:
     keys = lightning.FINAL_KEYS
     assert_slots_like_reference(run, reference, nproc=NPROC, keys=keys, last_step=steps - 1, what="lightning")
     (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
-    assert list(replaced) == ["2"] and replaced["2"] in ("a2.0.0", "a2.1.1"), replaced  # the standby node
+    assert list(replaced) == ["2"] and replaced["2"] in LONE_SLOTS_FOR_RANK_2, replaced
 
 
 def test_hf_trainer_with_two_ranks_per_node(base: Path) -> None:
     """An unmodified Hugging Face Trainer script (:mod:`tests.unit.test_torchpass_hf_trainer`: DDP through
     accelerate, which reads torchrun's variables) under agents of 2 ranks per node: rank 2 (node 1, local 0)
-    killed in its forward pass is rebuilt on the standby node, bitwise equal per slot to the fault-free run."""
+    killed in its forward pass is rebuilt on a lone spare slot, bitwise equal per slot to the fault-free run."""
     from tests.unit import test_torchpass_hf_trainer as hf
     from tests.unit.local_jobs import assert_slots_like_reference, load_final
 
@@ -229,4 +235,4 @@ def test_hf_trainer_with_two_ranks_per_node(base: Path) -> None:
     assert (run.out / "killed-2-2-forward").exists(), "the fault was not injected"
     assert_slots_like_reference(run, reference, nproc=NPROC, keys=hf.FINAL_KEYS, last_step=steps - 1, what="trainer")
     (replaced,) = [g["replaced"] for g in run.of_kind("torchpass.generation") if g["replaced"]]
-    assert list(replaced) == ["2"] and replaced["2"] in ("a2.0.0", "a2.1.1"), replaced  # the standby node
+    assert list(replaced) == ["2"] and replaced["2"] in LONE_SLOTS_FOR_RANK_2, replaced
