@@ -369,9 +369,21 @@ def _fake_srun(tmp_path: Path, behaviour: dict[str, str]) -> str:
     return str(script)
 
 
-def _steps(tmp_path: Path, behaviour: dict[str, str], grace: float = 1.0) -> NodeSteps:
+def _fake_scontrol(tmp_path: Path, down: set[str]) -> str:
+    """A ``scontrol -o show node NODE`` stand-in: ``down`` nodes are DOWN+NOT_RESPONDING, the others ALLOCATED."""
+    script = tmp_path / "scontrol"
+    states = "\n".join(f"  {node}) state=DOWN+NOT_RESPONDING ;;" for node in sorted(down))
+    script.write_text(f'#!/bin/bash\nstate=ALLOCATED\ncase "$4" in\n{states}\nesac\necho "NodeName=$4 State=$state"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def _steps(
+    tmp_path: Path, behaviour: dict[str, str], grace: float = 1.0, down: frozenset[str] = frozenset()
+) -> NodeSteps:
     env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n[1-3]", "SLURMD_NODENAME": "n1"}
-    return NodeSteps(["run", "x.py"], srun=_fake_srun(tmp_path, behaviour), finish_grace_s=grace, environ=env)
+    srun, scontrol = _fake_srun(tmp_path, behaviour), _fake_scontrol(tmp_path, set(down))
+    return NodeSteps(["run", "x.py"], srun=srun, scontrol=scontrol, finish_grace_s=grace, environ=env)
 
 
 def test_batch_launcher_returns_the_verdict_and_cancels_a_step_whose_node_is_gone(tmp_path: Path) -> None:
@@ -397,6 +409,14 @@ def test_the_end_of_a_lost_nodes_step_is_not_the_jobs_verdict(tmp_path: Path) ->
     tell = 'printf "n3\\n" > "$TORCHPASS_LOST_NODES_FILE"; sleep 2; exit 1'
     behaviour = {"n1": tell, "n2": "sleep 2; exit 1", "n3": "sleep 0.5; exit 0"}
     assert _steps(tmp_path, behaviour, grace=0.5).run() == 1
+
+
+def test_the_end_of_a_step_on_a_node_slurm_holds_down_is_not_the_jobs_verdict(tmp_path: Path) -> None:
+    """The same when the lost-nodes file cannot reach the launcher (an agent in a container with a /tmp of its
+    own): Slurm's word that the node is down (``scontrol show node``) is the second witness."""
+    behaviour = {"n1": "sleep 2; exit 1", "n2": "sleep 2; exit 1", "n3": "sleep 0.5; exit 0"}
+    assert _steps(tmp_path, behaviour, grace=0.5, down=frozenset({"n3"})).run() == 1
+    assert _steps(tmp_path, behaviour, grace=0.5).run() == 0  # a node Slurm holds up: its agent's word counts
 
 
 def test_batch_launcher_reports_a_failed_job_and_ignores_a_left_agent(tmp_path: Path) -> None:

@@ -20,11 +20,11 @@ once it declares that node down (SlurmdTimeout); every other node's loss is Torc
 the batch host out of the training slots at the start keeps that one Slurm-imposed risk off the busy nodes.
 
 The job is over when an agent ends with its verdict (0: training finished, 1: the job failed), unless the job
-counted that agent's node lost: when Slurm declares a crashed node down (SlurmdTimeout after the crash), it ends
-the node's step and its srun exits 0, which says nothing of the job. The steps that
-are still running then get ``finish_grace_s`` to end by themselves; a step whose node died can only end when
+counted that agent's node lost or Slurm holds the node down: when Slurm declares a crashed node down (SlurmdTimeout
+after the crash), it ends the node's step and its srun exits 0, which says nothing of the job. The steps that are
+still running then get ``finish_grace_s`` to end by themselves; a step whose node died can only end when
 Slurm declares the node down, so it is cancelled instead of holding the job for SlurmdTimeout. The agent on
-the launcher's own node writes, once the job ended, which nodes the job counted lost (``TORCHPASS_LOST_NODES_FILE``,
+the launcher's own node keeps current which nodes the job counted lost (``TORCHPASS_LOST_NODES_FILE``,
 a file on this node); their steps are cancelled after ``lost_grace_s`` instead: a job that lost a node ends a
 moment after its last live step. The launcher exits with the verdict; SIGINT/SIGTERM (``scancel``) are passed to
 every step.
@@ -113,6 +113,7 @@ class NodeSteps:
 
     argv: Sequence[str]  # the arguments of ``torchpass`` itself (``run ... train.py args``), passed on unchanged
     srun: str = "srun"
+    scontrol: str = "scontrol"
     python: str = sys.executable
     finish_grace_s: float = 15.0
     lost_grace_s: float = 1.0  # for the steps on nodes the job counted lost
@@ -186,6 +187,21 @@ class NodeSteps:
         except OSError:
             return set()
 
+    def _slurm_says_down(self, node: str) -> bool:
+        """Whether slurmctld holds ``node`` down or not responding: the second witness that a step's end is its
+        node's loss, for when the lost-nodes file cannot reach this launcher (an agent in a container whose /tmp
+        is its own). A failed query says no: the step's end is then taken as the agent's word, as before."""
+        try:
+            shown = subprocess.run(
+                [self.scontrol, "-o", "show", "node", node], capture_output=True, text=True, timeout=30, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("cannot ask Slurm about %s (%s): taking its step's end as its agent's word", node, exc)
+            return False
+        state = re.search(r"\bState=(\S+)", shown.stdout)
+        flags = set(re.split(r"[+*]", state.group(1).upper())) if state else set()
+        return bool(flags & {"DOWN", "NOT_RESPONDING", "FAIL"}) or (state is not None and "*" in state.group(1))
+
     def _wait(self, steps: list[_Step]) -> int:
         verdict: int | None = None
         verdict_at = 0.0
@@ -199,6 +215,8 @@ class NodeSteps:
                         if step.node in self._lost_nodes():
                             # Slurm declared the crashed node down and its srun exited: no word from its agent.
                             log.info("the job counted %s lost before its step ended: not the job's verdict", step.node)
+                        elif self._slurm_says_down(step.node):
+                            log.info("Slurm declared %s down before its step ended: not the job's verdict", step.node)
                         else:
                             verdict, verdict_at = code, time.monotonic()
             running = [s for s in steps if s.code is None]
