@@ -60,7 +60,9 @@ def soak(box: Sandbox, out: Path, args: argparse.Namespace, say: Any) -> SoakRes
         f"--layers {args.layers} --batch {args.batch} --wait-spares {args.spares}"
     )
     command = (
-        f"{sys.executable} -m torchpass run --nproc {args.ranks} --spares {args.spares} "
+        # A soak injects far more failures than a job's budget allows (max_failures, 32 by default: a 47-minute
+        # soak ended there, by policy, after 186 faults): the soak judges recoveries, not the budget.
+        f"{sys.executable} -m torchpass run --nproc {args.ranks} --spares {args.spares} --set max_failures=1000000 "
         f"--events {out}/events-{{agent}}.jsonl {workload}"
     )
     options = [f"-N{args.ranks + args.spares}", "--no-kill", "--clockwork-ft", "--clockwork-spares=standby"]
