@@ -392,6 +392,19 @@ _AVERAGES_SCRIPT = textwrap.dedent(
 )
 
 
+def _gloo_ranks(tmp_path: Path, script_text: str, world: int) -> list[tuple[int, str]]:
+    """Run ``script_text`` as ``world`` gloo ranks over a file store in ``tmp_path``: (exit status, stdout) each."""
+    script = tmp_path / "ranks.py"
+    script.write_text(script_text)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path / "pg"), str(r)], env=env, stdout=subprocess.PIPE)
+        for r in range(world)
+    ]
+    outputs = [rank.communicate(timeout=120)[0].decode() for rank in ranks]
+    return [(rank.returncode, out) for rank, out in zip(ranks, outputs, strict=True)]
+
+
 def test_ddp_wrapper_averages_as_plain_ddp_and_abandons_instead_of_raising(tmp_path: Path) -> None:
     """On the CPU TorchPass's DDP averages through DDP's own path (each gradient scaled by 1/world as it is
     copied into its bucket): bitwise plain DDP's gradients at the same bucket layout, over 3 ranks, where
@@ -399,16 +412,10 @@ def test_ddp_wrapper_averages_as_plain_ddp_and_abandons_instead_of_raising(tmp_p
     the step, not raise."""
     import json
 
-    script = tmp_path / "averages.py"
-    script.write_text(_AVERAGES_SCRIPT)
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    ranks = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path / "pg"), str(r)], env=env, stdout=subprocess.PIPE)
-        for r in range(3)
-    ]
-    outputs = [rank.communicate(timeout=120)[0].decode() for rank in ranks]
+    ranks = _gloo_ranks(tmp_path, _AVERAGES_SCRIPT, 3)
+    outputs = [out for _, out in ranks]
     for r in (0, 1):
-        assert ranks[r].returncode == 0, outputs[r]
+        assert ranks[r][0] == 0, outputs[r]
         result = json.loads(outputs[r].strip().splitlines()[-1])
         assert result["equal"] == [True, True, True], result
         assert result["abandoned"], result
@@ -467,15 +474,9 @@ def test_ddp_gives_up_a_pending_gradient_all_reduce_once_its_group_is_cut_off(tm
     with that reason, not gloo's timeout; a wait that ended by itself leaves no callback behind."""
     import json
 
-    script = tmp_path / "cut_off.py"
-    script.write_text(_CUT_OFF_SCRIPT)
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    ranks = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path / "pg"), str(r)], env=env, stdout=subprocess.PIPE)
-        for r in range(2)
-    ]
-    outputs = [rank.communicate(timeout=120)[0].decode() for rank in ranks]
-    assert ranks[0].returncode == 0 and ranks[1].returncode == 0, outputs
+    ranks = _gloo_ranks(tmp_path, _CUT_OFF_SCRIPT, 2)
+    outputs = [out for _, out in ranks]
+    assert ranks[0][0] == 0 and ranks[1][0] == 0, outputs
     result = json.loads(outputs[0].strip().splitlines()[-1])
     assert result["normal"] == {"abandoned": None, "left": 0}, result
     assert result["abandoned"] == "a gradient all-reduce given up: its group was aborted for a newer generation"

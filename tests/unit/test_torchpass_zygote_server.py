@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import until
+from tests.conftest import unavailable, until
 from torchpass.launch.zygote import Zygote
 from torchpass.launch.zygote_server import ENV_WARM_ZYGOTE, import_environment, server_argv
 
@@ -169,8 +169,9 @@ def test_a_launcher_in_another_session_gets_its_own_zygote(server: tuple[subproc
     assert "parent of the zygote: other" in _drive(path)  # the same launcher in the server's session is served
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a launcher as another user")
 def test_another_user_cannot_reach_the_server(server: tuple[subprocess.Popen[bytes], str]) -> None:
+    if os.getuid() != 0:
+        unavailable("running a launcher as another user needs root")
     _, path = server
     out = _drive(path, as_nobody=True, cwd="/")
     assert "is not reachable" in out and "Permission denied" in out, out
