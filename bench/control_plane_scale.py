@@ -89,8 +89,8 @@ def measure_sandbox(
     sent = [(status[n]["heartbeats"]["sent"] - h0[n].get("sent", 0)) / dt for n in pids]
     got = [(status[n]["heartbeats"]["received"] - h0[n].get("received", 0)) / dt for n in pids]
     rejected = sum(status[n]["heartbeats"]["rejected"] for n in pids)
-    size = packet_size(len(pids), nics)
     path_peers = [len(status[n].get("heartbeat_peers", {}).get("path", [])) for n in pids]
+    size = packet_size(statistics.median_high(path_peers))
     daemons.stop_all()
     return {
         "cpu_median_pct": round(statistics.median(cpu), 2),

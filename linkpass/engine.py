@@ -41,7 +41,7 @@ from linkpass.settings import LinkPassConfig
 log = logging.getLogger("clockwork.linkpass")
 
 FLAP_WINDOW_S = 60.0
-FULL_PASS_S = 1.0  # every peer's paths judged at least this often (notices expire, hold-downs end)
+FULL_PASS_S = 1.0  # every unsettled peer's paths judged at least this often (notices expire, hold-downs end)
 NEVER = -1e18
 #: A NIC that stays down is announced to the whole fabric again this often...
 NOTICE_REPEAT_S = 10.0
@@ -101,6 +101,11 @@ class LinkPass:
                 self.index.nodes, node, cfg.ring_neighbours, cfg.random_peers, self.index.fingerprint
             )
         )
+        if len(self.path_peers) > heartbeat.MAX_ENTRIES:
+            raise ValueError(
+                f"{len(self.path_peers)} path peers (ring_neighbours, random_peers): a heartbeat lists at most "
+                f"{heartbeat.MAX_ENTRIES} in one datagram"
+            )
         self.watch_peers: frozenset[str] = frozenset()  # the node watch's: other nodes of the jobs running here
         # Per-peer MAC keys (pairwise: a node can sign only its own heartbeats); bytes = one key for every peer.
         self.keys: KeyRing = SharedKey(key) if isinstance(key, bytes) else key
@@ -138,6 +143,9 @@ class LinkPass:
         self.dirty = False  # new evidence arrived: decide at once
         self.full_pass = True  # judge every peer at the next decision, not only the path peers
         self.next_full = 0.0
+        # Peers whose routes may change with time alone (a notice to expire, a hold-down to end, a route not home):
+        # the once-a-second pass judges these and the path peers, so a healthy fabric's cost does not grow with it.
+        self.unsettled: set[str] = set()
         self.flush_pending: set[str] = set()  # dead NICs whose neighbour entries go once routes moved
         self.gray: dict[tuple[str, str], str] = {}  # (peer, rail) -> why Fleet Lens says the path is gray
         self.counters = {
@@ -173,10 +181,8 @@ class LinkPass:
         if self.cfg.apply_sysctls:
             self.sysctl_problems = sysctls.apply(sysctls.parse(self.cfg.sysctls))
         # Room for a notice from every node at once (a whole rail's switch died) and four intervals of heartbeats.
-        want = hbio.rcvbuf_for(
-            max(len(self.peers), 4 * peer_choice.bound(self.cfg.ring_neighbours, self.cfg.random_peers)) + 64,
-            self.index.size,
-        )
+        bound = peer_choice.bound(self.cfg.ring_neighbours, self.cfg.random_peers)
+        want = hbio.rcvbuf_for(max(len(self.peers), 4 * bound) + 64, heartbeat.packet_size(bound))
         for rail in self.rails:
             sock, granted = hbio.open_socket(self.me.nics[rail], self.cfg.heartbeat_port, rail, want)
             self.sockets[rail], self.rcvbuf[rail] = sock, granted
@@ -215,8 +221,13 @@ class LinkPass:
             len(self.path_peers),
             self.cfg.heartbeat_ms,
             self.cfg.dead_after_ms,
-            self.index.size,
+            self.packet_bytes,
         )
+
+    @property
+    def packet_bytes(self) -> int:
+        """The size of this node's heartbeats (they list its path peers)."""
+        return heartbeat.packet_size(len(self.path_peers))
 
     def _load_homes(self) -> dict[str, str]:
         return {} if self.home_file is None else homes.load(self.home_file, self.me.name)
@@ -309,8 +320,8 @@ class LinkPass:
         wake = False
         rails = self.index.rails
         with self.lock:
-            for r, node, seq, down, up, _flags, hears in accepted:
-                wake |= self._file(rails[r], self.by_number[node], seq, hears, down, up, now)
+            for arrived, node, seq, down, up, _flags, hears in accepted:
+                wake |= self._file(arrived, self.by_number[node], seq, hears, down, up, now)
             for r, src, _peer, code, named_node, named_rail in rejected:
                 self.counters["rejected"] += 1
                 self.counters["refused"] += self.inbox.explain(rails[r], src, code, named_node, named_rail, now)
@@ -329,7 +340,8 @@ class LinkPass:
                     self.counters["rejected"] += 1
                     self.counters["refused"] += isinstance(exc, Refused)
                     continue
-                wake |= self._file(rail, name, hb.seq, hb.hears_mask(self.my_number), hb.down, hb.up, now)
+                arrived = 1 << self.rail_number[rail]
+                wake |= self._file(arrived, name, hb.seq, hb.hears_mask(self.my_number), hb.down, hb.up, now)
         self._woken(wake)
 
     def _woken(self, wake: bool) -> None:
@@ -342,12 +354,14 @@ class LinkPass:
         except OSError:
             pass  # the loop has a wake-up pending already, or it is closing
 
-    def _file(self, rail: str, name: str, seq: int, hears: int, down: int, up: int, now: float) -> bool:
-        """File an authentic heartbeat of peer ``name`` on ``rail``; ``hears``: the rails (bit = rail index) on which
-        it hears this node. True when it carried a notice (the loop decides at once)."""
-        self.counters["received"] += 1
+    def _file(self, arrived: int, name: str, seq: int, hears: int, down: int, up: int, now: float) -> bool:
+        """File an authentic heartbeat of peer ``name`` that arrived on the rails of mask ``arrived`` (bit = rail
+        index: the C path hands one interval's same packets on several rails over at once); ``hears``: the rails on
+        which it hears this node. True when it carried a notice (the loop decides at once)."""
+        self.counters["received"] += arrived.bit_count()
         self.last_any[name] = now
         paths = self.paths[name]
+        numbers = self.rail_number
         if name in self.path_peers:
             if name not in self.heard_from:
                 # First word from this peer's daemon: give every rail one dead interval to hear from it
@@ -360,12 +374,13 @@ class LinkPass:
             last = self.hears_seq.get(name, -1)
             if seq > last or seq < last - 64:
                 self.hears_seq[name] = seq
-                numbers = self.rail_number
                 for r, path in paths.items():
                     if hears >> numbers[r] & 1:  # it hears us on r
                         path.last_out_ok = now
-        paths[rail].last_in = now
-        paths[rail].notice_until = NEVER  # it speaks on this rail: whatever it said before, this NIC works
+        for r, path in paths.items():
+            if arrived >> numbers[r] & 1:
+                path.last_in = now
+                path.notice_until = NEVER  # it speaks on this rail: whatever it said before, this NIC works
         if not (down or up):
             return False
         changed = False
@@ -385,7 +400,7 @@ class LinkPass:
                 paths[lost].notice_until = NEVER
         return changed
 
-    def _heard(self, now: float) -> tuple[bytes, ...]:
+    def _heard(self, now: float) -> heartbeat.Heard:
         return self.outbox.heard(
             {name: [r for r, p in self.paths[name].items() if now - p.last_in < self.dead] for name in self.path_peers}
         )
@@ -453,13 +468,14 @@ class LinkPass:
             return False, self.nic_down_reason.get(rail, f"{rail} down"), True
         if (peer, rail) in self.gray:
             return False, f"gray: {self.gray[(peer, rail)]}", True
-        if path.last_in == NEVER and path.reason:
-            return False, path.reason, True  # the peer reported this NIC down
         if peer not in self.path_peers or peer not in self.heard_from:
-            # Not heartbeated on this rail (or no daemon there): carrier, Lens and the peer's notices only.
+            # Not heartbeated on this rail (or no daemon there): carrier, Lens and the peer's notices only, a notice
+            # until it expires (it never heard a packet on that rail: its last_in says nothing).
             if now < path.notice_until:
                 return False, path.reason, True
             return True, "", False
+        if path.last_in == NEVER and path.reason:
+            return False, path.reason, True  # the peer reported this NIC down
         if now - path.last_in >= self.dead:
             return False, f"no heartbeat on {rail} for {self.cfg.dead_after_ms} ms", False
         if now - path.last_out_ok >= self.dead:
@@ -507,14 +523,18 @@ class LinkPass:
     def _decide(self, now: float) -> list[tuple[str, tuple[str, ...], str, str]]:
         """(peer, rails it should use, kind, reason) for every peer whose route should change.
 
-        Every peer after an event (a link change, a notice, a Lens verdict) and once a second (hold-downs ending,
-        notices expiring); otherwise only the path peers, whose heartbeats may stop at any moment: what a tick
-        costs does not grow with the fabric, even while a NIC stays down for every peer.
+        Every peer after an event (a link change, a notice, a Lens verdict); once a second the peers left
+        unsettled (hold-downs ending, notices expiring, a route away from home); otherwise only the path peers,
+        whose heartbeats may stop at any moment. On a healthy fabric neither a tick nor the once-a-second pass
+        grows with the fabric.
         """
-        full = self.full_pass or now >= self.next_full
-        if full:
+        periodic = self.full_pass or now >= self.next_full
+        if self.full_pass:
+            todo = list(self.paths)
+        else:
+            todo = sorted(self.path_peers | self.unsettled if periodic else self.path_peers)
+        if periodic:
             self.full_pass, self.next_full = False, now + FULL_PASS_S
-        todo = list(self.paths) if full else sorted(self.path_peers)
         died = self.update_paths(now, todo)
         plan = []
         for peer in todo:
@@ -531,6 +551,8 @@ class LinkPass:
                     or self.current[peer]
                 )
             old = self.current[peer]
+            quiet = all(self.eligible(p, now) and now >= p.notice_until for p in paths.values())
+            (self.unsettled.discard if want == (home,) == old and quiet else self.unsettled.add)(peer)
             if want == old:
                 continue
             kind = "link.failback" if want == (home,) else "link.failover"

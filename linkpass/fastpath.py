@@ -37,7 +37,8 @@ if _hbfast.VERSION != heartbeat.VERSION or _hbfast.TAG_BYTES != heartbeat.TAG_BY
     raise ImportError("linkpass._hbfast was built for another heartbeat format: rebuild it (make venv)")
 
 
-#: (rail index, node, seq, down mask, up mask, flags, mask of the rails on which the sender hears this node)
+#: (mask of the rails it arrived on, node, seq, down mask, up mask, flags, mask of the rails on which the sender hears
+#: this node): one per sender and content (one interval's packets of a path peer, one per rail, are one)
 Accepted = tuple[int, int, int, int, int, int, int]
 #: (rail index, source address, its node index or -1, :class:`linkpass.inbox.Reject` code, node named, rail named
 #: (-1: not read))

@@ -4,25 +4,26 @@
 one-way blackhole keeps its own receive side healthy). Every packet carries a keyed BLAKE2b tag (16 bytes) under
 the key of the pair (sender, receiver) (:mod:`linkpass.keyring`), so no one on the fabric can forge a
 heartbeat or a down notice and make nodes move their traffic, and no node can sign one for another. The tag is
-the keyed BLAKE2b of the body's BLAKE2b-256 digest (hash, then MAC): a rail's body is the same for every peer, so
-the sender hashes it once and each peer's tag costs one BLAKE2b block, and a receiver hashes a packet once
-whatever number of keys it tries while a key changes. BLAKE2b, not HMAC-SHA256 (version 2): the daemon tags and
+the keyed BLAKE2b of the body (version 3 tagged the body's digest, to hash a 1 KB body once for every peer; a body
+now fits in one BLAKE2b block). BLAKE2b, not HMAC-SHA256 (version 2): the daemon tags and
 checks heartbeats in C (:mod:`linkpass.fastpath`) with libsodium's BLAKE2b, as Fleet Lens does; this module is
 the reference the C code is tested against byte for byte.
 
-Why a fixed binary layout and no names: a packet's size must not depend on the node names or on how
-many peers the sender hears, or a cluster with long names silently loses every heartbeat (a name-based
-packet of a 64-node fabric with 16-character names was over 8 KB). Nodes and rails are named by their
-index in the fabric map (:class:`FabricIndex`, the same on every node that loads the same map; the
-map's fingerprint travels in each packet so two daemons with different maps refuse each other's
-packets instead of misreading them). What the sender hears is one bitmap per rail over every node
-index: ``HEADER + rails * ceil(nodes / 8) + TAG_BYTES`` bytes, 1,060 bytes at 1,024 nodes x 8 rails,
-within IPoIB's 4,092-byte MTU up to about 4,000 nodes x 8 rails (:func:`packet_size` says exactly,
-and :class:`FabricIndex` refuses a fabric whose packets would not fit).
+Why a fixed binary layout and no names: a packet's size must not depend on the node names or on the
+fabric's size, or a cluster with long names silently loses every heartbeat (a name-based packet of a 64-node
+fabric with 16-character names was over 8 KB). Nodes and rails are named by their index in the fabric map
+(:class:`FabricIndex`, the same on every node that loads the same map; the map's fingerprint travels in each
+packet so two daemons with different maps refuse each other's packets instead of misreading them). What the
+sender hears is one entry per path peer (its node index and the mask of the rails it is heard on): only a path
+peer reads it, and the sender has at most a configured bound of them (:func:`linkpass.peers.bound`, 4 by
+default), so a packet is ``HEADER + 4 x entries + TAG_BYTES`` bytes, 54 by default, whatever the fabric's size
+(version 3 carried a bitmap over every node per rail: 1,060 bytes at 1,024 nodes x 8 rails, all of it hashed on
+receipt, for the one bit per rail the receiver reads).
 
 Layout (network byte order): version u8, flags u8, fabric fingerprint u32, sender node index u16,
 rail index u8, number of rails u8, number of nodes u16, sequence u32, down-rail mask u16, up-rail
-mask u16, then the bitmaps, then the tag over everything before it.
+mask u16, number of entries u16, then the entries (node index u16, rails-heard mask u16), then the tag over
+everything before it.
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ from typing import NamedTuple
 
 from linkpass.fabric import FabricMap
 
-VERSION = 3  # 3: keyed BLAKE2b tags (2: HMAC-SHA256)
+VERSION = 4  # 4: path peer entries, the tag over the body (3: bitmaps, the tag over their digest; 2: HMAC-SHA256)
 TAG_BYTES = 16
-DIGEST_BYTES = 32  # the body's BLAKE2b digest, which the tag is the keyed BLAKE2b of
 #: IPoIB's datagram-mode MTU, less the IPv4 (20) and UDP (8) headers: the most one unfragmented heartbeat may carry.
 MAX_PACKET = 4092 - 28
 MAX_RAILS = 16  # the down and up masks are 16 bits
 MAX_NODES = 65535
-_HEADER = struct.Struct("!BBIHBBHIHH")
+_HEADER = struct.Struct("!BBIHBBHIHHH")
 HEADER_BYTES = _HEADER.size
+_ENTRY = struct.Struct("!HH")  # node index, mask of the rails it is heard on
+#: The most path peers one datagram can list.
+MAX_ENTRIES = (MAX_PACKET - HEADER_BYTES - TAG_BYTES) // _ENTRY.size
 
 #: Flag: the packet is a notice (a NIC of the sender went down or came back), sent to every node of the fabric.
 FLAG_NOTICE = 1
@@ -61,9 +64,9 @@ class NotAuthentic(PacketError):
     """The tag is not the one ``key`` makes: another key signed the packet (a forgery, or a key out of step)."""
 
 
-def packet_size(nodes: int, rails: int) -> int:
-    """The size in bytes of every heartbeat of a fabric of ``nodes`` nodes and ``rails`` rails."""
-    return HEADER_BYTES + rails * ((nodes + 7) // 8) + TAG_BYTES
+def packet_size(entries: int) -> int:
+    """The size in bytes of a heartbeat listing ``entries`` path peers."""
+    return HEADER_BYTES + _ENTRY.size * entries + TAG_BYTES
 
 
 @dataclass(frozen=True)
@@ -86,20 +89,9 @@ class FabricIndex:
         index = cls(nodes, rails, fingerprint)
         if len(rails) > MAX_RAILS:
             raise ValueError(f"the fabric map has {len(rails)} rails; heartbeats carry at most {MAX_RAILS}")
-        if len(nodes) > MAX_NODES or index.size > MAX_PACKET:
-            raise ValueError(
-                f"a heartbeat of {len(nodes)} nodes x {len(rails)} rails would be {index.size} bytes, over the "
-                f"{MAX_PACKET} bytes one IPoIB datagram carries"
-            )
+        if len(nodes) > MAX_NODES:
+            raise ValueError(f"the fabric map has {len(nodes)} nodes; heartbeats number at most {MAX_NODES}")
         return index
-
-    @cached_property
-    def size(self) -> int:
-        return packet_size(len(self.nodes), len(self.rails))
-
-    @cached_property
-    def bitmap_bytes(self) -> int:
-        return (len(self.nodes) + 7) // 8
 
     @cached_property
     def _numbers(self) -> dict[str, int]:
@@ -123,8 +115,13 @@ class FabricIndex:
             raise ValueError(f"{name} is not a rail of the fabric map") from None
 
 
+#: What a heartbeat says its sender hears: (node index, mask of the rails it hears that node on) per path peer.
+Heard = tuple[tuple[int, int], ...]
+
+
 class Heartbeat(NamedTuple):
-    """One heartbeat as numbers: ``heard[r]`` is the bitmap (bit i = node index i) of rail index r.
+    """One heartbeat as numbers: ``heard`` is one (node index, rail mask) pair per path peer of the sender, bit r of
+    the mask set when it hears that node on rail index r.
 
     A named tuple, not a dataclass: every daemon builds hundreds of these a second, and a tuple is built fastest.
     """
@@ -132,57 +129,34 @@ class Heartbeat(NamedTuple):
     node: int
     rail: int
     seq: int
-    heard: tuple[bytes, ...]
+    heard: Heard
     down: int = 0  # rail mask: rails the sender just lost (a down notice)
     up: int = 0  # rail mask: rails the sender got back (an up notice)
     flags: int = 0
 
     def hears(self, node: int, rail: int) -> bool:
         """Whether the sender hears node index ``node`` on rail index ``rail``."""
-        return bool(self.heard[rail][node >> 3] & (1 << (node & 7)))
+        return bool(self.hears_mask(node) >> rail & 1)
 
     def hears_mask(self, node: int) -> int:
         """The rails (bit r = rail index r) on which the sender hears node index ``node`` (what the C path gives)."""
-        byte, bit = node >> 3, 1 << (node & 7)
-        return sum(1 << r for r, bits in enumerate(self.heard) if bits[byte] & bit)
-
-
-def bitmap(index: FabricIndex, members: set[int]) -> bytes:
-    """The bitmap over ``index``'s nodes with the bits of ``members`` (node indices) set."""
-    out = bytearray(index.bitmap_bytes)
-    for i in members:
-        out[i >> 3] |= 1 << (i & 7)
-    return bytes(out)
-
-
-def encode_body(hb: Heartbeat, index: FabricIndex) -> bytes:
-    """The packet without its tag (one body serves every peer of a rail; :func:`seal` adds the tag)."""
-    if len(hb.heard) != len(index.rails) or any(len(b) != index.bitmap_bytes for b in hb.heard):
-        raise ValueError("one bitmap of the fabric's size per rail expected")
-    header = _HEADER.pack(
-        VERSION,
-        hb.flags,
-        index.fingerprint,
-        hb.node,
-        hb.rail,
-        len(index.rails),
-        len(index.nodes),
-        hb.seq & 0xFFFFFFFF,
-        hb.down,
-        hb.up,
-    )
-    return header + b"".join(hb.heard)
+        return next((mask for peer, mask in self.heard if peer == node), 0)
 
 
 def encode_bodies(hb: Heartbeat, rails: list[int], index: FabricIndex) -> list[bytes]:
-    """:func:`encode_body` of ``hb`` on each rail index of ``rails`` (one interval's bodies: the bitmaps checked and
-    joined once)."""
-    if len(hb.heard) != len(index.rails) or any(len(b) != index.bitmap_bytes for b in hb.heard):
-        raise ValueError("one bitmap of the fabric's size per rail expected")
-    bitmaps = b"".join(hb.heard)
+    """The packet without its tag (one body serves every peer of a rail; :func:`seal` adds the tag) on each rail
+    index of ``rails``: one interval's bodies, the entries packed once."""
+    if len(hb.heard) > MAX_ENTRIES:
+        raise ValueError(f"a heartbeat lists at most {MAX_ENTRIES} path peers, not {len(hb.heard)}")
+    entries = b"".join(_ENTRY.pack(node, mask) for node, mask in hb.heard)
     head = (VERSION, hb.flags, index.fingerprint, hb.node)
-    tail = (len(index.rails), len(index.nodes), hb.seq & 0xFFFFFFFF, hb.down, hb.up)
-    return [_HEADER.pack(*head, rail, *tail) + bitmaps for rail in rails]
+    tail = (len(index.rails), len(index.nodes), hb.seq & 0xFFFFFFFF, hb.down, hb.up, len(hb.heard))
+    return [_HEADER.pack(*head, rail, *tail) + entries for rail in rails]
+
+
+def encode_body(hb: Heartbeat, index: FabricIndex) -> bytes:
+    """:func:`encode_bodies` of ``hb`` on its own rail."""
+    return encode_bodies(hb, [hb.rail], index)[0]
 
 
 def seal(body: bytes, key: bytes) -> bytes:
@@ -196,9 +170,7 @@ def encode(hb: Heartbeat, index: FabricIndex, key: bytes) -> bytes:
 
 def _tag(key: bytes, body: bytes) -> bytes:
     # What linkpass._hbfast computes with libsodium's crypto_generichash_blake2b (keys of 1 to 64 bytes).
-    return hashlib.blake2b(
-        hashlib.blake2b(body, digest_size=DIGEST_BYTES).digest(), key=key, digest_size=TAG_BYTES
-    ).digest()
+    return hashlib.blake2b(body, key=key, digest_size=TAG_BYTES).digest()
 
 
 def sender(data: bytes) -> int:
@@ -210,18 +182,17 @@ def sender(data: bytes) -> int:
 
 def decode(data: bytes, index: FabricIndex, key: bytes) -> Heartbeat:
     """The heartbeat in ``data``: authentic, of this fabric map, well-formed; else :class:`PacketError`."""
-    if len(data) != index.size:
-        raise PacketError(f"bad size {len(data)} (this fabric's heartbeats are {index.size} bytes)")
+    if len(data) < HEADER_BYTES + TAG_BYTES or len(data) != packet_size(_HEADER.unpack_from(data)[10]):
+        raise PacketError(f"bad size {len(data)} (a heartbeat is {packet_size(0)} bytes + 4 per path peer listed)")
     body, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
     if not hmac.compare_digest(tag, _tag(key, body)):
         raise NotAuthentic("bad authentication tag")
-    version, flags, fingerprint, node, rail, nrails, nnodes, seq, down, up = _HEADER.unpack_from(body)
+    version, flags, fingerprint, node, rail, nrails, nnodes, seq, down, up, _entries = _HEADER.unpack_from(body)
     if version != VERSION:
         raise PacketError("unknown version")
     if fingerprint != index.fingerprint or nrails != len(index.rails) or nnodes != len(index.nodes):
         raise PacketError(OTHER_MAP)
-    if node >= nnodes or rail >= nrails or (down | up) >> nrails:
+    heard = tuple(_ENTRY.iter_unpack(body[HEADER_BYTES:]))
+    if node >= nnodes or rail >= nrails or (down | up) >> nrails or any(n >= nnodes or m >> nrails for n, m in heard):
         raise PacketError("node or rail out of range")
-    width = index.bitmap_bytes
-    heard = tuple([body[o : o + width] for o in range(HEADER_BYTES, HEADER_BYTES + nrails * width, width)])
     return Heartbeat(node, rail, seq, heard, down, up, flags)

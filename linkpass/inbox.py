@@ -36,7 +36,7 @@ class Reject(IntEnum):
     """Why the C path (linkpass/csrc/_hbfast.c's REJ_*, in the order it checks) dropped a packet."""
 
     UNKNOWN = 1  # no peer has the source address on this rail
-    SIZE = 2  # not this fabric's packet size (truncated, oversized, another map's)
+    SIZE = 2  # not the size its entry count says (truncated, oversized, not a heartbeat)
     TAG = 3  # no key the peer may use made the tag: forged, or a key out of step (refused)
     VERSION = 4  # another wire version
     MAP = 5  # another fabric map (fingerprint, node or rail count)
@@ -102,7 +102,8 @@ class Inbox:
             why = f"signed by {name} but claims to be {self.index.nodes[named_node]} on {self.index.rails[named_rail]}"
             self._refused(rail, src, name, why, now)
             return True
-        why = _UNUSABLE.get(Reject(code), f"bad size (this fabric's heartbeats are {self.index.size} bytes)")
+        size = f"bad size (a heartbeat is {heartbeat.packet_size(0)} bytes + 4 per path peer)"
+        why = _UNUSABLE.get(Reject(code), size)
         self._unusable(rail, src, name, why)
         return False
 

@@ -43,16 +43,13 @@ class Outbox:
         # ((usable rails, path peers), rail -> their node numbers): the same every interval while nothing changes
         self._path_to: tuple[tuple[list[str], frozenset[str]] | None, dict[str, list[int]]] = (None, {})
 
-    def heard(self, fresh: Mapping[str, Iterable[str]]) -> tuple[bytes, ...]:
-        """One bitmap per fabric rail: the nodes heard on it recently (``fresh``: peer -> rails heard on)."""
-        bits: list[set[int]] = [set() for _ in self.index.rails]
-        for name, rails in fresh.items():
-            number = self.number[name]
-            for rail in rails:
-                bits[self.index.rail_number(rail)].add(number)
-        return tuple(heartbeat.bitmap(self.index, members) for members in bits)
+    def heard(self, fresh: Mapping[str, Iterable[str]]) -> heartbeat.Heard:
+        """What a heartbeat says this node hears: per peer of ``fresh`` (peer -> the rails it was heard on recently),
+        its node number and the mask of those rails."""
+        rail = self.index.rail_number
+        return tuple((self.number[name], sum(1 << rail(r) for r in rails)) for name, rails in sorted(fresh.items()))
 
-    def _bodies(self, usable: list[str], heard: tuple[bytes, ...], down: int, up: int, flags: int) -> dict[str, bytes]:
+    def _bodies(self, usable: list[str], heard: heartbeat.Heard, down: int, up: int, flags: int) -> dict[str, bytes]:
         self.seq += 1
         hb = heartbeat.Heartbeat(self.me, 0, self.seq, heard, down, up, flags)
         bodies = heartbeat.encode_bodies(hb, [self.index.rail_number(rail) for rail in usable], self.index)
@@ -73,17 +70,17 @@ class Outbox:
         return out
 
     def heartbeats(
-        self, usable: list[str], heard: tuple[bytes, ...], path_peers: Iterable[str], watch_peers: Iterable[str]
+        self, usable: list[str], heard: heartbeat.Heard, path_peers: Iterable[str], watch_peers: Iterable[str]
     ) -> Outgoing:
         """:meth:`heartbeat_batches`, sealed in Python."""
         return self.seal(self.heartbeat_batches(usable, heard, path_peers, watch_peers))
 
-    def notices(self, usable: list[str], heard: tuple[bytes, ...], down: list[str], up: list[str]) -> Outgoing:
+    def notices(self, usable: list[str], heard: heartbeat.Heard, down: list[str], up: list[str]) -> Outgoing:
         """:meth:`notice_batches`, sealed in Python."""
         return self.seal(self.notice_batches(usable, heard, down, up))
 
     def heartbeat_batches(
-        self, usable: list[str], heard: tuple[bytes, ...], path_peers: Iterable[str], watch_peers: Iterable[str]
+        self, usable: list[str], heard: heartbeat.Heard, path_peers: Iterable[str], watch_peers: Iterable[str]
     ) -> list[Batch]:
         """One interval's heartbeats: every path peer on every usable rail, every other watch peer on one, in turn."""
         bodies = self._bodies(usable, heard, 0, 0, 0)
@@ -101,9 +98,7 @@ class Outbox:
                 to[shared[(self.seq + turn) % len(shared)]].append(self.number[name])
         return [(rail, bodies[rail], to[rail]) for rail in usable if to[rail]]
 
-    def notice_batches(
-        self, usable: list[str], heard: tuple[bytes, ...], down: list[str], up: list[str]
-    ) -> list[Batch]:
+    def notice_batches(self, usable: list[str], heard: heartbeat.Heard, down: list[str], up: list[str]) -> list[Batch]:
         """A notice that ``down`` went down and ``up`` came back, to every node of the fabric."""
         bodies = self._bodies(usable, heard, self._mask(down), self._mask(up), heartbeat.FLAG_NOTICE)
         to: dict[str, list[int]] = {rail: [] for rail in usable}

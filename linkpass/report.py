@@ -13,7 +13,6 @@ from typing import Any, Protocol
 from linkpass import sysctls
 from linkpass.fabric import FabricNode
 from linkpass.hbio import HeartbeatThread
-from linkpass.heartbeat import FabricIndex
 from linkpass.settings import LinkPassConfig
 
 __all__ = ["Reported", "avoid_hcas", "avoid_nics", "avoid_reasons", "status"]
@@ -34,12 +33,14 @@ class Reported(Protocol):
     counters: dict[str, int]
     path_peers: frozenset[str]
     watch_peers: frozenset[str]
-    index: FabricIndex
     rcvbuf: dict[str, int]
     io: HeartbeatThread | None
     sysctl_problems: dict[str, str]
     hca_of: Callable[[str], str | None]
     heard_from: set[str]
+
+    @property
+    def packet_bytes(self) -> int: ...
 
     def eligible(self, path: Any, now: float) -> bool: ...
     def avoid_nics(self) -> list[str]: ...
@@ -109,7 +110,7 @@ def status(engine: Reported, now: float) -> dict[str, Any]:
         "heartbeat_peers": {
             "path": sorted(engine.path_peers),
             "watch": sorted(engine.watch_peers - engine.path_peers),
-            "packet_bytes": engine.index.size,
+            "packet_bytes": engine.packet_bytes,
             "rcvbuf_bytes": dict(engine.rcvbuf),
         },
         "heartbeat_thread": _thread(engine, now),

@@ -4,13 +4,12 @@
  * CPU at 1,024 nodes x 8 rails. The decisions stay in Python (linkpass.engine); only the per-packet work is
  * here, and the GIL is released around the tags and the syscalls.
  *
- * The wire format is linkpass/heartbeat.py's (VERSION 3): a 20-byte header (network byte order) of version u8,
+ * The wire format is linkpass/heartbeat.py's (VERSION 4): a 22-byte header (network byte order) of version u8,
  * flags u8, fabric fingerprint u32, sender node u16, rail u8, rails u8, nodes u16, seq u32, down mask u16, up
- * mask u16; one bitmap per rail of ceil(nodes / 8) bytes; then a 16-byte tag: the keyed BLAKE2b of the body's
- * 32-byte BLAKE2b digest (hash, then MAC: hashlib.blake2b(hashlib.blake2b(body, digest_size=32).digest(),
- * key=key, digest_size=16)), under the key of the pair (sender, receiver). Why a digest first: a rail's body is
- * the same for every peer, so a sender hashes it once and each peer's tag costs one BLAKE2b block; a receiver
- * hashes a packet once whatever number of keys it tries during a rotation. The keys are
+ * mask u16, entries u16; one entry (node u16, rails-heard mask u16) per path peer of the sender; then a 16-byte
+ * tag: the keyed BLAKE2b of the body (hashlib.blake2b(body, key=key, digest_size=16)) under the key of the pair
+ * (sender, receiver). (Version 3 tagged the body's BLAKE2b-256 digest, to hash a 1 KB body once for every peer;
+ * a body now fits one BLAKE2b block, and the digest was one block more per packet.) The keys are
  * Fleet Lens's key sets (daemon/clockworkd/lens/csrc/tag.h), one key for every node or a table of KEY_SLOTS
  * keys per node index (slot 0 sends; any non-zero slot is accepted, two or more while a key changes). */
 #define PY_SSIZE_T_CLEAN
@@ -26,17 +25,17 @@
 
 #include "tag.h"
 
-#define HB_VERSION 3
-#define HB_HEADER 20
+#define HB_VERSION 4
+#define HB_HEADER 22
+#define HB_ENTRY 4 /* node u16, rails-heard mask u16 */
 #define HB_TAG 16
 #define HB_MAX_PACKET (4092 - 28) /* IPoIB's datagram MTU less the IPv4 and UDP headers (heartbeat.MAX_PACKET) */
 #define BATCH 64
-#define DIGEST 32 /* the body's unkeyed BLAKE2b digest, which the tag is the keyed BLAKE2b of */
 
 /* Why a packet was not accepted (linkpass.fastpath names them; keep both in step). */
 enum {
     REJ_UNKNOWN = 1, /* no peer has the source address on this rail */
-    REJ_SIZE,        /* not this fabric's packet size (truncated, oversized, another map's) */
+    REJ_SIZE,        /* not the size its entry count says (truncated, oversized, not a heartbeat) */
     REJ_TAG,         /* no key the peer may use made the tag: forged, or a key out of step */
     REJ_VERSION,     /* another wire version */
     REJ_MAP,         /* another fabric map (fingerprint, node or rail count) */
@@ -76,7 +75,7 @@ static int send_batch(PyObject *batch, int port, const key_set *keys, unsigned *
     uint8_t *tags = NULL;
     long *node_of = NULL;
     if (!PyArg_ParseTuple(batch, "iy*Oy*", &fd, &body, &nodes_obj, &addrs)) return -1;
-    if (body.len <= HB_HEADER || body.len + HB_TAG > HB_MAX_PACKET) {
+    if (body.len < HB_HEADER || (body.len - HB_HEADER) % HB_ENTRY != 0 || body.len + HB_TAG > HB_MAX_PACKET) {
         PyErr_SetString(PyExc_ValueError, "body: not a heartbeat's size");
         goto done;
     }
@@ -103,9 +102,7 @@ static int send_batch(PyObject *batch, int port, const key_set *keys, unsigned *
     size_t len = (size_t)body.len;
     unsigned ready = 0;
     int error = 0;
-    uint8_t digest[DIGEST];
     Py_BEGIN_ALLOW_THREADS
-    if (crypto_generichash_blake2b(digest, DIGEST, data, len, NULL, 0) != 0) error = 1;
     for (Py_ssize_t i = 0; i < count; i++) {
         long node = node_of[i];
         uint32_t ip;
@@ -114,7 +111,7 @@ static int send_batch(PyObject *batch, int port, const key_set *keys, unsigned *
             continue;
         }
         uint8_t *tag = tags + (size_t)ready * HB_TAG;
-        int made = error ? -1 : key_set_tag(keys, node, 0, digest, DIGEST, tag);
+        int made = error ? -1 : key_set_tag(keys, node, 0, data, len, tag);
         if (made != 1) {
             if (made < 0) error = 1;
             (*failed)++;
@@ -214,27 +211,23 @@ static int32_t sender_of(const uint32_t *table, Py_ssize_t count, uint32_t ip) {
     return -1;
 }
 
-static void check(verdict *v, const uint8_t *p, size_t len, size_t size, const key_set *keys, long me, long rail,
-                  uint32_t fingerprint, long nnodes, long nrails, size_t width) {
+static void check(verdict *v, const uint8_t *p, size_t len, const key_set *keys, long me, long rail,
+                  uint32_t fingerprint, long nnodes, long nrails) {
     v->node = v->rail = -1;
     if (v->peer < 0) {
         v->code = REJ_UNKNOWN;
         return;
     }
-    if (len != size) {
+    size_t entries = len >= HB_HEADER ? get16(p + 20) : 0;
+    if (len < HB_HEADER + HB_TAG || len != HB_HEADER + entries * HB_ENTRY + HB_TAG) {
         v->code = REJ_SIZE;
         return;
     }
     int authentic = 0;
-    uint8_t digest[DIGEST];
-    if (crypto_generichash_blake2b(digest, DIGEST, p, size - HB_TAG, NULL, 0) != 0) {
-        v->code = REJ_TAG;
-        return;
-    }
     for (int slot = 0; slot < KEY_SLOTS && !authentic; slot++) {
         uint8_t tag[HB_TAG];
-        authentic = key_set_tag(keys, v->peer, slot, digest, DIGEST, tag) == 1 &&
-                    sodium_memcmp(tag, p + size - HB_TAG, HB_TAG) == 0;
+        authentic = key_set_tag(keys, v->peer, slot, p, len - HB_TAG, tag) == 1 &&
+                    sodium_memcmp(tag, p + len - HB_TAG, HB_TAG) == 0;
     }
     if (!authentic) {
         v->code = REJ_TAG;
@@ -250,7 +243,16 @@ static void check(verdict *v, const uint8_t *p, size_t len, size_t size, const k
         v->code = REJ_MAP;
         return;
     }
-    if (node >= nnodes || r >= nrails || ((down | up) >> nrails) != 0) {
+    uint16_t hears = 0;
+    int in_range = node < nnodes && r < nrails && ((down | up) >> nrails) == 0;
+    for (size_t k = 0; k < entries && in_range; k++) {
+        const uint8_t *e = p + HB_HEADER + k * HB_ENTRY;
+        long peer = get16(e);
+        uint16_t mask = get16(e + 2);
+        in_range = peer < nnodes && (mask >> nrails) == 0;
+        if (peer == me) hears = mask;
+    }
+    if (!in_range) {
         v->code = REJ_RANGE;
         return;
     }
@@ -265,28 +267,82 @@ static void check(verdict *v, const uint8_t *p, size_t len, size_t size, const k
     v->seq = get32(p + 12);
     v->down = down;
     v->up = up;
-    uint16_t hears = 0;
-    const uint8_t *bits = p + HB_HEADER + (size_t)(me >> 3);
-    for (long k = 0; k < nrails; k++)
-        if (bits[(size_t)k * width] & (1u << (me & 7))) hears |= (uint16_t)(1u << k);
     v->hears = hears;
 }
 
-/* The Python results of ``n`` verdicts of rail ``rail`` appended to ``accepted`` and ``rejected``: 0, or -1. */
-static int add_verdicts(const verdict *verdicts, int n, long rail, PyObject *accepted, PyObject *rejected) {
+/* The accepted packets of one receive: one entry per (sender, seq, content), with the rails it came on. One
+ * interval's packets of a path peer say the same on every rail, so the engine files them once, not once per rail. */
+typedef struct {
+    int32_t node;
+    uint32_t seq;
+    uint16_t down, up, hears, rails;
+    uint8_t flags;
+} arrival;
+
+typedef struct {
+    arrival *items;
+    size_t n, cap;
+} arrivals;
+
+static int arrivals_add(arrivals *a, const verdict *v, long rail) {
+    if (a->n == a->cap) {
+        size_t cap = a->cap ? 2 * a->cap : 64;
+        arrival *items = realloc(a->items, cap * sizeof(*items));
+        if (items == NULL) return -1;
+        a->items = items;
+        a->cap = cap;
+    }
+    a->items[a->n++] = (arrival){.node = v->node, .seq = v->seq, .down = v->down, .up = v->up, .hears = v->hears,
+                                 .rails = (uint16_t)(1u << rail), .flags = v->flags};
+    return 0;
+}
+
+static int arrival_cmp(const void *x, const void *y) {
+    const arrival *a = x, *b = y;
+    if (a->node != b->node) return a->node < b->node ? -1 : 1;
+    if (a->seq != b->seq) return a->seq < b->seq ? -1 : 1;
+    uint64_t ka = (uint64_t)a->down << 40 | (uint64_t)a->up << 24 | (uint64_t)a->hears << 8 | a->flags;
+    uint64_t kb = (uint64_t)b->down << 40 | (uint64_t)b->up << 24 | (uint64_t)b->hears << 8 | b->flags;
+    return ka < kb ? -1 : ka > kb;
+}
+
+/* ``a`` merged (sorted by sender and seq: the order filing needs) into ``accepted``: 0, or -1. */
+static int add_arrivals(arrivals *a, PyObject *accepted) {
+    if (a->n == 0) return 0;
+    qsort(a->items, a->n, sizeof(*a->items), arrival_cmp);
+    size_t out = 0;
+    for (size_t i = 1; i < a->n; i++) {
+        if (arrival_cmp(&a->items[out], &a->items[i]) == 0) a->items[out].rails |= a->items[i].rails;
+        else a->items[++out] = a->items[i];
+    }
+    for (size_t i = 0; i <= out; i++) {
+        const arrival *v = &a->items[i];
+        PyObject *item = Py_BuildValue("(HiIHHBH)", v->rails, v->node, v->seq, v->down, v->up, v->flags, v->hears);
+        if (item == NULL || PyList_Append(accepted, item) != 0) {
+            Py_XDECREF(item);
+            return -1;
+        }
+        Py_DECREF(item);
+    }
+    return 0;
+}
+
+/* ``n`` verdicts of rail ``rail``: the accepted into ``got``, the rejected appended to ``rejected``: 0, or -1. */
+static int add_verdicts(const verdict *verdicts, int n, long rail, arrivals *got, PyObject *rejected) {
     for (int i = 0; i < n; i++) {
         const verdict *v = &verdicts[i];
-        PyObject *item, *list = accepted;
         if (v->code == 0) {
-            item = Py_BuildValue("(liIHHBH)", rail, v->node, v->seq, v->down, v->up, v->flags, v->hears);
-        } else {
-            char text[INET_ADDRSTRLEN];
-            struct in_addr a = {.s_addr = v->src};
-            if (inet_ntop(AF_INET, &a, text, sizeof(text)) == NULL) text[0] = '\0';
-            item = Py_BuildValue("(lsiiii)", rail, text, v->peer, v->code, v->node, v->rail);
-            list = rejected;
+            if (arrivals_add(got, v, rail) != 0) {
+                PyErr_NoMemory();
+                return -1;
+            }
+            continue;
         }
-        if (item == NULL || PyList_Append(list, item) != 0) {
+        char text[INET_ADDRSTRLEN];
+        struct in_addr a = {.s_addr = v->src};
+        if (inet_ntop(AF_INET, &a, text, sizeof(text)) == NULL) text[0] = '\0';
+        PyObject *item = Py_BuildValue("(lsiiii)", rail, text, v->peer, v->code, v->node, v->rail);
+        if (item == NULL || PyList_Append(rejected, item) != 0) {
             Py_XDECREF(item);
             return -1;
         }
@@ -299,13 +355,14 @@ typedef struct {
     const key_set *keys;
     long me, nnodes, nrails;
     uint32_t fingerprint;
-    size_t width, size, slot;
     uint8_t *slots;
     int max_batches;
 } fabric_args;
 
+#define SLOT (HB_MAX_PACKET + 1) /* one byte more: a longer datagram shows as too long, not as this size */
+
 /* Drain socket ``fd`` of rail ``rail`` (``senders``: its sorted (address, node) pairs) into the lists. */
-static int drain_rail(const fabric_args *f, int fd, const Py_buffer *senders, long rail, PyObject *accepted,
+static int drain_rail(const fabric_args *f, int fd, const Py_buffer *senders, long rail, arrivals *accepted,
                       PyObject *rejected, unsigned *errors) {
     const uint32_t *table = senders->buf;
     Py_ssize_t known = senders->len / 8;
@@ -317,8 +374,8 @@ static int drain_rail(const fabric_args *f, int fd, const Py_buffer *senders, lo
         int got, error = 0;
         Py_BEGIN_ALLOW_THREADS
         for (int i = 0; i < BATCH; i++) {
-            iov[i].iov_base = f->slots + (size_t)i * f->slot;
-            iov[i].iov_len = f->slot;
+            iov[i].iov_base = f->slots + (size_t)i * SLOT;
+            iov[i].iov_len = SLOT;
             memset(&hdrs[i], 0, sizeof(hdrs[i]));
             hdrs[i].msg_hdr.msg_name = &names[i];
             hdrs[i].msg_hdr.msg_namelen = sizeof(names[i]);
@@ -334,8 +391,8 @@ static int drain_rail(const fabric_args *f, int fd, const Py_buffer *senders, lo
             v->peer = hdrs[i].msg_hdr.msg_namelen >= sizeof(names[i]) && names[i].sin_family == AF_INET
                           ? sender_of(table, known, v->src)
                           : -1;
-            check(v, f->slots + (size_t)i * f->slot, hdrs[i].msg_len, f->size, f->keys, f->me, rail, f->fingerprint,
-                  f->nnodes, f->nrails, f->width);
+            check(v, f->slots + (size_t)i * SLOT, hdrs[i].msg_len, f->keys, f->me, rail, f->fingerprint, f->nnodes,
+                  f->nrails);
         }
         Py_END_ALLOW_THREADS
         if (got < 0) { /* empty (EAGAIN), or an error that ends this rail's read only: the others still count */
@@ -354,10 +411,12 @@ PyDoc_STRVAR(receive_doc,
              "``max_batches`` x 64 datagrams per socket) and check each datagram: its source address names the\n"
              "sender (``senders``: sorted uint32 pairs (address in host order, node index) of that rail), its tag\n"
              "must be under one of that node's keys in ``key``, and it must be of this fabric (``fingerprint``,\n"
-             "``nodes``, ``rails``) and name that node and that rail. ``accepted``: one tuple (rail, node, seq,\n"
-             "down, up, flags, hears) per packet, ``hears`` the mask of the rails on which the sender hears node\n"
-             "``me``; ``rejected``: (rail, source address, its node or -1, code, named node, named rail); ``errors``:\n"
-             "the sockets whose read failed (nothing more is read from those this time).");
+             "``nodes``, ``rails``) and name that node and that rail. ``accepted``: one tuple (rails, node, seq,\n"
+             "down, up, flags, hears) per sender and content, ``rails`` the mask of the rails it arrived on (one\n"
+             "interval's packets of a path peer, one per rail, are one tuple), sorted by sender and seq, ``hears``\n"
+             "the mask of the rails on which the sender hears node ``me``; ``rejected``: (rail, source address,\n"
+             "its node or -1, code, named node, named rail), one per packet; ``errors``: the sockets whose read\n"
+             "failed (nothing more is read from those this time).");
 
 static PyObject *py_receive(PyObject *self, PyObject *args) {
     (void)self;
@@ -367,6 +426,7 @@ static PyObject *py_receive(PyObject *self, PyObject *args) {
     Py_buffer key = {0};
     PyObject *socks_obj, *socks = NULL, *accepted = NULL, *rejected = NULL, *result = NULL;
     uint8_t *slots = NULL;
+    arrivals got = {0};
     if (!PyArg_ParseTuple(args, "Oy*lklli", &socks_obj, &key, &me, &fingerprint, &nnodes, &nrails, &max_batches))
         return NULL;
     key_set keys;
@@ -377,16 +437,9 @@ static PyObject *py_receive(PyObject *self, PyObject *args) {
     }
     fabric_args f = {.keys = &keys, .me = me, .nnodes = nnodes, .nrails = nrails,
                      .fingerprint = (uint32_t)fingerprint, .max_batches = max_batches};
-    f.width = (size_t)(nnodes + 7) / 8;
-    f.size = HB_HEADER + (size_t)nrails * f.width + HB_TAG;
-    if (f.size > HB_MAX_PACKET) {
-        PyErr_SetString(PyExc_ValueError, "heartbeats of this fabric do not fit one datagram");
-        goto done;
-    }
-    f.slot = f.size + 1; /* one byte more: a longer datagram shows as too long, not as this size */
     socks = PySequence_Fast(socks_obj, "sockets must be a sequence of (fd, senders, rail)");
     if (socks == NULL) goto done;
-    slots = f.slots = malloc(BATCH * f.slot);
+    slots = f.slots = malloc(BATCH * SLOT);
     accepted = PyList_New(0);
     rejected = PyList_New(0);
     if (slots == NULL) {
@@ -402,12 +455,14 @@ static PyObject *py_receive(PyObject *self, PyObject *args) {
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(socks, i), "iy*l", &fd, &senders, &rail)) goto done;
         int rc = -1;
         if (rail < 0 || rail >= nrails) PyErr_SetString(PyExc_ValueError, "rail out of range");
-        else rc = drain_rail(&f, fd, &senders, rail, accepted, rejected, &errors);
+        else rc = drain_rail(&f, fd, &senders, rail, &got, rejected, &errors);
         PyBuffer_Release(&senders);
         if (rc != 0) goto done;
     }
+    if (add_arrivals(&got, accepted) != 0) goto done;
     result = Py_BuildValue("(OOI)", accepted, rejected, errors);
 done:
+    free(got.items);
     Py_XDECREF(socks);
     Py_XDECREF(accepted);
     Py_XDECREF(rejected);
@@ -427,13 +482,9 @@ static PyObject *py_tag(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     if (!PyArg_ParseTuple(args, "y*y*li", &body, &key, &node, &slot)) return NULL;
     key_set keys;
-    uint8_t out[HB_TAG], digest[DIGEST];
+    uint8_t out[HB_TAG];
     if (key_set_arg(&keys, &key) != 0) goto done;
-    if (crypto_generichash_blake2b(digest, DIGEST, body.buf, (size_t)body.len, NULL, 0) != 0) {
-        PyErr_SetString(PyExc_RuntimeError, "BLAKE2b failed");
-        goto done;
-    }
-    int made = body.len == 0 ? -1 : key_set_tag(&keys, node, slot, digest, DIGEST, out);
+    int made = body.len == 0 ? -1 : key_set_tag(&keys, node, slot, body.buf, (size_t)body.len, out);
     if (made < 0) PyErr_SetString(PyExc_ValueError, "cannot tag an empty body");
     else if (made == 0) result = Py_NewRef(Py_None);
     else result = PyBytes_FromStringAndSize((const char *)out, HB_TAG);

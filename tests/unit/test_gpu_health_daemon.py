@@ -26,6 +26,7 @@ import pytest
 import zmq
 
 from clockwork.cli.main import run
+from clockwork.contracts import atomic_file
 from clockwork.sandbox import gpu_faults
 from slurm_hooks.healthcheck import gpu_health_problems
 from tests.conftest import until
@@ -188,7 +189,7 @@ def test_hot_gpu_moves_its_rank_before_it_fails(
     assert problems == ["gpu1 temperature.slowdown 95.0 (threshold 90.0)"]
 
     # A broken fault file is logged and ignored: the daemon goes on with the previous values.
-    fault_file.write_text("{broken")
+    atomic_file.write_text(fault_file, "{broken")  # whole, as every writer must (a half-written file reads empty)
     until("the complaint", lambda: "GPU fault file ignored" in daemon.log_text(), WAIT_S, 0.05)
     seen = _gpus(daemon)["read_at"]  # the complaint's reading, or the one just before it
     broken = until("a reading of the broken file", lambda: (g := _gpus(daemon))["read_at"] > seen and g, WAIT_S, 0.05)

@@ -100,11 +100,10 @@ def three() -> Iterator[tuple[LinkPass, LinkPass, LinkPass]]:
         lp.close()
 
 
-def test_the_c_tag_is_heartbeat_pys_keyed_blake2b_of_the_digest() -> None:
+def test_the_c_tag_is_heartbeat_pys_keyed_blake2b_of_the_body() -> None:
     body = bytes(range(200))
     key = b"k" * 32
-    digest = hashlib.blake2b(body, digest_size=32).digest()
-    assert _hbfast.tag(body, key, 0, 0) == hashlib.blake2b(digest, key=key, digest_size=16).digest()
+    assert _hbfast.tag(body, key, 0, 0) == hashlib.blake2b(body, key=key, digest_size=16).digest()
     table = bytes(KEY_SLOTS * KEY_BYTES) + key + b"o" * KEY_BYTES + bytes((KEY_SLOTS - 2) * KEY_BYTES)
     assert _hbfast.tag(body, table, 1, 1) == heartbeat.seal(body, b"o" * 32)[-16:]
     assert _hbfast.tag(body, table, 0, 0) is None  # an all-zero slot is no key
@@ -137,24 +136,18 @@ def test_what_python_seals_c_accepts_with_the_same_fields(three: tuple[LinkPass,
     one, two, _three = three
     index = one.index
     me = index.node_number("node1")
-    hb = heartbeat.Heartbeat(
-        index.node_number("node2"), 0, 77, (heartbeat.bitmap(index, {me}),), down=0, up=1, flags=heartbeat.FLAG_NOTICE
-    )
+    hb = heartbeat.Heartbeat(index.node_number("node2"), 0, 77, ((me, 0b1),), down=0, up=1, flags=heartbeat.FLAG_NOTICE)
     two.sockets["nic0"].sendto(
         heartbeat.encode(hb, index, pair("node1", "node2")), ("127.0.0.1", one.cfg.heartbeat_port)
     )
     until("the packet", lambda: _pending(one), 10, 0.01)
     accepted, rejected, errors = one.fast.receive(one.sockets)
     assert rejected == [] and errors == 0
-    assert accepted == [(0, hb.node, 77, 0, 1, heartbeat.FLAG_NOTICE, hb.hears_mask(me))] and hb.hears_mask(me) == 1
+    assert accepted == [(0b1, hb.node, 77, 0, 1, heartbeat.FLAG_NOTICE, hb.hears_mask(me))] and hb.hears_mask(me) == 1
 
 
 def _pending(lp: LinkPass) -> bool:
-    try:
-        lp.sockets["nic0"].recv(1, socket.MSG_PEEK)
-    except BlockingIOError:
-        return False
-    return True
+    return _queued(lp.sockets["nic0"])
 
 
 def test_heartbeats_sent_and_read_in_c_prove_both_directions(three: tuple[LinkPass, LinkPass, LinkPass]) -> None:
@@ -182,9 +175,7 @@ def test_forged_heartbeats_are_refused_counted_and_logged(
     one, _two, third = three
     index = one.index
     port = one.cfg.heartbeat_port
-    forged = heartbeat.Heartbeat(
-        index.node_number("node2"), 0, 99, (heartbeat.bitmap(index, {0}),), down=1, flags=heartbeat.FLAG_NOTICE
-    )
+    forged = heartbeat.Heartbeat(index.node_number("node2"), 0, 99, ((0, 0b1),), down=1, flags=heartbeat.FLAG_NOTICE)
     packet = heartbeat.encode(forged, index, pair("node1", "node3"))  # node3's own key with node1, naming node2
     third.sockets["nic0"].sendto(packet, ("127.0.0.1", port))  # from node3's address: signed by 3, claims 2
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as spoof:
@@ -210,12 +201,13 @@ def test_truncated_oversized_other_map_and_unknown_packets_are_dropped_not_refus
     index = one.index
     port = one.cfg.heartbeat_port
     key = pair("node1", "node2")
-    good = heartbeat.encode(heartbeat.Heartbeat(1, 0, 5, (bytes(index.bitmap_bytes),)), index, key)
+    good = heartbeat.encode(heartbeat.Heartbeat(1, 0, 5, ((0, 0b1),)), index, key)
     other = heartbeat.FabricIndex(index.nodes, index.rails, index.fingerprint ^ 1)
     packets = [
         good[:-1],  # truncated
         good + b"x",  # oversized
-        heartbeat.encode(heartbeat.Heartbeat(1, 0, 5, (bytes(index.bitmap_bytes),)), other, key),  # another map
+        heartbeat.encode(heartbeat.Heartbeat(1, 0, 5, ((0, 0b1),)), other, key),  # another map
+        heartbeat.seal(good[:-16] + bytes(4), key),  # an entry more than its header counts
         heartbeat.seal(b"\x02" + good[1:-16], key),  # another version
     ]
     for p in packets:
@@ -224,8 +216,8 @@ def test_truncated_oversized_other_map_and_unknown_packets_are_dropped_not_refus
         stranger.bind(("127.0.0.9", 0))
         stranger.sendto(good, ("127.0.0.1", port))  # no node has that address
     with caplog.at_level(logging.WARNING, "clockwork.linkpass"):
-        receive_until(one, 5)
-    assert one.counters["rejected"] == 5 and one.counters["refused"] == 0 and one.counters["received"] == 0
+        receive_until(one, 6)
+    assert one.counters["rejected"] == 6 and one.counters["refused"] == 0 and one.counters["received"] == 0
     assert "bad size" in caplog.text and "refused" not in caplog.text  # said once for node2's address
 
 
@@ -259,3 +251,55 @@ def test_a_key_shared_by_every_peer_works_in_c() -> None:
     finally:
         one.close()
         two.close()
+
+
+def test_one_intervals_packets_on_every_rail_are_filed_once_with_the_rails_they_came_on() -> None:
+    """The C path hands a path peer's packets of one interval (one per rail, the same words) to the engine as one
+    entry with the mask of their rails, sorted by seq: Python files a peer once an interval, not once per rail."""
+    fab = FabricMap.parse(
+        {
+            "nodes": {
+                n: {"addr": f"10.9.0.{k}", "nics": {"nic0": f"127.0.1.{k}", "nic1": f"127.0.2.{k}"}}
+                for k, n in enumerate(NODES[:2], 1)
+            }
+        }
+    )
+    port = free_port()
+    one, two = (
+        LinkPass(LinkPassConfig(heartbeat_port=port, apply_sysctls=False), n, fab, PairKeys(n), lambda k, f: None)
+        for n in NODES[:2]
+    )
+    try:
+        for lp in (one, two):
+            lp.nic_up = {"nic0": True, "nic1": True}
+            lp.paths = {peer: {r: PathState(alive=True) for r in ("nic0", "nic1")} for peer in lp.peers}
+            for rail, ip in fab.node(lp.me.name).nics.items():
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                sock.bind((ip, port))
+                sock.setblocking(False)
+                lp.sockets[rail] = sock
+        two.send_due(two.clock())
+        two.send_due(two.clock())  # two intervals wait on each rail
+        queued = lambda: all(_queued(sock) for sock in one.sockets.values())  # noqa: E731
+        until("both rails' packets", queued, 10, 0.01)
+        accepted, rejected, errors = one.fast.receive(one.sockets)
+        assert rejected == [] and errors == 0
+        node = one.index.node_number("node2")
+        assert [(rails, n) for rails, n, *_ in accepted] == [(0b11, node), (0b11, node)]
+        assert accepted[0][2] + 1 == accepted[1][2]  # seq order
+        two.send_due(two.clock())
+        until("both rails' packets", queued, 10, 0.01)
+        one.receive(one.sockets, 123.0)
+        assert one.counters["received"] == 2  # packets, not entries
+        assert {r: p.last_in for r, p in one.paths["node2"].items()} == {"nic0": 123.0, "nic1": 123.0}
+    finally:
+        for lp in (one, two):
+            lp.close()
+
+
+def _queued(sock: socket.socket) -> bool:
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
+        return False
+    return True

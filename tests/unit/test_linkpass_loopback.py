@@ -42,10 +42,13 @@ def test_heartbeats_flow_on_their_own_thread_and_a_stopped_engine_falls_silent(e
     until("n1 to keep hearing both peers", lambda: all(n1.last_heard()[p] > first[p] for p in first), timeout_s=30)
     with n1.lock:
         both_ways = all(path.last_out_ok > 0 for paths in n1.paths.values() for path in paths.values())
-    assert both_ways, "n2 and n3 say they hear n1 (the bitmap's bit for n1 is set)"
+    assert both_ways, "n2 and n3 say they hear n1 (their heartbeats list n1 with its rails)"
     status = n1.status()
     assert status["heartbeat_thread"]["running"] and status["heartbeats"]["rejected"] == 0
-    assert status["heartbeat_peers"]["path"] == ["n2", "n3"] and status["heartbeat_peers"]["packet_bytes"] == 37
+    assert (
+        status["heartbeat_peers"]["path"] == ["n2", "n3"]
+        and status["heartbeat_peers"]["packet_bytes"] == 22 + 2 * 4 + 16
+    )  # header, 2 path peers, tag
     n1.tick()  # a decision on this evidence: everything alive, nothing to move
     assert n1.status()["routes"] == {"n2": ["lo"], "n3": ["lo"]} and n1.counters["failovers"] == 0
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterable
 
 import pytest
 
 from linkpass import hbio, heartbeat, peers
-from linkpass.engine import NEVER, LinkPass, PathState
+from linkpass.engine import NEVER, NOTICE_TTL_S, LinkPass, PathState
 from linkpass.fabric import FabricMap
 from linkpass.keyring import SharedKey
 from linkpass.outbox import NOTICE_RAILS, Outbox
@@ -32,24 +33,37 @@ def fabric(n: int, rails: int = 8, name_len: int = 64) -> FabricMap:
     return FabricMap.parse({"nodes": nodes})
 
 
-def test_a_heartbeat_of_1024_nodes_x_8_rails_with_64_character_names_fits_ipoib() -> None:
+def test_a_heartbeat_is_as_small_at_1024_nodes_x_8_rails_with_64_character_names_as_at_8() -> None:
+    """A heartbeat lists the sender's path peers (bounded), not every node: its size depends on neither the
+    names nor the fabric's size (version 3's bitmaps over every node were 1,060 bytes at 1,024 x 8)."""
     big = fabric(1024)
     index = heartbeat.FabricIndex.of(big)
     assert max(len(n) for n in index.nodes) == 64
-    assert index.size == heartbeat.packet_size(1024, 8) == 1060 <= heartbeat.MAX_PACKET < 4092
-    assert heartbeat.FabricIndex.of(fabric(1024, name_len=9)).size == index.size  # names never travel
-    everyone = set(range(1024))
-    hb = heartbeat.Heartbeat(513, 7, 2**32 - 1, tuple(heartbeat.bitmap(index, everyone) for _ in range(8)), 0b1, 0b10)
-    packet = heartbeat.encode(hb, index, KEY)
-    assert len(packet) == index.size
-    got = heartbeat.decode(packet, index, KEY)
-    assert got == hb and heartbeat.sender(packet) == 513
-    assert all(got.hears(i, r) for i in (0, 511, 1023) for r in range(8))
+    me = index.nodes[513]
+    box = Outbox(index, SharedKey(KEY), me, {p.name: p.nics for p in big.peers(me)})
+    path = peers.path_peers(index.nodes, me, 1, 2, index.fingerprint)
+    heard = box.heard({name: sorted(big.node(name).nics) for name in path})
+    (first, *_rest) = box.heartbeats(sorted(big.node(me).nics), heard, path, [])
+    assert len(first[1]) == heartbeat.packet_size(len(path)) == 54 < heartbeat.MAX_PACKET  # 4 path peers
+    got = heartbeat.decode(first[1], index, KEY)
+    assert heartbeat.sender(first[1]) == 513 and got.seq == 1
+    assert all(got.hears(index.node_number(name), r) for name in path for r in range(8))
+    assert not got.hears(0, 0) and got.hears_mask(0) == 0  # not a path peer: not listed
+    small = fabric(8, name_len=9)
+    index8 = heartbeat.FabricIndex.of(small)
+    hb = heartbeat.Heartbeat(1, 7, 2**32 - 1, tuple((n, 0xFF) for n in (0, 2, 3, 7)), 0b1, 0b10)
+    assert len(heartbeat.encode(hb, index8, KEY)) == len(first[1])
 
 
-def test_a_fabric_whose_heartbeats_would_not_fit_one_datagram_is_refused() -> None:
-    with pytest.raises(ValueError, match="IPoIB"):
-        heartbeat.FabricIndex.of(fabric(4100, rails=8, name_len=8))
+def test_a_heartbeat_listing_more_peers_than_one_datagram_carries_is_refused() -> None:
+    index = heartbeat.FabricIndex.of(fabric(8, rails=2, name_len=8))
+    full = tuple((i % 8, 1) for i in range(heartbeat.MAX_ENTRIES))
+    assert len(heartbeat.encode_body(heartbeat.Heartbeat(0, 0, 1, full), index)) + heartbeat.TAG_BYTES <= 4092 - 28
+    with pytest.raises(ValueError, match="at most"):
+        heartbeat.encode_body(heartbeat.Heartbeat(0, 0, 1, (*full, (1, 1))), index)
+    big = fabric(2100, rails=2, name_len=8)  # settings that make every node a path peer: refused at start
+    with pytest.raises(ValueError, match=r"2099 path peers .* at most 1006"):
+        LinkPass(LinkPassConfig(ring_neighbours=1050), sorted(big.nodes)[0], big, KEY, lambda kind, fields: None)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 7, 8, 16, 64, 257, 1024])
@@ -176,8 +190,8 @@ class _Echo:
 
 
 def test_the_heartbeat_thread_keeps_sending_and_reading_while_its_caller_is_blocked() -> None:
-    sock, granted = hbio.open_socket("127.0.0.1", 0, "lo", hbio.rcvbuf_for(1024, 1060))
-    assert granted >= hbio.rcvbuf_for(1024, 1060)  # root: SO_RCVBUFFORCE past rmem_max
+    sock, granted = hbio.open_socket("127.0.0.1", 0, "lo", hbio.rcvbuf_for(1024, heartbeat.MAX_PACKET))
+    assert granted >= hbio.rcvbuf_for(1024, heartbeat.MAX_PACKET)  # root: SO_RCVBUFFORCE past rmem_max
     engine = _Echo(sock, sock.getsockname())
     thread = hbio.HeartbeatThread(engine, {"lo": sock}, time.monotonic)
     thread.start()
@@ -188,3 +202,73 @@ def test_the_heartbeat_thread_keeps_sending_and_reading_while_its_caller_is_bloc
     finally:
         thread.stop()
         sock.close()
+
+
+class _Routes:
+    """The kernel's routing calls LinkPass makes, recorded (peer address -> the NIC addresses of its next hops)."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, list[str]] = {}
+
+    def set_route(self, dst: str, src: str, hops: list[tuple[str, int]]) -> None:
+        self.routes[dst] = [ip for ip, _ifindex in hops]
+
+    def flush_route_cache(self) -> None:
+        return None
+
+    def delete_neighbour(self, ifindex: int, ip: str) -> None:
+        return None
+
+    def flush_neighbours(self, ifindex: int) -> int:
+        return 0
+
+
+def test_the_once_a_second_pass_judges_the_unsettled_peers_not_the_whole_fabric() -> None:
+    """A healthy fabric's once-a-second pass costs as much at 1,024 nodes as at 8: it judges the path peers and the
+    peers whose routes may change with time alone. A notice still expires: its peer's route goes home again."""
+    fab = fabric(64, rails=2, name_len=20)
+    now = [100.0]
+    names = sorted(fab.nodes)
+    a, far = _engine(fab, names[0], now), _engine(fab, names[32], now)
+    kernel = _Routes()
+    a.kernel = kernel  # type: ignore[assignment]
+    a.ifindex = {"ib0": 1, "ib1": 2}
+    for name in a.peers:  # routed over ib1 for now, at home on ib0 (what start() learns from the kernel)
+        a.home[name], a.current[name] = "ib0", ("ib1",)
+    judged: list[set[str]] = []
+    update = a.update_paths
+
+    def spy(at: float, peers: Iterable[str] | None = None) -> dict[str, str]:
+        judged.append(set(a.paths if peers is None else peers))
+        return update(at, peers)
+
+    a.update_paths = spy  # type: ignore[method-assign,assignment]
+    a.evaluate()  # the first decision judges every peer and moves each route home
+    assert judged[-1] == set(names[1:])
+    now[0] += 1.5
+    a.evaluate()  # the peers just moved are judged once more (a route the kernel refused is tried again)
+    assert judged[-1] == set(names[1:])
+    now[0] += 1.5
+    a.evaluate()
+    assert judged[-1] == a.path_peers and len(a.path_peers) == 2  # healthy: nothing else to judge
+    far_addr = fab.node(names[32]).addr
+    home = kernel.routes[far_addr]
+    assert home == [fab.node(names[32]).nics["ib0"]]
+    # far's home NIC dies: its notice moves a's route to far off that NIC, until the notice expires
+    far.nic_up["ib0"] = False
+    _deliver(far, far.outbox.notices(["ib1"], far.outbox.heard({}), ["ib0"], []), a, now[0])
+    a.evaluate()  # an event: every peer
+    assert judged[-1] == set(names[1:]) and kernel.routes[far_addr] != home
+    now[0] += 1.5
+    a.evaluate()
+    assert judged[-1] == a.path_peers | {names[32]}  # the notice has not expired: far stays unsettled
+    for _ in range(int(NOTICE_TTL_S) + 5):  # once a second until the notice has expired and the hold-down ended
+        now[0] += 1.0
+        a.evaluate()
+        if kernel.routes[far_addr] == home:
+            break
+    assert kernel.routes[far_addr] == home
+    for _ in range(2):  # judged once more after its move, then settled
+        now[0] += 1.5
+        a.evaluate()
+    assert judged[-1] == a.path_peers

@@ -25,7 +25,7 @@ INDEX = heartbeat.FabricIndex.of(FabricMap.parse(FABRIC))
 
 
 def _beat(seq: int = 7, down: int = 0) -> heartbeat.Heartbeat:
-    return heartbeat.Heartbeat(0, 0, seq, (heartbeat.bitmap(INDEX, {1}), heartbeat.bitmap(INDEX, set())), down)
+    return heartbeat.Heartbeat(0, 0, seq, ((1, 0b01),), down)  # node 0 hears node 1 on rail 0
 
 
 def test_heartbeat_round_trip() -> None:
@@ -57,7 +57,9 @@ def test_authentic_but_malformed_bodies_are_rejected() -> None:
         "unknown version": patched(0, 9),
         "another fabric map": heartbeat.encode(_beat(), other, KEY),
         "out of range": patched(7, 5),  # the sender's node number (low byte)
+        "node or rail out of range": patched(heartbeat.HEADER_BYTES + 1, 9),  # a listed peer's node number
         "bad size": heartbeat.seal(body + b"\0", KEY),
+        "bad size ": heartbeat.seal(body + b"\0\0\0\0", KEY),  # an entry more than the header counts
     }
     for message, packet in cases.items():
         with pytest.raises(heartbeat.PacketError, match=message):

@@ -197,7 +197,7 @@ def test_forged_heartbeats_are_refused_and_logged(tmp_path: Path, caplog: pytest
             index.node_number("node2"),
             index.rail_number("nic0"),
             99,
-            (heartbeat.bitmap(index, {index.node_number("node1")}),),
+            ((index.node_number("node1"), 0b1),),
             down=1,
             flags=heartbeat.FLAG_NOTICE,
         )

@@ -53,7 +53,7 @@ def start_linkpass(cfg: LinkPassConfig, paths: DaemonPaths, daemon: Daemon) -> L
             home_file=paths.state_dir / "linkpass-home.json",
             write_file=atomic_file.write_bytes,
         )
-    except (FabricError, ValueError) as exc:  # e.g. a fabric whose heartbeats would not fit one datagram
+    except (FabricError, ValueError) as exc:  # e.g. more path peers than one heartbeat datagram lists
         return f"disabled: {exc}"
     try:
         engine.start()
