@@ -45,6 +45,7 @@ from torchpass.fabric_env import (
     nccl_path,
     parse_version,
 )
+from torchpass.rank.retired_groups import RetiredGroups
 from torchpass.rank.torch_compat import abort_all_groups, forget_default_group, restart_group_names
 from torchpass.rank_env import ENV_DAEMON_SOCKET
 
@@ -217,6 +218,8 @@ class GlooBackend(CommBackend):
         super().__init__(config)
         self._sockets: dict[int, str] = {}
         self._skip: set[int] = set()  # the stores' ports: their sockets are never the group's
+        self._groups: list[Any] = []  # the current generation's groups: retired, not destroyed (see destroy)
+        self.retired = RetiredGroups()
         self.bind_host = bind_host
         if bind_host:
             global _bound_gloo_host
@@ -239,6 +242,7 @@ class GlooBackend(CommBackend):
         with self._lock:
             self._sockets = {fd: link for fd, link in opened.items() if _is_peer_tcp_socket(fd, skip_ports)}
             self._skip = set(skip_ports)
+            self._groups = [dist.group.WORLD, self.user_group]
             self.generation = generation
         log.debug("gloo group g%d: rank %d/%d, %d peer sockets", generation, rank, world_size, len(self._sockets))
 
@@ -249,14 +253,22 @@ class GlooBackend(CommBackend):
         opened = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
         with self._lock:
             self._sockets.update({fd: link for fd, link in opened.items() if _is_peer_tcp_socket(fd, self._skip)})
+            self._groups.append(group)
         return group
 
     def destroy(self) -> None:
         """Shut the group's sockets down first, then destroy it. Destroying alone closes a group's sockets only
         when its last reference goes, and a sharded model's mesh groups may be referenced for a while longer
         (FSDP's state, a work still held): a peer blocked on such a socket, in a collective this rank abandoned,
-        would wait for the collective timeout instead of failing now."""
+        would wait for the collective timeout instead of failing now.
+
+        The generation's groups are retired first (:class:`~torchpass.rank.retired_groups.RetiredGroups`): held
+        past their timeout, so that destroying them here does not join a worker thread stuck in a send gloo never
+        fails (the next generation waited 30 s for it)."""
         self._shut_down(logging.DEBUG)
+        with self._lock:
+            groups, self._groups = self._groups, []
+        self.retired.retire(groups, self.timeout.total_seconds())
         super().destroy()
 
     def _abort_locked(self) -> None:
