@@ -551,8 +551,9 @@ class LinkPass:
                     or self.current[peer]
                 )
             old = self.current[peer]
-            quiet = all(self.eligible(p, now) and now >= p.notice_until for p in paths.values())
-            (self.unsettled.discard if want == (home,) == old and quiet else self.unsettled.add)(peer)
+            if peer not in self.path_peers:  # path peers are judged every tick: no need to track them
+                quiet = all(self.eligible(p, now) and now >= p.notice_until for p in paths.values())
+                (self.unsettled.discard if want == (home,) == old and quiet else self.unsettled.add)(peer)
             if want == old:
                 continue
             kind = "link.failback" if want == (home,) else "link.failover"
